@@ -1,0 +1,1 @@
+"""Shipped models (GGUF files installed with the package)."""

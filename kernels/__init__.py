@@ -1,0 +1,1 @@
+"""Pure NumPy kernels on views of raw GGUF bytes."""
