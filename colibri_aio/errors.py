@@ -1,0 +1,27 @@
+"""Exceptions the engine raises on purpose.
+
+A :class:`UserError` is something the user can fix (a path, an option, a
+broken or unsupported file): the CLI prints its message as one line on stderr
+and exits with status 2. An :class:`ExpertReadError` is an I/O fault while
+streaming an expert: it names the file, offset, length and (layer, expert),
+and it is raised instead of ever handing compute wrong or partial bytes.
+"""
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake the user can fix; reported as one line, exit status 2."""
+
+
+class ModelFormatError(UserError):
+    """The GGUF is not one we can run: not a GGUF, truncated, inconsistent or unsupported."""
+
+
+class ExpertReadError(OSError):
+    """Reading one expert's bytes failed or came back short."""
+
+    def __init__(self, path: str, offset: int, length: int, layer: int, expert: int, reason: str) -> None:
+        self.path, self.offset, self.length = path, offset, length
+        self.layer, self.expert, self.reason = layer, expert, reason
+        super().__init__(
+            f"{path}: reading {length} bytes at offset {offset} for layer {layer} expert {expert} failed: {reason}")

@@ -1,0 +1,78 @@
+"""Where routed experts live in the GGUF, and the interface compute uses to get their bytes.
+
+In a GGUF, ``blk.L.ffn_{gate,up,down}_exps`` are stacked with the expert axis
+outermost, so one expert's slice of each is one contiguous byte range: three
+ranges per expert. The forward pass asks an :class:`ExpertSource` for the
+experts a layer routed to and never learns where the bytes came from (mmap,
+RAM, or a buffer-pool slot filled by io_uring).
+"""
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from gguf import GGMLQuantizationType
+
+from colibri_aio.kernels.qtensor import QTensor
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorRange:
+    """One expert's slice of one stacked tensor: ``nbytes`` at absolute file ``offset``."""
+
+    offset: int
+    nbytes: int
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, int]  # NumPy order (rows, cols); cols is the quantised axis
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertLocation:
+    """The three byte ranges of routed expert ``expert`` in block ``layer``."""
+
+    layer: int
+    expert: int
+    gate: TensorRange  # (expert_feed_forward_length, embedding_length)
+    up: TensorRange    # (expert_feed_forward_length, embedding_length)
+    down: TensorRange  # (embedding_length, expert_feed_forward_length)
+
+    @property
+    def ranges(self) -> tuple[TensorRange, TensorRange, TensorRange]:
+        return (self.gate, self.up, self.down)
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertWeights:
+    """Views of one expert's three matrices; valid only while their lease is held."""
+
+    gate: QTensor
+    up: QTensor
+    down: QTensor
+
+
+class ExpertSource(Protocol):
+    """Delivers routed experts' bytes to the MoE layer.
+
+    ``stream(layer, experts)`` yields ``(expert, weights)`` for each requested
+    expert exactly once, in whatever order the bytes become ready (cached ones
+    first). The views in ``weights`` stay valid only until the iterator is
+    advanced again or closed: the consumer finishes with them before asking for
+    the next one. Compute must therefore not depend on arrival order (the MoE
+    layer sums expert outputs in routing order, so placement never changes
+    the result).
+    """
+
+    def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[tuple[int, ExpertWeights]]: ...
+
+    def hint(self, layer: int, experts: Sequence[int]) -> None:
+        """A prediction that ``layer`` will soon ask for ``experts`` (may be ignored)."""
+        ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,57 @@
+"""QTensor: a GGUF tensor as its raw bytes, its ggml type and its logical shape."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+
+@dataclass(frozen=True, slots=True)
+class QTensor:
+    """Raw bytes of one 1-D or 2-D GGUF tensor, exactly as stored in the file.
+
+    ``shape`` is in NumPy order: ``(rows, cols)`` where ``cols`` is ggml's
+    ``ne[0]`` (the contiguous, quantised axis) and ``rows`` the output features
+    of a weight matrix. ``data`` is a uint8 view (never a copy) of
+    ``rows * cols / block_size * type_size`` bytes; it may live in an mmap of
+    the file, in RAM, or in an I/O buffer-pool slot.
+    """
+
+    data: np.ndarray
+    ggml_type: GGMLQuantizationType
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        block, type_size = GGML_QUANT_SIZES[self.ggml_type]
+        cols = self.shape[-1]
+        if cols % block:
+            raise ValueError(f"{self.ggml_type.name}: row length {cols} is not a multiple of {block}")
+        want = int(np.prod(self.shape)) // block * type_size
+        if self.data.dtype != np.uint8 or self.data.ndim != 1 or self.data.size != want:
+            raise ValueError(
+                f"{self.ggml_type.name}{self.shape}: need {want} bytes as a flat uint8 array, "
+                f"got {self.data.size} {self.data.dtype} ndim={self.data.ndim}")
+
+    @property
+    def rows(self) -> int:
+        return int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
+
+    @property
+    def cols(self) -> int:
+        return self.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.size
+
+    @staticmethod
+    def nbytes_for(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
+        """Bytes a tensor of this type and shape occupies in a GGUF."""
+        block, type_size = GGML_QUANT_SIZES[ggml_type]
+        return int(np.prod(shape)) // block * type_size
+
+    def row_block(self, start: int, stop: int) -> "QTensor":
+        """The rows [start, stop) as a QTensor view (rows are contiguous byte runs)."""
+        row_bytes = self.nbytes // self.rows
+        return QTensor(self.data[start * row_bytes: stop * row_bytes], self.ggml_type, (stop - start, self.cols))
