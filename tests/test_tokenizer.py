@@ -1,0 +1,226 @@
+"""Tokenizer from GGUF metadata: ids equal llama.cpp's, decoding, streaming, chat template, refusals."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+from colibri_aio.errors import ModelFormatError, UserError
+from colibri_aio.tokenizer import Tokenizer
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
+ORACLE = json.loads((FIXTURES / "oracle" / "tokenizer_llamacpp.json").read_text(encoding="utf-8"))
+CASES = ORACLE["cases"]
+
+
+def _load_gguf_tokenizer():
+    spec = importlib.util.spec_from_file_location("gguf_tokenizer", FIXTURES / "gguf_tokenizer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gguf_tokenizer = _load_gguf_tokenizer()
+
+
+def write_gguf(path: Path, add_keys: Callable[[gguf.GGUFWriter], None]) -> Path:
+    """A tensor-less GGUF whose metadata is whatever ``add_keys`` writes."""
+    w = gguf.GGUFWriter(str(path), "qwen3moe")
+    add_keys(w)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
+    path = write_gguf(tmp_path_factory.mktemp("tok") / "vocab.gguf", gguf_tokenizer.add_tokenizer)
+    return Tokenizer.from_path(path)
+
+
+def case_id(case: dict) -> str:
+    return repr(case["text"][:24])
+
+
+def test_oracle_is_current_and_large_enough() -> None:
+    digest = hashlib.sha256(gguf_tokenizer.TOKENIZER_JSON.read_bytes()).hexdigest()
+    assert ORACLE["tokenizer_json_sha256"] == digest, "re-run fixtures/make_tokenizer_oracle.py"
+    assert len(CASES) >= 60
+    assert len({c["text"] for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_ids_equal_llamacpp(tok: Tokenizer, case: dict) -> None:
+    assert tok.encode(case["text"]) == case["ids_special"]
+    assert tok.encode(case["text"], parse_special=False) == case["ids_plain"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_decode_round_trip_and_matches_llamacpp(tok: Tokenizer, case: dict) -> None:
+    text = case["text"]
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.decode(tok.encode(text, parse_special=False)) == text
+    assert tok.decode(case["ids_special"]) == case["detokenized"]
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_stream_decoder_equals_decode(tok: Tokenizer, case: dict) -> None:
+    ids = case["ids_special"]
+    stream = tok.stream_decoder()
+    assert "".join(stream.push(i) for i in ids) + stream.flush() == tok.decode(ids)
+
+
+def test_special_parsing(tok: Tokenizer) -> None:
+    assert tok.encode("<|im_start|>user\nhi<|im_end|>")[0] == 1
+    assert tok.encode("<|im_start|>user\nhi<|im_end|>")[-1] == 2
+    plain = tok.encode("<|im_start|>user\nhi<|im_end|>", parse_special=False)
+    assert not {0, 1, 2} & set(plain)
+    # The encoding mode is per call, never left behind on the shared object.
+    assert tok.encode("<|im_end|>") == [2]
+
+
+def test_special_ids_and_eog_match_llamacpp(tok: Tokenizer) -> None:
+    assert tok.vocab_size == ORACLE["n_vocab"]
+    assert tok.bos_id == ORACLE["bos_id"]
+    assert tok.eos_id == ORACLE["eos_id"]
+    assert sorted(tok.eog_ids) == ORACLE["eog_ids"]
+    assert all(tok.is_eog(i) for i in ORACLE["eog_ids"])
+    assert not tok.is_eog(1)  # <|im_start|> does not end anything
+    assert tok.add_bos is False
+
+
+def test_add_special_prepends_bos_only_when_the_model_asks(tok: Tokenizer) -> None:
+    assert tok.encode("hi", add_special=True) == tok.encode("hi")
+    with_bos = Tokenizer(dataclasses.replace(tok.spec, add_bos=True))
+    assert with_bos.encode("hi", add_special=True) == [tok.bos_id, *tok.encode("hi")]
+
+
+def test_skip_special_drops_control_text(tok: Tokenizer) -> None:
+    ids = tok.encode("<|im_start|>assistant\nok<|im_end|>")
+    assert tok.decode(ids, skip_special=True) == "assistant\nok"
+    stream = tok.stream_decoder(skip_special=True)
+    assert "".join(stream.push(i) for i in ids) == "assistant\nok"
+
+
+def test_stream_decoder_holds_back_split_characters(tok: Tokenizer) -> None:
+    ids = tok.encode("🐍")
+    assert len(ids) > 1  # the snake's four bytes are not one token in this small vocabulary
+    stream = tok.stream_decoder()
+    pieces = [stream.push(i) for i in ids]
+    assert pieces[:-1] == [""] * (len(ids) - 1)
+    assert pieces[-1] == "🐍"
+    assert stream.flush() == ""
+
+
+def test_stream_decoder_equals_decode_on_random_ids(tok: Tokenizer) -> None:
+    # Random ids make invalid and cut UTF-8 (lone continuation bytes, unfinished
+    # characters at the end); both paths must replace them identically.
+    rng = np.random.default_rng(1234)
+    for _ in range(300):
+        ids = rng.integers(0, tok.vocab_size, size=int(rng.integers(0, 20))).tolist()
+        stream = tok.stream_decoder()
+        assert "".join(stream.push(i) for i in ids) + stream.flush() == tok.decode(ids)
+
+
+CONVERSATION = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "4"},
+]
+
+
+def test_chat_template_chatml(tok: Tokenizer) -> None:
+    expected = "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
+    assert tok.apply_chat_template(CONVERSATION, add_generation_prompt=False) == expected
+    assert tok.apply_chat_template(CONVERSATION) == expected + "<|im_start|>assistant\n"
+    ids = tok.encode(tok.apply_chat_template(CONVERSATION[:1]))
+    assert ids.count(1) == 2 and ids.count(2) == 1
+
+
+QWEN_STYLE_TEMPLATE = """\
+{%- if messages[0].role != 'system' %}{{ raise_exception('first message must be system') }}{% endif %}
+{%- for message in messages %}
+    {%- if message.role == 'tool' %}{% continue %}{% endif %}
+    {{- '<|im_start|>' + message.role + '\\n' + message.content | trim + '<|im_end|>\\n' }}
+{%- endfor %}
+{%- if tools %}{{ tools | tojson }}{% endif %}
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% if enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{% endif %}{% endif %}"""
+
+
+def test_chat_template_helpers_and_extra_variables(tok: Tokenizer) -> None:
+    t = Tokenizer(dataclasses.replace(tok.spec, chat_template=QWEN_STYLE_TEMPLATE))
+    messages = [{"role": "system", "content": " be brief "}, {"role": "tool", "content": "x"},
+                {"role": "user", "content": "héllo"}]
+    out = t.apply_chat_template(messages, tools=[{"name": "café"}], enable_thinking=False)
+    assert out == ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhéllo<|im_end|>\n"
+                   '[{"name": "café"}]<|im_start|>assistant\n<think>\n\n</think>\n\n')
+    with pytest.raises(UserError, match="first message must be system"):
+        t.apply_chat_template(messages[2:])
+
+
+def test_chat_template_is_sandboxed(tok: Tokenizer) -> None:
+    t = Tokenizer(dataclasses.replace(tok.spec, chat_template="{{ messages.__class__.__mro__ }}"))
+    with pytest.raises(UserError, match="chat template failed"):
+        t.apply_chat_template(CONVERSATION)
+    t = Tokenizer(dataclasses.replace(tok.spec, chat_template="{% set _ = messages.append(1) %}x"))
+    with pytest.raises(UserError, match="chat template failed"):
+        t.apply_chat_template(CONVERSATION)
+
+
+def test_missing_chat_template_is_a_user_error(tok: Tokenizer) -> None:
+    with pytest.raises(UserError, match="no chat template"):
+        Tokenizer(dataclasses.replace(tok.spec, chat_template=None)).apply_chat_template(CONVERSATION)
+
+
+def _one_line_refusal(path: Path, match: str) -> None:
+    with pytest.raises(ModelFormatError, match=match) as info:
+        Tokenizer.from_path(path)
+    assert "\n" not in str(info.value)
+
+
+def test_refuses_gguf_without_tokenizer(tmp_path: Path) -> None:
+    _one_line_refusal(write_gguf(tmp_path / "none.gguf", lambda w: None), "no tokenizer")
+
+
+def test_refuses_sentencepiece_tokenizer(tmp_path: Path) -> None:
+    def llama_vocab(w: gguf.GGUFWriter) -> None:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(["<unk>", "<s>", "</s>", "▁a"])
+        w.add_token_scores([0.0, 0.0, 0.0, -1.0])
+
+    _one_line_refusal(write_gguf(tmp_path / "spm.gguf", llama_vocab), "unsupported tokenizer model 'llama'")
+
+
+def test_refuses_other_pre_tokenizer(tmp_path: Path) -> None:
+    def other_pre(w: gguf.GGUFWriter) -> None:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("llama-bpe")
+        w.add_token_list(["a", "b", "ab"])
+        w.add_token_merges(["a b"])
+
+    _one_line_refusal(write_gguf(tmp_path / "pre.gguf", other_pre), "unsupported pre-tokenizer 'llama-bpe'")
+
+
+def test_refuses_out_of_range_special_id(tmp_path: Path) -> None:
+    def bad_eos(w: gguf.GGUFWriter) -> None:
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("qwen2")
+        w.add_token_list(["a", "b", "ab"])
+        w.add_token_merges(["a b"])
+        w.add_eos_token_id(7)
+
+    _one_line_refusal(write_gguf(tmp_path / "eos.gguf", bad_eos), "eos_token_id = 7")
+
+
+def test_refuses_a_file_that_is_not_gguf(tmp_path: Path) -> None:
+    path = tmp_path / "text.gguf"
+    path.write_bytes(b"this is not a GGUF file at all")
+    _one_line_refusal(path, "not a readable GGUF")
