@@ -1,0 +1,105 @@
+"""The forward pass against oracles we did not write (transformers, llama.cpp).
+
+Tolerance: the transformers oracle runs on the same dequantised weights
+(gguf.quants.dequantize), so every fixture, quantised or not, must agree to
+1e-4 x max|logit|. llama.cpp also quantises activations to Q8_0 before each
+product on quantised weights, so against it we check argmax agreement wherever
+its own top-2 margin is clear, and closeness only on float fixtures.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from colibri_aio.gguf_model import load
+from colibri_aio.mapped_source import MappedExpertSource
+from colibri_aio.qwen3moe import Qwen3MoE
+
+from support import ORACLE, fixture, oracle_ids
+
+REL_TOL = 1e-4
+TRANSFORMERS_FIXTURES = sorted(p.name.split(".")[0] for p in ORACLE.glob("*.transformers.npz"))
+LLAMACPP_FIXTURES = sorted(p.name.split(".")[0] for p in ORACLE.glob("*.llamacpp.npz"))
+FLOAT_FIXTURES = {"tiny_f32", "tiny_f32_tied", "tiny_f16", "tiny_bf16"}
+
+
+def _net(name: str) -> Qwen3MoE:
+    model = load(fixture(f"{name}.gguf"))
+    return Qwen3MoE(model, MappedExpertSource(model))
+
+
+def teacher_forced(net: Qwen3MoE, ids: list[int], *, decode: bool) -> np.ndarray:
+    """All positions at once (prefill, matmul kernels) or one token at a time (decode, matvec kernels)."""
+    net.reset()
+    if not decode:
+        return asyncio.run(net.forward(ids, logits="all"))
+
+    async def one_by_one() -> np.ndarray:
+        return np.stack([await net.forward([t]) for t in ids])
+
+    return asyncio.run(one_by_one())
+
+
+def test_oracles_are_present() -> None:
+    assert {"tiny_f32", "tiny_f32_tied"} <= set(TRANSFORMERS_FIXTURES)
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("name", TRANSFORMERS_FIXTURES)
+def test_logits_match_transformers(name: str, decode: bool) -> None:
+    net, ref = _net(name), np.load(ORACLE / f"{name}.transformers.npz")
+    for i, ids in enumerate(oracle_ids()):
+        want = ref[f"seq{i}"]
+        got = teacher_forced(net, ids, decode=decode)
+        tol = REL_TOL * float(np.abs(want).max())
+        assert float(np.abs(got - want).max()) <= tol, f"{name} seq{i}"
+        top2 = np.sort(want, axis=-1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > tol
+        np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("name", LLAMACPP_FIXTURES)
+def test_argmax_matches_llamacpp(name: str) -> None:
+    net, ref = _net(name), np.load(ORACLE / f"{name}.llamacpp.npz")
+    float_weights = name in FLOAT_FIXTURES
+    for i, ids in enumerate(oracle_ids()):
+        want = ref[f"seq{i}"]
+        got = teacher_forced(net, ids, decode=False)
+        scale = float(np.abs(want).max())
+        # Float weights: only the summation order differs. Quantised: llama.cpp's Q8_0 activations.
+        tol = (REL_TOL if float_weights else 0.05) * scale
+        if float_weights:
+            assert float(np.abs(got - want).max()) <= tol, f"{name} seq{i}"
+        top2 = np.sort(want, axis=-1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > 2 * tol
+        np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+def test_greedy_32_tokens_match_transformers() -> None:
+    spec = json.loads((ORACLE / "tiny_f32.greedy.json").read_text())
+    net = _net("tiny_f32")
+
+    async def greedy() -> list[int]:
+        logits = await net.forward(spec["prompt"])
+        out = []
+        for _ in range(len(spec["tokens"])):
+            out.append(int(np.argmax(logits)))
+            logits = await net.forward([out[-1]])
+        return out
+
+    assert asyncio.run(greedy()) == spec["tokens"]
+
+
+def test_prefill_chunks_equal_one_prefill() -> None:
+    """Splitting a prompt across forward calls must continue the same KV cache."""
+    net, ids = _net("tiny_q8_0"), oracle_ids()[0]
+    whole = teacher_forced(net, ids, decode=False)
+    net.reset()
+
+    async def chunked() -> np.ndarray:
+        return np.concatenate([await net.forward(ids[:10], logits="all"), await net.forward(ids[10:], logits="all")])
+
+    np.testing.assert_allclose(asyncio.run(chunked()), whole, rtol=0, atol=REL_TOL * float(np.abs(whole).max()))
