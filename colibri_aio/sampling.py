@@ -1,0 +1,253 @@
+"""Choosing the next token, and deciding when generation ends.
+
+Sampling is a chain of small pure functions over a candidate set
+``(ids, logits)``, in llama.cpp's default order: top-k, top-p, min-p, then
+temperature, then one draw from a seeded NumPy ``Generator``. Temperature 0
+is greedy (argmax of the raw logits) and consumes no randomness.
+
+Ending is :class:`StopStrings` (stop strings found in the detokenized stream,
+even when split across tokens) composed with end-of-generation tokens and a
+token budget in :class:`Stopper`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import numpy as np
+
+from colibri_aio.errors import UserError
+
+__all__ = [
+    "Sampler", "make_sampler", "greedy", "keep_top_k", "keep_top_p", "keep_min_p", "draw", "softmax",
+    "StopStrings", "Stopper", "Step", "FinishReason",
+]
+
+Sampler = Callable[[np.ndarray], int]
+# A candidate set: token ids (int64, (n,)) and their logits (float64, (n,)).
+Candidates = tuple[np.ndarray, np.ndarray]
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Probabilities of ``logits`` (float64, shifted by the max for stability)."""
+    e = np.exp(logits - logits.max())
+    return e / e.sum()
+
+
+def greedy(logits: np.ndarray) -> int:
+    """Index of the largest logit (the first one on ties)."""
+    return int(np.argmax(logits))
+
+
+def keep_top_k(cands: Candidates, k: int) -> Candidates:
+    """Keep the ``k`` highest logits; ``k <= 0`` keeps everything."""
+    ids, logits = cands
+    if k <= 0 or k >= len(ids):
+        return cands
+    keep = np.argpartition(-logits, k - 1)[:k]
+    return ids[keep], logits[keep]
+
+
+def keep_top_p(cands: Candidates, p: float) -> Candidates:
+    """Keep the most likely tokens until their probability mass reaches ``p`` (nucleus).
+
+    The token that crosses ``p`` is kept, so at least one token always survives.
+    """
+    ids, logits = cands
+    if p >= 1.0 or len(ids) <= 1:
+        return cands
+    probs = softmax(logits)
+    # Sorting a 150k vocabulary costs ~50 ms; the nucleus is usually a few hundred
+    # tokens, so sort only a top-m slice that already holds mass >= p.
+    head = _top_slice_with_mass(logits, probs, p)
+    order = head[np.argsort(-logits[head], kind="stable")]
+    mass = np.cumsum(probs[order])
+    n = min(int(np.searchsorted(mass, p, side="left")) + 1, len(order))
+    keep = order[:n]
+    return ids[keep], logits[keep]
+
+
+def _top_slice_with_mass(logits: np.ndarray, probs: np.ndarray, p: float, start: int = 256) -> np.ndarray:
+    """Indices of the m largest logits, m grown by 4x until their probability mass reaches ``p``."""
+    m = start
+    while m < len(logits):
+        head = np.argpartition(-logits, m - 1)[:m]
+        if probs[head].sum() >= p:
+            return head
+        m *= 4
+    return np.arange(len(logits))
+
+
+def keep_min_p(cands: Candidates, p: float) -> Candidates:
+    """Keep tokens whose probability is at least ``p`` times the top token's."""
+    ids, logits = cands
+    if p <= 0.0:
+        return cands
+    # prob_i >= p * prob_max  <=>  logit_i - logit_max >= log p (no softmax needed)
+    keep = logits >= logits.max() + np.log(p)
+    return ids[keep], logits[keep]
+
+
+def draw(cands: Candidates, rng: np.random.Generator) -> int:
+    """One token from the softmax of the candidates' logits (one uniform from ``rng``)."""
+    ids, logits = cands
+    mass = np.cumsum(softmax(logits))
+    i = int(np.searchsorted(mass, rng.random() * mass[-1], side="right"))
+    return int(ids[min(i, len(ids) - 1)])
+
+
+def check_sampling_options(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+    """Refuse values that have no meaning, with one line naming the option."""
+    if not np.isfinite(temperature) or temperature < 0:
+        raise UserError(f"temperature must be >= 0, got {temperature}")
+    if top_k < 0:
+        raise UserError(f"top-k must be >= 0 (0 = off), got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise UserError(f"top-p must be in (0, 1] (1 = off), got {top_p}")
+    if not 0.0 <= min_p <= 1.0:
+        raise UserError(f"min-p must be in [0, 1] (0 = off), got {min_p}")
+
+
+def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
+                 seed: int | None = None) -> Sampler:
+    """A function from float logits of shape (vocab,) to the next token id.
+
+    Temperature 0 is greedy. Otherwise the candidates are filtered by top-k,
+    top-p and min-p (each off at its default), scaled by ``1/temperature`` and
+    drawn from a ``Generator`` seeded with ``seed``: the same seed and the same
+    logits give the same tokens.
+    """
+    check_sampling_options(temperature, top_k, top_p, min_p)
+    if temperature == 0.0:
+        return greedy
+    rng = np.random.default_rng(seed)
+
+    def sample(logits: np.ndarray) -> int:
+        cands: Candidates = (np.arange(logits.shape[-1]), logits.astype(np.float64))
+        ids, kept = keep_min_p(keep_top_p(keep_top_k(cands, top_k), top_p), min_p)
+        return draw((ids, kept / temperature), rng)
+
+    return sample
+
+
+FinishReason = Literal["stop", "length"]
+
+
+class StopStrings:
+    """Finds stop strings in text that arrives in pieces.
+
+    :meth:`feed` returns the text that is safe to show: anything that could be
+    the start of a stop string is held back until the next piece decides. When
+    a stop string completes, the text before it is returned and nothing after
+    it ever is. Generation stops at the first stop string to *complete*, so the
+    result does not depend on how the text was cut into pieces.
+    """
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(s for s in stops if s)
+        self._buf = ""
+        self.stopped: str | None = None  # the stop string that ended the text
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Add ``text``; return (text safe to emit, whether a stop string completed)."""
+        if self.stopped is not None:
+            return "", True
+        buf = self._buf + text
+        hit = first_completed(buf, self.stops)
+        if hit is not None:
+            start, stop = hit
+            self._buf, self.stopped = "", stop
+            return buf[:start], True
+        held = longest_partial_suffix(buf, self.stops)
+        self._buf = buf[len(buf) - held:] if held else ""
+        return buf[:len(buf) - held], False
+
+    def flush(self) -> str:
+        """The text is over: release what was held back (it cannot become a stop any more)."""
+        out, self._buf = self._buf, ""
+        return out
+
+
+def first_completed(text: str, stops: Sequence[str]) -> tuple[int, str] | None:
+    """(start, stop) of the stop string that ends earliest in ``text``; the longest on a tie."""
+    best: tuple[int, int, str] | None = None
+    for s in stops:
+        i = text.find(s)
+        if i >= 0:
+            key = (i + len(s), i, s)  # earliest end, then earliest start
+            if best is None or key < best:
+                best = key
+    return None if best is None else (best[1], best[2])
+
+
+def longest_partial_suffix(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest end of ``text`` that is a proper beginning of some stop string."""
+    longest = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), longest, -1):
+            if text.endswith(s[:n]):
+                longest = n
+                break
+    return longest
+
+
+class TokenDecoder(Protocol):
+    """What :class:`Stopper` needs of a streaming detokenizer."""
+
+    def push(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Step:
+    """What one generated token produced: text to show, and why generation ended (None: go on)."""
+
+    text: str
+    finish_reason: FinishReason | None
+
+
+class Stopper:
+    """Turns generated ids into shown text and ends generation.
+
+    Ends with "stop" on an end-of-generation token (its text is not shown) or
+    a stop string (its text and what follows are not shown), and with
+    "length" after ``max_tokens`` tokens (``None``: no limit).
+    """
+
+    def __init__(self, decoder: TokenDecoder, is_eog: Callable[[int], bool], *,
+                 max_tokens: int | None = None, stop: Sequence[str] = ()) -> None:
+        if max_tokens is not None and max_tokens < 1:
+            raise UserError(f"max-tokens must be >= 1, got {max_tokens}")
+        self._decoder = decoder
+        self._is_eog = is_eog
+        self.max_tokens = max_tokens
+        self._stops = StopStrings(stop)
+        self.n_tokens = 0
+        self.finish_reason: FinishReason | None = None
+
+    def step(self, token_id: int) -> Step:
+        """Account for one generated token."""
+        if self.finish_reason is not None:
+            raise RuntimeError("generation has already finished")
+        self.n_tokens += 1
+        if self._is_eog(token_id):
+            return self._end(self._decoder.flush(), "stop")
+        text, hit = self._stops.feed(self._decoder.push(token_id))
+        if hit:
+            return self._finish(text, "stop")
+        if self.max_tokens is not None and self.n_tokens >= self.max_tokens:
+            return self._end(self._decoder.flush(), "length", before=text)
+        return Step(text, None)
+
+    def _end(self, tail: str, reason: FinishReason, before: str = "") -> Step:
+        """No more tokens will come: the decoder's tail and held-back text go out, unless they stop."""
+        text, hit = self._stops.feed(tail)
+        if hit:
+            return self._finish(before + text, "stop")
+        return self._finish(before + text + self._stops.flush(), reason)
+
+    def _finish(self, text: str, reason: FinishReason) -> Step:
+        self.finish_reason = reason
+        return Step(text, reason)
