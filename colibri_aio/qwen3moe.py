@@ -25,6 +25,9 @@ from colibri_aio.kernels.quant import dequantize, matmul, matvec
 class RouteObserver(Protocol):
     """Receives every routing decision (used by ``trace`` and the lookahead predictor)."""
 
+    def on_layer_input(self, layer: int, x: np.ndarray) -> None:
+        """``x``: (T, D) the residual stream entering block ``layer``."""
+
     def on_route(self, layer: int, positions: np.ndarray, residual: np.ndarray,
                  moe_input: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> None:
         """``residual``: (T, D) post-attention residual; ``moe_input``: (T, D) after ffn_norm;
@@ -92,6 +95,8 @@ class Qwen3MoE:
         cos, sin = rope_cos_sin(positions, a.key_length, a.rope_freq_base)
         x = embed_rows(self.model.token_embd, tok)                                # (T, D)
         for layer in range(a.block_count):
+            if observer is not None:
+                observer.on_layer_input(layer, x)
             x = x + self._attention(layer, rms_norm(x, self.model.blocks[layer].attn_norm, a.rms_eps),
                                     positions, cos, sin)
             h = rms_norm(x, self.model.blocks[layer].ffn_norm, a.rms_eps)

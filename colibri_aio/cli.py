@@ -1,0 +1,205 @@
+"""``python -m colibri_aio``: run, logits, iobench.
+
+A user mistake or a broken file is one line on stderr and exit status 2; an
+I/O fault is one line naming file, offset and expert, exit status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from colibri_aio import __version__
+from colibri_aio.errors import ExpertReadError, UserError
+from colibri_aio.sources import IO_CHOICES
+
+
+def _add_placement(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--io", choices=IO_CHOICES, default="auto",
+                   help="where expert bytes come from (default: %(default)s)")
+    p.add_argument("--ctx", type=int, default=None, metavar="N",
+                   help="context positions to allocate in the KV cache (default: the model's context_length)")
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="generate text, streamed to stdout as it is produced",
+                       description="Generate a continuation of a prompt and stream it to stdout.")
+    p.add_argument("--model", type=Path, default=None, help="GGUF file (default: the small model shipped in the package)")
+    p.add_argument("--prompt", default="The list type", help="prompt text (default: %(default)r)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=64, metavar="N", help="stop after N new tokens (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 picks the most likely token (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely tokens; 0 = all (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass; 1 = off (default: %(default)s)")
+    p.add_argument("--min-p", type=float, default=0.0, metavar="P", help="drop tokens below P x the top probability; 0 = off (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed: the same seed gives the same text")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop when TEXT is produced (repeatable)")
+    _add_placement(p)
+    p.set_defaults(func=_run)
+
+
+def _add_logits(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("logits", help="write teacher-forced logits of token ids to a .npy file",
+                       description="Write float32 logits of shape (len(ids), vocab); row i follows ids[0..i].")
+    p.add_argument("model", type=Path, help="GGUF file")
+    p.add_argument("--ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--out", required=True, type=Path, help="output .npy file")
+    _add_placement(p)
+    p.set_defaults(func=_logits)
+
+
+def _add_trace(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("trace", help="record routing (experts, weights, lookahead predictions) to JSONL",
+                       description="Prefill a prompt and decode, writing every layer's routing at every position "
+                                   "as JSON lines (format in the README).")
+    p.add_argument("model", type=Path, help="GGUF file")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 file")
+    p.add_argument("--max-tokens", type=int, default=32, metavar="N", help="decode N tokens after the prompt (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature for decode (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
+    p.add_argument("--out", required=True, type=Path, help="output .jsonl file")
+    _add_placement(p)
+    p.set_defaults(func=_trace)
+
+
+def _add_trace_stats(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("trace-stats", help="routing statistics of a trace: skew, locality, lookahead recall",
+                       description="Per layer: expert-use entropy, top-10%% share, breadth, locality; per lookahead "
+                                   "predictor: recall and precision of the next layer's top-k.")
+    p.add_argument("trace", type=Path, help="a file written by `trace`")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.set_defaults(func=_trace_stats)
+
+
+def _parse_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
+    except ValueError:
+        raise UserError(f"--ids must be comma-separated integers, got {text!r}") from None
+    if not ids:
+        raise UserError("--ids is empty")
+    return ids
+
+
+async def _run_async(args: argparse.Namespace) -> int:
+    from colibri_aio.engine import Engine
+
+    async with await Engine.open(args.model, io=args.io, n_ctx=args.ctx) as engine:
+        last = None
+        async for piece in engine.generate(
+                args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop):
+            sys.stdout.write(piece.text)
+            sys.stdout.flush()
+            last = piece
+        sys.stdout.write("\n")
+        if last is not None:
+            print(f"[prefill {last.prompt_tokens} tok {last.prefill_tps:.1f} tok/s | decode {last.generated_tokens} tok "
+                  f"{last.decode_tps:.1f} tok/s | finish {last.finish_reason}]", file=sys.stderr)
+    return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    return _run_loop(_run_async(args))
+
+
+async def _logits_async(args: argparse.Namespace) -> int:
+    from colibri_aio.engine import Engine
+
+    ids = _parse_ids(args.ids)
+    async with await Engine.open(args.model, io=args.io, n_ctx=args.ctx or len(ids)) as engine:
+        if max(ids) >= engine.model.args.vocab_size or min(ids) < 0:
+            raise UserError(f"--ids: every id must be in [0, {engine.model.args.vocab_size})")
+        out = await engine.logits(ids)
+    np.save(args.out, out.astype(np.float32, copy=False))
+    return 0
+
+
+def _logits(args: argparse.Namespace) -> int:
+    return _run_loop(_logits_async(args))
+
+
+async def _trace_async(args: argparse.Namespace) -> int:
+    from colibri_aio.engine import Engine
+    from colibri_aio.sampling import make_sampler
+    from colibri_aio.trace import TraceRecorder, trace_run
+
+    text = args.prompt if args.prompt is not None else _read_text(args.prompt_file)
+    async with await Engine.open(args.model, io=args.io, n_ctx=args.ctx) as engine:
+        ids = engine.prompt_ids(text)
+        if len(ids) >= engine.net.n_ctx:
+            raise UserError(f"the prompt has {len(ids)} tokens; the context holds {engine.net.n_ctx}")
+        with open(args.out, "w", encoding="utf-8") as f:
+            recorder = TraceRecorder(engine.model, f)
+            recorder.header()
+            sample = make_sampler(temperature=args.temperature, seed=args.seed)
+            new = await trace_run(engine.net, recorder, 0, ids, args.max_tokens, sample, engine.tokenizer.is_eog)
+    print(f"traced {len(ids)} prompt + {len(new)} decoded positions x {engine.model.args.block_count} layers "
+          f"-> {args.out}", file=sys.stderr)
+    return 0
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: cannot read prompt file ({exc.__class__.__name__})") from None
+
+
+def _trace(args: argparse.Namespace) -> int:
+    return _run_loop(_trace_async(args))
+
+
+def _trace_stats(args: argparse.Namespace) -> int:
+    import json
+
+    from colibri_aio.route_stats import compute, format_table
+    from colibri_aio.trace import read_trace
+
+    if not args.trace.is_file():
+        raise UserError(f"{args.trace}: no such trace file")
+    stats = compute(read_trace(str(args.trace)))
+    print(json.dumps(stats.as_dict(), indent=1) if args.json else format_table(stats))
+    return 0
+
+
+def _run_loop(coro) -> int:
+    """Run on uvloop where it is installed (it is on Linux and macOS), else asyncio's loop."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    return uvloop.run(coro)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m colibri_aio",
+        description="Run Mixture-of-Experts models larger than RAM, straight from GGUF files.")
+    parser.add_argument("--version", action="version", version=f"colibri-aio {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in (_add_run, _add_logits, _add_trace, _add_trace_stats):
+        add(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except UserError as exc:
+        print(f"colibri-aio: error: {exc}", file=sys.stderr)
+        return 2
+    except ExpertReadError as exc:
+        print(f"colibri-aio: I/O error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,138 @@
+"""Route traces: what every layer chose at every position, and what lookahead predicted.
+
+``python -m colibri_aio trace MODEL --prompt TEXT --out FILE.jsonl`` writes one
+JSON object per line. The first line is a header::
+
+    {"kind": "header", "format": "colibri-aio-route-trace", "version": 1,
+     "model": "...", "block_count": L, "expert_count": E, "expert_used_count": k,
+     "predictors": ["moe_input", "residual_next_norm", "layer_input_next_norm", "raw_residual"]}
+
+then one record per (run, position, layer)::
+
+    {"kind": "route", "run": 0, "phase": "prefill" | "decode", "pos": 7, "token": 123,
+     "layer": 3, "experts": [5, 17], "weights": [0.61, 0.39],
+     "predicted": {"moe_input": [..2k ids..], ...}}
+
+``experts`` are in descending weight. ``predicted`` (absent on the last layer)
+ranks 2k candidate experts for layer + 1, each predictor applying router
+layer + 1 (``blk.{layer+1}.ffn_gate_inp``) to a hidden state of this layer:
+
+- ``moe_input``: this layer's MoE input (the residual after attention, after
+  this layer's ffn_norm) — known as early as this layer's own routing;
+- ``residual_next_norm``: the residual after attention, normed with the
+  *next* layer's ffn_norm — known as early;
+- ``raw_residual``: the residual after attention, un-normed;
+- ``layer_input_next_norm``: this layer's input (before attention), normed
+  with the next layer's ffn_norm — known before this layer's attention runs.
+
+``token`` is the id fed at ``pos`` (the routing of position ``pos`` is computed
+from it and everything before it). A run is one context: positions restart at 0.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import IO, TYPE_CHECKING, Any
+
+import numpy as np
+
+from colibri_aio.gguf_model import Model
+from colibri_aio.kernels.ops import rms_norm
+
+if TYPE_CHECKING:
+    from colibri_aio.qwen3moe import Qwen3MoE
+
+FORMAT, VERSION = "colibri-aio-route-trace", 1
+PREDICTORS = ("moe_input", "residual_next_norm", "raw_residual", "layer_input_next_norm")
+
+
+def predictor_states(model: Model, layer: int, layer_input: np.ndarray, residual: np.ndarray,
+                     moe_input: np.ndarray) -> dict[str, np.ndarray]:
+    """Each predictor's hidden state (T, D) for routing layer + 1."""
+    eps, nxt = model.args.rms_eps, model.blocks[layer + 1].ffn_norm
+    return {
+        "moe_input": moe_input,
+        "residual_next_norm": rms_norm(residual, nxt, eps),
+        "raw_residual": residual,
+        "layer_input_next_norm": rms_norm(layer_input, nxt, eps),
+    }
+
+
+def rank_experts(router: np.ndarray, states: np.ndarray, n: int) -> np.ndarray:
+    """The n experts with the largest router logits for each row of ``states``: (T, n)."""
+    return np.argsort(-(states @ router.T), axis=-1, kind="stable")[:, :n]
+
+
+@dataclass
+class TraceRecorder:
+    """A RouteObserver that writes route records to a JSONL stream."""
+
+    model: Model
+    out: IO[str]
+    run: int = 0
+    phase: str = "prefill"
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    _layer_input: np.ndarray | None = None
+
+    def header(self) -> None:
+        a = self.model.args
+        self.out.write(json.dumps({
+            "kind": "header", "format": FORMAT, "version": VERSION, "model": str(self.model.path),
+            "block_count": a.block_count, "expert_count": a.expert_count,
+            "expert_used_count": a.expert_used_count, "predictors": list(PREDICTORS)}) + "\n")
+
+    def on_layer_input(self, layer: int, x: np.ndarray) -> None:
+        self._layer_input = x
+
+    def on_route(self, layer: int, positions: np.ndarray, residual: np.ndarray,
+                 moe_input: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> None:
+        a = self.model.args
+        predicted: dict[str, np.ndarray] = {}
+        if layer + 1 < a.block_count:
+            assert self._layer_input is not None
+            router = self.model.blocks[layer + 1].ffn_gate_inp
+            states = predictor_states(self.model, layer, self._layer_input, residual, moe_input)
+            predicted = {k: rank_experts(router, s, 2 * a.expert_used_count) for k, s in states.items()}
+        for i, pos in enumerate(positions.tolist()):
+            rec: dict[str, Any] = {
+                "kind": "route", "run": self.run, "phase": self.phase, "pos": pos,
+                "token": int(self.tokens[i]), "layer": layer, "experts": ids[i].tolist(),
+                "weights": [round(float(w), 6) for w in weights[i]]}
+            if predicted:
+                rec["predicted"] = {k: v[i].tolist() for k, v in predicted.items()}
+            self.out.write(json.dumps(rec, separators=(",", ":")) + "\n")
+
+
+def read_trace(path: str) -> Iterator[dict[str, Any]]:
+    """Records of a trace file, header first; refuses files of another format."""
+    from colibri_aio.errors import UserError
+
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f):
+            rec = json.loads(line)
+            if n == 0 and (rec.get("format") != FORMAT or rec.get("version") != VERSION):
+                raise UserError(f"{path}: not a {FORMAT} v{VERSION} file")
+            yield rec
+
+
+async def trace_run(net: Qwen3MoE, recorder: TraceRecorder, run: int, prompt: list[int],
+                    max_tokens: int, sample: Callable[[np.ndarray], int],
+                    is_eog: Callable[[int], bool], prefill_chunk: int = 256) -> list[int]:
+    """Prefill ``prompt`` and decode up to ``max_tokens``, recording every route; returns new tokens."""
+    net.reset()
+    recorder.run, recorder.phase = run, "prefill"
+    logits = None
+    for s in range(0, len(prompt), prefill_chunk):
+        recorder.tokens = np.asarray(prompt[s: s + prefill_chunk])
+        logits = await net.forward(prompt[s: s + prefill_chunk], observer=recorder)
+    assert logits is not None
+    recorder.phase, out = "decode", []
+    for _ in range(min(max_tokens, net.n_ctx - len(prompt))):
+        token = sample(logits)
+        if is_eog(token):
+            break
+        out.append(token)
+        recorder.tokens = np.asarray([token])
+        logits = await net.forward([token], observer=recorder)
+    return out

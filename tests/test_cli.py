@@ -1,0 +1,88 @@
+"""The command line, run as a user runs it (subprocesses)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from support import ORACLE, fixture, oracle_ids, run_cli
+
+
+def test_help_explains_every_command() -> None:
+    r = run_cli("--help")
+    assert r.returncode == 0
+    for cmd in ("run", "logits", "trace", "trace-stats"):
+        assert cmd in r.stdout
+    r = run_cli("run", "--help")
+    for opt in ("--model", "--prompt", "--chat", "--max-tokens", "--temperature", "--top-k", "--top-p", "--seed", "--io"):
+        assert opt in r.stdout
+
+
+def test_logits_writes_teacher_forced_rows(tmp_path) -> None:
+    ids = oracle_ids()[1]
+    out = tmp_path / "l.npy"
+    r = run_cli("logits", str(fixture("tiny_f32.gguf")), "--ids", ",".join(map(str, ids)), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    got, want = np.load(out), np.load(ORACLE / "tiny_f32.transformers.npz")["seq1"]
+    assert got.dtype == np.float32 and got.shape == (len(ids), 2048)
+    assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
+
+
+@pytest.mark.parametrize("ids", ["1,x,3", "", "5,99999"])
+def test_logits_refuses_bad_ids(ids: str, tmp_path) -> None:
+    r = run_cli("logits", str(fixture("tiny_f32.gguf")), "--ids", ids, "--out", str(tmp_path / "l.npy"))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--ids" in r.stderr
+
+
+def test_run_streams_text_and_same_seed_gives_same_text() -> None:
+    args = ("run", "--model", str(fixture("tiny_q8_0.gguf")), "--prompt", "The list type", "--max-tokens", "12",
+            "--temperature", "0.8", "--top-p", "0.9", "--seed", "7")
+    a, b = run_cli(*args), run_cli(*args)
+    assert a.returncode == 0, a.stderr
+    assert a.stdout == b.stdout and a.stdout.strip()
+    assert "decode 12 tok" in a.stderr
+
+
+def test_run_greedy_equals_argmax_of_logits(tmp_path) -> None:
+    """run --temperature 0 must pick exactly the argmax the logits command reports."""
+    model = str(fixture("tiny_f32.gguf"))
+    r = run_cli("run", "--model", model, "--prompt", "def f(x):", "--max-tokens", "1")
+    assert r.returncode == 0, r.stderr
+    from colibri_aio.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_path(model)
+    ids = tok.encode("def f(x):")
+    run_cli("logits", model, "--ids", ",".join(map(str, ids)), "--out", str(tmp_path / "l.npy"))
+    first = int(np.load(tmp_path / "l.npy")[-1].argmax())
+    assert r.stdout.rstrip("\n") == tok.decode([first], skip_special=True)
+
+
+def test_run_chat_uses_the_template() -> None:
+    from colibri_aio.tokenizer import Tokenizer
+
+    model = str(fixture("tiny_q8_0.gguf"))
+    r = run_cli("run", "--model", model, "--chat", "--prompt", "hi", "--max-tokens", "4")
+    assert r.returncode == 0, r.stderr
+    n = len(Tokenizer.from_path(model).encode("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"))
+    assert f"prefill {n} tok" in r.stderr
+
+
+def test_trace_and_stats(tmp_path) -> None:
+    out = tmp_path / "t.jsonl"
+    r = run_cli("trace", str(fixture("tiny_f32.gguf")), "--prompt", "The list type is", "--max-tokens", "5",
+                "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    header, routes = lines[0], lines[1:]
+    assert header["format"] == "colibri-aio-route-trace" and header["block_count"] == 2
+    phases = [r["phase"] for r in routes]
+    assert phases.count("decode") == 5 * 2 and phases[0] == "prefill"
+    for rec in routes:
+        assert len(rec["experts"]) == 2 and abs(sum(rec["weights"]) - 1) < 1e-5
+        assert ("predicted" in rec) == (rec["layer"] == 0)
+    r = run_cli("trace-stats", str(out), "--json")
+    assert r.returncode == 0, r.stderr
+    stats = json.loads(r.stdout)
+    assert stats["positions"] == len(routes) // 2 and len(stats["layers"]) == 2
+    assert {p["predictor"] for p in stats["predictors"]} == set(header["predictors"])
