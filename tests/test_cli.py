@@ -54,8 +54,11 @@ def test_run_greedy_equals_argmax_of_logits(tmp_path) -> None:
     tok = Tokenizer.from_path(model)
     ids = tok.encode("def f(x):")
     run_cli("logits", model, "--ids", ",".join(map(str, ids)), "--out", str(tmp_path / "l.npy"))
-    first = int(np.load(tmp_path / "l.npy")[-1].argmax())
-    assert r.stdout.rstrip("\n") == tok.decode([first], skip_special=True)
+    last = np.load(tmp_path / "l.npy")[-1]
+    # prefill of `run` and `logits` use different kernels (matvec vs matmul for the
+    # output head), so accept any token whose logit ties the maximum within 1e-4 x scale.
+    tied = np.flatnonzero(last >= last.max() - 1e-4 * np.abs(last).max())
+    assert r.stdout.rstrip("\n") in {tok.decode([int(t)], skip_special=True) for t in tied}
 
 
 def test_run_chat_uses_the_template() -> None:
