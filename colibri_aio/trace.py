@@ -5,7 +5,7 @@ JSON object per line. The first line is a header::
 
     {"kind": "header", "format": "colibri-aio-route-trace", "version": 1,
      "model": "...", "block_count": L, "expert_count": E, "expert_used_count": k,
-     "predictors": ["moe_input", "residual_next_norm", "layer_input_next_norm", "raw_residual"]}
+     "expert_nbytes": bytes of one expert's three ranges, "predictors": ["moe_input", "residual_next_norm", "layer_input_next_norm", "raw_residual"]}
 
 then one record per (run, position, layer)::
 
@@ -80,7 +80,8 @@ class TraceRecorder:
         self.out.write(json.dumps({
             "kind": "header", "format": FORMAT, "version": VERSION, "model": str(self.model.path),
             "block_count": a.block_count, "expert_count": a.expert_count,
-            "expert_used_count": a.expert_used_count, "predictors": list(PREDICTORS)}) + "\n")
+            "expert_used_count": a.expert_used_count, "expert_nbytes": self.model.expert_nbytes_max,
+            "predictors": list(PREDICTORS)}) + "\n")
 
     def on_layer_input(self, layer: int, x: np.ndarray) -> None:
         self._layer_input = x
