@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-from jinja2 import TemplateError
-from jinja2.ext import loopcontrols
+from jinja2 import TemplateError, nodes
+from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -105,6 +105,8 @@ def read_spec(reader: gguf.GGUFReader) -> TokenizerSpec:
             f"GGUF tokenizer has {len(tokens)} tokens but {len(types)} token types")
 
     def token_id(key: str) -> int | None:
+        # An absent id stays None. (llama.cpp falls back to GPT-2's id 11 for
+        # gpt2 vocabularies, which names an arbitrary token in any other vocabulary.)
         v = _field(reader, f"tokenizer.ggml.{key}")
         if v is None:
             return None
@@ -165,17 +167,29 @@ def _gpt2_byte_decoder() -> dict[str, int]:
     return table
 
 
+def _byte_level_translation() -> dict[int, int]:
+    """str.translate table: stand-in character -> its byte as a code point; any other
+    character below 256 -> a code point above 255, so that latin-1 encoding rejects it."""
+    table = {ord(c): b for c, b in _gpt2_byte_decoder().items()}
+    for cp in range(256):
+        table.setdefault(cp, 0xFFFF)
+    return table
+
+
 def token_bytes_table(spec: TokenizerSpec) -> tuple[list[bytes], list[bool]]:
     """Raw bytes of every token and whether it is special (control) text."""
-    back = _gpt2_byte_decoder()
+    table = _byte_level_translation()
     pieces: list[bytes] = []
     special: list[bool] = []
     for text, ty in zip(spec.tokens, spec.token_types):
-        if ty == _TT.NORMAL and all(c in back for c in text):
-            pieces.append(bytes(back[c] for c in text))
-        else:
-            # Control and user-defined tokens are stored as plain text, not byte-mapped.
-            pieces.append(text.encode("utf-8"))
+        piece = None
+        if ty == _TT.NORMAL:
+            try:
+                piece = text.translate(table).encode("latin-1")
+            except UnicodeEncodeError:
+                pass  # not byte-level text: keep it as written, like llama.cpp
+        # Control and user-defined tokens are stored as plain text, not byte-mapped.
+        pieces.append(piece if piece is not None else text.encode("utf-8"))
         special.append(ty in (_TT.CONTROL, _TT.UNKNOWN, _TT.UNUSED))
     return pieces, special
 
@@ -201,9 +215,25 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
+class GenerationTag(Extension):
+    """Accepts ``{% generation %}...{% endgeneration %}`` and renders the body unchanged.
+
+    Templates written for training mark the assistant's text with this tag
+    (Hugging Face uses it to build loss masks); for inference it is a no-op.
+    """
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
 def make_template_environment() -> ImmutableSandboxedEnvironment:
     """A sandboxed Jinja environment with the helpers Hugging Face chat templates expect."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols, GenerationTag])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

@@ -18,6 +18,7 @@ from colibri_aio.tokenizer import Tokenizer
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 ORACLE = json.loads((FIXTURES / "oracle" / "tokenizer_llamacpp.json").read_text(encoding="utf-8"))
 CASES = ORACLE["cases"]
+CHAT_ORACLE = json.loads((FIXTURES / "oracle" / "tokenizer_chat_transformers.json").read_text(encoding="utf-8"))
 
 
 def _load_gguf_tokenizer():
@@ -143,6 +144,20 @@ def test_chat_template_chatml(tok: Tokenizer) -> None:
     assert tok.apply_chat_template(CONVERSATION) == expected + "<|im_start|>assistant\n"
     ids = tok.encode(tok.apply_chat_template(CONVERSATION[:1]))
     assert ids.count(1) == 2 and ids.count(2) == 1
+
+
+def test_chat_oracle_uses_the_fixture_template() -> None:
+    assert CHAT_ORACLE["templates"]["fixture_chatml"] == gguf_tokenizer.CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize("case", CHAT_ORACLE["cases"],
+                         ids=lambda c: f"{c['template']}-{c['conversation']}-{c['add_generation_prompt']}")
+def test_chat_template_matches_transformers(tok: Tokenizer, case: dict) -> None:
+    conv = CHAT_ORACLE["conversations"][case["conversation"]]
+    t = Tokenizer(dataclasses.replace(tok.spec, chat_template=CHAT_ORACLE["templates"][case["template"]]))
+    extra = {k: v for k, v in conv.items() if k != "messages"}
+    out = t.apply_chat_template(conv["messages"], add_generation_prompt=case["add_generation_prompt"], **extra)
+    assert out == case["rendered"]
 
 
 QWEN_STYLE_TEMPLATE = """\
