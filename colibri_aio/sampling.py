@@ -124,6 +124,8 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, m
     rng = np.random.default_rng(seed)
 
     def sample(logits: np.ndarray) -> int:
+        if logits.ndim != 1:
+            raise ValueError(f"a sampler takes the logits of one position, shape (vocab,); got {logits.shape}")
         cands: Candidates = (np.arange(logits.shape[-1]), logits.astype(np.float64))
         ids, kept = keep_min_p(keep_top_p(keep_top_k(cands, top_k), top_p), min_p)
         return draw((ids, kept / temperature), rng)
