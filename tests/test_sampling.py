@@ -241,3 +241,9 @@ def test_stopper_refuses_steps_after_the_end_and_bad_budgets() -> None:
         stopper.step(ord("b"))
     with pytest.raises(UserError):
         Stopper(CharDecoder(), lambda i: False, max_tokens=0)
+
+
+def test_sampler_refuses_a_batch_of_logits() -> None:
+    sample = make_sampler(temperature=1.0, seed=0)
+    with pytest.raises(ValueError, match="shape"):
+        sample(random_logits(0).reshape(2, -1))
