@@ -82,9 +82,7 @@ class Engine:
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
         else:
             text = prompt
-        ids = self.tokenizer.encode(text, parse_special=True)
-        if self.tokenizer.add_bos and self.tokenizer.bos_id is not None:
-            ids = [self.tokenizer.bos_id, *ids]
+        ids = self.tokenizer.encode(text, parse_special=True, add_special=True)
         if not ids:
             raise UserError("the prompt is empty")
         return ids

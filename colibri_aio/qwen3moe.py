@@ -10,6 +10,7 @@ V vocab_size, S context positions held in the KV cache.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import aclosing
 from typing import Literal, Protocol
 
 import numpy as np
@@ -133,7 +134,9 @@ class Qwen3MoE:
         if observer is not None:
             observer.on_route(layer, positions, residual, h, ids, weights)
         contrib = np.zeros((h.shape[0], a.expert_used_count, a.embedding_length), np.float32)  # (T, k, D)
-        async for expert, w in self.experts.stream(layer, np.unique(ids).tolist()):
-            rows, ranks = np.nonzero(ids == expert)
-            contrib[rows, ranks] = expert_ffn(w, h[rows]) * weights[rows, ranks][:, None]
+        # aclosing: on an error mid-layer the source still drains its in-flight reads.
+        async with aclosing(self.experts.stream(layer, np.unique(ids).tolist())) as stream:
+            async for expert, w in stream:
+                rows, ranks = np.nonzero(ids == expert)
+                contrib[rows, ranks] = expert_ffn(w, h[rows]) * weights[rows, ranks][:, None]
         return contrib.sum(axis=1)
