@@ -1,0 +1,222 @@
+"""Three ways to get an expert's bytes, behind one interface.
+
+- ``uring``: io_uring reads (registered buffers when allowed) into a pool slot.
+- ``pread``: the same reads from a thread pool, for kernels without io_uring.
+- ``mmap``: no pool at all; views of a shared read-only mapping of the file,
+  faulted in from a worker thread. The page cache decides what stays, as in
+  llama.cpp.
+
+``start`` returns a future that resolves once every range's read is over
+(the kernel or the worker thread no longer touches the slot) to the three
+uint8 views of the expert's tensors, or fails with ExpertReadError. Nobody
+cancels that future: a reader whose waiter goes away still waits for it
+before the slot can be reused.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import mmap
+import os
+from typing import Protocol
+
+import numpy as np
+
+from colibri_aio.errors import ExpertReadError
+from colibri_aio.experts import PROJECTIONS, ExpertLocation
+from colibri_aio.io.align import ExpertPlan, RangeRead, align_down
+from colibri_aio.io.modelfile import ModelFile
+from colibri_aio.io.pool import Slot
+from colibri_aio.io.uring import UringReactor
+
+ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+
+
+class ReadBackend(Protocol):
+    """How one expert's aligned range reads reach memory."""
+
+    name: str
+    uses_pool: bool
+
+    def start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None) -> asyncio.Future[ExpertBytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class ExpertRead:
+    """Gathers the outcomes of one expert's range reads into one future.
+
+    The future resolves only when every range has reported, so a failure of
+    one range never hands the slot back while another range is still being
+    written into it.
+    """
+
+    def __init__(self, path: str, loc: ExpertLocation, plan: ExpertPlan, views: ExpertBytes,
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.path, self.loc, self.plan, self.views = path, loc, plan, views
+        self.future: asyncio.Future[ExpertBytes] = loop.create_future()
+        self._outstanding = len(plan.reads)
+        self._error: ExpertReadError | None = None
+
+    def range_done(self, index: int, outcome: int | BaseException) -> None:
+        """Record range ``index``'s result: bytes read, ``-errno``, or the exception a worker raised."""
+        rr = self.plan.reads[index]
+        reason = _failure(rr, outcome)
+        if reason is not None and self._error is None:
+            self._error = ExpertReadError(
+                self.path, rr.range_offset, rr.nbytes, self.loc.layer, self.loc.expert,
+                f"{reason} ({PROJECTIONS[index]} range; aligned read of {rr.read_nbytes} bytes at {rr.file_offset})")
+        self._outstanding -= 1
+        if self._outstanding == 0:
+            if self._error is not None:
+                self.future.set_exception(self._error)
+            else:
+                self.future.set_result(self.views)
+
+
+def _failure(rr: RangeRead, outcome: int | BaseException) -> str | None:
+    """Why a range read failed, or None when it delivered every byte it must."""
+    if isinstance(outcome, OSError) and outcome.errno:
+        outcome = -outcome.errno
+    if isinstance(outcome, BaseException):
+        return f"{type(outcome).__name__}: {outcome}"
+    if outcome < 0:
+        code = -outcome
+        return f"{errno.errorcode.get(code, code)}: {os.strerror(code)}"
+    if outcome < rr.need_nbytes:
+        return f"short read: got {outcome} of {rr.need_nbytes} bytes (end of file?)"
+    return None
+
+
+def slot_views(plan: ExpertPlan, slot: Slot) -> ExpertBytes:
+    """The three tensors' bytes inside a slot (views, no copy)."""
+    a = slot.array
+    g, u, d = (a[r.view_offset: r.view_offset + r.nbytes] for r in plan.reads)
+    return g, u, d
+
+
+def slot_dest(rr: RangeRead, slot: Slot) -> memoryview:
+    """Where the aligned read for ``rr`` lands in the slot."""
+    return slot.view[rr.dest_offset: rr.dest_offset + rr.read_nbytes]
+
+
+class UringBackend:
+    """io_uring reads into pool slots; fixed-buffer reads when the arenas are registered."""
+
+    name = "uring"
+    uses_pool = True
+
+    def __init__(self, reactor: UringReactor, file: ModelFile) -> None:
+        self.reactor = reactor
+        self.file = file
+
+    def start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None) -> asyncio.Future[ExpertBytes]:
+        assert slot is not None
+        op = ExpertRead(self.file.path, loc, plan, slot_views(plan, slot), asyncio.get_running_loop())
+        for index, rr in enumerate(plan.reads):
+            done = self.reactor.read(self.file.fd, slot.address + rr.dest_offset, rr.read_nbytes,
+                                     rr.file_offset, slot.arena)
+            done.add_done_callback(lambda f, i=index: op.range_done(i, _result_or_error(f)))
+        return op.future
+
+    async def aclose(self) -> None:
+        await self.reactor.aclose()
+
+
+class PreadBackend:
+    """``os.preadv`` from worker threads into pool slots (the GIL is released while a read waits)."""
+
+    name = "pread"
+    uses_pool = True
+
+    def __init__(self, file: ModelFile, threads: int = 8) -> None:
+        self.file = file
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="colibri-pread")
+
+    def start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None) -> asyncio.Future[ExpertBytes]:
+        assert slot is not None
+        loop = asyncio.get_running_loop()
+        op = ExpertRead(self.file.path, loc, plan, slot_views(plan, slot), loop)
+        for index, rr in enumerate(plan.reads):
+            job = self._pool.submit(os.preadv, self.file.fd, [slot_dest(rr, slot)], rr.file_offset)
+            # The worker owns the slot until this callback fires, whatever the waiter does.
+            job.add_done_callback(
+                lambda j, i=index: loop.call_soon_threadsafe(op.range_done, i, _job_outcome(j)))
+        return op.future
+
+    async def aclose(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class MmapBackend:
+    """Views of a read-only mapping of the file; pages are faulted in by a worker thread."""
+
+    name = "mmap"
+    uses_pool = False
+
+    def __init__(self, file: ModelFile, threads: int = 2) -> None:
+        self.file = file
+        self._map = mmap.mmap(file.fd, 0, access=mmap.ACCESS_READ) if file.size else None
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="colibri-mmap")
+
+    def start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None) -> asyncio.Future[ExpertBytes]:
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[ExpertBytes] = loop.create_future()
+        for index, rng in enumerate(loc.ranges):
+            if self._map is None or rng.offset + rng.nbytes > len(self._map):
+                # Touching a mapping past the end of the file is SIGBUS: refuse here.
+                future.set_exception(ExpertReadError(
+                    self.file.path, rng.offset, rng.nbytes, loc.layer, loc.expert,
+                    f"short read: the {PROJECTIONS[index]} range ends past the end of the "
+                    f"{self.file.size}-byte file"))
+                return future
+        job = self._pool.submit(self._fault_in, loc)
+        job.add_done_callback(lambda j: loop.call_soon_threadsafe(self._finish, future, loc, j))
+        return future
+
+    def _fault_in(self, loc: ExpertLocation) -> ExpertBytes:
+        """Bring the expert's pages into memory now, off the event loop, and return views of them."""
+        assert self._map is not None
+        for rng in loc.ranges:
+            start = align_down(rng.offset, mmap.PAGESIZE)
+            try:
+                self._map.madvise(MADV_POPULATE_READ, start, rng.offset + rng.nbytes - start)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:  # EINVAL: a kernel older than 5.14; touch instead
+                    raise
+                np.frombuffer(self._map, np.uint8, rng.offset + rng.nbytes - start, start)[::mmap.PAGESIZE].max()
+        g, u, d = (np.frombuffer(self._map, np.uint8, r.nbytes, r.offset) for r in loc.ranges)
+        return g, u, d
+
+    def _finish(self, future: asyncio.Future[ExpertBytes], loc: ExpertLocation,
+                job: concurrent.futures.Future[ExpertBytes]) -> None:
+        exc = job.exception()
+        if exc is None:
+            future.set_result(job.result())
+            return
+        rng = loc.gate
+        future.set_exception(ExpertReadError(self.file.path, rng.offset, loc.nbytes, loc.layer, loc.expert,
+                                             f"{type(exc).__name__}: {exc}"))
+
+    async def aclose(self) -> None:
+        self._pool.shutdown(wait=True)
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:
+                pass  # a lease's views still use the mapping; it goes with the last of them
+            self._map = None
+
+
+def _result_or_error(done: asyncio.Future[int]) -> int | BaseException:
+    if done.cancelled():
+        return asyncio.CancelledError()
+    exc = done.exception()
+    return exc if exc is not None else done.result()
+
+
+def _job_outcome(job: concurrent.futures.Future[int]) -> int | BaseException:
+    exc = job.exception()
+    return exc if exc is not None else job.result()

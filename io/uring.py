@@ -1,0 +1,292 @@
+"""The io_uring reactor: a ring whose completions wake the running asyncio loop through an eventfd.
+
+Reads are submitted with a ``user_data`` token; a table maps the token to the
+future that waits for it, the ``Iovec`` the kernel writes through (it must
+outlive the read) and the bytes it accounts for. The eventfd is registered
+with the ring and watched with ``loop.add_reader``; eventfd wake-ups coalesce,
+so every wake-up drains the completion queue until it is empty.
+
+In-flight reads are bounded by the ring size and by bytes; reads over the
+bound wait in a FIFO and are submitted as completions free room. Submissions
+made in one loop iteration go to the kernel in one ``io_uring_submit``.
+"""
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from colibri_aio.io.iovec import PointedIovec, layout_problem
+
+try:
+    import liburing as L
+except ImportError:  # non-Linux, or the wheel is missing: the reader falls back to pread
+    L = None
+
+DEFAULT_RING_ENTRIES = 256
+DEFAULT_MAX_INFLIGHT_BYTES = 512 << 20
+
+
+class ReactorClosedError(RuntimeError):
+    """A read was asked of a reactor that is closing or closed."""
+
+
+@dataclass(eq=False, slots=True)
+class _Request:
+    fd: int
+    address: int            # where the bytes go
+    nbytes: int
+    offset: int             # file offset
+    buf_index: int | None   # registered buffer holding the destination, or None for a plain readv
+    future: asyncio.Future[int]
+    iovec: PointedIovec | None = None  # alive (and not reused) until the completion is reaped
+
+
+class UringReactor:
+    """An io_uring ring driven by the running event loop.
+
+    ``read`` returns a future of the raw result: bytes read (>= 0) or
+    ``-errno``. The future is only a notification: cancelling it does not stop
+    the kernel, which keeps writing into the destination until the completion
+    is reaped; the destination's owner waits for the future (or
+    :meth:`drained`) before reusing the memory.
+    """
+
+    def __init__(self, ring: object, entries: int, eventfd: int, loop: asyncio.AbstractEventLoop,
+                 max_inflight_bytes: int) -> None:
+        self._ring = ring
+        self.entries = entries
+        self._eventfd = eventfd
+        self._loop = loop
+        self.max_inflight_bytes = max_inflight_bytes
+        self.registered = False
+        self._table: dict[int, _Request] = {}
+        self._pending: deque[_Request] = deque()
+        self._next_token = 1
+        self._inflight_bytes = 0
+        self._flush_scheduled = False
+        self._resubmit = False    # SQEs left in the ring by a submit the kernel refused for now
+        self._registered_iovec: object | None = None
+        self._closing = False
+        self._broken: BaseException | None = None
+        self._idle = asyncio.Event()  # set while nothing is in the kernel or queued for it
+        self._idle.set()
+        self._cqe = L.Cqe()
+        self._iovecs = [PointedIovec() for _ in range(entries)]  # one per possible in-flight read
+        self.submits = 0          # io_uring_submit calls
+        self.completions = 0
+        self.busy_s = 0.0         # time with at least one read in the kernel
+        self._busy_since = 0.0
+        loop.add_reader(eventfd, self._on_wake)
+
+    @classmethod
+    def create(cls, entries: int = DEFAULT_RING_ENTRIES,
+               max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES) -> "UringReactor":
+        """Set up a ring on the running loop; raises OSError (or RuntimeError) when io_uring is unavailable."""
+        problem = layout_problem()
+        if problem is not None:
+            raise OSError(errno.ENOSYS, problem)
+        loop = asyncio.get_running_loop()
+        ring = L.Ring()
+        L.io_uring_queue_init(entries, ring, 0)
+        eventfd = -1
+        try:
+            eventfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+            L.io_uring_register_eventfd(ring, eventfd)
+        except BaseException:
+            if eventfd >= 0:
+                os.close(eventfd)
+            L.io_uring_queue_exit(ring)
+            raise
+        return cls(ring, entries, eventfd, loop, max_inflight_bytes)
+
+    # -- registration -------------------------------------------------------
+
+    def register_buffers(self, buffers: list[tuple[int, int]]) -> None:
+        """Register ``(address, nbytes)`` arenas as fixed buffers (index = position); raises OSError if refused."""
+        if not _readv_fixed_supported():
+            raise OSError(errno.EOPNOTSUPP, "this kernel has no IORING_OP_READV_FIXED")
+        iovec = PointedIovec(len(buffers))
+        for index, (address, nbytes) in enumerate(buffers):
+            iovec.point(index, address, nbytes)
+        L.io_uring_register_buffers(self._ring, iovec.iovec)
+        self._registered_iovec = iovec
+        self.registered = True
+
+    # -- submission ---------------------------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        """Reads the kernel owns: submitted and not yet reaped."""
+        return len(self._table)
+
+    @property
+    def queued(self) -> int:
+        """Reads waiting for room in the ring or under the byte bound."""
+        return len(self._pending)
+
+    def read(self, fd: int, address: int, nbytes: int, offset: int,
+             buf_index: int | None = None) -> asyncio.Future[int]:
+        """Read ``nbytes`` at ``offset`` of ``fd`` to ``address`` (inside registered buffer ``buf_index``).
+
+        The caller keeps the destination memory mapped, and does not reuse
+        it, until the returned future is done.
+        """
+        if self._broken is not None:
+            raise ReactorClosedError(f"the io_uring reactor failed: {self._broken}")
+        if self._closing:
+            raise ReactorClosedError("the io_uring reactor is closing")
+        request = _Request(fd, address, nbytes, offset, buf_index if self.registered else None,
+                           self._loop.create_future())
+        self._pending.append(request)
+        self._idle.clear()
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._loop.call_soon(self._flush)
+        return request.future
+
+    def _has_room(self, request: _Request) -> bool:
+        if len(self._table) >= self.entries:
+            return False
+        # One read larger than the byte bound still goes alone, or it would never go.
+        return not self._table or self._inflight_bytes + request.nbytes <= self.max_inflight_bytes
+
+    def _flush(self) -> None:
+        """Move queued reads into the ring, as many as the bounds allow, and submit them together."""
+        self._flush_scheduled = False
+        if self._broken is not None:
+            return
+        prepared = 0
+        while self._pending and self._has_room(self._pending[0]):
+            sqe = L.io_uring_get_sqe(self._ring)
+            if sqe is None:
+                break
+            request = self._pending.popleft()
+            self._prepare(sqe, request)
+            prepared += 1
+        if prepared:
+            self._submit()
+
+    def _prepare(self, sqe: object, request: _Request) -> None:
+        token = self._next_token
+        self._next_token += 1
+        request.iovec = self._iovecs.pop()
+        request.iovec.point(0, request.address, request.nbytes)
+        if request.buf_index is None:
+            L.io_uring_prep_readv(sqe, request.fd, request.iovec.iovec, request.offset, 0)
+        else:
+            L.io_uring_prep_readv_fixed(sqe, request.fd, request.iovec.iovec, request.buf_index, request.offset, 0)
+        L.io_uring_sqe_set_data64(sqe, token)
+        if not self._table:
+            self._busy_since = time.perf_counter()
+        self._table[token] = request
+        self._inflight_bytes += request.nbytes
+
+    def _submit(self) -> None:
+        while True:
+            try:
+                L.io_uring_submit(self._ring)
+                self.submits += 1
+                return
+            except InterruptedError:
+                continue
+            except (BlockingIOError, OSError) as exc:
+                if exc.errno in (errno.EAGAIN, errno.EBUSY) and self._table:
+                    # The kernel is short of room; the SQEs stay queued in the
+                    # ring and go with the next submit, after completions drain.
+                    self._resubmit = True
+                    return
+                self._fail(exc)
+                return
+
+    def _fail(self, exc: BaseException) -> None:
+        """The ring can no longer be trusted: every waiter learns why; nothing is submitted again."""
+        self._broken = exc
+        for request in list(self._pending):
+            if not request.future.done():
+                request.future.set_exception(ReactorClosedError(f"io_uring submit failed: {exc}"))
+        self._pending.clear()
+        self._wake_idle()
+
+    # -- completion ---------------------------------------------------------
+
+    def _on_wake(self) -> None:
+        try:
+            os.eventfd_read(self._eventfd)
+        except BlockingIOError:
+            pass
+        self.drain()
+
+    def drain(self) -> int:
+        """Reap every completion that is ready; returns how many."""
+        total = 0
+        while True:
+            reaped = 0
+            for _ in L.CqeIter(self._ring, self._cqe):
+                cqe = self._cqe[0]
+                token = cqe.user_data
+                try:
+                    res = cqe.res
+                except OSError as exc:  # the wheel raises for a negative result
+                    res = -(exc.errno or errno.EIO)
+                reaped += 1
+                self._deliver(token, res)
+            if not reaped:
+                break
+            L.io_uring_cq_advance(self._ring, reaped)
+            total += reaped
+        if total:
+            self.completions += total
+            if self._resubmit:
+                self._resubmit = False
+                self._submit()
+            if self._pending and not self._flush_scheduled:
+                self._flush()
+            self._wake_idle()
+        return total
+
+    def _deliver(self, token: int, res: int) -> None:
+        request = self._table.pop(token, None)
+        if request is None:
+            return
+        self._inflight_bytes -= request.nbytes
+        self._iovecs.append(request.iovec)
+        request.iovec = None
+        if not self._table:
+            self.busy_s += time.perf_counter() - self._busy_since
+        if not request.future.done():
+            request.future.set_result(res)
+
+    def _wake_idle(self) -> None:
+        if not self._table and not self._pending:
+            self._idle.set()
+
+    async def drained(self) -> None:
+        """Wait until no read is in the kernel or queued for it."""
+        await self._idle.wait()
+
+    # -- shutdown -----------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Stop taking reads, wait for every read the kernel owns, then tear the ring down."""
+        if self._ring is None:
+            return
+        self._closing = True
+        await self.drained()
+        self._loop.remove_reader(self._eventfd)
+        ring, self._ring = self._ring, None
+        L.io_uring_queue_exit(ring)  # also unregisters the buffers and the eventfd
+        os.close(self._eventfd)
+        self._registered_iovec = None
+
+
+def _readv_fixed_supported() -> bool:
+    """Whether the kernel knows IORING_OP_READV_FIXED (Linux 6.15+)."""
+    try:
+        ops = L.probe() or {}
+    except OSError:
+        return False
+    return bool(ops.get("IORING_OP_READV_FIXED"))

@@ -1,0 +1,236 @@
+"""Reads in flight: cancellation, close, the streaming ExpertSource, and event-loop responsiveness."""
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from colibri_aio.errors import ExpertReadError
+from colibri_aio.experts import ExpertLocation
+from colibri_aio.io import ExpertReader, ReaderClosedError, SlotState, StreamingExpertSource
+from colibri_aio.io.pool import BufferPool
+from colibri_aio.io.synthetic import bench_locations, byte_range
+
+pytest.importorskip("liburing")
+
+FILE_NBYTES = 48 << 20
+EXPERT_NBYTES = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("inflight") / "experts.bin"
+    path.write_bytes(np.random.default_rng(11).bytes(FILE_NBYTES))
+    return path
+
+
+def locations(count: int, seed: int, expert_nbytes: int = EXPERT_NBYTES) -> list[ExpertLocation]:
+    return bench_locations(FILE_NBYTES, expert_nbytes, count, "rand", np.random.default_rng(seed))
+
+
+def exact(path: Path, loc: ExpertLocation, weights) -> bool:
+    with open(path, "rb", buffering=0) as f:
+        return all(t.data.tobytes() == os.pread(f.fileno(), r.nbytes, r.offset)
+                   for t, r in zip((weights.gate, weights.up, weights.down), loc.ranges))
+
+
+def watch_slot_releases(monkeypatch: pytest.MonkeyPatch, reader: ExpertReader) -> list[str]:
+    """Record every release of a slot the kernel may still be writing into."""
+    violations: list[str] = []
+    release = BufferPool.release
+
+    def checked_release(pool: BufferPool, slot) -> None:
+        if slot.state is SlotState.KERNEL:
+            violations.append(f"slot {slot.index} released in the kernel's hands")
+        backend = reader._backend
+        reactor = getattr(backend, "reactor", None)
+        if reactor is not None:
+            for request in reactor._table.values():
+                if slot.address <= request.address < slot.address + slot.nbytes:
+                    violations.append(f"slot {slot.index} released with a read still in the ring")
+        release(pool, slot)
+
+    monkeypatch.setattr(BufferPool, "release", checked_release)
+    return violations
+
+
+async def collect_loop_errors() -> list[dict]:
+    """Errors raised in loop callbacks (a slot released too early would show up here)."""
+    errors: list[dict] = []
+    asyncio.get_running_loop().set_exception_handler(lambda loop, ctx: errors.append(ctx))
+    return errors
+
+
+@pytest.mark.parametrize("backend", ["uring", "pread"])
+async def test_cancelled_reads_keep_their_slots_until_the_kernel_is_done(
+        model_file: Path, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    errors = await collect_loop_errors()
+    reader = await ExpertReader.open(model_file, EXPERT_NBYTES, n_slots=4, backend=backend)
+    violations = watch_slot_releases(monkeypatch, reader)
+    try:
+        tasks = [asyncio.create_task(reader.read(loc)) for loc in locations(6, seed=1)]
+        await asyncio.sleep(0)   # the tasks take slots and queue their reads
+        await asyncio.sleep(0)   # the reads are submitted
+        in_flight_at_cancel = reader.in_flight
+        for task in tasks:
+            task.cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert all(isinstance(r, asyncio.CancelledError) for r in results)
+        assert in_flight_at_cancel > 0, "no read was in flight when cancelled: the test proved nothing"
+        # Cancelled, yet the slots of unfinished reads are still the kernel's.
+        kernel_held = reader.pool.count(SlotState.KERNEL)
+        assert reader.pool.available + kernel_held == reader.pool.n_slots
+        assert kernel_held == reader.in_flight
+        await reader.drained()
+        assert reader.pool.available == reader.pool.n_slots
+        # Late completions wrote nothing into slots now serving other experts.
+        fresh = locations(8, seed=2)
+        leases = await asyncio.gather(*(reader.read(loc) for loc in fresh[:4]))
+        for loc, lease in zip(fresh, leases):
+            assert exact(model_file, loc, lease.weights)
+            lease.release()
+    finally:
+        await reader.aclose()
+    assert violations == [] and errors == []
+
+
+@pytest.mark.parametrize("backend", ["uring", "pread", "mmap"])
+async def test_close_drains_reads_in_flight(model_file: Path, backend: str) -> None:
+    errors = await collect_loop_errors()
+    reader = await ExpertReader.open(model_file, EXPERT_NBYTES, n_slots=6, backend=backend)
+    locs = locations(8, seed=3)  # more reads than slots: two wait for a slot
+    tasks = [asyncio.create_task(reader.read(loc)) for loc in locs]
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    await reader.aclose()
+    assert reader.in_flight == 0
+    if reader.pool is not None:
+        assert reader.pool.count(SlotState.KERNEL) == 0
+    # Every waiter hears that the reader closed; none is handed bytes from a closed pool.
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert all(isinstance(r, ReaderClosedError) for r in results), results
+    assert errors == []
+
+
+async def test_stream_yields_every_expert_once_and_returns_every_slot(model_file: Path) -> None:
+    locs = locations(8, seed=4)
+    table = {(0, loc.expert): loc for loc in locs}
+    reader = await ExpertReader.open(model_file, EXPERT_NBYTES, n_slots=3)
+    source = StreamingExpertSource(reader, table)
+    try:
+        seen = []
+        async with source.stream(0, [7, 2, 5, 0, 1]) as stream:
+            async for expert, weights in stream:
+                assert exact(model_file, table[(0, expert)], weights)
+                assert reader.pool.available + reader.pool.count(SlotState.KERNEL) <= 2  # one is ours
+                seen.append(expert)
+        assert sorted(seen) == [0, 1, 2, 5, 7]
+        assert reader.pool.available == 3
+    finally:
+        await source.aclose()
+
+
+async def test_stream_stopped_early_or_cancelled_leaks_nothing(model_file: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    errors = await collect_loop_errors()
+    locs = locations(8, seed=5)
+    table = {(1, loc.expert): loc for loc in locs}
+    reader = await ExpertReader.open(model_file, EXPERT_NBYTES, n_slots=8)
+    violations = watch_slot_releases(monkeypatch, reader)
+    source = StreamingExpertSource(reader, table)
+    try:
+        async with source.stream(1, range(8)) as stream:
+            async for _expert, _weights in stream:
+                break  # the rest are still in flight or unconsumed
+        await reader.drained()
+        assert reader.pool.available == 8
+
+        started = asyncio.Event()
+
+        async def consumer() -> None:
+            async for _expert, _weights in source.stream(1, range(8)):
+                started.set()
+                await asyncio.sleep(3600)  # stuck in compute; then cancelled
+
+        task = asyncio.create_task(consumer())
+        await started.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await reader.drained()
+        await asyncio.sleep(0)
+        assert reader.pool.available == 8
+    finally:
+        await source.aclose()
+    assert violations == [] and errors == []
+
+
+async def test_stream_surfaces_a_read_error_and_releases_the_rest(model_file: Path) -> None:
+    locs = locations(4, seed=6)
+    broken = ExpertLocation(2, 99, byte_range(0, 4096), byte_range(FILE_NBYTES - 100, 4096), byte_range(8192, 4096))
+    table = {(2, loc.expert): loc for loc in locs} | {(2, 99): broken}
+    reader = await ExpertReader.open(model_file, EXPERT_NBYTES, n_slots=5)
+    source = StreamingExpertSource(reader, table)
+    try:
+        with pytest.raises(ExpertReadError, match="expert 99"):
+            async with source.stream(2, [0, 1, 99, 2, 3]) as stream:
+                async for _expert, _weights in stream:
+                    pass
+        await reader.drained()
+        await asyncio.sleep(0)
+        assert reader.pool.available == 5
+    finally:
+        await source.aclose()
+
+
+def ticker_lag_p99(loop_factory, model_file: Path) -> tuple[float, int]:
+    """p99 lateness of a 10 ms ticker while rounds of 32 reads of 4 MiB are in flight."""
+    async def main() -> tuple[float, int]:
+        locs = bench_locations(FILE_NBYTES, 4 << 20, 32, "rand", np.random.default_rng(8))
+        reader = await ExpertReader.open(model_file, 4 << 20, n_slots=32, backend="uring")
+        lags: list[float] = []
+        peak = 0
+        stop = asyncio.Event()
+
+        async def ticker() -> None:
+            while not stop.is_set():
+                before = time.perf_counter()
+                await asyncio.sleep(0.010)
+                lags.append(time.perf_counter() - before - 0.010)
+
+        async def one(loc: ExpertLocation) -> None:
+            (await reader.read(loc)).release()
+
+        try:
+            tick = asyncio.create_task(ticker())
+            deadline = time.perf_counter() + 2.0  # ~200 ticks
+            while time.perf_counter() < deadline:
+                round_ = asyncio.gather(*(one(loc) for loc in locs))
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+                peak = max(peak, reader.in_flight)
+                await round_
+            stop.set()
+            await tick
+        finally:
+            await reader.aclose()
+        return float(np.percentile(lags, 99)), peak
+
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(main())
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_event_loop_stays_responsive_with_32_reads_of_4mib_in_flight(model_file: Path, loop_kind: str) -> None:
+    if loop_kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        factory = uvloop.new_event_loop
+    else:
+        factory = asyncio.new_event_loop
+    p99, peak = ticker_lag_p99(factory, model_file)
+    assert peak == 32
+    assert p99 <= 0.020, f"p99 ticker lag {p99 * 1e3:.1f} ms"

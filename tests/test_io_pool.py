@@ -1,0 +1,112 @@
+"""Buffer pool and O_DIRECT alignment: pure bookkeeping, no disk."""
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from colibri_aio.io.align import ALIGN, plan_expert, slot_nbytes_for
+from colibri_aio.io.iovec import layout_problem
+from colibri_aio.io.pool import BufferPool, SlotState
+from colibri_aio.io.synthetic import byte_range, random_locations
+from colibri_aio.experts import ExpertLocation
+
+
+def test_plan_covers_each_range_with_aligned_reads() -> None:
+    rng = np.random.default_rng(1)
+    for loc in random_locations(1 << 30, 200, rng, offset_align=1):
+        plan = plan_expert(loc)
+        assert plan.span <= slot_nbytes_for(loc.nbytes)
+        previous_end = 0
+        for rr, tr in zip(plan.reads, loc.ranges):
+            assert rr.file_offset % ALIGN == 0 and rr.read_nbytes % ALIGN == 0 and rr.dest_offset % ALIGN == 0
+            assert rr.file_offset <= tr.offset
+            assert tr.offset + tr.nbytes <= rr.file_offset + rr.read_nbytes
+            assert rr.view_offset - rr.dest_offset == tr.offset - rr.file_offset
+            assert rr.need_nbytes == tr.offset + tr.nbytes - rr.file_offset
+            assert rr.dest_offset == previous_end  # back to back in the slot, no overlap
+            previous_end = rr.dest_offset + rr.read_nbytes
+
+
+def test_worst_case_alignment_fits_the_slot() -> None:
+    # Every range starts one byte after an alignment boundary and ends one byte past another.
+    n = 3 * ALIGN - 1
+    loc = ExpertLocation(0, 0, byte_range(ALIGN + 1, n), byte_range(9 * ALIGN + 1, n), byte_range(20 * ALIGN + 1, n))
+    assert plan_expert(loc).span <= slot_nbytes_for(loc.nbytes)
+
+
+def test_slots_are_aligned_views_of_the_arenas() -> None:
+    pool = BufferPool(3 * ALIGN + 100, 5)
+    try:
+        assert pool.slot_nbytes % ALIGN == 0
+        for slot in pool.slots:
+            assert slot.address % ALIGN == 0
+            assert slot.array.ctypes.data == slot.address
+            arena = np.frombuffer(pool.arenas[slot.arena], np.uint8)
+            assert np.shares_memory(slot.array, arena)
+            slot.array[:] = slot.index  # writing through the array shows through the memoryview
+            assert bytes(slot.view[:2]) == bytes([slot.index, slot.index])
+    finally:
+        pool.close()
+
+
+def test_arenas_stay_under_the_registration_limit() -> None:
+    pool = BufferPool(64 << 10, 10, arena_max=256 << 10)
+    try:
+        assert [len(a) for a in pool.arenas] == [256 << 10, 256 << 10, 128 << 10]
+        assert pool.n_slots == 10 and pool.available == 10
+    finally:
+        pool.close()
+    with pytest.raises(ValueError):
+        BufferPool(2 << 20, 1, arena_max=1 << 20)
+
+
+async def test_acquire_waits_first_come_first_served() -> None:
+    pool = BufferPool(ALIGN, 1)
+    first = await pool.acquire()
+    order: list[str] = []
+
+    async def take(name: str) -> None:
+        slot = await pool.acquire()
+        order.append(name)
+        pool.release(slot)
+
+    waiters = [asyncio.create_task(take(n)) for n in ("a", "b", "c")]
+    await asyncio.sleep(0)
+    waiters[1].cancel()  # a cancelled waiter must not swallow the slot
+    await asyncio.sleep(0)
+    pool.release(first)
+    await asyncio.gather(waiters[0], waiters[2])
+    assert order == ["a", "c"]
+    assert pool.available == 1
+    pool.close()
+
+
+def test_a_slot_in_the_kernel_cannot_be_released_or_closed_over() -> None:
+    pool = BufferPool(ALIGN, 2)
+    slot = pool.try_acquire()
+    assert slot is not None
+    pool.mark(slot, SlotState.KERNEL)
+    with pytest.raises(RuntimeError, match="in flight"):
+        pool.release(slot)
+    with pytest.raises(RuntimeError, match="in flight"):
+        pool.close()
+    pool.mark(slot, SlotState.LEASED)
+    pool.release(slot)
+    with pytest.raises(RuntimeError, match="twice"):
+        pool.release(slot)
+    pool.close()
+    assert pool.arenas == []
+
+
+def test_close_unmaps_arenas_when_no_view_is_held() -> None:
+    pool = BufferPool(ALIGN, 2)
+    arena = pool.arenas[0]
+    pool.close()
+    assert arena.closed
+
+
+def test_liburing_iovec_layout_is_understood() -> None:
+    pytest.importorskip("liburing")
+    assert layout_problem() is None

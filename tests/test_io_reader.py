@@ -1,0 +1,295 @@
+"""ExpertReader on a file of random bytes: every backend returns exactly what os.pread returns,
+fallbacks engage when io_uring or its registration is refused, and faults are named."""
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from colibri_aio.errors import ExpertReadError, ModelFormatError, UserError
+from colibri_aio.experts import ExpertLocation
+from colibri_aio.io import ExpertReader, ModelFileChangedError, ReaderClosedError
+from colibri_aio.io.synthetic import byte_range, random_locations
+from colibri_aio.io.uring import UringReactor
+
+L = pytest.importorskip("liburing")
+
+BACKENDS = ["uring", "pread", "mmap"]
+FILE_NBYTES = 6 << 20
+
+
+@pytest.fixture
+def model_file(tmp_path: Path) -> Path:
+    """Random bytes on the repo-or-/tmp file system (ext4 here, so O_DIRECT works)."""
+    path = tmp_path / "experts.bin"
+    path.write_bytes(np.random.default_rng(7).bytes(FILE_NBYTES + 123))  # not a multiple of 4096
+    return path
+
+
+def mixed_locations(size: int, count: int, seed: int = 0) -> list[ExpertLocation]:
+    """Q8_0 and F32 experts at random offsets: GGUF's 32-byte alignment and odd offsets too."""
+    rng = np.random.default_rng(seed)
+    locs = random_locations(size, count // 2, rng, GGMLQuantizationType.Q8_0, (64, 256))
+    locs += random_locations(size, count // 4, rng, GGMLQuantizationType.F32, (32, 64), offset_align=1)
+    locs += random_locations(size, count - len(locs), rng, GGMLQuantizationType.Q8_0, (32, 96), offset_align=4096)
+    return locs
+
+
+def assert_exact(path: Path, loc: ExpertLocation, lease) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        for tensor, rng in zip((lease.weights.gate, lease.weights.up, lease.weights.down), loc.ranges):
+            assert tensor.ggml_type == rng.ggml_type and tensor.shape == rng.shape
+            assert tensor.data.tobytes() == os.pread(fd, rng.nbytes, rng.offset)
+    finally:
+        os.close(fd)
+
+
+async def read_all_and_check(reader: ExpertReader, path: Path, locs: list[ExpertLocation]) -> None:
+    async def one(loc: ExpertLocation) -> None:
+        with await reader.read(loc) as lease:
+            assert_exact(path, loc, lease)
+    async with asyncio.timeout(30):
+        await asyncio.gather(*(one(loc) for loc in locs))
+
+
+def largest(locs: list[ExpertLocation]) -> int:
+    return max(loc.nbytes for loc in locs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["auto"])
+async def test_reads_are_byte_exact(model_file: Path, backend: str) -> None:
+    locs = mixed_locations(FILE_NBYTES, 60)
+    reader = await ExpertReader.open(model_file, largest(locs), n_slots=5, backend=backend)
+    try:
+        assert reader.backend == ("uring" if backend == "auto" else backend)
+        assert reader.backend_reason
+        await read_all_and_check(reader, model_file, locs)
+        assert reader.stats.reads == len(locs)
+        assert reader.stats.bytes == sum(loc.nbytes for loc in locs)
+        if reader.pool is not None:
+            assert reader.pool.available == reader.pool.n_slots
+    finally:
+        await reader.aclose()
+
+
+async def test_auto_uses_registered_o_direct_io_uring_here(model_file: Path) -> None:
+    reader = await ExpertReader.open(model_file, 1 << 20, n_slots=2)
+    try:
+        assert (reader.backend, reader.registered, reader.direct) == ("uring", True, True)
+        assert "registered" in reader.backend_reason
+    finally:
+        await reader.aclose()
+
+
+async def test_o_direct_refused_falls_back_to_buffered(model_file: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    real_open = os.open
+
+    def tmpfs_like_open(path, flags, *args):  # tmpfs before Linux 6.6 refused O_DIRECT like this
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", tmpfs_like_open)
+    locs = mixed_locations(FILE_NBYTES, 12)
+    reader = await ExpertReader.open(model_file, largest(locs), n_slots=3, backend="uring")
+    try:
+        assert reader.direct is False
+        assert "refuses O_DIRECT" in reader.file.direct_reason
+        await read_all_and_check(reader, model_file, locs)
+    finally:
+        await reader.aclose()
+    assert "O_DIRECT refused" in capsys.readouterr().out
+
+
+async def test_tmpfs_reads_are_exact_whatever_it_says_about_o_direct() -> None:
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or not os.access(shm, os.W_OK):
+        pytest.skip("no writable /dev/shm tmpfs on this machine")
+    path = shm / f"colibri-io-test-{os.getpid()}.bin"
+    path.write_bytes(np.random.default_rng(3).bytes(1 << 20))
+    try:
+        locs = mixed_locations(1 << 20, 8, seed=3)
+        reader = await ExpertReader.open(path, largest(locs), n_slots=2, backend="uring")
+        try:
+            await read_all_and_check(reader, path, locs)
+        finally:
+            await reader.aclose()
+    finally:
+        path.unlink()
+
+
+async def test_registration_refused_falls_back_to_unregistered_reads(
+        model_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(ring, iovecs, tags=None):
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(L, "io_uring_register_buffers", refuse)
+    locs = mixed_locations(FILE_NBYTES, 20)
+    reader = await ExpertReader.open(model_file, largest(locs), n_slots=4)
+    try:
+        assert (reader.backend, reader.registered) == ("uring", False)
+        assert "unregistered" in reader.backend_reason and "ENOMEM" in reader.backend_reason
+        await read_all_and_check(reader, model_file, locs)
+    finally:
+        await reader.aclose()
+
+
+_NO_IPC_LOCK_SCRIPT = """
+import asyncio, os, sys
+import numpy as np
+from colibri_aio.io import ExpertReader
+from colibri_aio.io.synthetic import random_locations
+path = sys.argv[1]
+async def main():
+    locs = random_locations(os.path.getsize(path), 16, np.random.default_rng(5), shape=(64, 256))
+    reader = await ExpertReader.open(path, max(l.nbytes for l in locs), n_slots=64)
+    fd = os.open(path, os.O_RDONLY)
+    for loc in locs:
+        with await reader.read(loc) as lease:
+            for t, r in zip((lease.weights.gate, lease.weights.up, lease.weights.down), loc.ranges):
+                assert t.data.tobytes() == os.pread(fd, r.nbytes, r.offset)
+    print(reader.backend, reader.registered)
+    await reader.aclose()
+asyncio.run(main())
+"""
+
+
+def test_registration_refused_without_cap_ipc_lock(model_file: Path) -> None:
+    """A real refusal: drop CAP_IPC_LOCK and cap RLIMIT_MEMLOCK below the pool size."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or os.geteuid() != 0:
+        pytest.skip("needs root and setpriv to drop CAP_IPC_LOCK")
+    cmd = [setpriv, "--inh-caps=-ipc_lock", "--bounding-set=-ipc_lock", "--",
+           sys.executable, "-c",
+           "import resource, sys, runpy; resource.setrlimit(resource.RLIMIT_MEMLOCK, (65536, 65536)); "
+           "sys.argv = sys.argv[1:]; exec(sys.argv[0])", _NO_IPC_LOCK_SCRIPT, str(model_file)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-2:] == ["uring", "False"], done.stdout + done.stderr
+    assert "registration refused" in done.stdout + done.stderr
+
+
+async def test_io_uring_setup_failure_falls_back_to_pread(model_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_io_uring(entries, ring, flags=None):  # what a seccomp filter or an old kernel says
+        raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
+
+    monkeypatch.setattr(L, "io_uring_queue_init", no_io_uring)
+    locs = mixed_locations(FILE_NBYTES, 20)
+    reader = await ExpertReader.open(model_file, largest(locs), n_slots=4, backend="auto")
+    try:
+        assert reader.backend == "pread"
+        assert "io_uring cannot be set up" in reader.backend_reason and "ENOSYS" in reader.backend_reason
+        await read_all_and_check(reader, model_file, locs)
+    finally:
+        await reader.aclose()
+    with pytest.raises(UserError, match="io_uring cannot be set up"):
+        await ExpertReader.open(model_file, largest(locs), n_slots=4, backend="uring")
+
+
+async def test_unknown_backend_and_missing_file_are_user_errors(model_file: Path) -> None:
+    with pytest.raises(UserError, match="unknown I/O backend"):
+        await ExpertReader.open(model_file, 1 << 20, 1, backend="aio")
+    with pytest.raises(UserError, match="no such file"):
+        await ExpertReader.open(model_file.with_name("missing.gguf"), 1 << 20, 1)
+
+
+def inject_eio(monkeypatch: pytest.MonkeyPatch, backend: str, bad_offset: int) -> None:
+    """Make the read that starts at ``bad_offset`` fail with EIO, as a failing disk would."""
+    if backend == "uring":
+        deliver = UringReactor._deliver
+
+        def failing_deliver(self, token, res):
+            request = self._table.get(token)
+            if request is not None and request.offset == bad_offset:
+                res = -errno.EIO
+            return deliver(self, token, res)
+
+        monkeypatch.setattr(UringReactor, "_deliver", failing_deliver)
+    else:
+        preadv = os.preadv
+
+        def failing_preadv(fd, buffers, offset, *args):
+            if offset == bad_offset:
+                raise OSError(errno.EIO, os.strerror(errno.EIO))
+            return preadv(fd, buffers, offset, *args)
+
+        monkeypatch.setattr(os, "preadv", failing_preadv)
+
+
+@pytest.mark.parametrize("backend", ["uring", "pread"])
+async def test_io_error_names_file_offset_and_expert(model_file: Path, backend: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    bad = ExpertLocation(7, 42, byte_range(8192 + 96, 5000), byte_range(65536, 4096), byte_range(200_000, 3000))
+    good = mixed_locations(FILE_NBYTES, 6)
+    inject_eio(monkeypatch, backend, bad_offset=65536)
+    reader = await ExpertReader.open(model_file, 1 << 20, n_slots=3, backend=backend)
+    try:
+        with pytest.raises(ExpertReadError) as caught:
+            await reader.read(bad)
+        err = caught.value
+        assert (err.path, err.offset, err.length, err.layer, err.expert) == (str(model_file), 65536, 4096, 7, 42)
+        assert "EIO" in str(err) and str(model_file) in str(err) and "expert 42" in str(err)
+        assert reader.pool.available == 3  # the failed read's slot came back
+        await read_all_and_check(reader, model_file, good)  # and the reader still works
+    finally:
+        await reader.aclose()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_short_read_is_named(model_file: Path, backend: str) -> None:
+    size = model_file.stat().st_size
+    past_end = ExpertLocation(3, 9, byte_range(4096, 4096), byte_range(size - 1000, 1000), byte_range(size - 500, 800))
+    reader = await ExpertReader.open(model_file, 1 << 20, n_slots=2, backend=backend)
+    try:
+        with pytest.raises(ExpertReadError, match="short read") as caught:
+            await reader.read(past_end)
+        assert (caught.value.offset, caught.value.layer, caught.value.expert) == (size - 500, 3, 9)
+        if reader.pool is not None:
+            assert reader.pool.available == 2
+    finally:
+        await reader.aclose()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_file_changed_after_open_is_refused(model_file: Path, backend: str) -> None:
+    locs = mixed_locations(FILE_NBYTES // 2, 4)
+    reader = await ExpertReader.open(model_file, largest(locs), n_slots=2, backend=backend)
+    try:
+        await read_all_and_check(reader, model_file, locs)
+        os.truncate(model_file, FILE_NBYTES // 2)
+        with pytest.raises(ModelFileChangedError) as caught:
+            await reader.read(locs[0])
+        assert isinstance(caught.value, ModelFormatError)
+        message = str(caught.value)
+        assert "\n" not in message and "changed since it was opened" in message and str(model_file) in message
+    finally:
+        await reader.aclose()
+
+
+async def test_rewritten_file_same_size_is_refused(model_file: Path) -> None:
+    reader = await ExpertReader.open(model_file, 1 << 20, n_slots=1)
+    try:
+        st = model_file.stat()
+        os.utime(model_file, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+        with pytest.raises(ModelFileChangedError, match="mtime"):
+            await reader.read(mixed_locations(FILE_NBYTES, 1)[0])
+    finally:
+        await reader.aclose()
+
+
+async def test_reads_after_close_are_refused(model_file: Path) -> None:
+    reader = await ExpertReader.open(model_file, 1 << 20, n_slots=1)
+    await reader.aclose()
+    with pytest.raises(ReaderClosedError):
+        await reader.read(mixed_locations(FILE_NBYTES, 1)[0])
+    await reader.aclose()  # closing twice is harmless
