@@ -15,14 +15,32 @@ import numpy as np
 
 from colibri_aio import __version__
 from colibri_aio.errors import ExpertReadError, UserError
-from colibri_aio.sources import IO_CHOICES
+from colibri_aio.logs import configure as configure_logs
+from colibri_aio.sources import IO_CHOICES, PREFETCH_CHOICES
 
 
 def _add_placement(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--io", choices=IO_CHOICES, default="auto",
-                   help="where expert bytes come from (default: %(default)s)")
-    p.add_argument("--ctx", type=int, default=None, metavar="N",
+    g = p.add_argument_group("placement (changes speed, never tokens)")
+    g.add_argument("--io", choices=IO_CHOICES, default="auto",
+                   help="how expert bytes are read: io_uring with O_DIRECT, a thread-pool pread, or mmap "
+                        "(auto: io_uring, else pread; default: %(default)s)")
+    g.add_argument("--ram-budget", default=None, metavar="SIZE",
+                   help="memory for trunk + KV cache + expert cache, e.g. 512M, 12G, 1.5GiB "
+                        "(default: 85%% of usable RAM, cgroup limit included)")
+    g.add_argument("--cache-per-layer", type=int, default=None, metavar="N",
+                   help="hold N experts per layer instead of sizing the cache from the budget")
+    g.add_argument("--prefetch", choices=PREFETCH_CHOICES, default="auto",
+                   help="read the experts router lookahead predicts for the next layer; auto turns it off "
+                        "while the disk is saturated (default: %(default)s)")
+    g.add_argument("--pin", default="off", metavar="auto|off|FILE",
+                   help="keep the most used experts (from a usage history) resident (default: %(default)s)")
+    g.add_argument("--ctx", type=int, default=None, metavar="N",
                    help="context positions to allocate in the KV cache (default: the model's context_length)")
+
+
+def _placement(args: argparse.Namespace) -> dict:
+    return dict(io=args.io, ram_budget=args.ram_budget, cache_per_layer=args.cache_per_layer,
+                prefetch=args.prefetch, pin=args.pin)
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:
@@ -90,7 +108,8 @@ def _parse_ids(text: str) -> list[int]:
 async def _run_async(args: argparse.Namespace) -> int:
     from colibri_aio.engine import Engine
 
-    async with await Engine.open(args.model, io=args.io, n_ctx=args.ctx) as engine:
+    async with await Engine.open(args.model, n_ctx=args.ctx, **_placement(args)) as engine:
+        print(f"[{engine.describe()}]", file=sys.stderr)
         last = None
         async for piece in engine.generate(
                 args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
@@ -113,7 +132,7 @@ async def _logits_async(args: argparse.Namespace) -> int:
     from colibri_aio.engine import Engine
 
     ids = _parse_ids(args.ids)
-    async with await Engine.open(args.model, io=args.io, n_ctx=args.ctx or len(ids)) as engine:
+    async with await Engine.open(args.model, n_ctx=args.ctx or len(ids), **_placement(args)) as engine:
         if max(ids) >= engine.model.args.vocab_size or min(ids) < 0:
             raise UserError(f"--ids: every id must be in [0, {engine.model.args.vocab_size})")
         out = await engine.logits(ids)
@@ -131,7 +150,7 @@ async def _trace_async(args: argparse.Namespace) -> int:
     from colibri_aio.trace import TraceRecorder, trace_run
 
     text = args.prompt if args.prompt is not None else _read_text(args.prompt_file)
-    async with await Engine.open(args.model, io=args.io, n_ctx=args.ctx) as engine:
+    async with await Engine.open(args.model, n_ctx=args.ctx, **_placement(args)) as engine:
         ids = engine.prompt_ids(text)
         if len(ids) >= engine.net.n_ctx:
             raise UserError(f"the prompt has {len(ids)} tokens; the context holds {engine.net.n_ctx}")
@@ -183,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m colibri_aio",
         description="Run Mixture-of-Experts models larger than RAM, straight from GGUF files.")
     parser.add_argument("--version", action="version", version=f"colibri-aio {__version__}")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log engine events (backend choice, placement)")
+    parser.add_argument("--log-json", action="store_true", help="write logs to stderr as JSON lines")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for add in (_add_run, _add_logits, _add_trace, _add_trace_stats):
         add(sub)
@@ -192,6 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point; returns the exit status."""
     args = build_parser().parse_args(argv)
+    configure_logs(verbose=args.verbose, json=args.log_json)
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

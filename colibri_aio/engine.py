@@ -20,7 +20,9 @@ from colibri_aio.gguf_model import Model, load
 from colibri_aio.models import default_model_path
 from colibri_aio.qwen3moe import Qwen3MoE
 from colibri_aio.sampling import FinishReason, Stopper, make_sampler
-from colibri_aio.sources import open_source
+from colibri_aio.plan import Plan
+from colibri_aio.policy.budget import parse_size
+from colibri_aio.sources import DEFAULT_LOOKAHEAD, Placement, open_source
 from colibri_aio.tokenizer import Tokenizer
 
 Prompt = str | Sequence[Mapping[str, Any]]
@@ -51,19 +53,40 @@ class GenerationPiece:
 class Engine:
     """A model ready to generate. Open with :meth:`open`; close with ``async with`` or :meth:`aclose`."""
 
-    def __init__(self, model: Model, tokenizer: Tokenizer, source: ExpertSource, n_ctx: int | None = None) -> None:
-        self.model, self.tokenizer, self.source = model, tokenizer, source
-        self.net = Qwen3MoE(model, source, n_ctx)
+    def __init__(self, model: Model, tokenizer: Tokenizer, source: ExpertSource, plan: Plan,
+                 placement: Placement) -> None:
+        self.model, self.tokenizer, self.source, self.plan, self.placement = model, tokenizer, source, plan, placement
+        self.net = Qwen3MoE(model, source, plan.context)
+        self.net.lookahead = None if placement.prefetch == "off" else DEFAULT_LOOKAHEAD
 
     @classmethod
     async def open(cls, path: str | os.PathLike[str] | None = None, *, io: str = "auto",
-                   n_ctx: int | None = None) -> "Engine":
-        """Load ``path`` (default: the shipped model) and open its expert source."""
+                   ram_budget: int | str | None = None, cache_per_layer: int | None = None,
+                   prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None) -> "Engine":
+        """Load ``path`` (default: the shipped model) and open its expert source.
+
+        Placement: ``io`` (auto|uring|pread|mmap), ``ram_budget`` (bytes or a
+        size such as "12G"; default: a share of usable RAM), ``cache_per_layer``
+        (expert slots per layer instead of a budget), ``prefetch``
+        (auto|on|off), ``pin`` (auto|off|FILE), ``n_ctx`` (KV-cache positions).
+        Placement changes speed, never tokens.
+        """
+        budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
+        placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,
+                              pin=pin, context=n_ctx)
+        placement.check()
         model = load(path if path is not None else default_model_path())
         tokenizer = Tokenizer.from_gguf(model.reader)
         if tokenizer.vocab_size != model.args.vocab_size:
             raise UserError(f"{model.path}: tokenizer has {tokenizer.vocab_size} tokens, model {model.args.vocab_size}")
-        return cls(model, tokenizer, await open_source(model, io), n_ctx)
+        source, plan = await open_source(model, placement)
+        return cls(model, tokenizer, source, plan, placement)
+
+    def describe(self) -> str:
+        """One line: model, plan, and the I/O backend with the reason it was chosen."""
+        reader = getattr(self.source, "reader", None)
+        io = f"io {reader.backend} ({reader.backend_reason})" if reader is not None else "io n/a"
+        return f"{self.model.path.name}: {self.plan.one_line()}; {io}; prefetch {self.placement.prefetch}"
 
     async def __aenter__(self) -> "Engine":
         return self

@@ -21,6 +21,7 @@ from colibri_aio.gguf_model import Model
 from colibri_aio.kernels.ops import attention, rms_norm, rope_cos_sin, rope_neox, router_top_k, swiglu
 from colibri_aio.kernels.qtensor import QTensor
 from colibri_aio.kernels.quant import dequantize, matmul, matvec
+from colibri_aio.lookahead import predictor_state, rank_experts
 
 
 class RouteObserver(Protocol):
@@ -76,6 +77,8 @@ class Qwen3MoE:
         self.n_ctx = min(n_ctx or a.context_length, a.context_length)
         self.cache = KVCache(a.block_count, self.n_ctx, a.head_count_kv, a.key_length)
         self.n_past = 0
+        # The hidden state that predicts the next layer's experts (see trace.PREDICTORS); None = off.
+        self.lookahead: str | None = None
 
     def reset(self) -> None:
         """Forget the context (the KV cache memory is kept and overwritten)."""
@@ -98,10 +101,11 @@ class Qwen3MoE:
         for layer in range(a.block_count):
             if observer is not None:
                 observer.on_layer_input(layer, x)
+            layer_input = x
             x = x + self._attention(layer, rms_norm(x, self.model.blocks[layer].attn_norm, a.rms_eps),
                                     positions, cos, sin)
             h = rms_norm(x, self.model.blocks[layer].ffn_norm, a.rms_eps)
-            x = x + await self._moe(layer, h, positions, x, observer)
+            x = x + await self._moe(layer, h, positions, layer_input, x, observer)
         self.n_past += tok.size
         rows = x if logits == "all" else x[-1:]
         out = linear(self.model.output, rms_norm(rows, self.model.output_norm, a.rms_eps))
@@ -121,8 +125,8 @@ class Qwen3MoE:
         o = attention(q, self.cache.k[layer, :s], self.cache.v[layer, :s], positions)
         return linear(blk.attn_output, o)
 
-    async def _moe(self, layer: int, h: np.ndarray, positions: np.ndarray, residual: np.ndarray,
-                   observer: RouteObserver | None) -> np.ndarray:
+    async def _moe(self, layer: int, h: np.ndarray, positions: np.ndarray, layer_input: np.ndarray,
+                   residual: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
         """Route, fetch each unique expert once (batch-union), and sum in routing order.
 
         Experts arrive in whatever order the source delivers them; each one's
@@ -133,10 +137,30 @@ class Qwen3MoE:
         ids, weights = router_top_k(h @ self.model.blocks[layer].ffn_gate_inp.T, a.expert_used_count)
         if observer is not None:
             observer.on_route(layer, positions, residual, h, ids, weights)
+        predicted = self._lookahead(layer, layer_input, residual, h)
         contrib = np.zeros((h.shape[0], a.expert_used_count, a.embedding_length), np.float32)  # (T, k, D)
         # aclosing: on an error mid-layer the source still drains its in-flight reads.
         async with aclosing(self.experts.stream(layer, np.unique(ids).tolist())) as stream:
             async for expert, w in stream:
+                if predicted is not None:  # this layer's demand reads are submitted by now
+                    self.experts.hint(layer + 1, predicted)
+                    predicted = None
                 rows, ranks = np.nonzero(ids == expert)
                 contrib[rows, ranks] = expert_ffn(w, h[rows]) * weights[rows, ranks][:, None]
         return contrib.sum(axis=1)
+
+    def _lookahead(self, layer: int, layer_input: np.ndarray, residual: np.ndarray,
+                   h: np.ndarray) -> list[int] | None:
+        """Layer + 1's likely experts from router layer + 1 on this layer's hidden state.
+
+        One position: its top-k in router order. Several (prefill): the union
+        of their top-k, most-voted first. None when lookahead is off or on the last layer.
+        """
+        if self.lookahead is None or layer + 1 >= self.args.block_count:
+            return None
+        state = predictor_state(self.model, self.lookahead, layer, layer_input, residual, h)
+        ranked = rank_experts(self.model.blocks[layer + 1].ffn_gate_inp, state, self.args.expert_used_count)
+        if ranked.shape[0] == 1:
+            return ranked[0].tolist()
+        ids, votes = np.unique(ranked, return_counts=True)
+        return ids[np.argsort(-votes, kind="stable")].tolist()

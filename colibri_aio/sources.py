@@ -1,16 +1,79 @@
-"""Choosing where routed experts' bytes come from (``--io``)."""
+"""Placement: where routed experts' bytes come from and how many stay in memory.
+
+``--io``, ``--ram-budget``, ``--cache-per-layer``, ``--prefetch`` and ``--pin``
+end up here as a :class:`Placement`; :func:`open_source` turns it into an
+expert source. Placement changes speed, never tokens (design invariant 1).
+"""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import structlog
+
 from colibri_aio.errors import UserError
-from colibri_aio.experts import ExpertSource
 from colibri_aio.gguf_model import Model
-from colibri_aio.mapped_source import MappedExpertSource
+from colibri_aio.io.reader import BACKENDS, ExpertReader
+from colibri_aio.memory import memory_limits
+from colibri_aio.plan import Plan, make_plan
+from colibri_aio.policy.cache import ExpertCache
+from colibri_aio.scheduler import CachedExpertSource, PrefetchGate
 
-IO_CHOICES = ("auto", "mmap")
+log = structlog.get_logger("colibri_aio.placement")
+
+IO_CHOICES = BACKENDS
+PREFETCH_CHOICES = ("auto", "on", "off")
+# The hidden state whose next-layer routing best predicts the next layer's
+# experts (evidence/routing_stats.md): the MoE input of the current layer.
+DEFAULT_LOOKAHEAD = "moe_input"
 
 
-async def open_source(model: Model, io: str = "auto") -> ExpertSource:
-    """An expert source for ``model`` with the requested I/O backend."""
-    if io in ("auto", "mmap"):
-        return MappedExpertSource(model)
-    raise UserError(f"unknown --io backend {io!r} (choose from {', '.join(IO_CHOICES)})")
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """How to place a model's experts. Defaults: auto I/O, a budget from usable RAM, auto prefetch."""
+
+    io: str = "auto"
+    ram_budget: int | None = None
+    cache_per_layer: int | None = None
+    prefetch: str = "auto"
+    pin: str = "off"
+    cache_policy: str = "lru"
+    context: int | None = None
+
+    def check(self) -> None:
+        if self.io not in IO_CHOICES:
+            raise UserError(f"unknown --io {self.io!r} (choose from {', '.join(IO_CHOICES)})")
+        if self.prefetch not in PREFETCH_CHOICES:
+            raise UserError(f"unknown --prefetch {self.prefetch!r} (choose from {', '.join(PREFETCH_CHOICES)})")
+        if self.cache_per_layer is not None and self.cache_per_layer < 1:
+            raise UserError(f"--cache-per-layer must be >= 1, got {self.cache_per_layer}")
+
+
+def cache_for(model: Model, placement: Placement, plan: Plan) -> ExpertCache:
+    """The expert cache: per-layer quotas with --cache-per-layer, else global over the planned slots."""
+    a = model.args
+    if placement.cache_per_layer is not None:
+        per_layer = min(placement.cache_per_layer, a.expert_count)
+        if per_layer < a.expert_used_count:
+            raise UserError(f"--cache-per-layer {per_layer} is below expert_used_count {a.expert_used_count}: "
+                            f"one layer's experts would not fit")
+        return ExpertCache(per_layer * a.block_count, policy=placement.cache_policy, scope="layer",
+                           n_layers=a.block_count)
+    return ExpertCache(plan.slots, policy=placement.cache_policy, scope="global")
+
+
+async def open_source(model: Model, placement: Placement, gate: PrefetchGate | None = None
+                      ) -> tuple[CachedExpertSource, Plan]:
+    """Open the reader, size the cache from the plan, fill pinned experts."""
+    placement.check()
+    plan = make_plan(model, memory_limits(), budget=placement.ram_budget, context=placement.context)
+    cache = cache_for(model, placement, plan)
+    reader = await ExpertReader.open(model.path, model.expert_nbytes_max, cache.n_slots, backend=placement.io)
+    source = CachedExpertSource(model, reader, cache, gate)
+    try:
+        await source.fill_pinned()
+    except BaseException:
+        await source.aclose()
+        raise
+    log.info("placement", io=reader.backend, io_reason=reader.backend_reason, slots=cache.n_slots,
+             scope=cache.scope, policy=cache.policy, prefetch=placement.prefetch)
+    return source, plan

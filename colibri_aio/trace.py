@@ -38,30 +38,12 @@ from typing import IO, TYPE_CHECKING, Any
 import numpy as np
 
 from colibri_aio.gguf_model import Model
-from colibri_aio.kernels.ops import rms_norm
+from colibri_aio.lookahead import PREDICTORS, predictor_state, rank_experts
 
 if TYPE_CHECKING:
     from colibri_aio.qwen3moe import Qwen3MoE
 
 FORMAT, VERSION = "colibri-aio-route-trace", 1
-PREDICTORS = ("moe_input", "residual_next_norm", "raw_residual", "layer_input_next_norm")
-
-
-def predictor_states(model: Model, layer: int, layer_input: np.ndarray, residual: np.ndarray,
-                     moe_input: np.ndarray) -> dict[str, np.ndarray]:
-    """Each predictor's hidden state (T, D) for routing layer + 1."""
-    eps, nxt = model.args.rms_eps, model.blocks[layer + 1].ffn_norm
-    return {
-        "moe_input": moe_input,
-        "residual_next_norm": rms_norm(residual, nxt, eps),
-        "raw_residual": residual,
-        "layer_input_next_norm": rms_norm(layer_input, nxt, eps),
-    }
-
-
-def rank_experts(router: np.ndarray, states: np.ndarray, n: int) -> np.ndarray:
-    """The n experts with the largest router logits for each row of ``states``: (T, n)."""
-    return np.argsort(-(states @ router.T), axis=-1, kind="stable")[:, :n]
 
 
 @dataclass
@@ -93,8 +75,10 @@ class TraceRecorder:
         if layer + 1 < a.block_count:
             assert self._layer_input is not None
             router = self.model.blocks[layer + 1].ffn_gate_inp
-            states = predictor_states(self.model, layer, self._layer_input, residual, moe_input)
-            predicted = {k: rank_experts(router, s, 2 * a.expert_used_count) for k, s in states.items()}
+            predicted = {
+                name: rank_experts(router, predictor_state(self.model, name, layer, self._layer_input, residual,
+                                                           moe_input), 2 * a.expert_used_count)
+                for name in PREDICTORS}
         for i, pos in enumerate(positions.tolist()):
             rec: dict[str, Any] = {
                 "kind": "route", "run": self.run, "phase": self.phase, "pos": pos,

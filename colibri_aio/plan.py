@@ -1,0 +1,141 @@
+"""Placement planning: what stays resident, how many expert slots the budget buys,
+and whether the run will be bound by compute or by the disk.
+
+Pure arithmetic over the model's sizes and a budget, so the same plan is
+printed by ``plan``, used by ``run`` and checked in tests with fixed inputs.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from colibri_aio.errors import UserError
+from colibri_aio.gguf_model import Model
+from colibri_aio.io.align import slot_nbytes_for
+from colibri_aio.memory import MemoryLimits
+from colibri_aio.policy.budget import slots_for_budget
+
+GiB = 1 << 30
+# Python, NumPy, BLAS and the tokenizer before any model memory (peak RSS of an
+# engine on the shipped tiny model is ~150 MiB; this keeps a margin).
+RUNTIME_OVERHEAD = 256 << 20
+# Share of usable RAM a plan takes when the user gives no budget: the page
+# cache and the rest of the system keep the remainder.
+DEFAULT_BUDGET_SHARE = 0.85
+# Assumed rates for the bottleneck estimate, from evidence/ receipts on this
+# class of machine (2 vCPU, virtio disk): NumPy kernels and O_DIRECT reads.
+ASSUMED_WEIGHTS_PER_S = 3.0e9
+ASSUMED_DISK_BYTES_PER_S = 1.5e9
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Where each part of the model lives, in bytes, and what that predicts."""
+
+    budget: int
+    budget_source: str
+    context: int
+    trunk: int
+    kv_cache: int
+    working: int               # activations, logits and runtime overhead
+    slot_nbytes: int
+    slots: int
+    experts_total: int
+    pinned_slots: int
+    expected_hit_rate: float | None
+    hit_rate_source: str
+    bottleneck: str            # "compute" or "disk"
+    compute_s_per_token: float
+    disk_s_per_token: float
+
+    @property
+    def pool(self) -> int:
+        return self.slots * self.slot_nbytes
+
+    @property
+    def all_experts_fit(self) -> bool:
+        return self.slots >= self.experts_total
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "pool": self.pool, "all_experts_fit": self.all_experts_fit}
+
+    def one_line(self) -> str:
+        hit = "n/a" if self.expected_hit_rate is None else f"{self.expected_hit_rate:.0%}"
+        return (f"plan: budget {gb(self.budget)} ({self.budget_source}) = trunk {gb(self.trunk)} + "
+                f"KV {gb(self.kv_cache)} ({self.context} ctx) + pool {self.slots} slots {gb(self.pool)} "
+                f"({self.pinned_slots} pinned; {self.slots}/{self.experts_total} experts) + working "
+                f"{gb(self.working)}; expected hit {hit}; bound by {self.bottleneck}")
+
+
+def gb(n: int) -> str:
+    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
+
+
+def kv_cache_nbytes(model: Model, context: int) -> int:
+    a = model.args
+    return 2 * a.block_count * context * a.head_count_kv * a.key_length * 4
+
+
+def working_nbytes(model: Model, prefill_chunk: int = 256) -> int:
+    """Activations of one prefill chunk (a few (T, D) buffers, attention scores) and one row of logits."""
+    a = model.args
+    acts = prefill_chunk * a.embedding_length * 4 * 16
+    scores = a.head_count * prefill_chunk * min(a.context_length, 4096) * 4 * 2
+    return RUNTIME_OVERHEAD + acts + scores + a.vocab_size * 4 * 2
+
+
+def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, context: int | None = None,
+              usage_counts: dict[tuple[int, int], float] | None = None, pin_share: float = 0.0) -> Plan:
+    """The placement for ``model`` within ``budget`` (default: a share of usable RAM).
+
+    Refuses, with a :class:`UserError` that says what is missing, a budget
+    that cannot hold the trunk, the KV cache for ``context`` and a minimal
+    cache (one slot per routed expert of a layer: expert_used_count).
+    """
+    a = model.args
+    context = min(context or a.context_length, a.context_length)
+    source = "--ram-budget"
+    if budget is None:
+        budget = int(limits.usable * DEFAULT_BUDGET_SHARE)
+        source = f"{DEFAULT_BUDGET_SHARE:.0%} of usable RAM" + (" (cgroup limit)" if limits.cgroup_limit else "")
+    slot = slot_nbytes_for(model.expert_nbytes_max)
+    kv, working = kv_cache_nbytes(model, context), working_nbytes(model)
+    reserved = model.trunk_nbytes + kv + working
+    total = a.block_count * a.expert_count
+    slots = min(total, slots_for_budget(budget, slot, reserved))
+    if slots < a.expert_used_count:
+        need = reserved + a.expert_used_count * slot
+        raise UserError(
+            f"budget {gb(budget)} is too small: trunk {gb(model.trunk_nbytes)} + KV cache {gb(kv)} for {context} "
+            f"positions + working {gb(working)} + a minimal cache of {a.expert_used_count} expert slots "
+            f"({gb(a.expert_used_count * slot)}) need {gb(need)}")
+    pinned = min(int(slots * pin_share), slots - a.expert_used_count) if usage_counts else 0
+    hit, hit_source = expected_hit_rate(usage_counts, slots, total)
+    compute_s, disk_s = token_times(model, 0.0 if hit is None else hit)
+    return Plan(budget, source, context, model.trunk_nbytes, kv, working, slot, slots, total, max(0, pinned),
+                hit, hit_source, "disk" if disk_s > compute_s else "compute", compute_s, disk_s)
+
+
+def expected_hit_rate(usage_counts: dict[tuple[int, int], float] | None, slots: int,
+                      total: int) -> tuple[float | None, str]:
+    """The share of past selections the ``slots`` most used experts would have served.
+
+    This is the steady state of a frequency-ordered cache on the recorded
+    workload: an estimate, not a promise (LRU on a shifting workload does worse).
+    """
+    if slots >= total:
+        return 1.0, "every expert fits"
+    if not usage_counts:
+        return None, "no usage history"
+    counts = sorted(usage_counts.values(), reverse=True)
+    return sum(counts[:slots]) / sum(counts), "usage history"
+
+
+def token_times(model: Model, hit_rate: float) -> tuple[float, float]:
+    """Seconds per decoded token for compute and for expert reads, at the assumed rates."""
+    a = model.args
+    expert_weights = 3 * a.expert_feed_forward_length * a.embedding_length
+    attn_weights = (2 * a.head_count + 2 * a.head_count_kv) * a.key_length * a.embedding_length
+    active = a.block_count * (a.expert_used_count * expert_weights + attn_weights) + a.vocab_size * a.embedding_length
+    miss_bytes = (1 - hit_rate) * a.block_count * a.expert_used_count * model.expert_nbytes_max
+    return active / ASSUMED_WEIGHTS_PER_S, miss_bytes / ASSUMED_DISK_BYTES_PER_S

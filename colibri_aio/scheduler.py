@@ -1,0 +1,240 @@
+"""The scheduler: a bounded expert cache over the reader's buffer pool, demand reads
+overlapped with compute, and lookahead prefetch behind a backpressure gate.
+
+The policy objects (:class:`~colibri_aio.policy.cache.ExpertCache`, the
+backpressure controller) decide; this module only carries their decisions
+out with the :class:`~colibri_aio.io.reader.ExpertReader`:
+
+- ``stream(layer, experts)``: cached experts are yielded at once; every miss
+  is reserved and submitted together; each missed expert is yielded as its
+  read lands. An expert being yielded is held (``acquire``) so no read can
+  evict it, and is released when the consumer advances.
+- ``hint(layer, experts)``: the lookahead's prediction. While the gate is
+  open and the prefetch cap allows, predicted misses are read into slots the
+  cache can spare. Demand reads never wait behind more than the cap of
+  prefetches, and a prefetch for a layer already passed is not started.
+
+Slot ownership (design invariant 2): a cache slot that is filling belongs to
+its read until the read is over, even if every waiter went away; evicting a
+ready slot releases its lease, which gives the pool slot back.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import structlog
+
+from colibri_aio.experts import ExpertWeights
+from colibri_aio.gguf_model import Model
+from colibri_aio.io.reader import ExpertReader, SlotLease
+from colibri_aio.policy.cache import ExpertCache, Key, Reservation, SlotState
+
+log = structlog.get_logger("colibri_aio.scheduler")
+
+ReadKind = Literal["demand", "prefetch"]
+
+
+class PrefetchGate(Protocol):
+    """What the scheduler asks of the backpressure controller."""
+
+    def allows_prefetch(self, now: float) -> bool: ...
+
+    def on_read(self, kind: ReadKind, nbytes: int, submitted: float, completed: float, in_flight: int) -> None: ...
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    demand_reads: int = 0
+    prefetch_reads: int = 0
+    prefetch_skipped_gate: int = 0     # predicted misses not read because the gate was closed
+    prefetch_skipped_cap: int = 0      # ... because the prefetch cap was reached
+    prefetch_skipped_busy: int = 0     # ... because no slot could be spared
+    prefetch_stale: int = 0            # prefetches whose layer had passed before they were started
+    demand_wait_s: float = 0.0         # time the consumer waited for demand bytes
+
+
+class _Fill:
+    """One read into one cache slot."""
+
+    __slots__ = ("key", "kind", "task", "nbytes", "submitted")
+
+    def __init__(self, key: Key, kind: ReadKind, task: asyncio.Task[SlotLease], nbytes: int) -> None:
+        self.key, self.kind, self.task, self.nbytes = key, kind, task, nbytes
+        self.submitted = time.perf_counter()
+
+
+class CachedExpertSource:
+    """An :class:`~colibri_aio.experts.ExpertSource` with a bounded cache and lookahead prefetch."""
+
+    def __init__(self, model: Model, reader: ExpertReader, cache: ExpertCache,
+                 gate: PrefetchGate | None = None, *, prefetch_cap: int | None = None) -> None:
+        if reader.pool is not None and reader.pool.n_slots < cache.n_slots:
+            raise ValueError(f"the pool has {reader.pool.n_slots} slots; the cache needs {cache.n_slots}")
+        self.model, self.reader, self.cache, self.gate = model, reader, cache, gate
+        self.prefetch_cap = prefetch_cap if prefetch_cap is not None else model.args.expert_used_count
+        self.stats = SchedulerStats()
+        self._leases: dict[int, SlotLease] = {}   # ready slots
+        self._fills: dict[int, _Fill] = {}        # filling slots
+        self._current_layer = -1
+        self._closed = False
+
+    # --- start -----------------------------------------------------------------
+
+    async def fill_pinned(self) -> None:
+        """Read every pinned expert into its slot (called once, at start)."""
+        for key, slot in self.cache.pinned.items():
+            self._start_fill(slot, key, "demand")
+        await self._settle([self._fills[s].task for s in list(self._fills)])
+
+    # --- demand path -------------------------------------------------------------
+
+    async def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[tuple[int, ExpertWeights]]:
+        """Yield ``(expert, weights)`` for each of ``experts``: cached ones first, misses as they land."""
+        self._current_layer = layer
+        ready: deque[tuple[int, int]] = deque()     # (expert, slot), acquired
+        waiting: dict[int, int] = {}                # slot -> expert, filling
+        todo: deque[int] = deque()                  # misses without a slot yet
+        for e in experts:
+            slot = self.cache.lookup((layer, e))
+            if slot is None:
+                todo.append(e)
+            elif self.cache.state(slot) is SlotState.READY:
+                self.cache.acquire(slot)
+                ready.append((e, slot))
+            else:
+                waiting[slot] = e
+        try:
+            self._reserve_misses(layer, todo, waiting)
+            while ready or waiting or todo:
+                if not ready:
+                    await self._wait_for(layer, ready, waiting, todo)
+                    continue
+                e, slot = ready.popleft()
+                try:
+                    yield e, self._leases[slot].weights
+                finally:
+                    self.cache.release(slot)
+                self._reserve_misses(layer, todo, waiting)
+        finally:
+            for _, slot in ready:
+                self.cache.release(slot)
+
+    def _reserve_misses(self, layer: int, todo: deque[int], waiting: dict[int, int]) -> None:
+        """Reserve slots and submit reads for as many misses as the cache can take now."""
+        while todo:
+            res = self.cache.reserve((layer, todo[0]))
+            if res is None:
+                return
+            self._evict(res)
+            self._start_fill(res.slot, res.key, "demand")
+            waiting[res.slot] = todo.popleft()
+
+    async def _wait_for(self, layer: int, ready: deque[tuple[int, int]], waiting: dict[int, int],
+                        todo: deque[int]) -> None:
+        """Block until a read this layer needs lands (or, when every slot is busy, any read)."""
+        tasks = {self._fills[s].task: s for s in waiting}
+        if not tasks:  # every slot is filling for someone else: wait for any read, then retry
+            tasks = {f.task: s for s, f in self._fills.items()}
+        if not tasks:
+            raise RuntimeError(f"layer {layer}: {len(todo)} experts need slots and none can be freed "
+                               f"({self.cache.n_slots} slots)")
+        t0 = time.perf_counter()
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        self.stats.demand_wait_s += time.perf_counter() - t0
+        for task in done:
+            slot = tasks[task]
+            if slot not in waiting:
+                continue
+            e = waiting.pop(slot)
+            task.result()  # an ExpertReadError surfaces here, naming file, offset and expert
+            if self.cache.key_of(slot) == (layer, e) and self.cache.state(slot) is SlotState.READY:
+                self.cache.acquire(slot)
+                ready.append((e, slot))
+            else:  # the entry was dropped before we could hold it: read it again
+                todo.append(e)
+        self._reserve_misses(layer, todo, waiting)
+
+    # --- prefetch ---------------------------------------------------------------------
+
+    def hint(self, layer: int, experts: Sequence[int]) -> None:
+        """Prefetch predicted misses of ``layer`` if the gate is open and the cap allows."""
+        if layer <= self._current_layer or self._closed:
+            self.stats.prefetch_stale += 1
+            return
+        for e in experts:
+            key = (layer, e)
+            if self.cache.slot_of(key) is not None:
+                continue
+            if self.gate is not None and not self.gate.allows_prefetch(time.perf_counter()):
+                self.stats.prefetch_skipped_gate += 1
+                return
+            if sum(f.kind == "prefetch" for f in self._fills.values()) >= self.prefetch_cap:
+                self.stats.prefetch_skipped_cap += 1
+                return
+            res = self.cache.reserve(key, prefetch=True)
+            if res is None:
+                self.stats.prefetch_skipped_busy += 1
+                return
+            self._evict(res)
+            self._start_fill(res.slot, key, "prefetch")
+
+    # --- reads --------------------------------------------------------------------------
+
+    def _evict(self, res: Reservation) -> None:
+        if res.evicted is not None:
+            self._leases.pop(res.slot).release()
+
+    def _start_fill(self, slot: int, key: Key, kind: ReadKind) -> None:
+        loc = self.model.expert(*key)
+        task = asyncio.get_running_loop().create_task(self.reader.read(loc))
+        fill = _Fill(key, kind, task, loc.nbytes)
+        self._fills[slot] = fill
+        if kind == "demand":
+            self.stats.demand_reads += 1
+        else:
+            self.stats.prefetch_reads += 1
+        task.add_done_callback(lambda t: self._fill_done(slot, fill))
+
+    def _fill_done(self, slot: int, fill: _Fill) -> None:
+        """A read is over: the slot now holds the key's bytes, or its entry is dropped."""
+        del self._fills[slot]
+        if fill.task.cancelled() or fill.task.exception() is not None:
+            self.cache.mark_failed(slot)
+            if fill.kind == "prefetch" and not fill.task.cancelled():
+                log.warning("prefetch read failed", layer=fill.key[0], expert=fill.key[1],
+                            error=str(fill.task.exception()))
+            return
+        self._leases[slot] = fill.task.result()
+        self.cache.mark_filled(slot)
+        if self.gate is not None:
+            self.gate.on_read(fill.kind, fill.nbytes, fill.submitted, time.perf_counter(), len(self._fills))
+
+    @staticmethod
+    async def _settle(tasks: list[asyncio.Task[SlotLease]]) -> None:
+        """Wait for ``tasks``; re-raise the first failure once all are over."""
+        if not tasks:
+            return
+        await asyncio.wait(tasks)
+        for t in tasks:
+            if not t.cancelled() and t.exception() is not None:
+                raise t.exception()  # type: ignore[misc]
+
+    # --- end --------------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Wait for every read in flight, release every lease, close the reader."""
+        self._closed = True
+        pending = [f.task for f in self._fills.values()]
+        if pending:
+            await asyncio.wait(pending)
+        for fill in [t for t in pending if not t.cancelled() and t.exception() is not None]:
+            fill.exception()  # consumed: the engine is closing
+        for lease in self._leases.values():
+            lease.release()
+        self._leases.clear()
+        await self.reader.aclose()
