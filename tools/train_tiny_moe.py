@@ -57,7 +57,7 @@ class TrainPlan:
     """Optimisation settings: AdamW, linear warmup then cosine decay to lr_min."""
 
     seed: int = 0
-    steps: int = 1400
+    steps: int = 1000
     batch: int = 16
     seq_len: int = 256
     lr: float = 3e-3
