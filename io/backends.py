@@ -6,11 +6,11 @@
   faulted in from a worker thread. The page cache decides what stays, as in
   llama.cpp.
 
-``start`` returns a future that resolves once every range's read is over
-(the kernel or the worker thread no longer touches the slot) to the three
-uint8 views of the expert's tensors, or fails with ExpertReadError. Nobody
-cancels that future: a reader whose waiter goes away still waits for it
-before the slot can be reused.
+``start`` calls ``on_done`` on the event loop exactly once, when every
+range's read is over (the kernel or the worker thread no longer touches the
+slot), with the three uint8 views of the expert's tensors or with an
+ExpertReadError. It cannot be called off: a reader whose waiter went away
+still waits for ``on_done`` before the slot can be reused.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import concurrent.futures
 import errno
 import mmap
 import os
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -31,6 +32,7 @@ from colibri_aio.io.pool import Slot
 from colibri_aio.io.uring import UringReactor
 
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
+OnDone = Callable[["ExpertBytes | ExpertReadError"], None]
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 
 
@@ -40,23 +42,23 @@ class ReadBackend(Protocol):
     name: str
     uses_pool: bool
 
-    def start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None) -> asyncio.Future[ExpertBytes]: ...
+    def start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None, on_done: OnDone) -> None: ...
 
     async def aclose(self) -> None: ...
 
 
 class ExpertRead:
-    """Gathers the outcomes of one expert's range reads into one future.
+    """Gathers the outcomes of one expert's range reads into one ``on_done`` call.
 
-    The future resolves only when every range has reported, so a failure of
-    one range never hands the slot back while another range is still being
+    ``on_done`` runs only when every range has reported, so a failure of one
+    range never hands the slot back while another range is still being
     written into it.
     """
 
-    def __init__(self, path: str, loc: ExpertLocation, plan: ExpertPlan, views: ExpertBytes,
-                 loop: asyncio.AbstractEventLoop) -> None:
-        self.path, self.loc, self.plan, self.views = path, loc, plan, views
-        self.future: asyncio.Future[ExpertBytes] = loop.create_future()
+    __slots__ = ("path", "loc", "plan", "views", "on_done", "_outstanding", "_error")
+
+    def __init__(self, path: str, loc: ExpertLocation, plan: ExpertPlan, views: ExpertBytes, on_done: OnDone) -> None:
+        self.path, self.loc, self.plan, self.views, self.on_done = path, loc, plan, views, on_done
         self._outstanding = len(plan.reads)
         self._error: ExpertReadError | None = None
 
@@ -70,10 +72,7 @@ class ExpertRead:
                 f"{reason} ({PROJECTIONS[index]} range; aligned read of {rr.read_nbytes} bytes at {rr.file_offset})")
         self._outstanding -= 1
         if self._outstanding == 0:
-            if self._error is not None:
-                self.future.set_exception(self._error)
-            else:
-                self.future.set_result(self.views)
+            self.on_done(self.views if self._error is None else self._error)
 
 
 def _failure(rr: RangeRead, outcome: int | BaseException) -> str | None:
@@ -112,14 +111,12 @@ class UringBackend:
         self.reactor = reactor
         self.file = file
 
-    def start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None) -> asyncio.Future[ExpertBytes]:
+    def start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None, on_done: OnDone) -> None:
         assert slot is not None
-        op = ExpertRead(self.file.path, loc, plan, slot_views(plan, slot), asyncio.get_running_loop())
+        op = ExpertRead(self.file.path, loc, plan, slot_views(plan, slot), on_done)
         for index, rr in enumerate(plan.reads):
-            done = self.reactor.read(self.file.fd, slot.address + rr.dest_offset, rr.read_nbytes,
-                                     rr.file_offset, slot.arena)
-            done.add_done_callback(lambda f, i=index: op.range_done(i, _result_or_error(f)))
-        return op.future
+            self.reactor.submit(self.file.fd, slot.address + rr.dest_offset, rr.read_nbytes, rr.file_offset,
+                                slot.arena, lambda res, i=index: op.range_done(i, res))
 
     async def aclose(self) -> None:
         await self.reactor.aclose()
@@ -135,16 +132,15 @@ class PreadBackend:
         self.file = file
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="colibri-pread")
 
-    def start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None) -> asyncio.Future[ExpertBytes]:
+    def start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None, on_done: OnDone) -> None:
         assert slot is not None
         loop = asyncio.get_running_loop()
-        op = ExpertRead(self.file.path, loc, plan, slot_views(plan, slot), loop)
+        op = ExpertRead(self.file.path, loc, plan, slot_views(plan, slot), on_done)
         for index, rr in enumerate(plan.reads):
             job = self._pool.submit(os.preadv, self.file.fd, [slot_dest(rr, slot)], rr.file_offset)
             # The worker owns the slot until this callback fires, whatever the waiter does.
             job.add_done_callback(
                 lambda j, i=index: loop.call_soon_threadsafe(op.range_done, i, _job_outcome(j)))
-        return op.future
 
     async def aclose(self) -> None:
         self._pool.shutdown(wait=True)
@@ -161,20 +157,18 @@ class MmapBackend:
         self._map = mmap.mmap(file.fd, 0, access=mmap.ACCESS_READ) if file.size else None
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="colibri-mmap")
 
-    def start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None) -> asyncio.Future[ExpertBytes]:
+    def start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None, on_done: OnDone) -> None:
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[ExpertBytes] = loop.create_future()
         for index, rng in enumerate(loc.ranges):
             if self._map is None or rng.offset + rng.nbytes > len(self._map):
                 # Touching a mapping past the end of the file is SIGBUS: refuse here.
-                future.set_exception(ExpertReadError(
-                    self.file.path, rng.offset, rng.nbytes, loc.layer, loc.expert,
-                    f"short read: the {PROJECTIONS[index]} range ends past the end of the "
-                    f"{self.file.size}-byte file"))
-                return future
+                error = ExpertReadError(self.file.path, rng.offset, rng.nbytes, loc.layer, loc.expert,
+                                        f"short read: the {PROJECTIONS[index]} range ends past the end of the "
+                                        f"{self.file.size}-byte file")
+                loop.call_soon(on_done, error)
+                return
         job = self._pool.submit(self._fault_in, loc)
-        job.add_done_callback(lambda j: loop.call_soon_threadsafe(self._finish, future, loc, j))
-        return future
+        job.add_done_callback(lambda j: loop.call_soon_threadsafe(self._finish, on_done, loc, j))
 
     def _fault_in(self, loc: ExpertLocation) -> ExpertBytes:
         """Bring the expert's pages into memory now, off the event loop, and return views of them."""
@@ -190,15 +184,13 @@ class MmapBackend:
         g, u, d = (np.frombuffer(self._map, np.uint8, r.nbytes, r.offset) for r in loc.ranges)
         return g, u, d
 
-    def _finish(self, future: asyncio.Future[ExpertBytes], loc: ExpertLocation,
-                job: concurrent.futures.Future[ExpertBytes]) -> None:
+    def _finish(self, on_done: OnDone, loc: ExpertLocation, job: concurrent.futures.Future[ExpertBytes]) -> None:
         exc = job.exception()
         if exc is None:
-            future.set_result(job.result())
+            on_done(job.result())
             return
-        rng = loc.gate
-        future.set_exception(ExpertReadError(self.file.path, rng.offset, loc.nbytes, loc.layer, loc.expert,
-                                             f"{type(exc).__name__}: {exc}"))
+        on_done(ExpertReadError(self.file.path, loc.gate.offset, loc.nbytes, loc.layer, loc.expert,
+                                f"{type(exc).__name__}: {exc}"))
 
     async def aclose(self) -> None:
         self._pool.shutdown(wait=True)
@@ -208,13 +200,6 @@ class MmapBackend:
             except BufferError:
                 pass  # a lease's views still use the mapping; it goes with the last of them
             self._map = None
-
-
-def _result_or_error(done: asyncio.Future[int]) -> int | BaseException:
-    if done.cancelled():
-        return asyncio.CancelledError()
-    exc = done.exception()
-    return exc if exc is not None else done.result()
 
 
 def _job_outcome(job: concurrent.futures.Future[int]) -> int | BaseException:

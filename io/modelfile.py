@@ -72,8 +72,10 @@ class ModelFile:
         """Refuse to go on if the file was truncated, grown or rewritten since it was opened."""
         # fstat, not stat: a file replaced by rename leaves our descriptor on
         # the old, unchanged inode, whose bytes are still the right ones.
-        now = FileIdentity.of(os.fstat(self.fd))
-        if now != self.identity:
+        st = os.fstat(self.fd)
+        seen = self.identity
+        if st.st_size != seen.size or st.st_mtime_ns != seen.mtime_ns:
+            now = FileIdentity.of(st)
             raise ModelFileChangedError(
                 f"{self.path}: the model file changed since it was opened "
                 f"(size {self.identity.size} -> {now.size} bytes, "

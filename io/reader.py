@@ -20,7 +20,7 @@ import structlog
 
 from colibri_aio.errors import ExpertReadError, UserError
 from colibri_aio.experts import ExpertLocation, ExpertWeights
-from colibri_aio.io.align import plan_expert, slot_nbytes_for
+from colibri_aio.io.align import ExpertPlan, plan_expert, slot_nbytes_for
 from colibri_aio.io.backends import ExpertBytes, MmapBackend, PreadBackend, ReadBackend, UringBackend
 from colibri_aio.io.modelfile import ModelFile
 from colibri_aio.io.pool import BufferPool, PoolClosedError, Slot, SlotState
@@ -100,7 +100,7 @@ class ExpertReader:
         self.backend: str = backend.name
         self.backend_reason = reason
         self.stats = ReaderStats()
-        self._in_flight: set[asyncio.Future[ExpertBytes]] = set()
+        self._in_flight = 0  # reads the kernel or a worker still owns
         self._busy_since = 0.0
         self._idle = asyncio.Event()  # set while no read is in flight
         self._idle.set()
@@ -118,7 +118,8 @@ class ExpertReader:
 
     @property
     def in_flight(self) -> int:
-        return len(self._in_flight)
+        """Reads whose slot the kernel (or a worker thread) still owns."""
+        return self._in_flight
 
     @classmethod
     async def open(cls, path: str | os.PathLike[str], slot_nbytes_max: int, n_slots: int, backend: str = "auto", *,
@@ -167,33 +168,27 @@ class ExpertReader:
             if plan.span > self.pool.slot_nbytes:
                 raise ValueError(f"layer {loc.layer} expert {loc.expert} needs {plan.span} slot bytes; "
                                  f"slots hold {self.pool.slot_nbytes} (slot_nbytes_max too small)")
-            waited = time.perf_counter()
-            try:
-                slot = await self.pool.acquire()
-            except PoolClosedError:
-                raise ReaderClosedError("the expert reader closed while this read waited for a slot") from None
-            self.stats.slot_wait_s += time.perf_counter() - waited
-            if self._closed:
-                self.pool.release(slot)
-                raise ReaderClosedError("the expert reader is closed")
-        op = self._start(loc, plan, slot)
+            slot = self.pool.try_acquire() or await self._wait_for_slot()
+        waiter = self._start(loc, plan, slot)
         try:
-            views = await asyncio.shield(op)
+            views = await waiter
         except asyncio.CancelledError:
-            self._abandon(op, slot)
+            # Cancelled after the read was over but before we resumed: the slot is ours to give back.
+            # Otherwise _read_over gives it back once the kernel is done with it.
+            if waiter.done() and not waiter.cancelled():
+                waiter.exception()
+                self._give_back(slot)
             raise
         except ExpertReadError:
             self.stats.errors += 1
-            if slot is not None:
-                self.pool.release(slot)
+            self._give_back(slot)
             raise
         try:
             if self._closed:  # closed while we waited: the pool is going away
                 raise ReaderClosedError("the expert reader closed while this read was in flight")
             self.file.check_unchanged()  # the bytes may be from a file that changed under the read
         except BaseException:
-            if slot is not None:
-                self.pool.release(slot)
+            self._give_back(slot)
             raise
         self.stats.reads += 1
         self.stats.bytes += loc.nbytes
@@ -201,43 +196,55 @@ class ExpertReader:
         weights = ExpertWeights(*(QTensor(v, r.ggml_type, r.shape) for v, r in zip(views, loc.ranges)))
         return SlotLease(loc, weights, slot, self.pool)
 
-    def _start(self, loc: ExpertLocation, plan, slot: Slot | None) -> asyncio.Future[ExpertBytes]:
-        """Hand the slot to the backend and account for the read until it is over."""
-        if slot is not None:
-            self.pool.mark(slot, SlotState.KERNEL)
+    async def _wait_for_slot(self) -> Slot:
+        waited = time.perf_counter()
         try:
-            op = self._backend.start(loc, plan, slot)
+            slot = await self.pool.acquire()
+        except PoolClosedError:
+            raise ReaderClosedError("the expert reader closed while this read waited for a slot") from None
+        self.stats.slot_wait_s += time.perf_counter() - waited
+        if self._closed:
+            self.pool.release(slot)
+            raise ReaderClosedError("the expert reader is closed")
+        return slot
+
+    def _give_back(self, slot: Slot | None) -> None:
+        if slot is not None:
+            self.pool.release(slot)
+
+    def _start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None) -> asyncio.Future[ExpertBytes]:
+        """Hand the slot to the backend; the returned future is the waiter's, cancelling it stops nothing."""
+        waiter: asyncio.Future[ExpertBytes] = asyncio.get_running_loop().create_future()
+        if slot is not None:
+            slot.state = SlotState.KERNEL
+        try:
+            self._backend.start(loc, plan, slot, lambda outcome: self._read_over(waiter, slot, outcome))
         except BaseException:
             if slot is not None:
-                self.pool.mark(slot, SlotState.RESERVED)
+                slot.state = SlotState.RESERVED
                 self.pool.release(slot)
             raise
         if not self._in_flight:
             self._busy_since = time.perf_counter()
             self._idle.clear()
-        self._in_flight.add(op)
-        op.add_done_callback(lambda f: self._read_over(f, slot))
-        return op
+        self._in_flight += 1
+        return waiter
 
-    def _read_over(self, op: asyncio.Future[ExpertBytes], slot: Slot | None) -> None:
-        """The kernel (or worker) is done with the slot: it now holds bytes, or garbage to discard."""
+    def _read_over(self, waiter: asyncio.Future[ExpertBytes], slot: Slot | None,
+                   outcome: ExpertBytes | ExpertReadError) -> None:
+        """The kernel (or worker) is done with the slot: it now holds the bytes, or garbage to discard."""
         if slot is not None:
-            self.pool.mark(slot, SlotState.LEASED)
-        self._in_flight.discard(op)
+            slot.state = SlotState.LEASED
+        self._in_flight -= 1
         if not self._in_flight:
             self.stats.busy_s += time.perf_counter() - self._busy_since
             self._idle.set()
-
-    def _abandon(self, op: asyncio.Future[ExpertBytes], slot: Slot | None) -> None:
-        """The waiter was cancelled: the slot goes back only once the read is over."""
-        def give_back(done: asyncio.Future[ExpertBytes]) -> None:
-            if not done.cancelled():
-                done.exception()  # consumed: nobody is left to see it
-            if slot is not None:
-                self.pool.release(slot)
-        # Even when ``op`` is already done, its bookkeeping callback may still be
-        # queued: a done callback added now runs after it.
-        op.add_done_callback(give_back)
+        if waiter.cancelled():  # the waiter went away while the kernel still owned the slot
+            self._give_back(slot)
+        elif isinstance(outcome, ExpertReadError):
+            waiter.set_exception(outcome)
+        else:
+            waiter.set_result(outcome)
 
     async def drained(self) -> None:
         """Wait until no read is in flight."""

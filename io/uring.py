@@ -1,8 +1,8 @@
 """The io_uring reactor: a ring whose completions wake the running asyncio loop through an eventfd.
 
 Reads are submitted with a ``user_data`` token; a table maps the token to the
-future that waits for it, the ``Iovec`` the kernel writes through (it must
-outlive the read) and the bytes it accounts for. The eventfd is registered
+completion callback (or future) that waits for it, the ``Iovec`` the kernel
+writes through (it must outlive the read) and the bytes it accounts for. The eventfd is registered
 with the ring and watched with ``loop.add_reader``; eventfd wake-ups coalesce,
 so every wake-up drains the completion queue until it is empty.
 
@@ -17,6 +17,7 @@ import errno
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from colibri_aio.io.iovec import PointedIovec, layout_problem
@@ -41,18 +42,18 @@ class _Request:
     nbytes: int
     offset: int             # file offset
     buf_index: int | None   # registered buffer holding the destination, or None for a plain readv
-    future: asyncio.Future[int]
+    on_complete: Callable[[int], None]  # called once with bytes read or -errno, from the loop
     iovec: PointedIovec | None = None  # alive (and not reused) until the completion is reaped
 
 
 class UringReactor:
     """An io_uring ring driven by the running event loop.
 
-    ``read`` returns a future of the raw result: bytes read (>= 0) or
-    ``-errno``. The future is only a notification: cancelling it does not stop
-    the kernel, which keeps writing into the destination until the completion
-    is reaped; the destination's owner waits for the future (or
-    :meth:`drained`) before reusing the memory.
+    ``submit`` calls back with the raw result, bytes read (>= 0) or
+    ``-errno``, once the completion is reaped; ``read`` is the same as a
+    future. Neither can be taken back: the kernel keeps writing into the
+    destination until the completion is reaped, and the destination's owner
+    waits for it (or :meth:`drained`) before reusing the memory.
     """
 
     def __init__(self, ring: object, entries: int, eventfd: int, loop: asyncio.AbstractEventLoop,
@@ -130,23 +131,29 @@ class UringReactor:
 
     def read(self, fd: int, address: int, nbytes: int, offset: int,
              buf_index: int | None = None) -> asyncio.Future[int]:
+        """:meth:`submit`, with the result delivered through a future (cancelling it stops nothing)."""
+        future: asyncio.Future[int] = self._loop.create_future()
+        self.submit(fd, address, nbytes, offset, buf_index,
+                    lambda res: None if future.done() else future.set_result(res))
+        return future
+
+    def submit(self, fd: int, address: int, nbytes: int, offset: int, buf_index: int | None,
+               on_complete: Callable[[int], None]) -> None:
         """Read ``nbytes`` at ``offset`` of ``fd`` to ``address`` (inside registered buffer ``buf_index``).
 
-        The caller keeps the destination memory mapped, and does not reuse
-        it, until the returned future is done.
+        ``on_complete(res)`` runs on the loop once the completion is reaped;
+        until then the caller keeps the destination mapped and unused.
         """
         if self._broken is not None:
             raise ReactorClosedError(f"the io_uring reactor failed: {self._broken}")
         if self._closing:
             raise ReactorClosedError("the io_uring reactor is closing")
-        request = _Request(fd, address, nbytes, offset, buf_index if self.registered else None,
-                           self._loop.create_future())
+        request = _Request(fd, address, nbytes, offset, buf_index if self.registered else None, on_complete)
         self._pending.append(request)
         self._idle.clear()
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._loop.call_soon(self._flush)
-        return request.future
 
     def _has_room(self, request: _Request) -> bool:
         if len(self._table) >= self.entries:
@@ -205,10 +212,9 @@ class UringReactor:
     def _fail(self, exc: BaseException) -> None:
         """The ring can no longer be trusted: every waiter learns why; nothing is submitted again."""
         self._broken = exc
-        for request in list(self._pending):
-            if not request.future.done():
-                request.future.set_exception(ReactorClosedError(f"io_uring submit failed: {exc}"))
-        self._pending.clear()
+        unsent, self._pending = self._pending, deque()
+        for request in unsent:  # never reached the kernel: nothing of theirs is in flight
+            request.on_complete(-(getattr(exc, "errno", None) or errno.EIO))
         self._wake_idle()
 
     # -- completion ---------------------------------------------------------
@@ -257,8 +263,10 @@ class UringReactor:
         request.iovec = None
         if not self._table:
             self.busy_s += time.perf_counter() - self._busy_since
-        if not request.future.done():
-            request.future.set_result(res)
+        try:
+            request.on_complete(res)
+        except Exception as exc:  # a broken callback must not stop the drain: the CQ would not advance
+            self._loop.call_exception_handler({"message": "io_uring completion callback failed", "exception": exc})
 
     def _wake_idle(self) -> None:
         if not self._table and not self._pending:
