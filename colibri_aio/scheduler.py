@@ -59,13 +59,19 @@ class SchedulerStats:
 
 
 class _Fill:
-    """One read into one cache slot."""
+    """One read into one cache slot.
 
-    __slots__ = ("key", "kind", "task", "nbytes", "submitted")
+    ``over`` resolves once the read's bookkeeping is done (lease stored, cache
+    entry marked). Waiters wait on it, not on ``task``: a task can already be
+    done while its done-callback is still queued.
+    """
+
+    __slots__ = ("key", "kind", "task", "nbytes", "submitted", "over")
 
     def __init__(self, key: Key, kind: ReadKind, task: asyncio.Task[SlotLease], nbytes: int) -> None:
         self.key, self.kind, self.task, self.nbytes = key, kind, task, nbytes
         self.submitted = time.perf_counter()
+        self.over: asyncio.Future[None] = task.get_loop().create_future()
 
 
 class CachedExpertSource:
@@ -80,6 +86,7 @@ class CachedExpertSource:
         self.stats = SchedulerStats()
         self._leases: dict[int, SlotLease] = {}   # ready slots
         self._fills: dict[int, _Fill] = {}        # filling slots
+        self._failures: dict[Key, BaseException] = {}  # failed reads a stream still holds
         self._current_layer = -1
         self._closed = False
 
@@ -94,17 +101,23 @@ class CachedExpertSource:
     # --- demand path -------------------------------------------------------------
 
     async def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[tuple[int, ExpertWeights]]:
-        """Yield ``(expert, weights)`` for each of ``experts``: cached ones first, misses as they land."""
+        """Yield ``(expert, weights)`` for each of ``experts``: cached ones first, misses as they land.
+
+        Every slot this layer uses is held (acquired) from lookup or
+        reservation until the consumer is done with it, so neither a later
+        miss nor a prefetch can evict it in between.
+        """
         self._current_layer = layer
-        ready: deque[tuple[int, int]] = deque()     # (expert, slot), acquired
-        waiting: dict[int, int] = {}                # slot -> expert, filling
+        ready: deque[tuple[int, int]] = deque()     # (expert, slot): bytes in place
+        waiting: dict[int, int] = {}                # slot -> expert: read in flight
         todo: deque[int] = deque()                  # misses without a slot yet
         for e in experts:
             slot = self.cache.lookup((layer, e))
             if slot is None:
                 todo.append(e)
-            elif self.cache.state(slot) is SlotState.READY:
-                self.cache.acquire(slot)
+                continue
+            self.cache.acquire(slot)
+            if self.cache.state(slot) is SlotState.READY:
                 ready.append((e, slot))
             else:
                 waiting[slot] = e
@@ -123,6 +136,8 @@ class CachedExpertSource:
         finally:
             for _, slot in ready:
                 self.cache.release(slot)
+            for slot in waiting:
+                self._let_go(slot)
 
     def _reserve_misses(self, layer: int, todo: deque[int], waiting: dict[int, int]) -> None:
         """Reserve slots and submit reads for as many misses as the cache can take now."""
@@ -131,33 +146,40 @@ class CachedExpertSource:
             if res is None:
                 return
             self._evict(res)
+            self.cache.acquire(res.slot)
             self._start_fill(res.slot, res.key, "demand")
             waiting[res.slot] = todo.popleft()
 
     async def _wait_for(self, layer: int, ready: deque[tuple[int, int]], waiting: dict[int, int],
                         todo: deque[int]) -> None:
         """Block until a read this layer needs lands (or, when every slot is busy, any read)."""
-        tasks = {self._fills[s].task: s for s in waiting}
-        if not tasks:  # every slot is filling for someone else: wait for any read, then retry
-            tasks = {f.task: s for s, f in self._fills.items()}
-        if not tasks:
-            raise RuntimeError(f"layer {layer}: {len(todo)} experts need slots and none can be freed "
-                               f"({self.cache.n_slots} slots)")
-        t0 = time.perf_counter()
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        self.stats.demand_wait_s += time.perf_counter() - t0
-        for task in done:
-            slot = tasks[task]
-            if slot not in waiting:
-                continue
-            e = waiting.pop(slot)
-            task.result()  # an ExpertReadError surfaces here, naming file, offset and expert
-            if self.cache.key_of(slot) == (layer, e) and self.cache.state(slot) is SlotState.READY:
-                self.cache.acquire(slot)
-                ready.append((e, slot))
-            else:  # the entry was dropped before we could hold it: read it again
-                todo.append(e)
+        tasks = {self._fills[s].over: s for s in waiting if s in self._fills}
+        if len(tasks) < len(waiting):  # some reads already ended: handle them without waiting
+            done = {s for s in waiting if s not in self._fills}
+        else:
+            if not tasks:  # every slot is filling for someone else: wait for any read, then retry
+                tasks = {f.over: s for s, f in self._fills.items()}
+            if not tasks:
+                raise RuntimeError(f"layer {layer}: {len(todo)} experts need slots and none can be freed "
+                                   f"({self.cache.n_slots} slots)")
+            t0 = time.perf_counter()
+            finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            self.stats.demand_wait_s += time.perf_counter() - t0
+            done = {tasks[t] for t in finished} & waiting.keys()
+        for slot in done:
+            if self.cache.state(slot) is not SlotState.READY:  # the read failed
+                error = self._failures.pop((layer, waiting.pop(slot)))
+                self._let_go(slot)
+                raise error
+            ready.append((waiting.pop(slot), slot))
         self._reserve_misses(layer, todo, waiting)
+
+    def _let_go(self, slot: int) -> None:
+        """Drop this stream's hold on a slot; a failed read's entry goes once nobody holds it."""
+        self.cache.release(slot)
+        if slot not in self._fills and self.cache.state(slot) is SlotState.FILLING and not self.cache.refs(slot):
+            self._failures.pop(self.cache.key_of(slot), None)  # type: ignore[arg-type]
+            self.cache.mark_failed(slot)
 
     # --- prefetch ---------------------------------------------------------------------
 
@@ -201,13 +223,23 @@ class CachedExpertSource:
         task.add_done_callback(lambda t: self._fill_done(slot, fill))
 
     def _fill_done(self, slot: int, fill: _Fill) -> None:
-        """A read is over: the slot now holds the key's bytes, or its entry is dropped."""
+        """A read is over: the slot now holds the key's bytes, or (failed) its entry is dropped
+        as soon as no stream holds it; the error waits in ``_failures`` for the stream that does."""
         del self._fills[slot]
+        try:
+            self._account(slot, fill)
+        finally:
+            fill.over.set_result(None)
+
+    def _account(self, slot: int, fill: _Fill) -> None:
         if fill.task.cancelled() or fill.task.exception() is not None:
-            self.cache.mark_failed(slot)
-            if fill.kind == "prefetch" and not fill.task.cancelled():
-                log.warning("prefetch read failed", layer=fill.key[0], expert=fill.key[1],
-                            error=str(fill.task.exception()))
+            error = fill.task.exception() if not fill.task.cancelled() else asyncio.CancelledError()
+            if self.cache.refs(slot):
+                self._failures[fill.key] = error
+            else:
+                self.cache.mark_failed(slot)
+                if fill.kind == "prefetch":
+                    log.warning("prefetch read failed", layer=fill.key[0], expert=fill.key[1], error=str(error))
             return
         self._leases[slot] = fill.task.result()
         self.cache.mark_filled(slot)

@@ -1,0 +1,120 @@
+"""Placement changes speed, never tokens (design invariant 1), and the scheduler keeps its books.
+
+Every combination of I/O backend, cache size and prefetch setting must give
+logits bit-identical to the plain mmap forward pass.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import numpy as np
+import pytest
+
+from colibri_aio.engine import Engine
+from colibri_aio.errors import ExpertReadError, UserError
+from colibri_aio.gguf_model import load
+from colibri_aio.io.reader import ReaderClosedError
+from colibri_aio.mapped_source import MappedExpertSource
+from colibri_aio.qwen3moe import Qwen3MoE
+
+from support import fixture, oracle_ids
+
+FIXTURES = ["tiny_f32", "tiny_q8_0", "tiny_q4_k"]
+
+
+async def _reference(name: str, ids: list[int]) -> np.ndarray:
+    model = load(fixture(f"{name}.gguf"))
+    net = Qwen3MoE(model, MappedExpertSource(model))
+    prefill = await net.forward(ids[:12], logits="all")
+    decode = [await net.forward([t]) for t in ids[12:]]
+    return np.concatenate([prefill, np.stack(decode)])
+
+
+async def _engine_logits(name: str, ids: list[int], **placement) -> tuple[np.ndarray, Engine]:
+    """Prefill the first 12 ids (batch-union path), then decode the rest one by one (lookahead path)."""
+    async with await Engine.open(fixture(f"{name}.gguf"), **placement) as engine:
+        engine.net.reset()
+        prefill = await engine.net.forward(ids[:12], logits="all")
+        decode = [await engine.net.forward([t]) for t in ids[12:]]
+    return np.concatenate([prefill, np.stack(decode)]), engine
+
+
+@pytest.mark.parametrize("name", FIXTURES)
+async def test_logits_are_bit_identical_across_placements(name: str) -> None:
+    ids = oracle_ids()[2]
+    want = await _reference(name, ids)
+    k, e = load(fixture(f"{name}.gguf")).args.expert_used_count, load(fixture(f"{name}.gguf")).args.expert_count
+    for io, per_layer, prefetch in itertools.product(("uring", "pread", "mmap"), sorted({k, k + 1, e}),
+                                                     ("on", "off", "auto")):
+        got, _ = await _engine_logits(name, ids, io=io, cache_per_layer=per_layer, prefetch=prefetch)
+        assert np.array_equal(got, want), (io, per_layer, prefetch)
+    got, _ = await _engine_logits(name, ids, ram_budget="600M")  # global cache sized by the plan
+    assert np.array_equal(got, want)
+
+
+async def test_cache_that_holds_everything_reads_each_expert_once() -> None:
+    ids = oracle_ids()[0]
+    model = load(fixture("tiny_q8_0.gguf"))
+    got, engine = await _engine_logits("tiny_q8_0", ids + ids, io="pread", cache_per_layer=model.args.expert_count,
+                                       prefetch="off")
+    stats = engine.source.cache.stats
+    assert stats.misses == engine.source.reader.stats.reads <= model.args.block_count * model.args.expert_count
+    assert stats.hit_rate > 0.5 and stats.prefetch_reads == 0
+
+
+async def test_small_cache_evicts_and_prefetch_is_counted() -> None:
+    ids = oracle_ids()[1]
+    _, engine = await _engine_logits("tiny_f32", ids, io="pread", cache_per_layer=2, prefetch="on")
+    s, c = engine.source.stats, engine.source.cache.stats
+    assert c.evictions > 0
+    assert s.prefetch_reads == c.prefetch_reads > 0
+    assert c.prefetch_hits + c.prefetch_wasted <= c.prefetch_reads
+
+
+async def test_cancelled_generation_drains_reads_and_closes() -> None:
+    engine = await Engine.open(fixture("tiny_q8_0.gguf"), io="uring", cache_per_layer=2)
+
+    async def consume() -> None:
+        async for _ in engine.generate("The list type", max_tokens=200):
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(consume())
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await engine.aclose()
+    assert engine.source.reader.in_flight == 0
+    with pytest.raises(ReaderClosedError):
+        await engine.source.reader.read(engine.model.expert(0, 0))
+
+
+async def test_read_error_names_the_expert(monkeypatch) -> None:
+    engine = await Engine.open(fixture("tiny_q8_0.gguf"), io="pread", cache_per_layer=2, prefetch="off")
+    reader = engine.source.reader
+    real = reader.read
+
+    async def failing(loc):
+        if (loc.layer, loc.expert) == (1, 3):
+            raise ExpertReadError(reader.file.path, loc.gate.offset, loc.nbytes, loc.layer, loc.expert, "injected")
+        return await real(loc)
+
+    monkeypatch.setattr(reader, "read", failing)
+    try:
+        with pytest.raises(ExpertReadError, match="layer 1 expert 3"):
+            for ids in oracle_ids():
+                engine.net.reset()
+                await engine.net.forward(ids, logits="all")
+    finally:
+        await engine.aclose()
+
+
+async def test_cache_below_expert_used_count_is_refused() -> None:
+    with pytest.raises(UserError, match="below expert_used_count"):
+        await Engine.open(fixture("tiny_q8_0.gguf"), cache_per_layer=1)
+
+
+async def test_budget_too_small_is_refused() -> None:
+    with pytest.raises(UserError, match="too small"):
+        await Engine.open(fixture("tiny_q8_0.gguf"), ram_budget="1M")
