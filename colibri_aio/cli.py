@@ -188,6 +188,44 @@ def _trace_stats(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_replay(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("replay", help="replay route traces through the expert cache: hit rate and bytes read",
+                       description="Simulate the expert cache (and lookahead prefetch) on route traces written by "
+                                   "`trace`, without running the model. Lists (a,b,c) run every combination.")
+    p.add_argument("traces", nargs="+", type=Path, help="trace files of one model; their runs follow one another")
+    p.add_argument("--cache-per-layer", default="2", metavar="N[,N..]", help="slots per layer (default: %(default)s)")
+    p.add_argument("--policy", default="lru", metavar="P[,P..]",
+                   help="lru, lfu, lfru, pinned+lru, belady, or all (default: %(default)s)")
+    p.add_argument("--scope", default="layer", metavar="S[,S..]",
+                   help="layer: a quota of slots per layer; global: all layers share the slots (default: %(default)s)")
+    p.add_argument("--warmup", type=float, default=0.25, metavar="F",
+                   help="share of positions that warms the cache but is not scored (default: %(default)s)")
+    p.add_argument("--pin-from", type=Path, action="append", default=[], metavar="TRACE",
+                   help="pinned+lru: learn pins from these traces instead of the warm-up part")
+    p.add_argument("--pin-fraction", type=float, default=0.5, metavar="F",
+                   help="pinned+lru: share of the slots given to pins (default: %(default)s)")
+    p.add_argument("--prefetch", default="none", metavar="PRED[,PRED..]",
+                   help="replay lookahead prefetch with these predictors of the trace, none, or all")
+    p.add_argument("--prefetch-count", type=int, default=None, metavar="N",
+                   help="candidates prefetched per position (default: the predictor's adaptive count)")
+    p.add_argument("--each", action="store_true", help="replay each trace on its own; report median and min-max")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.set_defaults(func=_replay)
+
+
+def _replay(args: argparse.Namespace) -> int:
+    import json
+
+    from colibri_aio.policy.replay import replay_command
+
+    doc, text = replay_command(
+        [str(t) for t in args.traces], policy=args.policy, cache_per_layer=args.cache_per_layer,
+        scope=args.scope, warmup=args.warmup, pin_from=[str(t) for t in args.pin_from],
+        pin_fraction=args.pin_fraction, prefetch=args.prefetch, prefetch_count=args.prefetch_count, each=args.each)
+    print(json.dumps(doc, indent=1) if args.json else text)
+    return 0
+
+
 def _run_loop(coro) -> int:
     """Run on uvloop where it is installed (it is on Linux and macOS), else asyncio's loop."""
     try:
@@ -205,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine events (backend choice, placement)")
     parser.add_argument("--log-json", action="store_true", help="write logs to stderr as JSON lines")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_run, _add_logits, _add_trace, _add_trace_stats):
+    for add in (_add_run, _add_logits, _add_trace, _add_trace_stats, _add_replay):
         add(sub)
     return parser
 
