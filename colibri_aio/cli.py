@@ -208,6 +208,8 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
                    help="replay lookahead prefetch with these predictors of the trace, none, or all")
     p.add_argument("--prefetch-count", type=int, default=None, metavar="N",
                    help="candidates prefetched per position (default: the predictor's adaptive count)")
+    p.add_argument("--prefill-as-decode", action="store_true",
+                   help="replay prompt positions one at a time, as teacher-forced decode would read them")
     p.add_argument("--each", action="store_true", help="replay each trace on its own; report median and min-max")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     p.set_defaults(func=_replay)
@@ -221,7 +223,8 @@ def _replay(args: argparse.Namespace) -> int:
     doc, text = replay_command(
         [str(t) for t in args.traces], policy=args.policy, cache_per_layer=args.cache_per_layer,
         scope=args.scope, warmup=args.warmup, pin_from=[str(t) for t in args.pin_from],
-        pin_fraction=args.pin_fraction, prefetch=args.prefetch, prefetch_count=args.prefetch_count, each=args.each)
+        pin_fraction=args.pin_fraction, prefetch=args.prefetch, prefetch_count=args.prefetch_count, each=args.each,
+        split_prefill=args.prefill_as_decode)
     print(json.dumps(doc, indent=1) if args.json else text)
     return 0
 

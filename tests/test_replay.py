@@ -74,6 +74,15 @@ def test_prefill_chunk_is_one_batch_union_step_per_layer() -> None:
     assert (r.stats.lookups, r.stats.hits, r.positions_scored) == (9, 2, 4)
 
 
+def test_prefill_as_decode_orders_positions_then_layers() -> None:
+    records = [rec(p, layer, [p + layer], "prefill") for layer in range(2) for p in range(3)]
+    records += [rec(3, 0, [9]), rec(3, 1, [9])]
+    steps = steps_from_records(records, split_prefill=True)
+    assert [(s.positions, s.layer) for s in steps] == [
+        ((0,), 0), ((0,), 1), ((1,), 0), ((1,), 1), ((2,), 0), ((2,), 1), ((3,), 0), ((3,), 1)]
+    assert [s.experts for s in steps[:4]] == [[0], [1], [1], [2]]
+
+
 def test_warmup_is_not_scored_and_teaches_the_pins() -> None:
     # Warm-up: expert 7 is hot. Then 7 keeps coming back between scans that flush an LRU.
     seq = [7, 7, 7, 7] + [7, 1, 2, 3, 7, 4, 5, 6, 7, 1, 2, 3]

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
 
 import numpy as np
 
@@ -108,6 +108,7 @@ class BackpressureCounters:
     aborted_reads: int = 0        # completed with ok=False (failed or cancelled)
     refused_by_state: int = 0     # may_prefetch said no because prefetch was off
     refused_by_cap: int = 0       # may_prefetch said no because of the in-flight cap
+    max_in_flight: int = 0        # most reads in flight reported by on_read
     reasons: dict[str, int] = field(default_factory=dict)
 
 
@@ -115,7 +116,8 @@ class BackpressureController:
     """Decides, from read events and device samples, whether prefetch may run now."""
 
     def __init__(self, config: BackpressureConfig | None = None, *, mode: Mode = "auto",
-                 start: float = 0.0) -> None:
+                 start: float | None = None) -> None:
+        """``start``: the clock reading windows count from (default: the first event's time)."""
         if mode not in ("auto", "on", "off"):
             raise ValueError(f"unknown prefetch mode {mode!r}")
         self.config = config or BackpressureConfig()
@@ -124,9 +126,9 @@ class BackpressureController:
         self.last: WindowStats | None = None
         self._on = mode != "off"
         self._reason = {"auto": "start", "on": "forced on", "off": "forced off"}[mode]
-        self._switched_at = start
+        self._window_start: float | None = start
+        self._switched_at: float = 0.0 if start is None else start
         self._headroom_since: float | None = start
-        self._window_start = start
         self._reads: dict[int, _Read] = {}
         self._next_ticket = 0
         self._samples: list[DeviceSample] = []
@@ -134,6 +136,7 @@ class BackpressureController:
         self._peak_bps = 0.0
         self._prefetch_in_flight = 0
         self._prefetch_bytes_in_flight = 0
+        self._close_lag = 0.0
 
     # --- state ---------------------------------------------------------------------
 
@@ -162,6 +165,12 @@ class BackpressureController:
     def prefetch_in_flight(self) -> tuple[int, int]:
         """Prefetch reads and bytes submitted and not yet completed."""
         return self._prefetch_in_flight, self._prefetch_bytes_in_flight
+
+    def telemetry(self) -> dict[str, Any]:
+        """State, reason, counters and the last window, as plain data for stats lines and logs."""
+        return {"prefetch": "on" if self._on else "off", "mode": self.mode, "reason": self._reason,
+                "baseline_s_per_byte": self.baseline, **asdict(self.counters),
+                "last_window": None if self.last is None else asdict(self.last)}
 
     # --- events ----------------------------------------------------------------------
 
@@ -198,6 +207,28 @@ class BackpressureController:
         else:
             c.prefetch_reads, c.prefetch_bytes = c.prefetch_reads + ok, c.prefetch_bytes + r.nbytes
 
+    def on_read(self, kind: ReadKind, nbytes: int, submitted: float, completed: float, in_flight: int) -> None:
+        """A whole read reported once it is over (the scheduler's ``PrefetchGate`` protocol).
+
+        Reported this way, a read is unknown to the controller while it is in
+        flight, so windows close one window late (a read that ends within a
+        window of the boundary still counts in the window it started in);
+        :meth:`submitted`/:meth:`completed` need no such delay.
+        """
+        self._close_lag = self.config.window
+        self.counters.max_in_flight = max(self.counters.max_in_flight, in_flight)
+        ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
+        self.update(submitted)
+        self._reads[ticket] = _Read(kind, nbytes, submitted)
+        if kind == "prefetch":
+            self._prefetch_in_flight += 1
+            self._prefetch_bytes_in_flight += nbytes
+        self.completed(ticket, completed)
+
+    def allows_prefetch(self, now: float) -> bool:
+        """The scheduler's ``PrefetchGate`` question: is prefetch on at ``now``."""
+        return self.update(now)
+
     def device(self, sample: DeviceSample) -> None:
         """An iostat-style sample of the model's device (see :mod:`.diskstats`)."""
         self._samples.append(sample)
@@ -219,7 +250,9 @@ class BackpressureController:
     def update(self, now: float) -> bool:
         """Close every window that ended by ``now`` and decide; returns whether prefetch is on."""
         w = self.config.window
-        while self._window_start + w <= now:
+        if self._window_start is None:
+            self._window_start = self._switched_at = self._headroom_since = now
+        while self._window_start + w + self._close_lag <= now:
             if self._idle_since_window_start():
                 self._skip_idle(now)
                 break
@@ -234,8 +267,9 @@ class BackpressureController:
 
     def _skip_idle(self, now: float) -> None:
         """No reads and no samples: close one long idle window up to the last boundary before ``now``."""
+        assert self._window_start is not None
         w = self.config.window
-        n = int((now - self._window_start) // w)
+        n = int((now - self._close_lag - self._window_start) // w)
         end = self._window_start + n * w
         self._close(self._window_start, end)
         self._window_start = end

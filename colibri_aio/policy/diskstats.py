@@ -102,3 +102,21 @@ def device_of(path: str | os.PathLike[str]) -> str | None:
     if os.path.exists(os.path.join(real, "partition")):
         real = os.path.dirname(real)
     return os.path.basename(real)
+
+
+class DiskstatsSampler:
+    """Turns successive ``/proc/diskstats`` texts into samples of one device (no I/O itself)."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self._prev: tuple[DiskCounters, float] | None = None
+
+    def sample(self, text: str, now: float) -> DeviceSample | None:
+        """The load since the previous call; ``None`` on the first call or if the device is absent."""
+        counters = parse_diskstats(text).get(self.device)
+        if counters is None:
+            return None
+        prev, self._prev = self._prev, (counters, now)
+        if prev is None or now <= prev[1]:
+            return None
+        return device_delta(prev[0], counters, prev[1], now)

@@ -76,10 +76,24 @@ class Trace:
         return sum(len(s.positions) for s in self.steps if s.layer == 0)
 
 
-def steps_from_records(records: Iterable[dict[str, Any]], run_offset: int = 0) -> list[Step]:
-    """Group consecutive route records of the same (run, phase, layer) into steps."""
+def steps_from_records(records: Iterable[dict[str, Any]], run_offset: int = 0,
+                       split_prefill: bool = False) -> list[Step]:
+    """Group consecutive route records of the same (run, phase, layer) into steps.
+
+    With ``split_prefill``, prefill positions become one step per (position,
+    layer) in position order, as teacher-forced decode of the same tokens
+    would read them: a position's routing does not depend on how the prompt
+    was chunked, so a trace of a long prompt doubles as a decode workload.
+    """
     steps: list[Step] = []
     group: list[dict[str, Any]] = []
+    prefill: list[dict[str, Any]] = []
+
+    def flush_prefill() -> None:
+        for r in sorted(prefill, key=lambda r: (r["pos"], r["layer"])):
+            group.append(r)
+            flush()
+        prefill.clear()
 
     def flush() -> None:
         if group:
@@ -94,17 +108,24 @@ def steps_from_records(records: Iterable[dict[str, Any]], run_offset: int = 0) -
     for rec in records:
         if rec.get("kind") != "route":
             continue
+        if split_prefill:
+            if prefill and (rec["phase"] != "prefill" or rec["run"] != prefill[0]["run"]):
+                flush_prefill()
+            if rec["phase"] == "prefill":
+                prefill.append(rec)
+                continue
         if group and any(rec[k] != group[0][k] for k in ("run", "phase", "layer")):
             flush()
         # A decode position is its own step; prefill positions of one layer form a batch.
         group.append(rec)
         if rec["phase"] == "decode":
             flush()
+    flush_prefill()
     flush()
     return steps
 
 
-def load_traces(paths: Sequence[str]) -> Trace:
+def load_traces(paths: Sequence[str], split_prefill: bool = False) -> Trace:
     """Read one or more trace files of the same model; their runs follow one another."""
     from colibri_aio.trace import read_trace
 
@@ -121,7 +142,7 @@ def load_traces(paths: Sequence[str]) -> Trace:
             raise UserError(f"{path}: trace of a differently shaped model than {paths[0]}")
         header = header or h
         offset = 1 + max((s.run for s in steps), default=-1)
-        steps += steps_from_records(records, run_offset=offset)
+        steps += steps_from_records(records, run_offset=offset, split_prefill=split_prefill)
     assert header is not None
     return Trace(header["block_count"], header["expert_count"], header["expert_used_count"],
                  header["expert_nbytes"], tuple(header.get("predictors", ())), steps)
@@ -313,7 +334,7 @@ def _delta(after: CacheStats, before: CacheStats) -> CacheStats:
 def parse_list(text: str, allowed: Sequence[str] | None, option: str) -> list[str]:
     """Comma-separated values of a command-line option; ``all`` expands to ``allowed``."""
     items = [t.strip() for t in text.split(",") if t.strip()]
-    if allowed is not None and items == ["all"]:
+    if allowed is not None and "all" in items:
         return list(allowed)
     bad = [t for t in items if allowed is not None and t not in allowed]
     if not items or bad:
@@ -391,7 +412,7 @@ def _median_of(results: Sequence[ReplayResult], name: str) -> float:
 
 def replay_command(paths: Sequence[str], *, policy: str, cache_per_layer: str, scope: str, warmup: float,
                    pin_from: Sequence[str], pin_fraction: float, prefetch: str, prefetch_count: int | None,
-                   each: bool) -> tuple[dict[str, Any], str]:
+                   each: bool, split_prefill: bool = False) -> tuple[dict[str, Any], str]:
     """What ``python -m colibri_aio replay`` prints: a JSON document and the same as a table.
 
     With ``each``, every trace is replayed on its own and the document adds
@@ -402,17 +423,18 @@ def replay_command(paths: Sequence[str], *, policy: str, cache_per_layer: str, s
     for path in [*paths, *pin_from]:
         if not os.path.isfile(path):
             raise UserError(f"{path}: no such trace file")
-    traces = [load_traces([p]) for p in paths] if each else [load_traces(paths)]
+    traces = [load_traces([p], split_prefill) for p in paths] if each else [load_traces(paths, split_prefill)]
     predictors = traces[0].predictors
     grid: dict[str, Any] = dict(
         policies=parse_list(policy, REPLAY_POLICIES, "--policy"), sizes=parse_sizes(cache_per_layer),
         scopes=parse_list(scope, ("layer", "global"), "--scope"),
         prefetch=[None if p == "none" else p for p in parse_list(prefetch, ("none", *predictors), "--prefetch")],
         warmup=warmup, pin_fraction=pin_fraction, prefetch_count=prefetch_count,
-        pin_from=load_traces(pin_from) if pin_from else None)
+        pin_from=load_traces(pin_from, split_prefill) if pin_from else None)
     per_trace = [run_grid(t, **grid) for t in traces]
     names = list(paths) if each else ["+".join(paths)]
-    doc: dict[str, Any] = {"traces": list(paths), "warmup": warmup, "pin_from": list(pin_from)}
+    doc: dict[str, Any] = {"traces": list(paths), "warmup": warmup, "pin_from": list(pin_from),
+                           "prefill_as_decode": split_prefill}
     if each:
         doc |= {"summary": summarise(per_trace), "per_trace": [[r.as_dict() for r in rs] for rs in per_trace]}
     else:
