@@ -153,14 +153,17 @@ class Qwen3MoE:
                    h: np.ndarray) -> list[int] | None:
         """Layer + 1's likely experts from router layer + 1 on this layer's hidden state.
 
-        One position: its top-k in router order. Several (prefill): the union
-        of their top-k, most-voted first. None when lookahead is off or on the last layer.
+        One position: its top 2k in router order (the scheduler's predictor
+        decides how many are worth reading). Several (prefill): the union of
+        their top-k, most-voted first. None when lookahead is off or on the last layer.
         """
         if self.lookahead is None or layer + 1 >= self.args.block_count:
             return None
         state = predictor_state(self.model, self.lookahead, layer, layer_input, residual, h)
-        ranked = rank_experts(self.model.blocks[layer + 1].ffn_gate_inp, state, self.args.expert_used_count)
+        k = self.args.expert_used_count
+        ranked = rank_experts(self.model.blocks[layer + 1].ffn_gate_inp, state, 2 * k)
         if ranked.shape[0] == 1:
             return ranked[0].tolist()
+        ranked = ranked[:, :k]
         ids, votes = np.unique(ranked, return_counts=True)
         return ids[np.argsort(-votes, kind="stable")].tolist()

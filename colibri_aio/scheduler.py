@@ -9,10 +9,12 @@ out with the :class:`~colibri_aio.io.reader.ExpertReader`:
   is reserved and submitted together; each missed expert is yielded as its
   read lands. An expert being yielded is held (``acquire``) so no read can
   evict it, and is released when the consumer advances.
-- ``hint(layer, experts)``: the lookahead's prediction. While the gate is
-  open and the prefetch cap allows, predicted misses are read into slots the
-  cache can spare. Demand reads never wait behind more than the cap of
-  prefetches, and a prefetch for a layer already passed is not started.
+- ``hint(layer, ranked)``: the lookahead's ranking for the next layer. The
+  predictor decides how many candidates are worth reading; while the
+  backpressure controller allows (prefetch on, in-flight cap not reached),
+  predicted misses are read into slots the cache can spare. Demand reads
+  never wait behind more than the cap of prefetches, and a prefetch for a
+  layer already passed is not started.
 
 Slot ownership (design invariant 2): a cache slot that is filling belongs to
 its read until the read is over, even if every waiter went away; evicting a
@@ -25,34 +27,28 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal
 
 import structlog
 
 from colibri_aio.experts import ExpertWeights
 from colibri_aio.gguf_model import Model
 from colibri_aio.io.reader import ExpertReader, SlotLease
+from colibri_aio.policy.backpressure import BackpressureController
 from colibri_aio.policy.cache import ExpertCache, Key, Reservation, SlotState
+from colibri_aio.policy.predictor import LookaheadPredictor
+from colibri_aio.policy.usage import UsageHistory, default_usage_path
 
 log = structlog.get_logger("colibri_aio.scheduler")
 
 ReadKind = Literal["demand", "prefetch"]
 
 
-class PrefetchGate(Protocol):
-    """What the scheduler asks of the backpressure controller."""
-
-    def allows_prefetch(self, now: float) -> bool: ...
-
-    def on_read(self, kind: ReadKind, nbytes: int, submitted: float, completed: float, in_flight: int) -> None: ...
-
-
 @dataclass(slots=True)
 class SchedulerStats:
     demand_reads: int = 0
     prefetch_reads: int = 0
-    prefetch_skipped_gate: int = 0     # predicted misses not read because the gate was closed
-    prefetch_skipped_cap: int = 0      # ... because the prefetch cap was reached
+    prefetch_skipped_gate: int = 0     # predicted misses not read: backpressure (state or in-flight cap)
     prefetch_skipped_busy: int = 0     # ... because no slot could be spared
     prefetch_stale: int = 0            # prefetches whose layer had passed before they were started
     demand_wait_s: float = 0.0         # time the consumer waited for demand bytes
@@ -66,11 +62,10 @@ class _Fill:
     done while its done-callback is still queued.
     """
 
-    __slots__ = ("key", "kind", "task", "nbytes", "submitted", "over")
+    __slots__ = ("key", "kind", "task", "ticket", "over")
 
-    def __init__(self, key: Key, kind: ReadKind, task: asyncio.Task[SlotLease], nbytes: int) -> None:
-        self.key, self.kind, self.task, self.nbytes = key, kind, task, nbytes
-        self.submitted = time.perf_counter()
+    def __init__(self, key: Key, kind: ReadKind, task: asyncio.Task[SlotLease], ticket: int) -> None:
+        self.key, self.kind, self.task, self.ticket = key, kind, task, ticket
         self.over: asyncio.Future[None] = task.get_loop().create_future()
 
 
@@ -78,11 +73,12 @@ class CachedExpertSource:
     """An :class:`~colibri_aio.experts.ExpertSource` with a bounded cache and lookahead prefetch."""
 
     def __init__(self, model: Model, reader: ExpertReader, cache: ExpertCache,
-                 gate: PrefetchGate | None = None, *, prefetch_cap: int | None = None) -> None:
+                 backpressure: BackpressureController, *, usage: UsageHistory | None = None) -> None:
         if reader.pool is not None and reader.pool.n_slots < cache.n_slots:
             raise ValueError(f"the pool has {reader.pool.n_slots} slots; the cache needs {cache.n_slots}")
-        self.model, self.reader, self.cache, self.gate = model, reader, cache, gate
-        self.prefetch_cap = prefetch_cap if prefetch_cap is not None else model.args.expert_used_count
+        self.model, self.reader, self.cache = model, reader, cache
+        self.backpressure, self.usage = backpressure, usage
+        self.predictor = LookaheadPredictor(model.args.expert_used_count)
         self.stats = SchedulerStats()
         self._leases: dict[int, SlotLease] = {}   # ready slots
         self._fills: dict[int, _Fill] = {}        # filling slots
@@ -108,6 +104,9 @@ class CachedExpertSource:
         miss nor a prefetch can evict it in between.
         """
         self._current_layer = layer
+        self.predictor.observed(layer, experts)
+        if self.usage is not None:
+            self.usage.record(layer, experts)
         ready: deque[tuple[int, int]] = deque()     # (expert, slot): bytes in place
         waiting: dict[int, int] = {}                # slot -> expert: read in flight
         todo: deque[int] = deque()                  # misses without a slot yet
@@ -184,19 +183,17 @@ class CachedExpertSource:
     # --- prefetch ---------------------------------------------------------------------
 
     def hint(self, layer: int, experts: Sequence[int]) -> None:
-        """Prefetch predicted misses of ``layer`` if the gate is open and the cap allows."""
+        """Prefetch the predicted misses of ``layer`` (ranked best first) while backpressure allows."""
         if layer <= self._current_layer or self._closed:
             self.stats.prefetch_stale += 1
             return
-        for e in experts:
+        chosen = self.predictor.predicted(layer, experts, headroom=self.backpressure.headroom)
+        for e in chosen:
             key = (layer, e)
             if self.cache.slot_of(key) is not None:
                 continue
-            if self.gate is not None and not self.gate.allows_prefetch(time.perf_counter()):
+            if not self.backpressure.may_prefetch(self.model.expert(*key).nbytes, time.perf_counter()):
                 self.stats.prefetch_skipped_gate += 1
-                return
-            if sum(f.kind == "prefetch" for f in self._fills.values()) >= self.prefetch_cap:
-                self.stats.prefetch_skipped_cap += 1
                 return
             res = self.cache.reserve(key, prefetch=True)
             if res is None:
@@ -213,8 +210,9 @@ class CachedExpertSource:
 
     def _start_fill(self, slot: int, key: Key, kind: ReadKind) -> None:
         loc = self.model.expert(*key)
+        ticket = self.backpressure.submitted(kind, loc.nbytes, time.perf_counter())
         task = asyncio.get_running_loop().create_task(self.reader.read(loc))
-        fill = _Fill(key, kind, task, loc.nbytes)
+        fill = _Fill(key, kind, task, ticket)
         self._fills[slot] = fill
         if kind == "demand":
             self.stats.demand_reads += 1
@@ -232,7 +230,9 @@ class CachedExpertSource:
             fill.over.set_result(None)
 
     def _account(self, slot: int, fill: _Fill) -> None:
-        if fill.task.cancelled() or fill.task.exception() is not None:
+        failed = fill.task.cancelled() or fill.task.exception() is not None
+        self.backpressure.completed(fill.ticket, time.perf_counter(), ok=not failed)
+        if failed:
             error = fill.task.exception() if not fill.task.cancelled() else asyncio.CancelledError()
             if self.cache.refs(slot):
                 self._failures[fill.key] = error
@@ -243,8 +243,6 @@ class CachedExpertSource:
             return
         self._leases[slot] = fill.task.result()
         self.cache.mark_filled(slot)
-        if self.gate is not None:
-            self.gate.on_read(fill.kind, fill.nbytes, fill.submitted, time.perf_counter(), len(self._fills))
 
     @staticmethod
     async def _settle(tasks: list[asyncio.Task[SlotLease]]) -> None:
@@ -270,3 +268,5 @@ class CachedExpertSource:
             lease.release()
         self._leases.clear()
         await self.reader.aclose()
+        if self.usage is not None:
+            self.usage.save(default_usage_path(self.usage.fingerprint))

@@ -6,7 +6,10 @@ expert source. Placement changes speed, never tokens (design invariant 1).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+
+import numpy as np
 
 import structlog
 
@@ -16,7 +19,9 @@ from colibri_aio.io.reader import BACKENDS, ExpertReader
 from colibri_aio.memory import memory_limits
 from colibri_aio.plan import Plan, make_plan
 from colibri_aio.policy.cache import ExpertCache
-from colibri_aio.scheduler import CachedExpertSource, PrefetchGate
+from colibri_aio.policy.backpressure import BackpressureController
+from colibri_aio.policy.usage import UsageHistory, default_usage_path, model_fingerprint, pins_for
+from colibri_aio.scheduler import CachedExpertSource
 
 log = structlog.get_logger("colibri_aio.placement")
 
@@ -48,7 +53,12 @@ class Placement:
             raise UserError(f"--cache-per-layer must be >= 1, got {self.cache_per_layer}")
 
 
-def cache_for(model: Model, placement: Placement, plan: Plan) -> ExpertCache:
+# Share of the cache that --pin fills from the usage history; the rest stays LRU
+# so the cache can still follow the workload of this run.
+PIN_SHARE = 0.5
+
+
+def cache_for(model: Model, placement: Placement, plan: Plan, pins: list[tuple[int, int]]) -> ExpertCache:
     """The expert cache: per-layer quotas with --cache-per-layer, else global over the planned slots."""
     a = model.args
     if placement.cache_per_layer is not None:
@@ -56,24 +66,47 @@ def cache_for(model: Model, placement: Placement, plan: Plan) -> ExpertCache:
         if per_layer < a.expert_used_count:
             raise UserError(f"--cache-per-layer {per_layer} is below expert_used_count {a.expert_used_count}: "
                             f"one layer's experts would not fit")
-        return ExpertCache(per_layer * a.block_count, policy=placement.cache_policy, scope="layer",
-                           n_layers=a.block_count)
-    return ExpertCache(plan.slots, policy=placement.cache_policy, scope="global")
+        return ExpertCache(per_layer * a.block_count + len(pins), policy=placement.cache_policy, scope="layer",
+                           n_layers=a.block_count, pinned=pins)
+    return ExpertCache(plan.slots, policy=placement.cache_policy, scope="global", pinned=pins)
 
 
-async def open_source(model: Model, placement: Placement, gate: PrefetchGate | None = None
-                      ) -> tuple[CachedExpertSource, Plan]:
+def usage_history(model: Model) -> UsageHistory:
+    """This model's history from its default place, or a new one (a history of another model is refused)."""
+    fingerprint = model_fingerprint(model)
+    path = default_usage_path(fingerprint)
+    history = UsageHistory.load(path, fingerprint) if path.is_file() else UsageHistory.for_model(model)
+    history.begin_run()
+    return history
+
+
+def pins(model: Model, placement: Placement, plan: Plan) -> list[tuple[int, int]]:
+    """Pinned experts for --pin within the plan's pin budget (per-layer: a share of each layer's quota)."""
+    if placement.pin == "off":
+        return []
+    if placement.cache_per_layer is not None:
+        per_layer = int(min(placement.cache_per_layer, model.args.expert_count) * PIN_SHARE)
+        return pins_for(placement.pin, model, per_layer * model.args.block_count, per_layer=per_layer)
+    return pins_for(placement.pin, model, plan.pinned_slots)
+
+
+async def open_source(model: Model, placement: Placement) -> tuple[CachedExpertSource, Plan]:
     """Open the reader, size the cache from the plan, fill pinned experts."""
     placement.check()
-    plan = make_plan(model, memory_limits(), budget=placement.ram_budget, context=placement.context)
-    cache = cache_for(model, placement, plan)
+    history = usage_history(model)
+    counts = {(l, e): float(c) for (l, e), c in np.ndenumerate(history.counts) if c > 0} if history.runs > 1 else None
+    plan = make_plan(model, memory_limits(), budget=placement.ram_budget, context=placement.context,
+                     usage_counts=counts, pin_share=PIN_SHARE if placement.pin != "off" else 0.0)
+    pinned = pins(model, placement, plan)
+    cache = cache_for(model, placement, plan, pinned)
     reader = await ExpertReader.open(model.path, model.expert_nbytes_max, cache.n_slots, backend=placement.io)
-    source = CachedExpertSource(model, reader, cache, gate)
+    backpressure = BackpressureController(mode=placement.prefetch, start=time.perf_counter())  # type: ignore[arg-type]
+    source = CachedExpertSource(model, reader, cache, backpressure, usage=history)
     try:
         await source.fill_pinned()
     except BaseException:
         await source.aclose()
         raise
     log.info("placement", io=reader.backend, io_reason=reader.backend_reason, slots=cache.n_slots,
-             scope=cache.scope, policy=cache.policy, prefetch=placement.prefetch)
+             scope=cache.scope, policy=cache.policy, prefetch=placement.prefetch, pinned=len(pinned))
     return source, plan

@@ -45,8 +45,10 @@ async def test_logits_are_bit_identical_across_placements(name: str) -> None:
     ids = oracle_ids()[2]
     want = await _reference(name, ids)
     k, e = load(fixture(f"{name}.gguf")).args.expert_used_count, load(fixture(f"{name}.gguf")).args.expert_count
-    for io, per_layer, prefetch in itertools.product(("uring", "pread", "mmap"), sorted({k, k + 1, e}),
-                                                     ("on", "off", "auto")):
+    # Every backend with the smallest and the full cache; every prefetch mode; one size in between.
+    combos = [(io, per_layer, "on") for io, per_layer in itertools.product(("uring", "pread", "mmap"), (k, e))]
+    combos += [("uring", k, "off"), ("uring", k, "auto"), ("pread", k + 1, "auto")]
+    for io, per_layer, prefetch in combos:
         got, _ = await _engine_logits(name, ids, io=io, cache_per_layer=per_layer, prefetch=prefetch)
         assert np.array_equal(got, want), (io, per_layer, prefetch)
     got, _ = await _engine_logits(name, ids, ram_budget="600M")  # global cache sized by the plan
@@ -118,3 +120,24 @@ async def test_cache_below_expert_used_count_is_refused() -> None:
 async def test_budget_too_small_is_refused() -> None:
     with pytest.raises(UserError, match="too small"):
         await Engine.open(fixture("tiny_q8_0.gguf"), ram_budget="1M")
+
+
+async def test_pinning_from_usage_history_keeps_logits_and_hits() -> None:
+    ids = oracle_ids()[0]
+    want = await _reference("tiny_q8_0", ids)
+    k = load(fixture("tiny_q8_0.gguf")).args.expert_used_count
+    await _engine_logits("tiny_q8_0", ids, io="pread", cache_per_layer=k + 2)  # records the usage history
+    got, engine = await _engine_logits("tiny_q8_0", ids, io="pread", cache_per_layer=k + 2, pin="auto")
+    assert np.array_equal(got, want)
+    assert engine.source.cache.pinned and engine.source.cache.stats.pinned_hits > 0
+
+
+async def test_usage_history_of_another_model_is_refused(tmp_path) -> None:
+    from colibri_aio.policy.usage import default_usage_path, model_fingerprint
+
+    await _engine_logits("tiny_q8_0", oracle_ids()[0][:13], io="pread")
+    theirs = default_usage_path(model_fingerprint(load(fixture("tiny_q8_0.gguf"))))
+    ours = default_usage_path(model_fingerprint(load(fixture("tiny_f32.gguf"))))
+    ours.write_bytes(theirs.read_bytes())
+    with pytest.raises(UserError, match="another model"):
+        await Engine.open(fixture("tiny_f32.gguf"), pin="auto")
