@@ -7,13 +7,21 @@ Shapes (NumPy order; ``cols`` is ggml's ``ne[0]``, the quantised axis)::
     matmul(w, x)         x: (T, cols)                -> (T, rows)    float32   (prefill)
 
 The rows are cut into chunks whose size depends only on ``cols`` (about
-CHUNK_WEIGHTS weights each). For each chunk the quant blocks are decoded into
-a float32 scratch buffer small enough to stay in cache, and one BLAS product
-consumes it. Runs of consecutive chunks are shared among a small thread pool
-(NumPy and BLAS release the GIL); since the chunk grid never depends on the
-thread count or on timing, neither does the result.
+MATVEC_CHUNK_WEIGHTS or MATMUL_CHUNK_WEIGHTS weights each). Runs of
+consecutive chunks are shared among a small thread pool (NumPy and BLAS
+release the GIL); the chunk grid never depends on the thread count or on
+timing, so neither does the result.
 
-Invariant 1 (placement changes speed, never tokens): BLAS only ever sees
+Per chunk, with q the integer quants and (mul, bias) the per-sub-block scales
+of :mod:`.quant_formats` (``weight = q * mul + bias``):
+
+* matvec never scales the weights one by one: it forms ``q * x`` (long
+  contiguous passes), sums it per sub-block with a BLAS product by a ones
+  vector, and only then applies ``mul`` and ``bias`` per sub-block;
+* matmul decodes ``q * mul`` into a float32 scratch matrix whose extra
+  columns hold ``bias``, and multiplies it by ``[x | x summed per sub-block]``.
+
+Invariant 1 (placement changes speed, never tokens): BLAS only ever reads
 kernel-owned, page-aligned buffers (weights decoded into scratch, ``x`` copied
 into scratch), so results are bit-identical whether ``w.data`` is an mmap, a
 RAM copy or a view at any offset inside a buffer-pool slot.
@@ -33,22 +41,29 @@ from gguf import GGMLQuantizationType
 
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels.qtensor import QTensor
-from colibri_aio.kernels.quant_formats import FORMATS, Format, Scales, decode_full
-from colibri_aio.kernels.scratch import thread_scratch
+from colibri_aio.kernels.quant_formats import FORMATS, Format, Scales, scales_in_layout
+from colibri_aio.kernels.scratch import aligned_empty, thread_scratch
 
 __all__ = ["SUPPORTED_TYPES", "dequantize", "matvec", "matmul", "set_num_threads", "get_num_threads"]
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(FORMATS)
 
-# Weights decoded per chunk: 64 Ki float32 = 256 KiB of scratch, which with the
-# raw bytes fits the 1 MiB L2 of one core here.
-CHUNK_WEIGHTS = 1 << 16
+# Weights per chunk. matmul keeps T * chunk under OpenBLAS's small-matrix
+# limit (about 1e6 multiply-adds) for T <= 8, where sgemm is fastest; its
+# 256 KiB float32 scratch fits one core's L2. matvec does about ten NumPy calls
+# per chunk, so bigger chunks pay off despite spilling to L3
+# (evidence/kernels_*.md).
+MATMUL_CHUNK_WEIGHTS = 1 << 16
+MATVEC_CHUNK_WEIGHTS = 1 << 18
 # Weights whose block scales are unpacked in one vectorised step.
 SCALE_BATCH_WEIGHTS = 1 << 20
 
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _num_threads = max(1, int(os.environ.get("COLIBRI_KERNEL_THREADS", "2")))
+
+_ONES = aligned_empty((1024,), np.float32)
+_ONES.fill(1.0)
 
 
 def set_num_threads(n: int) -> None:
@@ -75,6 +90,8 @@ def _workers() -> ThreadPoolExecutor:
         return _pool
 
 
+# --- the chunk grid ---
+
 def _format_of(w: QTensor) -> Format:
     fmt = FORMATS.get(w.ggml_type)
     if fmt is None:
@@ -89,14 +106,9 @@ def _raw_rows(w: QTensor, fmt: Format) -> np.ndarray:
     return w.data.reshape(w.rows, w.cols // fmt.block, fmt.type_size)
 
 
-def _chunk_rows(cols: int) -> int:
-    return max(1, CHUNK_WEIGHTS // cols)
-
-
-def _scale_rows(cols: int) -> int:
+def _scale_rows(chunk_rows: int, cols: int) -> int:
     """Rows per scale batch: a whole number of chunks, so batches never cut the chunk grid."""
-    c = _chunk_rows(cols)
-    return c * max(1, SCALE_BATCH_WEIGHTS // (c * cols))
+    return chunk_rows * max(1, SCALE_BATCH_WEIGHTS // (chunk_rows * cols))
 
 
 def _rows_of(s: Scales, a: int, b: int) -> Scales:
@@ -106,17 +118,21 @@ def _rows_of(s: Scales, a: int, b: int) -> Scales:
 ChunkFn = Callable[[int, int, np.ndarray, Scales], None]
 
 
-def _for_chunks(w: QTensor, fmt: Format, chunk_fn: ChunkFn) -> None:
-    """Call ``chunk_fn(start, stop, raw_chunk, scales_chunk)`` for every row chunk, across the threads."""
+def _for_chunks(w: QTensor, fmt: Format, chunk_weights: int, chunk_fn: ChunkFn) -> None:
+    """Call ``chunk_fn(start, stop, raw_chunk, scales_chunk)`` for every row chunk, across the threads.
+
+    Chunks are ``chunk_weights // cols`` rows (at least one); the grid depends on nothing else.
+    """
     raw = _raw_rows(w, fmt)
-    rows, step, batch = w.rows, _chunk_rows(w.cols), _scale_rows(w.cols)
+    rows, step = w.rows, max(1, chunk_weights // w.cols)
+    batch = _scale_rows(step, w.cols)
     n_chunks = -(-rows // step)
 
     def run(c0: int, c1: int) -> None:
         r0, r1 = c0 * step, min(c1 * step, rows)
         for b0 in range(r0, r1, batch):
             b1 = min(b0 + batch, r1)
-            scales = fmt.prepare(raw[b0:b1])
+            scales = scales_in_layout(fmt, fmt.prepare(raw[b0:b1]), w.cols)
             for s0 in range(b0, b1, step):
                 s1 = min(s0 + step, b1)
                 chunk_fn(s0, s1, raw[s0:s1], _rows_of(scales, s0 - b0, s1 - b0))
@@ -134,26 +150,21 @@ def _for_chunks(w: QTensor, fmt: Format, chunk_fn: ChunkFn) -> None:
             raise e
 
 
-def _decode_chunk(fmt: Format, raw: np.ndarray, s: Scales, cols: int) -> np.ndarray:
-    """The chunk as a scratch matrix (n, cols + offsets): decoded weights, then -dmin*m per sub-block."""
-    n_off = 0 if s.neg_offset is None else s.neg_offset.shape[1]
-    scratch = thread_scratch()
-    wbuf = scratch.get("w", (raw.shape[0], cols + n_off), np.float32)
-    fmt.decode(raw, s, wbuf[:, :cols], scratch)
-    if n_off:
-        wbuf[:, cols:] = s.neg_offset
-    return wbuf
+# --- activations, in layout order, in scratch ---
 
-
-def _extended_x(fmt: Format, x: np.ndarray) -> np.ndarray:
-    """x (T, cols) copied into scratch, followed by its sums over each offset sub-block."""
+def _layout_x(fmt: Format, x: np.ndarray, extra: int) -> np.ndarray:
+    """x (T, cols) permuted to the format's layout, in scratch with ``extra`` free columns after it."""
     t, cols = x.shape
-    n_off = cols // fmt.sub if fmt.sub else 0
-    xx = thread_scratch().get("x", (t, cols + n_off), np.float32)
-    np.copyto(xx[:, :cols], x, casting="same_kind")
-    if n_off:
-        np.sum(xx[:, :cols].reshape(t, n_off, fmt.sub), axis=-1, out=xx[:, cols:])
+    xx = thread_scratch().get("x", (t, cols + extra), np.float32)
+    order = fmt.column_order(cols)
+    np.copyto(xx[:, :cols], x if order is None else x[:, order], casting="same_kind")
     return xx
+
+
+def _sub_block_sums(fmt: Format, xp: np.ndarray, out: np.ndarray) -> None:
+    """out (T, S) = xp (T, cols) summed over each sub-block of ``fmt.sub`` layout columns."""
+    t, cols = xp.shape
+    np.sum(xp.reshape(t, cols // fmt.sub, fmt.sub), axis=-1, out=out)
 
 
 def _check_x(w: QTensor, x: np.ndarray, ndim: int) -> None:
@@ -163,15 +174,67 @@ def _check_x(w: QTensor, x: np.ndarray, ndim: int) -> None:
                          f"with cols={w.cols}")
 
 
+# --- per-chunk kernels ---
+
+def _chunk_matvec(fmt: Format, raw: np.ndarray, s: Scales, xp: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """y (n,) for one chunk; xp is x in layout order, v = [ones per sub-block | x sums per sub-block]."""
+    scratch = thread_scratch()
+    n, cols = raw.shape[0], xp.shape[0]
+    y = scratch.get("y", (n,), np.float32)
+    if fmt.sub == 0:
+        np.matmul(fmt.decode(raw, scratch), xp, out=y)
+        return y
+    q = fmt.decode(raw, scratch)
+    e = scratch.get("e", (n, cols), np.float32)
+    np.copyto(e.reshape(q.shape, copy=False), q)
+    np.multiply(e, xp, out=e)
+    n_sub = cols // fmt.sub
+    # z = [(q . x per sub-block) * mul | bias]; y = z @ v
+    z = scratch.get("z", (n, v.shape[0]), np.float32)
+    p = scratch.get("p", (n * n_sub,), np.float32)
+    np.matmul(e.reshape(n * n_sub, fmt.sub), _ONES[:fmt.sub], out=p)
+    np.multiply(p.reshape(n, n_sub), s.mul, out=z[:, :n_sub])
+    if s.bias is not None:
+        z[:, n_sub:] = s.bias
+    np.matmul(z, v, out=y)
+    return y
+
+
+def _chunk_weights(fmt: Format, raw: np.ndarray, s: Scales, cols: int, with_bias: bool) -> np.ndarray:
+    """The chunk as float32 scratch (n, cols [+ sub-blocks]): q * mul in layout order [, then bias]."""
+    scratch = thread_scratch()
+    if fmt.sub == 0:
+        return fmt.decode(raw, scratch)
+    n, n_sub = raw.shape[0], cols // fmt.sub
+    q = fmt.decode(raw, scratch)
+    wbuf = scratch.get("w", (n, cols + (n_sub if with_bias else 0)), np.float32)
+    np.multiply(q.reshape(n, n_sub, fmt.sub), s.mul[..., None],
+                out=wbuf[:, :cols].reshape((n, n_sub, fmt.sub), copy=False))
+    if with_bias:
+        wbuf[:, cols:] = s.bias
+    return wbuf
+
+
+# --- public API ---
+
 def dequantize(w: QTensor) -> np.ndarray:
     """All weights of ``w`` as a new float32 array of shape ``w.shape``."""
     fmt = _format_of(w)
     out = np.empty((w.rows, w.cols), np.float32)
+    order = fmt.column_order(w.cols)
+    natural = None if order is None else np.argsort(order)
 
     def chunk(s0: int, s1: int, raw: np.ndarray, s: Scales) -> None:
-        decode_full(fmt, raw, s, out[s0:s1], thread_scratch())
+        wbuf = _chunk_weights(fmt, raw, s, w.cols, with_bias=False)
+        if s.bias is not None:
+            grouped = wbuf.reshape(s1 - s0, -1, fmt.sub)
+            np.add(grouped, s.bias[..., None], out=grouped)
+        if natural is None:
+            out[s0:s1] = wbuf
+        else:
+            np.take(wbuf, natural, axis=1, out=out[s0:s1])
 
-    _for_chunks(w, fmt, chunk)
+    _for_chunks(w, fmt, MATMUL_CHUNK_WEIGHTS, chunk)
     return out.reshape(w.shape)
 
 
@@ -179,16 +242,21 @@ def matvec(w: QTensor, x: np.ndarray) -> np.ndarray:
     """``W @ x`` for one position: x (cols,) float32 -> (rows,) float32."""
     fmt = _format_of(w)
     _check_x(w, x, 1)
-    xx = _extended_x(fmt, x.reshape(1, -1))[0]
+    cols = w.cols
+    n_sub = cols // fmt.sub if fmt.sub else 0
+    n_bias = n_sub if fmt.has_bias else 0
+    # One scratch row: [x in layout order | ones per sub-block | x sums per sub-block]
+    xx = _layout_x(fmt, x.reshape(1, cols), n_sub + n_bias)[0]
+    xp, v = xx[:cols], xx[cols:]
+    v[:n_sub] = 1.0
+    if n_bias:
+        _sub_block_sums(fmt, xp.reshape(1, cols), v[n_sub:].reshape(1, n_bias))
     y = np.empty(w.rows, np.float32)
 
     def chunk(s0: int, s1: int, raw: np.ndarray, s: Scales) -> None:
-        wbuf = _decode_chunk(fmt, raw, s, w.cols)
-        yb = thread_scratch().get("y", (s1 - s0,), np.float32)
-        np.matmul(wbuf, xx, out=yb)
-        y[s0:s1] = yb
+        y[s0:s1] = _chunk_matvec(fmt, raw, s, xp, v)
 
-    _for_chunks(w, fmt, chunk)
+    _for_chunks(w, fmt, MATVEC_CHUNK_WEIGHTS, chunk)
     return y
 
 
@@ -196,17 +264,23 @@ def matmul(w: QTensor, x: np.ndarray) -> np.ndarray:
     """``x @ W.T`` for a batch of positions: x (T, cols) float32 -> (T, rows) float32."""
     fmt = _format_of(w)
     _check_x(w, x, 2)
-    t = x.shape[0]
+    t, cols = x.shape
+    if t == 1:
+        return matvec(w, x[0]).reshape(1, w.rows)
     y = np.empty((t, w.rows), np.float32)
     if t == 0:
         return y
-    xx = _extended_x(fmt, x)
+    with_bias = fmt.has_bias
+    n_bias = cols // fmt.sub if with_bias else 0
+    xx = _layout_x(fmt, x, n_bias)        # [x in layout order | x sums per sub-block]
+    if with_bias:
+        _sub_block_sums(fmt, xx[:, :cols], xx[:, cols:])
 
     def chunk(s0: int, s1: int, raw: np.ndarray, s: Scales) -> None:
-        wbuf = _decode_chunk(fmt, raw, s, w.cols)
+        wbuf = _chunk_weights(fmt, raw, s, cols, with_bias)
         yb = thread_scratch().get("y", (t, s1 - s0), np.float32)
         np.matmul(xx, wbuf.T, out=yb)
         y[:, s0:s1] = yb
 
-    _for_chunks(w, fmt, chunk)
+    _for_chunks(w, fmt, MATMUL_CHUNK_WEIGHTS, chunk)
     return y

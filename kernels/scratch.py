@@ -8,6 +8,7 @@ came from an mmap, a RAM copy or an I/O buffer-pool slot.
 """
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -20,16 +21,26 @@ class Scratch:
 
     def __init__(self) -> None:
         self._buffers: dict[str, np.ndarray] = {}
+        # The same few (name, shape, dtype) views are asked for on every chunk: keep them.
+        self._views: dict[tuple[str, tuple[int, ...], type | np.dtype], np.ndarray] = {}
 
     def get(self, name: str, shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
         """An uninitialised, 4096-aligned, C-contiguous array of ``shape`` and ``dtype``."""
+        key = (name, shape, dtype)
+        view = self._views.get(key)
+        if view is not None:
+            return view
         dt = np.dtype(dtype)
-        nbytes = int(np.prod(shape)) * dt.itemsize
+        nbytes = math.prod(shape) * dt.itemsize
         buf = self._buffers.get(name)
         if buf is None or buf.size < nbytes:
             buf = _aligned_bytes(max(nbytes, 2 * (0 if buf is None else buf.size)))
             self._buffers[name] = buf
-        return buf[:nbytes].view(dt).reshape(shape)
+            self._views = {k: v for k, v in self._views.items() if k[0] != name}
+        if len(self._views) > 256:  # shapes vary with tensor shapes; stay bounded
+            self._views.clear()
+        view = self._views[key] = buf[:nbytes].view(dt).reshape(shape)
+        return view
 
 
 def _aligned_bytes(nbytes: int) -> np.ndarray:
@@ -39,6 +50,12 @@ def _aligned_bytes(nbytes: int) -> np.ndarray:
     raw.fill(0)  # touch the pages now, not in the hot loop
     start = (-raw.ctypes.data) % ALIGN
     return raw[start:start + nbytes]
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: type | np.dtype) -> np.ndarray:
+    """A new, touched, ALIGN-aligned array (for constants that BLAS reads)."""
+    dt = np.dtype(dtype)
+    return _aligned_bytes(math.prod(shape) * dt.itemsize)[:math.prod(shape) * dt.itemsize].view(dt).reshape(shape)
 
 
 _local = threading.local()

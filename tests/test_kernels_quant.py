@@ -50,7 +50,8 @@ def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of a few rows and scale batches of a few chunks, so small tensors cross every boundary."""
-    monkeypatch.setattr(quant, "CHUNK_WEIGHTS", 1024)
+    monkeypatch.setattr(quant, "MATVEC_CHUNK_WEIGHTS", 1024)
+    monkeypatch.setattr(quant, "MATMUL_CHUNK_WEIGHTS", 1024)
     monkeypatch.setattr(quant, "SCALE_BATCH_WEIGHTS", 4096)
 
 
@@ -193,7 +194,7 @@ def test_a_failing_chunk_reaches_the_caller(threads, monkeypatch: pytest.MonkeyP
         return fmt.prepare(raw)
 
     monkeypatch.setattr(quant, "FORMATS", {T.Q8_0: dataclasses.replace(fmt, prepare=failing_prepare)})
-    monkeypatch.setattr(quant, "CHUNK_WEIGHTS", 64)
+    monkeypatch.setattr(quant, "MATVEC_CHUNK_WEIGHTS", 64)
     monkeypatch.setattr(quant, "SCALE_BATCH_WEIGHTS", 64)
     with pytest.raises(RuntimeError, match="boom"):
         quant.matvec(w, np.zeros(64, np.float32))
