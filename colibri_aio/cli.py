@@ -95,6 +95,68 @@ def _add_trace_stats(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_trace_stats)
 
 
+def _add_plan(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("plan", help="how a model would be placed in memory, and whether it fits",
+                       description="Print the placement for MODEL: trunk, KV cache, expert pool, pins, expected "
+                                   "hit rate and bottleneck, from the GGUF's sizes, available RAM and the cgroup "
+                                   "memory limit. Exit status 2 when the budget cannot hold it.")
+    p.add_argument("model", type=Path, help="GGUF file")
+    p.add_argument("--ram-budget", default=None, metavar="SIZE", help="e.g. 12G (default: 85%% of usable RAM)")
+    p.add_argument("--context", type=int, default=None, metavar="N", help="KV-cache positions (default: context_length)")
+    p.add_argument("--pin", default="off", metavar="auto|off|FILE", help="plan pins from a usage history")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.set_defaults(func=_plan)
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from colibri_aio.gguf_model import load
+    from colibri_aio.memory import memory_limits
+    from colibri_aio.plan import make_plan
+    from colibri_aio.policy.budget import parse_size
+    from colibri_aio.sources import PIN_SHARE, usage_history
+
+    model = load(args.model, resident=False)
+    history = usage_history(model)
+    counts = {(l, e): float(c) for (l, e), c in np.ndenumerate(history.counts) if c > 0} or None
+    limits = memory_limits()
+    plan = make_plan(model, limits, budget=parse_size(args.ram_budget) if args.ram_budget else None,
+                     context=args.context, usage_counts=counts, pin_share=PIN_SHARE if args.pin != "off" else 0.0)
+    if args.json:
+        print(json.dumps({**plan.as_dict(), "model": str(model.path), "ram_total": limits.total,
+                          "ram_available": limits.available, "cgroup_limit": limits.cgroup_limit}, indent=1))
+    else:
+        print(_plan_table(model, plan, limits))
+    return 0
+
+
+def _plan_table(model, plan, limits) -> str:
+    from colibri_aio.plan import gb
+
+    a = model.args
+    hit = "n/a (no usage history)" if plan.expected_hit_rate is None else \
+        f"{plan.expected_hit_rate:.1%} ({plan.hit_rate_source})"
+    rows = [
+        ("model", f"{model.path.name}: {a.architecture}, {a.block_count} layers, {a.expert_count} experts "
+                  f"(top-{a.expert_used_count}), file {gb(model.identity.size)}"),
+        ("memory", f"RAM {gb(limits.total)}, available {gb(limits.available)}, cgroup limit "
+                   f"{gb(limits.cgroup_limit) if limits.cgroup_limit else 'none'}"),
+        ("budget", f"{gb(plan.budget)} ({plan.budget_source})"),
+        ("trunk resident", gb(plan.trunk)),
+        ("KV cache", f"{gb(plan.kv_cache)} for {plan.context} positions"),
+        ("working", gb(plan.working)),
+        ("expert pool", f"{plan.slots} slots x {gb(plan.slot_nbytes)} = {gb(plan.pool)} "
+                        f"({plan.slots}/{plan.experts_total} experts{', all fit' if plan.all_experts_fit else ''})"),
+        ("pinned", f"{plan.pinned_slots} slots = {gb(plan.pinned_slots * plan.slot_nbytes)}"),
+        ("expected hit rate", hit),
+        ("per token", f"compute ~{plan.compute_s_per_token * 1e3:.1f} ms, expert reads ~"
+                      f"{plan.disk_s_per_token * 1e3:.1f} ms -> bound by {plan.bottleneck}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
@@ -246,7 +308,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine events (backend choice, placement)")
     parser.add_argument("--log-json", action="store_true", help="write logs to stderr as JSON lines")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_run, _add_logits, _add_trace, _add_trace_stats, _add_replay):
+    for add in (_add_run, _add_logits, _add_trace, _add_trace_stats, _add_replay, _add_plan):
         add(sub)
     return parser
 

@@ -188,9 +188,9 @@ def _check_args(a: ModelArgs, path: Path) -> None:
 class _Tensors:
     """Checked access to the file's tensors: presence, type, shape, bytes within the file."""
 
-    def __init__(self, reader: GGUFReader, path: Path, args: ModelArgs) -> None:
+    def __init__(self, reader: GGUFReader, path: Path, args: ModelArgs, copy: bool) -> None:
         self.by_name = {t.name: t for t in reader.tensors}
-        self.path, self.args = path, args
+        self.path, self.args, self.copy = path, args, copy
         self.file_size = path.stat().st_size
         self.raw = np.memmap(path, dtype=np.uint8, mode="r")
 
@@ -213,10 +213,11 @@ class _Tensors:
         return t
 
     def resident(self, name: str, shape: tuple[int, ...]) -> QTensor:
-        """A copy in RAM: the trunk must not depend on the page cache."""
+        """A copy in RAM (the trunk must not depend on the page cache), or a view of the file when
+        only the model's description is wanted."""
         t = self.get(name, shape)
-        data = np.array(self.raw[t.data_offset: t.data_offset + t.n_bytes])
-        return QTensor(data, t.tensor_type, shape)
+        data = self.raw[t.data_offset: t.data_offset + t.n_bytes]
+        return QTensor(np.array(data) if self.copy else data, t.tensor_type, shape)
 
     def vector(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         return dequantize(self.resident(name, shape)).astype(np.float32, copy=False)
@@ -257,12 +258,16 @@ def _expert_locations(ts: _Tensors, i: int) -> list[ExpertLocation]:
     return [ExpertLocation(i, x, rng("gate", x), rng("up", x), rng("down", x)) for x in range(e)]
 
 
-def load(path: str | os.PathLike[str]) -> Model:
-    """Open and check a GGUF; load the trunk into RAM and describe every expert's bytes."""
+def load(path: str | os.PathLike[str], *, resident: bool = True) -> Model:
+    """Open and check a GGUF; load the trunk into RAM and describe every expert's bytes.
+
+    ``resident=False`` checks the same things but leaves the trunk as views of
+    the file (for ``plan`` and ``doctor``, which only need sizes).
+    """
     p = Path(path)
     reader = _open_reader(p)
     args = read_args(reader, p)
-    ts = _Tensors(reader, p, args)
+    ts = _Tensors(reader, p, args, copy=resident)
     vocab, d = args.vocab_size, args.embedding_length
     token_embd = ts.resident("token_embd.weight", (vocab, d))
     blocks = [_block(ts, i) for i in range(args.block_count)]

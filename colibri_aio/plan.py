@@ -68,7 +68,10 @@ class Plan:
 
 
 def gb(n: int) -> str:
-    return f"{n / GiB:.2f} GiB" if n >= GiB / 10 else f"{n / (1 << 20):.1f} MiB"
+    """A byte count for people: GiB, MiB or KiB, whichever reads best."""
+    if n >= GiB / 10:
+        return f"{n / GiB:.2f} GiB"
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
 
 
 def kv_cache_nbytes(model: Model, context: int) -> int:
