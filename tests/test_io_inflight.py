@@ -234,3 +234,30 @@ def test_event_loop_stays_responsive_with_32_reads_of_4mib_in_flight(model_file:
     p99, peak = ticker_lag_p99(factory, model_file)
     assert peak == 32
     assert p99 <= 0.020, f"p99 ticker lag {p99 * 1e3:.1f} ms"
+
+
+async def test_in_flight_reads_are_bounded_by_ring_size_and_bytes(model_file: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    from colibri_aio.io.uring import UringReactor
+
+    peaks = {"reads": 0, "bytes": 0}
+    prepare = UringReactor._prepare
+
+    def watched_prepare(self, sqe, request) -> None:
+        prepare(self, sqe, request)
+        peaks["reads"] = max(peaks["reads"], len(self._table))
+        peaks["bytes"] = max(peaks["bytes"], self._inflight_bytes)
+
+    monkeypatch.setattr(UringReactor, "_prepare", watched_prepare)
+    locs = locations(12, seed=9)  # 36 kernel reads of ~350 KiB
+    reader = await ExpertReader.open(model_file, EXPERT_NBYTES, n_slots=12, backend="uring",
+                                     ring_entries=8, max_inflight_bytes=1 << 20)
+    try:
+        leases = await asyncio.gather(*(reader.read(loc) for loc in locs))
+        for loc, lease in zip(locs, leases):
+            assert exact(model_file, loc, lease.weights)
+            lease.release()
+    finally:
+        await reader.aclose()
+    assert 2 <= peaks["reads"] <= 8
+    assert peaks["bytes"] <= 1 << 20
