@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -56,6 +57,11 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--min-p", type=float, default=0.0, metavar="P", help="drop tokens below P x the top probability; 0 = off (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed: the same seed gives the same text")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop when TEXT is produced (repeatable)")
+    t = p.add_argument_group("telemetry")
+    t.add_argument("--stats", action=argparse.BooleanOptionalAction, default=None,
+                   help="print an iostat-style line per interval on stderr (default: on when stderr is a terminal)")
+    t.add_argument("--stats-interval", type=float, default=1.0, metavar="S", help="seconds per line (default: %(default)s)")
+    t.add_argument("--stats-json", type=Path, default=None, metavar="FILE", help="write the same samples as JSON lines")
     _add_placement(p)
     p.set_defaults(func=_run)
 
@@ -169,21 +175,39 @@ def _parse_ids(text: str) -> list[int]:
 
 async def _run_async(args: argparse.Namespace) -> int:
     from colibri_aio.engine import Engine
+    from colibri_aio.telemetry import Telemetry, summary_line
 
+    show = sys.stderr.isatty() if args.stats is None else args.stats
+    if args.stats_interval <= 0:
+        raise UserError("--stats-interval must be positive")
     async with await Engine.open(args.model, n_ctx=args.ctx, **_placement(args)) as engine:
         print(f"[{engine.describe()}]", file=sys.stderr)
-        last = None
-        async for piece in engine.generate(
-                args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
-                top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop):
-            sys.stdout.write(piece.text)
-            sys.stdout.flush()
-            last = piece
+        with contextlib.ExitStack() as files:
+            json_out = files.enter_context(_open_out(args.stats_json)) if args.stats_json else None
+            telemetry = Telemetry(engine, interval=args.stats_interval, out=sys.stderr if show else None,
+                                  json_out=json_out)
+            stop = asyncio.Event()
+            async with asyncio.TaskGroup() as tg:  # the decode loop and the telemetry, one owner
+                if show or json_out:
+                    tg.create_task(telemetry.run(stop))
+                try:
+                    async for piece in engine.generate(
+                            args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop):
+                        sys.stdout.write(piece.text)
+                        sys.stdout.flush()
+                finally:
+                    stop.set()
         sys.stdout.write("\n")
-        if last is not None:
-            print(f"[prefill {last.prompt_tokens} tok {last.prefill_tps:.1f} tok/s | decode {last.generated_tokens} tok "
-                  f"{last.decode_tps:.1f} tok/s | finish {last.finish_reason}]", file=sys.stderr)
+        print(summary_line(engine.stats()), file=sys.stderr)
     return 0
+
+
+def _open_out(path: Path):
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"{path}: cannot write ({exc.strerror})") from None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -270,6 +294,10 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
                    help="replay lookahead prefetch with these predictors of the trace, none, or all")
     p.add_argument("--prefetch-count", type=int, default=None, metavar="N",
                    help="candidates prefetched per position (default: the predictor's adaptive count)")
+    p.add_argument("--half-life", type=float, default=None, metavar="USES",
+                   help="lfru: half-life of a key's score in cache uses (default: the slot count)")
+    p.add_argument("--no-demote", action="store_true",
+                   help="keep prefetches their layer did not use at their place instead of evicting them first")
     p.add_argument("--prefill-as-decode", action="store_true",
                    help="replay prompt positions one at a time, as teacher-forced decode would read them")
     p.add_argument("--each", action="store_true", help="replay each trace on its own; report median and min-max")
@@ -286,7 +314,7 @@ def _replay(args: argparse.Namespace) -> int:
         [str(t) for t in args.traces], policy=args.policy, cache_per_layer=args.cache_per_layer,
         scope=args.scope, warmup=args.warmup, pin_from=[str(t) for t in args.pin_from],
         pin_fraction=args.pin_fraction, prefetch=args.prefetch, prefetch_count=args.prefetch_count, each=args.each,
-        split_prefill=args.prefill_as_decode)
+        split_prefill=args.prefill_as_decode, half_life=args.half_life, demote=not args.no_demote)
     print(json.dumps(doc, indent=1) if args.json else text)
     return 0
 

@@ -163,6 +163,24 @@ def test_consecutive_prefetches_do_not_evict_each_other_under_lfu() -> None:
     assert c.reserve((1, 4), prefetch=True).evicted == (0, 1)  # tie on one use: the older goes
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "lfru"])
+def test_demoted_prefetch_is_the_next_victim(policy: str) -> None:
+    c = ExpertCache(3, policy=policy)
+    demand(c, (0, 1))
+    demand(c, (0, 2))
+    c.mark_filled(c.reserve((0, 3), prefetch=True).slot)
+    assert c.demote((0, 3)) and not c.demote((0, 1)) and not c.demote((0, 9))
+    assert demand(c, (0, 4)) == (False, (0, 3))
+    assert c.stats.prefetch_wasted == 1
+
+
+def test_a_used_prefetch_cannot_be_demoted() -> None:
+    c = ExpertCache(2)
+    c.mark_filled(c.reserve((0, 3), prefetch=True).slot)
+    c.lookup((0, 3))
+    assert not c.demote((0, 3))
+
+
 def test_lfu_keeps_a_frequent_key_that_lru_evicts() -> None:
     seq = [(0, 1)] * 3 + [(0, 2), (0, 3), (0, 1)]
     hits = {}

@@ -120,6 +120,21 @@ def test_lookahead_prefetch_perfect_and_wrong_predictions() -> None:
     assert bad.prefetch["recall"] == 0.0
 
 
+@pytest.mark.parametrize("demote,layer1_hits", [(False, 0), (True, 4)])
+def test_demoting_unused_prefetches_keeps_wrong_guesses_from_flushing_the_cache(demote: bool,
+                                                                                layer1_hits: int) -> None:
+    # Layer 1 alternates experts 0 and 1 (3 slots would hold them); each position also prefetches a
+    # new wrong guess. Inserted as most recent and left there, guesses push 0 and 1 out every time;
+    # demoted once their layer ran, each guess is the next prefetch's victim and 0, 1 stay.
+    records = []
+    for pos in range(6):
+        records += [rec(pos, 0, [7], predicted=[pos + 10]), rec(pos, 1, [pos % 2])]
+    t = Trace(2, 32, 1, NBYTES, ("oracle",), steps_from_records(records))
+    r = replay(t, ReplayConfig(policy="lru", cache_per_layer=3, warmup=0, prefetch="oracle", prefetch_count=1,
+                               demote=demote))
+    assert r.stats.hits == 5 + layer1_hits    # layer 0 hits expert 7 after its first use
+
+
 def test_per_layer_scope_keeps_layers_apart() -> None:
     # Layer 0 scans 4 new experts per position, layer 1 reuses one. With 4 slots shared, each
     # scan flushes layer 1's entry; with 2 slots per layer, layer 1 keeps it.

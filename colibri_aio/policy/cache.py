@@ -33,6 +33,10 @@ Eviction policies (the victim is the evictable entry with the lowest score):
 - ``belady``: the key whose next use is furthest in the future, given by a
   ``next_use`` oracle. Only a replay of a known trace can supply it; it is the
   offline optimum that bounds every online policy.
+
+Under the online policies, a prefetched entry whose layer ran without using it
+can be demoted (:meth:`ExpertCache.demote`): it becomes the first victim, so a
+wrong prediction does not push out entries that are still useful.
 """
 from __future__ import annotations
 
@@ -73,6 +77,7 @@ class _Entry:
     prefetched: bool   # filled by a prefetch and not yet used by a demand lookup
     refs: int = 0
     last_use: int = 0
+    demoted: bool = False  # a prefetch whose layer passed unused: the first victim
 
 
 @dataclass(slots=True)
@@ -196,6 +201,7 @@ class ExpertCache:
         e = self._by_key.get(key)
         if e is None:
             return None
+        e.demoted = False
         if e.pinned:
             self.stats.pinned_hits += 1
         elif e.prefetched:
@@ -257,6 +263,20 @@ class ExpertCache:
         if e.prefetched:
             self.stats.prefetch_wasted += 1
         self._remove(e)
+
+    def demote(self, key: Key) -> bool:
+        """Make an unused prefetched entry the next victim (its layer ran without using it).
+
+        Returns whether ``key`` was such an entry. A later demand use
+        promotes it back like any hit. Keeps wrong predictions from pushing
+        out entries that are still useful.
+        """
+        e = self._by_key.get(key)
+        if e is None or e.pinned or not e.prefetched:
+            return False
+        e.demoted = True
+        self._groups[self._group_of(key)].move_to_end(key, last=False)
+        return True
 
     def acquire(self, slot: int) -> None:
         """Compute starts reading ``slot``: it cannot be evicted until :meth:`release`."""
@@ -338,8 +358,9 @@ class ExpertCache:
         # An unused prefetched entry scores one pending use: it was read because a use is expected,
         # and scoring it zero would make each prefetch evict the one before it.
         if self.policy == "lfu":
-            return min(candidates, key=lambda e: (self._uses.get(e.key, 0) + e.prefetched, e.last_use))
+            return min(candidates, key=lambda e: (not e.demoted, self._uses.get(e.key, 0) + e.prefetched,
+                                                  e.last_use))
         if self.policy == "lfru":
-            return min(candidates, key=lambda e: (self._crf_now(e.key) + e.prefetched, e.last_use))
+            return min(candidates, key=lambda e: (not e.demoted, self._crf_now(e.key) + e.prefetched, e.last_use))
         assert self._next_use is not None
         return max(candidates, key=lambda e: (self._next_use(e.key), -e.last_use))

@@ -160,6 +160,8 @@ class ReplayConfig:
     pin_fraction: float = 0.5         # pinned+lru: share of the slots given to pins
     prefetch: str | None = None       # predictor name, or None for no prefetch
     prefetch_count: int | None = None  # ids per position; None: the predictor decides
+    demote: bool = True               # demote prefetches their layer did not use
+    half_life: float | None = None    # lfru: half-life in cache uses (default: the slot count)
 
 
 @dataclass(slots=True)
@@ -189,7 +191,8 @@ class ReplayResult:
         per_token = self.positions_scored or 1
         return {
             "policy": c.policy, "scope": c.scope, "cache_per_layer": c.cache_per_layer, "slots": self.slots,
-            "pinned": self.pinned, "warmup": c.warmup, "prefetch": c.prefetch,
+            "pinned": self.pinned, "warmup": c.warmup, "prefetch": c.prefetch, "demote": c.demote,
+            "half_life": c.half_life,
             "positions_scored": self.positions_scored, **self.stats.as_dict(),
             "demand_bytes": self.demand_bytes, "prefetch_bytes": self.prefetch_bytes,
             "wasted_bytes": self.wasted_bytes,
@@ -265,11 +268,13 @@ def replay(trace: Trace, cfg: ReplayConfig, pin_from: Trace | None = None) -> Re
     policy = "lru" if cfg.policy == "pinned+lru" else cfg.policy
     cache = ExpertCache(
         cfg.cache_per_layer * n_layers, policy=policy, scope=cfg.scope,  # type: ignore[arg-type]
-        n_layers=n_layers, pinned=pins, next_use=next_use_oracle(steps, clock) if policy == "belady" else None)
+        n_layers=n_layers, pinned=pins, half_life=cfg.half_life,
+        next_use=next_use_oracle(steps, clock) if policy == "belady" else None)
     for slot in cache.pinned.values():
         cache.mark_filled(slot)
     predictor = LookaheadPredictor(trace.expert_used_count) if cfg.prefetch else None
     scored_from = CacheStats()
+    prefetched: list[Key] = []
     for i, step in enumerate(steps):
         clock[0] = i
         if i == first_scored:
@@ -277,11 +282,15 @@ def replay(trace: Trace, cfg: ReplayConfig, pin_from: Trace | None = None) -> Re
             if predictor is not None:
                 predictor.reset_counters()
         _demand(cache, step)
+        if cfg.demote:
+            for key in prefetched:
+                cache.demote(key)
+        prefetched = []
         if predictor is not None:
             _score_predictions(predictor, step)
             nxt = steps[i + 1] if i + 1 < len(steps) else None
             if nxt is not None and (nxt.run, nxt.layer) == (step.run, step.layer + 1):
-                _prefetch(cache, predictor, step, cfg)
+                prefetched = _prefetch(cache, predictor, step, cfg)
     result = ReplayResult(cfg, cache.n_slots, len(pins),
                           sum(len(s.positions) for s in steps[first_scored:] if s.layer == 0),
                           _delta(cache.stats, scored_from), trace.expert_nbytes)
@@ -308,8 +317,8 @@ def _score_predictions(predictor: LookaheadPredictor, step: Step) -> None:
         predictor.observed((step.run, pos, step.layer), route)
 
 
-def _prefetch(cache: ExpertCache, predictor: LookaheadPredictor, step: Step, cfg: ReplayConfig) -> None:
-    """Prefetch the union over positions of each position's chosen candidates for layer + 1."""
+def _prefetch(cache: ExpertCache, predictor: LookaheadPredictor, step: Step, cfg: ReplayConfig) -> list[Key]:
+    """Prefetch the union over positions of each position's chosen candidates for layer + 1; returns the keys read."""
     assert cfg.prefetch is not None
     target = step.layer + 1
     wanted: dict[int, None] = {}
@@ -317,11 +326,14 @@ def _prefetch(cache: ExpertCache, predictor: LookaheadPredictor, step: Step, cfg
         # The replay assumes reads are instant, i.e. an idle disk: the predictor may widen the set.
         chosen = predictor.predicted((step.run, pos, target), ranked, headroom=True, count=cfg.prefetch_count)
         wanted.update(dict.fromkeys(chosen))
+    read = []
     for e in wanted:
         if (target, e) not in cache:
             res = cache.reserve((target, e), prefetch=True)
             if res is not None:
                 cache.mark_filled(res.slot)
+                read.append((target, e))
+    return read
 
 
 def _delta(after: CacheStats, before: CacheStats) -> CacheStats:
@@ -356,7 +368,8 @@ def parse_sizes(text: str) -> list[int]:
 
 def run_grid(trace: Trace, *, policies: Sequence[str], sizes: Sequence[int], scopes: Sequence[str],
              prefetch: Sequence[str | None], warmup: float, pin_fraction: float,
-             prefetch_count: int | None = None, pin_from: Trace | None = None) -> list[ReplayResult]:
+             prefetch_count: int | None = None, pin_from: Trace | None = None,
+             half_life: float | None = None, demote: bool = True) -> list[ReplayResult]:
     """Replay every combination; sizes above the expert count are clipped to it (all cached)."""
     out = []
     for n in dict.fromkeys(min(s, trace.expert_count) for s in sizes):
@@ -364,7 +377,8 @@ def run_grid(trace: Trace, *, policies: Sequence[str], sizes: Sequence[int], sco
             for pf in prefetch:
                 for policy in policies:
                     cfg = ReplayConfig(policy=policy, cache_per_layer=n, scope=scope, warmup=warmup,
-                                       pin_fraction=pin_fraction, prefetch=pf, prefetch_count=prefetch_count)
+                                       pin_fraction=pin_fraction, prefetch=pf, prefetch_count=prefetch_count,
+                                       demote=demote, half_life=half_life)
                     out.append(replay(trace, cfg, pin_from))
     return out
 
@@ -412,7 +426,8 @@ def _median_of(results: Sequence[ReplayResult], name: str) -> float:
 
 def replay_command(paths: Sequence[str], *, policy: str, cache_per_layer: str, scope: str, warmup: float,
                    pin_from: Sequence[str], pin_fraction: float, prefetch: str, prefetch_count: int | None,
-                   each: bool, split_prefill: bool = False) -> tuple[dict[str, Any], str]:
+                   each: bool, split_prefill: bool = False, half_life: float | None = None,
+                   demote: bool = True) -> tuple[dict[str, Any], str]:
     """What ``python -m colibri_aio replay`` prints: a JSON document and the same as a table.
 
     With ``each``, every trace is replayed on its own and the document adds
@@ -429,12 +444,12 @@ def replay_command(paths: Sequence[str], *, policy: str, cache_per_layer: str, s
         policies=parse_list(policy, REPLAY_POLICIES, "--policy"), sizes=parse_sizes(cache_per_layer),
         scopes=parse_list(scope, ("layer", "global"), "--scope"),
         prefetch=[None if p == "none" else p for p in parse_list(prefetch, ("none", *predictors), "--prefetch")],
-        warmup=warmup, pin_fraction=pin_fraction, prefetch_count=prefetch_count,
-        pin_from=load_traces(pin_from, split_prefill) if pin_from else None)
+        warmup=warmup, pin_fraction=pin_fraction, prefetch_count=prefetch_count, half_life=half_life,
+        demote=demote, pin_from=load_traces(pin_from, split_prefill) if pin_from else None)
     per_trace = [run_grid(t, **grid) for t in traces]
     names = list(paths) if each else ["+".join(paths)]
     doc: dict[str, Any] = {"traces": list(paths), "warmup": warmup, "pin_from": list(pin_from),
-                           "prefill_as_decode": split_prefill}
+                           "prefill_as_decode": split_prefill, "half_life": half_life, "demote": demote}
     if each:
         doc |= {"summary": summarise(per_trace), "per_trace": [[r.as_dict() for r in rs] for rs in per_trace]}
     else:
