@@ -58,3 +58,17 @@ def test_fixed_count_and_reset() -> None:
     p.discard(1)
     p.observed(1, [1, 2])
     assert p.score.predictions == 0
+
+
+def test_the_bar_is_at_least_twice_chance() -> None:
+    # Every rank hits 40% of the time: above the idle-disk bar of 0.25, but with k / E = 0.25
+    # that is barely better than guessing, and twice chance (0.5) is the floor.
+    def train(p: LookaheadPredictor) -> LookaheadPredictor:
+        for i in range(10):
+            p.predicted(i, [0, 1, 2, 3])
+            p.observed(i, [0, 1, 2, 3] if i % 5 < 2 else [4, 5, 6, 7])
+        return p
+
+    assert train(LookaheadPredictor(2, min_samples=4)).prefetch_count(headroom=True) == 4
+    assert train(LookaheadPredictor(2, 8, min_samples=4)).prefetch_count(headroom=True) == 0
+    assert train(LookaheadPredictor(2, 64, min_samples=4)).prefetch_count(headroom=True) == 4

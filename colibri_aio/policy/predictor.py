@@ -14,8 +14,10 @@ have hit). With the disk mostly idle (the backpressure controller reports
 headroom) the read is nearly free, so a lower bar applies. The count is the
 longest prefix of ranks whose precision clears the bar: it can be below k
 (predictions near chance, as on a random-weight model) or above k (a good
-predictor whose ranks k+1.. still hit often, on an idle disk). Until
-``min_samples`` predictions have been scored it is k.
+predictor whose ranks k+1.. still hit often, on an idle disk). The bar is
+never below ``min_lift`` times chance (k / expert_count, what a random guess
+hits), so a predictor barely better than guessing reads nothing. Until
+``min_samples`` predictions have been scored the count is k.
 """
 from __future__ import annotations
 
@@ -47,10 +49,13 @@ class LookaheadScore:
 class LookaheadPredictor:
     """Scores next-layer predictions against the truth and sizes the prefetch set."""
 
-    def __init__(self, expert_used_count: int, *, max_candidates: int | None = None,
-                 min_samples: int = 32, precision_bar: float = 0.5, headroom_bar: float = 0.25) -> None:
+    def __init__(self, expert_used_count: int, expert_count: int | None = None, *,
+                 max_candidates: int | None = None, min_samples: int = 32, precision_bar: float = 0.5,
+                 headroom_bar: float = 0.25, min_lift: float = 2.0) -> None:
         """``max_candidates``: longest ranking considered (default 2k, what the trace records)."""
         self.k = expert_used_count
+        self.chance = expert_used_count / expert_count if expert_count else 0.0
+        self.min_lift = min_lift
         self.max_candidates = max_candidates or 2 * expert_used_count
         self.min_samples, self.precision_bar, self.headroom_bar = min_samples, precision_bar, headroom_bar
         self._rank_hits = np.zeros(self.max_candidates, np.int64)
@@ -62,7 +67,7 @@ class LookaheadPredictor:
         """How many of the top-ranked candidates to prefetch (see the module docstring)."""
         if self._rank_seen[0] < self.min_samples:
             return self.k
-        bar = self.headroom_bar if headroom else self.precision_bar
+        bar = max(self.headroom_bar if headroom else self.precision_bar, self.min_lift * self.chance)
         precision = self.rank_precision()
         below = np.flatnonzero(precision < bar)
         return int(below[0]) if below.size else self.max_candidates

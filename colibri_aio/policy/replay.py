@@ -272,7 +272,7 @@ def replay(trace: Trace, cfg: ReplayConfig, pin_from: Trace | None = None) -> Re
         next_use=next_use_oracle(steps, clock) if policy == "belady" else None)
     for slot in cache.pinned.values():
         cache.mark_filled(slot)
-    predictor = LookaheadPredictor(trace.expert_used_count) if cfg.prefetch else None
+    predictor = LookaheadPredictor(trace.expert_used_count, trace.expert_count) if cfg.prefetch else None
     scored_from = CacheStats()
     prefetched: list[Key] = []
     for i, step in enumerate(steps):
