@@ -416,6 +416,8 @@ def summarise(per_trace: Sequence[Sequence[ReplayResult]]) -> list[dict[str, Any
             "bytes_per_token": {"median": statistics.median(per_tok), "min": min(per_tok), "max": max(per_tok)},
             "recall": _median_of(same, "recall") if d["prefetch"] else None,
             "precision": _median_of(same, "precision") if d["prefetch"] else None,
+            "recall_at_k": _median_of(same, "recall_at_k") if d["prefetch"] else None,
+            "wasted_bytes_per_token": statistics.median(r.wasted_bytes / max(r.positions_scored, 1) for r in same),
         })
     return rows
 
