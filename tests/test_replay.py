@@ -11,7 +11,6 @@ from colibri_aio.errors import UserError
 from colibri_aio.policy.replay import (
     ReplayConfig,
     Trace,
-    load_traces,
     replay,
     steps_from_records,
     warmup_boundary,
