@@ -6,6 +6,8 @@
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
@@ -15,14 +17,17 @@ from typing import Any
 import numpy as np
 
 from colibri_aio.errors import UserError
-from colibri_aio.experts import ExpertSource
 from colibri_aio.gguf_model import Model, load
+from colibri_aio.memory import peak_rss_bytes, rss_bytes
+from colibri_aio.policy.diskstats import DiskstatsSampler, device_of, read_diskstats
 from colibri_aio.models import default_model_path
 from colibri_aio.qwen3moe import Qwen3MoE
 from colibri_aio.sampling import FinishReason, Stopper, make_sampler
 from colibri_aio.plan import Plan
 from colibri_aio.policy.budget import parse_size
+from colibri_aio.scheduler import CachedExpertSource
 from colibri_aio.sources import DEFAULT_LOOKAHEAD, Placement, open_source
+from colibri_aio.telemetry import EngineStats
 from colibri_aio.tokenizer import Tokenizer
 
 Prompt = str | Sequence[Mapping[str, Any]]
@@ -40,6 +45,7 @@ class GenerationPiece:
     generated_tokens: int
     prefill_seconds: float
     decode_seconds: float
+    stats: EngineStats
 
     @property
     def prefill_tps(self) -> float:
@@ -53,11 +59,15 @@ class GenerationPiece:
 class Engine:
     """A model ready to generate. Open with :meth:`open`; close with ``async with`` or :meth:`aclose`."""
 
-    def __init__(self, model: Model, tokenizer: Tokenizer, source: ExpertSource, plan: Plan,
+    def __init__(self, model: Model, tokenizer: Tokenizer, source: CachedExpertSource, plan: Plan,
                  placement: Placement) -> None:
         self.model, self.tokenizer, self.source, self.plan, self.placement = model, tokenizer, source, plan, placement
         self.net = Qwen3MoE(model, source, plan.context)
         self.net.lookahead = None if placement.prefetch == "off" else DEFAULT_LOOKAHEAD
+        self.prompt_tokens = self.generated_tokens = 0
+        self.prefill_s = self.decode_s = 0.0
+        self.device = device_of(model.path)
+        self._monitor: asyncio.Task[None] | None = None
 
     @classmethod
     async def open(cls, path: str | os.PathLike[str] | None = None, *, io: str = "auto",
@@ -80,13 +90,45 @@ class Engine:
         if tokenizer.vocab_size != model.args.vocab_size:
             raise UserError(f"{model.path}: tokenizer has {tokenizer.vocab_size} tokens, model {model.args.vocab_size}")
         source, plan = await open_source(model, placement)
-        return cls(model, tokenizer, source, plan, placement)
+        engine = cls(model, tokenizer, source, plan, placement)
+        if engine.device is not None and placement.prefetch == "auto":
+            engine._monitor = asyncio.get_running_loop().create_task(engine._watch_device())
+        return engine
 
     def describe(self) -> str:
         """One line: model, plan, and the I/O backend with the reason it was chosen."""
-        reader = getattr(self.source, "reader", None)
-        io = f"io {reader.backend} ({reader.backend_reason})" if reader is not None else "io n/a"
-        return f"{self.model.path.name}: {self.plan.one_line()}; {io}; prefetch {self.placement.prefetch}"
+        reader, cache = self.source.reader, self.source.cache
+        return (f"{self.model.path.name}: {self.plan.one_line()}; cache {cache.n_slots} slots {cache.scope} "
+                f"{cache.policy} ({len(cache.pinned)} pinned); io {reader.backend} ({reader.backend_reason}); "
+                f"prefetch {self.placement.prefetch}")
+
+    def stats(self) -> EngineStats:
+        """The engine's counters now: tokens and their time, cache hits, reads, prefetch state, memory."""
+        src = self.source
+        cache, reader, bp = src.cache.stats, src.reader.stats, src.backpressure
+        score = src.predictor.score
+        return EngineStats(
+            t=time.perf_counter(), prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
+            prefill_s=self.prefill_s, decode_s=self.decode_s,
+            pinned_hits=cache.pinned_hits, cached_hits=cache.cached_hits, prefetch_hits=cache.prefetch_hits,
+            misses=cache.misses, prefetch_reads=cache.prefetch_reads, prefetch_wasted=cache.prefetch_wasted,
+            prefetch_wasted_bytes=cache.prefetch_wasted * self.model.expert_nbytes_max,
+            prefetch_on=bp.prefetch_on and self.net.lookahead is not None,
+            prefetch_reason=bp.reason if self.net.lookahead is not None else "lookahead off",
+            lookahead_recall=score.recall, lookahead_precision=score.precision,
+            bytes_read=reader.bytes, io_bytes=reader.io_bytes, reads_in_flight=src.reader.in_flight,
+            slots_used=len(src.cache), slots_total=src.cache.n_slots, read_busy_s=reader.busy_s,
+            rss=rss_bytes(), peak_rss=peak_rss_bytes())
+
+    async def _watch_device(self, period: float = 0.25) -> None:
+        """Feed the backpressure controller iostat-style samples of the model's device."""
+        assert self.device is not None
+        sampler = DiskstatsSampler(self.device)
+        while True:
+            sample = sampler.sample(read_diskstats(), time.perf_counter())
+            if sample is not None:
+                self.source.backpressure.device(sample)
+            await asyncio.sleep(period)
 
     async def __aenter__(self) -> "Engine":
         return self
@@ -95,6 +137,12 @@ class Engine:
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Stop the device watch, drain every read in flight, release the pool."""
+        if self._monitor is not None:
+            self._monitor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._monitor
+            self._monitor = None
         await self.source.aclose()
 
     def prompt_ids(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
@@ -140,12 +188,18 @@ class Engine:
         t0 = time.perf_counter()
         logits = await self.prefill(ids)
         t_prefill = time.perf_counter() - t0
-        t1 = time.perf_counter()
+        self.prompt_tokens += len(ids)
+        self.prefill_s += t_prefill
+        t1 = tick = time.perf_counter()
         while True:
             token = sample(logits)
             step = stopper.step(token)
+            self.generated_tokens += 1
+            now = time.perf_counter()
+            self.decode_s += now - tick
             yield GenerationPiece(step.text, token, step.finish_reason, len(ids), stopper.n_tokens,
-                                  t_prefill, time.perf_counter() - t1)
+                                  t_prefill, now - t1, self.stats())
             if step.finish_reason is not None:
                 return
+            tick = time.perf_counter()
             logits = await self.net.forward([token])

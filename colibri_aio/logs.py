@@ -16,3 +16,13 @@ def configure(*, verbose: bool = False, json: bool = False) -> None:
         logger_factory=structlog.PrintLoggerFactory(sys.stderr),
         cache_logger_on_first_use=False,
     )
+
+
+def configure_default() -> None:
+    """Unless the application configured structlog itself: warnings and errors to stderr.
+
+    structlog's own default prints every level to stdout, which would mix
+    engine events into the text a script prints.
+    """
+    if not structlog.is_configured():
+        configure()

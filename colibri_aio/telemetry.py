@@ -1,0 +1,188 @@
+"""Live telemetry in the spirit of ``iostat -x``: one line per interval for the
+model's device and for the engine, a header that repeats, JSON lines on request,
+and one summary line at the end.
+
+Device columns come from ``/proc/diskstats`` deltas (r/s, rMB/s, rareq-sz,
+r_await, aqu-sz, %util); engine columns from the engine's own counters
+(:class:`EngineStats`), the same numbers the API exposes.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import IO, TYPE_CHECKING, Any
+
+from colibri_aio.policy.diskstats import DeviceSample, DiskstatsSampler, read_diskstats
+
+if TYPE_CHECKING:
+    from colibri_aio.engine import Engine
+
+MB = 1e6
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Cumulative counters of an engine at time ``t`` (monotonic seconds)."""
+
+    t: float
+    prompt_tokens: int
+    generated_tokens: int
+    prefill_s: float
+    decode_s: float
+    pinned_hits: int
+    cached_hits: int
+    prefetch_hits: int
+    misses: int
+    prefetch_reads: int
+    prefetch_wasted: int
+    prefetch_wasted_bytes: int
+    prefetch_on: bool
+    prefetch_reason: str
+    lookahead_recall: float
+    lookahead_precision: float
+    bytes_read: int        # expert bytes delivered by the reader
+    io_bytes: int          # bytes asked of the disk (aligned supersets)
+    reads_in_flight: int
+    slots_used: int
+    slots_total: int
+    read_busy_s: float     # wall time with at least one expert read in flight
+    rss: int
+    peak_rss: int
+
+    @property
+    def lookups(self) -> int:
+        return self.pinned_hits + self.cached_hits + self.prefetch_hits + self.misses
+
+    @property
+    def hit_rate(self) -> float:
+        return (self.lookups - self.misses) / self.lookups if self.lookups else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "hit_rate": self.hit_rate}
+
+
+@dataclass(frozen=True, slots=True)
+class Interval:
+    """What happened between two :class:`EngineStats` (and on the device meanwhile)."""
+
+    start: EngineStats
+    end: EngineStats
+    device: DeviceSample | None
+
+    @property
+    def seconds(self) -> float:
+        return max(self.end.t - self.start.t, 1e-9)
+
+    def _d(self, name: str) -> float:
+        return getattr(self.end, name) - getattr(self.start, name)
+
+    def row(self) -> dict[str, Any]:
+        """The interval's figures, named like the columns."""
+        dev = self.device
+        lookups = sum(self._d(n) for n in ("pinned_hits", "cached_hits", "prefetch_hits", "misses"))
+        share = (lambda n: 100.0 * self._d(n) / lookups) if lookups else (lambda n: 0.0)
+        return {
+            "r/s": dev.reads / dev.interval if dev else None,
+            "rMB/s": dev.read_bps / MB if dev else None,
+            "rareq-sz": dev.read_bps * dev.interval / dev.reads / 1024 if dev and dev.reads else 0.0 if dev else None,
+            "r_await": dev.r_await_ms if dev else None,
+            "aqu-sz": dev.aqu_sz if dev else None,
+            "%util": 100.0 * dev.util if dev else None,
+            "tok/s": (self._d("generated_tokens") + self._d("prompt_tokens")) / self.seconds,
+            "hit%": share("pinned_hits") + share("cached_hits") + share("prefetch_hits"),
+            "pin%": share("pinned_hits"),
+            "lru%": share("cached_hits"),
+            "pre%": share("prefetch_hits"),
+            "miss/s": self._d("misses") / self.seconds,
+            "ourMB/s": self._d("io_bytes") / MB / self.seconds,
+            "pf": ("on" if self.end.prefetch_on else "off"),
+            "pf-why": self.end.prefetch_reason,
+            "pf-prec%": 100.0 * self.end.lookahead_precision,
+            "wasteMB": self._d("prefetch_wasted_bytes") / MB,
+            "infl": self.end.reads_in_flight,
+            "slots": f"{self.end.slots_used}/{self.end.slots_total}",
+            "RSS_MB": self.end.rss / MB,
+        }
+
+
+COLUMNS = ("r/s", "rMB/s", "rareq-sz", "r_await", "aqu-sz", "%util", "tok/s", "hit%", "pin%", "lru%", "pre%",
+           "miss/s", "ourMB/s", "pf", "pf-prec%", "wasteMB", "infl", "slots", "RSS_MB", "pf-why")
+WIDTHS = {"pf": 3, "slots": 9, "pf-why": 0}
+
+
+def _cell(name: str, value: Any) -> str:
+    width = WIDTHS.get(name, max(7, len(name)))
+    if value is None:
+        text = "-"
+    elif isinstance(value, float):
+        text = f"{value:.1f}" if abs(value) < 1e5 else f"{value:.3g}"
+    else:
+        text = str(value)
+    return text.rjust(width) if width else text
+
+
+def header() -> str:
+    return "  ".join((c.rjust(WIDTHS.get(c, max(7, len(c)))) if WIDTHS.get(c, 1) else c) for c in COLUMNS)
+
+
+def format_row(row: dict[str, Any]) -> str:
+    return "  ".join(_cell(c, row.get(c)) for c in COLUMNS)
+
+
+class Telemetry:
+    """Samples an engine every ``interval`` seconds and writes iostat-style lines and/or JSON lines."""
+
+    HEADER_EVERY = 20
+
+    def __init__(self, engine: "Engine", *, interval: float = 1.0, out: IO[str] | None = None,
+                 json_out: IO[str] | None = None) -> None:
+        self.engine, self.interval, self.out, self.json_out = engine, interval, out, json_out
+        device = engine.device
+        self._disk = DiskstatsSampler(device) if device else None
+        self._lines = 0
+        self.intervals: list[Interval] = []
+
+    def _device_sample(self) -> DeviceSample | None:
+        if self._disk is None:
+            return None
+        return self._disk.sample(read_diskstats(), time.perf_counter())
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Emit one line per interval until ``stop`` is set (then one last partial interval)."""
+        self._device_sample()
+        last = self.engine.stats()
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), self.interval)
+            except TimeoutError:
+                pass
+            now = self.engine.stats()
+            if now.t - last.t < 1e-3:
+                break
+            self.emit(Interval(last, now, self._device_sample()))
+            last = now
+
+    def emit(self, interval: Interval) -> None:
+        self.intervals.append(interval)
+        row = interval.row()
+        if self.out is not None:
+            if self._lines % self.HEADER_EVERY == 0:
+                print(header(), file=self.out, flush=True)
+            print(format_row(row), file=self.out, flush=True)
+        if self.json_out is not None:
+            self.json_out.write(json.dumps({"t": interval.end.t, "seconds": interval.seconds, **row,
+                                            "engine": interval.end.as_dict()}) + "\n")
+            self.json_out.flush()
+        self._lines += 1
+
+
+def summary_line(s: EngineStats) -> str:
+    """Prefill and decode tok/s, hit rate, GB read, peak RSS: the run in one line."""
+    pp = s.prompt_tokens / s.prefill_s if s.prefill_s else 0.0
+    tg = s.generated_tokens / s.decode_s if s.decode_s else 0.0
+    return (f"[prefill {s.prompt_tokens} tok {pp:.1f} tok/s | decode {s.generated_tokens} tok {tg:.1f} tok/s | "
+            f"expert hit {s.hit_rate:.1%} (pinned {s.pinned_hits}, cached {s.cached_hits}, prefetched "
+            f"{s.prefetch_hits}, missed {s.misses}) | read {s.io_bytes / 1e9:.3f} GB | peak RSS "
+            f"{s.peak_rss / 2**20:.0f} MiB]")
