@@ -163,6 +163,20 @@ def _plan_table(model, plan, limits) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def _add_doctor(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("doctor", help="read-only checks: model file, io_uring, O_DIRECT, memlock, memory, read speed",
+                       description="Check this machine and a model (default: the shipped one); one verdict per line.")
+    p.add_argument("model", type=Path, nargs="?", default=None, help="GGUF file")
+    p.set_defaults(func=_doctor)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from colibri_aio.doctor import run_checks
+    from colibri_aio.models import default_model_path
+
+    return run_checks(args.model or default_model_path(), lambda c: print(c.line(), flush=True))
+
+
 def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(" ", "").split(",") if t]
@@ -336,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine events (backend choice, placement)")
     parser.add_argument("--log-json", action="store_true", help="write logs to stderr as JSON lines")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_run, _add_logits, _add_trace, _add_trace_stats, _add_replay, _add_plan):
+    for add in (_add_run, _add_logits, _add_trace, _add_trace_stats, _add_replay, _add_plan, _add_doctor):
         add(sub)
     return parser
 

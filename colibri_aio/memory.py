@@ -101,14 +101,18 @@ def memory_limits(root: Path = Path("/")) -> MemoryLimits:
 
 
 def rss_bytes() -> int:
-    """Resident set size of this process now."""
+    """Resident set size of this process now (0 where /proc is missing)."""
     try:
         pages = int(Path("/proc/self/statm").read_text().split()[1])
-        return pages * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
-        return peak_rss_bytes()
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
 
 
 def peak_rss_bytes() -> int:
-    """Peak resident set size of this process (ru_maxrss is in KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """Peak resident set size of this process.
+
+    ru_maxrss (KiB on Linux) is updated by the kernel lazily, so it can trail
+    the current RSS for a moment; the larger of the two is the true peak so far.
+    """
+    return max(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, rss_bytes())
