@@ -269,7 +269,8 @@ class BackpressureController:
         """No reads and no samples: close one long idle window up to the last boundary before ``now``."""
         assert self._window_start is not None
         w = self.config.window
-        n = int((now - self._close_lag - self._window_start) // w)
+        # At least one window: update() saw one end by now, and the division may round below 1.
+        n = max(1, int((now - self._close_lag - self._window_start) // w))
         end = self._window_start + n * w
         self._close(self._window_start, end)
         self._window_start = end
