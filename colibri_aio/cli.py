@@ -41,7 +41,13 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
 
 def _placement(args: argparse.Namespace) -> dict:
     return dict(io=args.io, ram_budget=args.ram_budget, cache_per_layer=args.cache_per_layer,
-                prefetch=args.prefetch, pin=args.pin)
+                prefetch=args.prefetch, pin=args.pin, progress=_progress if sys.stderr.isatty() else None)
+
+
+def _progress(step: str, done: int, total: int) -> None:
+    """A one-line progress display on the terminal: rewritten in place, ended when the step is done."""
+    sys.stderr.write(f"\r\033[K{step} {done}/{total}" + ("\n" if done >= total else ""))
+    sys.stderr.flush()
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from colibri_aio.errors import UserError
-from colibri_aio.gguf_model import Model, load
+from colibri_aio.gguf_model import Model, Progress, load
 from colibri_aio.memory import peak_rss_bytes, rss_bytes
 from colibri_aio.policy.diskstats import DiskstatsSampler, device_of, read_diskstats
 from colibri_aio.models import default_model_path
@@ -72,24 +72,26 @@ class Engine:
     @classmethod
     async def open(cls, path: str | os.PathLike[str] | None = None, *, io: str = "auto",
                    ram_budget: int | str | None = None, cache_per_layer: int | None = None,
-                   prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None) -> "Engine":
+                   prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None,
+                   progress: Progress | None = None) -> "Engine":
         """Load ``path`` (default: the shipped model) and open its expert source.
 
         Placement: ``io`` (auto|uring|pread|mmap), ``ram_budget`` (bytes or a
         size such as "12G"; default: a share of usable RAM), ``cache_per_layer``
         (expert slots per layer instead of a budget), ``prefetch``
         (auto|on|off), ``pin`` (auto|off|FILE), ``n_ctx`` (KV-cache positions).
-        Placement changes speed, never tokens.
+        Placement changes speed, never tokens. ``progress(step, done, total)``
+        hears about the long steps (loading the trunk, the pool, pinning).
         """
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,
                               pin=pin, context=n_ctx)
         placement.check()
-        model = load(path if path is not None else default_model_path())
+        model = load(path if path is not None else default_model_path(), progress=progress)
         tokenizer = Tokenizer.from_gguf(model.reader)
         if tokenizer.vocab_size != model.args.vocab_size:
             raise UserError(f"{model.path}: tokenizer has {tokenizer.vocab_size} tokens, model {model.args.vocab_size}")
-        source, plan = await open_source(model, placement)
+        source, plan = await open_source(model, placement, progress)
         engine = cls(model, tokenizer, source, plan, placement)
         if engine.device is not None and placement.prefetch == "auto":
             engine._monitor = asyncio.get_running_loop().create_task(engine._watch_device())

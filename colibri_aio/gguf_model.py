@@ -8,6 +8,7 @@ that names the problem.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -258,7 +259,10 @@ def _expert_locations(ts: _Tensors, i: int) -> list[ExpertLocation]:
     return [ExpertLocation(i, x, rng("gate", x), rng("up", x), rng("down", x)) for x in range(e)]
 
 
-def load(path: str | os.PathLike[str], *, resident: bool = True) -> Model:
+Progress = Callable[[str, int, int], None]  # (step, done, total)
+
+
+def load(path: str | os.PathLike[str], *, resident: bool = True, progress: Progress | None = None) -> Model:
     """Open and check a GGUF; load the trunk into RAM and describe every expert's bytes.
 
     ``resident=False`` checks the same things but leaves the trunk as views of
@@ -270,7 +274,11 @@ def load(path: str | os.PathLike[str], *, resident: bool = True) -> Model:
     ts = _Tensors(reader, p, args, copy=resident)
     vocab, d = args.vocab_size, args.embedding_length
     token_embd = ts.resident("token_embd.weight", (vocab, d))
-    blocks = [_block(ts, i) for i in range(args.block_count)]
+    blocks = []
+    for i in range(args.block_count):
+        blocks.append(_block(ts, i))
+        if progress is not None:
+            progress("load trunk", i + 1, args.block_count)
     experts = [_expert_locations(ts, i) for i in range(args.block_count)]
     extra = sorted(n for n in ts.by_name if n.startswith(f"blk.{args.block_count}."))
     if extra:

@@ -23,9 +23,10 @@ ready slot releases its lease, which gives the pool slot back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -88,11 +89,18 @@ class CachedExpertSource:
 
     # --- start -----------------------------------------------------------------
 
-    async def fill_pinned(self) -> None:
+    async def fill_pinned(self, progress: Callable[[str, int, int], None] | None = None) -> None:
         """Read every pinned expert into its slot (called once, at start)."""
-        for key, slot in self.cache.pinned.items():
+        pinned = self.cache.pinned
+        for key, slot in pinned.items():
             self._start_fill(slot, key, "demand")
-        await self._settle([self._fills[s].task for s in list(self._fills)])
+        tasks = [self._fills[s].task for s in list(self._fills)]
+        if progress is not None:
+            for n, landed in enumerate(asyncio.as_completed(tasks), 1):
+                with contextlib.suppress(Exception):  # _settle raises the first failure below
+                    await landed
+                progress("pin experts", n, len(tasks))
+        await self._settle(tasks)
 
     # --- demand path -------------------------------------------------------------
 

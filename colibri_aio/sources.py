@@ -14,7 +14,7 @@ import numpy as np
 import structlog
 
 from colibri_aio.errors import UserError
-from colibri_aio.gguf_model import Model
+from colibri_aio.gguf_model import Model, Progress
 from colibri_aio.io.reader import BACKENDS, ExpertReader
 from colibri_aio.memory import memory_limits
 from colibri_aio.plan import Plan, make_plan
@@ -90,7 +90,8 @@ def pins(model: Model, placement: Placement, plan: Plan) -> list[tuple[int, int]
     return pins_for(placement.pin, model, plan.pinned_slots)
 
 
-async def open_source(model: Model, placement: Placement) -> tuple[CachedExpertSource, Plan]:
+async def open_source(model: Model, placement: Placement, progress: Progress | None = None
+                      ) -> tuple[CachedExpertSource, Plan]:
     """Open the reader, size the cache from the plan, fill pinned experts."""
     placement.check()
     history = usage_history(model)
@@ -99,11 +100,15 @@ async def open_source(model: Model, placement: Placement) -> tuple[CachedExpertS
                      usage_counts=counts, pin_share=PIN_SHARE if placement.pin != "off" else 0.0)
     pinned = pins(model, placement, plan)
     cache = cache_for(model, placement, plan, pinned)
+    if progress is not None:
+        progress("allocate pool", 0, 1)
     reader = await ExpertReader.open(model.path, model.expert_nbytes_max, cache.n_slots, backend=placement.io)
+    if progress is not None:
+        progress("allocate pool", 1, 1)
     backpressure = BackpressureController(mode=placement.prefetch, start=time.perf_counter())  # type: ignore[arg-type]
     source = CachedExpertSource(model, reader, cache, backpressure, usage=history)
     try:
-        await source.fill_pinned()
+        await source.fill_pinned(progress)
     except BaseException:
         await source.aclose()
         raise

@@ -89,3 +89,17 @@ def test_doctor_reports_a_verdict_per_check() -> None:
     assert all(line.split()[0] in ("OK", "WARN") for line in r.stdout.splitlines())
     bad = run_cli("doctor", str(fixture("truncated_bad.gguf")))
     assert bad.returncode == 2 and "FAIL  gguf" in bad.stdout
+
+
+async def test_progress_hears_each_long_step(tmp_path) -> None:
+    steps: list[tuple[str, int, int]] = []
+    async with await Engine.open(MODEL, io="pread", cache_per_layer=4) as engine:
+        [p async for p in engine.generate("The list type", max_tokens=4)]
+    async with await Engine.open(MODEL, io="pread", cache_per_layer=4, pin="auto",
+                                 progress=lambda *a: steps.append(a)):
+        pass
+    names = [s[0] for s in steps]
+    assert names.count("load trunk") == 2 and steps[1] == ("load trunk", 2, 2)
+    assert ("allocate pool", 1, 1) in steps
+    pins = [s for s in steps if s[0] == "pin experts"]
+    assert pins and pins[-1][1] == pins[-1][2] > 0

@@ -187,11 +187,11 @@ def test_a_failing_chunk_reaches_the_caller(threads, monkeypatch: pytest.MonkeyP
     fmt = quant.FORMATS[T.Q8_0]
     calls = []
 
-    def failing_prepare(raw: np.ndarray):
+    def failing_prepare(raw: np.ndarray, index):
         calls.append(raw.shape[0])
         if len(calls) == 2:
             raise RuntimeError("boom")
-        return fmt.prepare(raw)
+        return fmt.prepare(raw, index)
 
     monkeypatch.setattr(quant, "FORMATS", {T.Q8_0: dataclasses.replace(fmt, prepare=failing_prepare)})
     monkeypatch.setattr(quant, "MATVEC_CHUNK_WEIGHTS", 64)
