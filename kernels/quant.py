@@ -41,7 +41,7 @@ from gguf import GGMLQuantizationType
 
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels.qtensor import QTensor
-from colibri_aio.kernels.quant_formats import FORMATS, Format, Scales, scales_in_layout
+from colibri_aio.kernels.quant_formats import FORMATS, Format, Scales, scale_index
 from colibri_aio.kernels.scratch import aligned_empty, thread_scratch
 
 __all__ = ["SUPPORTED_TYPES", "dequantize", "matvec", "matmul", "set_num_threads", "get_num_threads"]
@@ -56,7 +56,7 @@ SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(FORMATS)
 MATMUL_CHUNK_WEIGHTS = 1 << 16
 MATVEC_CHUNK_WEIGHTS = 1 << 18
 # Weights whose block scales are unpacked in one vectorised step.
-SCALE_BATCH_WEIGHTS = 1 << 20
+SCALE_BATCH_WEIGHTS = 1 << 18
 
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -126,13 +126,14 @@ def _for_chunks(w: QTensor, fmt: Format, chunk_weights: int, chunk_fn: ChunkFn) 
     raw = _raw_rows(w, fmt)
     rows, step = w.rows, max(1, chunk_weights // w.cols)
     batch = _scale_rows(step, w.cols)
+    index = scale_index(fmt.ggml_type, w.cols)
     n_chunks = -(-rows // step)
 
     def run(c0: int, c1: int) -> None:
         r0, r1 = c0 * step, min(c1 * step, rows)
         for b0 in range(r0, r1, batch):
             b1 = min(b0 + batch, r1)
-            scales = scales_in_layout(fmt, fmt.prepare(raw[b0:b1]), w.cols)
+            scales = fmt.prepare(raw[b0:b1], index)
             for s0 in range(b0, b1, step):
                 s1 = min(s0 + step, b1)
                 chunk_fn(s0, s1, raw[s0:s1], _rows_of(scales, s0 - b0, s1 - b0))
@@ -278,9 +279,10 @@ def matmul(w: QTensor, x: np.ndarray) -> np.ndarray:
 
     def chunk(s0: int, s1: int, raw: np.ndarray, s: Scales) -> None:
         wbuf = _chunk_weights(fmt, raw, s, cols, with_bias)
-        yb = thread_scratch().get("y", (t, s1 - s0), np.float32)
-        np.matmul(xx, wbuf.T, out=yb)
-        y[:, s0:s1] = yb
+        yb = thread_scratch().get("y", (s1 - s0, t), np.float32)
+        # W @ X.T rather than X @ W.T: same products, and OpenBLAS takes its faster path for it here.
+        np.matmul(wbuf, xx.T, out=yb)
+        y[:, s0:s1] = yb.T
 
     _for_chunks(w, fmt, MATMUL_CHUNK_WEIGHTS, chunk)
     return y

@@ -6,11 +6,13 @@ contiguous runs instead of 16- or 32-element pieces):
 
 * ``decode(raw, scratch)`` -> the integer quant values, ``(rows, cols)`` int8
   or uint8 (or float32 for the float types, which have no scales);
-* ``prepare(raw)`` -> :class:`Scales` in natural order, each array
-  ``(rows, blocks, scales_per_block)``: the factor ``mul`` and, for
-  Q4_K/Q5_K, the additive ``bias`` (``-dmin * m``), so that
-  ``weight = q * mul + bias``; :func:`scales_in_layout` turns them into one
-  value per sub-block of ``sub`` consecutive layout columns.
+* ``prepare(raw, index)`` -> :class:`Scales`, one value per sub-block of
+  ``sub`` consecutive layout columns, ``(rows, sub_blocks)`` float32: the
+  factor ``mul`` and, for Q4_K/Q5_K, the additive ``bias`` (``-dmin * m``),
+  so that ``weight = q * mul + bias``. ``index`` (from :func:`scale_index`)
+  names, per layout sub-block, the block and the natural scale it uses; the
+  small integer scales are gathered into layout order before any float work,
+  so every pass runs over whole rows.
 
 ``raw`` is always the ``(rows, blocks_per_row, type_size)`` uint8 view of the
 GGUF bytes; nibbles and high bits are unpacked eight at a time on uint64 words.
@@ -33,6 +35,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from colibri_aio.kernels.scratch import Scratch, thread_scratch
 
 
+class ScaleIndex(NamedTuple):
+    """For each layout sub-block of a row: its block, and which of the block's scales it uses."""
+
+    block: np.ndarray
+    scale: np.ndarray
+
+
 class Scales(NamedTuple):
     """Per-sub-block float32 scales of a run of rows (row axis first, so they slice by rows)."""
 
@@ -48,7 +57,7 @@ class Format:
     block: int          # weights per block
     type_size: int      # bytes per block
     sub: int            # layout columns sharing one (mul, bias); 0 for float types
-    prepare: Callable[[np.ndarray], Scales]
+    prepare: Callable[[np.ndarray, "ScaleIndex"], Scales]
     decode: Callable[[np.ndarray, Scratch], np.ndarray]
     column_order: Callable[[int], np.ndarray | None]
     has_bias: bool = False  # Scales.bias is set (Q4_K, Q5_K: the -dmin * m term)
@@ -102,7 +111,7 @@ def _f16_field(raw: np.ndarray, start: int) -> np.ndarray:
 
 # --- float types: a straight conversion into scratch; copying still matters (see quant.py) ---
 
-def _no_scales(raw: np.ndarray) -> Scales:
+def _no_scales(raw: np.ndarray, index: ScaleIndex) -> Scales:
     return Scales(None, None)
 
 
@@ -171,8 +180,10 @@ def _contiguous_bytes(raw: np.ndarray, start: int, stop: int, name: str, scratch
 
 # --- Q8_0: d (f16) + 32 x int8. Natural layout; the int8 values are read in place. ---
 
-def _prepare_q8_0(raw: np.ndarray) -> Scales:
-    return Scales(_f16_field(raw, 0)[..., None], None)                     # (R, nb, 1)
+def _prepare_q8_0(raw: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = d per sub-block (Q8_0 and Q4_0 share the leading f16 d)."""
+    d = _f16_field(raw, 0)                                                  # (R, nb)
+    return Scales(d if index.scale.size == 0 else d[:, index.block], None)  # empty scale: natural order
 
 
 def _decode_q8_0(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
@@ -228,15 +239,17 @@ def unpack_k4_scales(raw: np.ndarray) -> np.ndarray:
     return out.view(np.uint8).reshape(r, nb, 2, 8)
 
 
-def _prepare_k4(raw: np.ndarray) -> Scales:
-    """mul = d * sc and bias = -dmin * m per sub-block, each (R, nb, 8)."""
+_PLANES = np.arange(2).reshape(2, 1)
+
+
+def _prepare_k4(raw: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = d * sc and bias = -dmin * m per layout sub-block."""
     r, nb, _ = raw.shape
-    f = np.empty((r, nb, 2, 8), np.float32)
-    np.copyto(f, unpack_k4_scales(raw))
     d_dmin = f16_to_f32(raw[..., 0:4].view(np.uint16), np.empty((r, nb, 2), np.float32), thread_scratch())
     np.negative(d_dmin[..., 1], out=d_dmin[..., 1])
-    np.multiply(f, d_dmin[..., None], out=f)
-    return Scales(f[:, :, 0], f[:, :, 1])
+    f = d_dmin[:, index.block, _PLANES]                                    # (R, 2, S): [d | -dmin]
+    np.multiply(f, unpack_k4_scales(raw)[:, index.block, _PLANES, index.scale], out=f)
+    return Scales(f[:, 0], f[:, 1])
 
 
 # Q4_K layout (h, b, g, l): the low nibbles of every qs byte of the row, then the high ones.
@@ -289,8 +302,11 @@ _Q6_SHIFTS = (np.arange(4, dtype=np.uint64) * 2).reshape(4, 1)
 _TWO_BITS = _bytes_x8(3)
 
 
-def _prepare_q6_k(raw: np.ndarray) -> Scales:
-    return Scales(_f16_field(raw, 208)[..., None] * raw[..., 192:208].view(np.int8), None)   # (R, nb, 16)
+def _prepare_q6_k(raw: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = d * sc per layout sub-block of 16."""
+    mul = _f16_field(raw, 208)[:, index.block]
+    np.multiply(mul, raw[..., 192:208].view(np.int8)[:, index.block, index.scale], out=mul)
+    return Scales(mul, None)
 
 
 def _decode_q6_k(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
@@ -334,22 +350,20 @@ FORMATS: dict[T, Format] = {f.ggml_type: f for f in (
 
 
 @functools.lru_cache(maxsize=256)
-def _scale_index(t: T, cols: int, per_block: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """For each layout sub-block: (block, index within block) of its natural scale; None if natural."""
+def scale_index(t: T, cols: int) -> ScaleIndex:
+    """Per layout sub-block of a ``cols``-long row of type ``t``: its block and natural scale number.
+
+    Q8_0 in natural order gets an empty ``scale``: its sub-blocks are its blocks.
+    """
     fmt = FORMATS[t]
+    if fmt.sub == 0:
+        return ScaleIndex(np.empty(0, np.intp), np.empty(0, np.intp))
     order = fmt.column_order(cols)
-    if order is None:
-        return None
-    natural_group = order[::fmt.sub] // (fmt.block // per_block)
-    return np.divmod(natural_group, per_block)
+    first = np.arange(0, cols, fmt.sub) if order is None else order[::fmt.sub]
+    if order is None and fmt.sub == fmt.block:
+        return ScaleIndex(first // fmt.block, np.empty(0, np.intp))
+    return ScaleIndex(first // fmt.block, first % fmt.block // SCALE_GROUP[t])
 
 
-def scales_in_layout(fmt: Format, s: Scales, cols: int) -> Scales:
-    """Natural-order scales, each (rows, blocks, per_block), as (rows, layout sub-blocks) arrays."""
-    def one(a: np.ndarray | None) -> np.ndarray | None:
-        if a is None:
-            return None
-        r, nb, per_block = a.shape
-        index = _scale_index(fmt.ggml_type, cols, per_block)
-        return a.reshape(r, nb * per_block) if index is None else a[:, index[0], index[1]]
-    return Scales(one(s.mul), one(s.bias))
+# Weights sharing one stored scale, per type (Q4_0's d covers its whole block of 32).
+SCALE_GROUP = {T.Q8_0: 32, T.Q4_0: 32, T.Q4_K: 32, T.Q5_K: 32, T.Q6_K: 16}
