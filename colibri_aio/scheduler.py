@@ -79,12 +79,13 @@ class CachedExpertSource:
             raise ValueError(f"the pool has {reader.pool.n_slots} slots; the cache needs {cache.n_slots}")
         self.model, self.reader, self.cache = model, reader, cache
         self.backpressure, self.usage = backpressure, usage
-        self.predictor = LookaheadPredictor(model.args.expert_used_count)
+        self.predictor = LookaheadPredictor(model.args.expert_used_count, model.args.expert_count)
         self.stats = SchedulerStats()
         self._leases: dict[int, SlotLease] = {}   # ready slots
         self._fills: dict[int, _Fill] = {}        # filling slots
         self._failures: dict[Key, BaseException] = {}  # failed reads a stream still holds
         self._current_layer = -1
+        self._prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next use
         self._closed = False
 
     # --- start -----------------------------------------------------------------
@@ -113,6 +114,8 @@ class CachedExpertSource:
         """
         self._current_layer = layer
         self.predictor.observed(layer, experts)
+        for e in self._prefetched.pop(layer, set()).difference(experts):
+            self.cache.demote((layer, e))  # a wrong guess: evict it first, before anything useful
         if self.usage is not None:
             self.usage.record(layer, experts)
         ready: deque[tuple[int, int]] = deque()     # (expert, slot): bytes in place
@@ -209,6 +212,7 @@ class CachedExpertSource:
                 return
             self._evict(res)
             self._start_fill(res.slot, key, "prefetch")
+            self._prefetched.setdefault(layer, set()).add(e)
 
     # --- reads --------------------------------------------------------------------------
 
