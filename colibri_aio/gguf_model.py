@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
 
 from colibri_aio.errors import ModelFormatError
+from colibri_aio.gguf_header import GGUFHeader
 from colibri_aio.experts import ExpertLocation, TensorRange
 from colibri_aio.kernels.qtensor import QTensor
 from colibri_aio.kernels.quant import SUPPORTED_TYPES, dequantize
@@ -88,7 +88,7 @@ class Model:
     output: QTensor                      # (vocab, D); token_embd when tied
     blocks: list[BlockWeights]
     experts: list[list[ExpertLocation]]  # [layer][expert]
-    reader: GGUFReader                   # metadata (tokenizer, chat template)
+    reader: GGUFHeader                   # metadata (tokenizer, chat template)
 
     @property
     def trunk_nbytes(self) -> int:
@@ -105,28 +105,18 @@ class Model:
         return self.experts[layer][expert]
 
 
-def _open_reader(path: Path) -> GGUFReader:
+def _open_reader(path: Path) -> GGUFHeader:
     if not path.is_file():
         raise ModelFormatError(f"{path}: no such model file")
-    with open(path, "rb") as f:
-        if f.read(4) != b"GGUF":
-            raise ModelFormatError(f"{path}: not a GGUF file (bad magic)")
-    try:
-        return GGUFReader(path, "r")
-    except Exception as exc:  # gguf raises ValueError/IndexError/struct errors on damaged headers
-        raise ModelFormatError(f"{path}: damaged or truncated GGUF ({_one_line(exc)})") from None
+    return GGUFHeader(path)
 
 
-def _one_line(exc: BaseException) -> str:
-    return " ".join(str(exc).split()) or type(exc).__name__
-
-
-def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def _field(reader: GGUFHeader, key: str, default: Any = None) -> Any:
     f = reader.fields.get(key)
     return default if f is None else f.contents()
 
 
-def read_args(reader: GGUFReader, path: Path) -> ModelArgs:
+def read_args(reader: GGUFHeader, path: Path) -> ModelArgs:
     """ModelArgs from the metadata; refuses unknown architectures and inconsistent keys."""
     arch = _field(reader, "general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -145,7 +135,7 @@ def read_args(reader: GGUFReader, path: Path) -> ModelArgs:
     names = {t.name for t in reader.tensors}
     args = ModelArgs(
         architecture=arch,
-        vocab_size=len(tokens.data) if tokens is not None else _tensor_rows(reader, "token_embd.weight", path),
+        vocab_size=len(tokens.value) if tokens is not None else _tensor_rows(reader, "token_embd.weight", path),
         context_length=int(need("context_length")),
         embedding_length=embd,
         block_count=int(need("block_count")),
@@ -165,7 +155,7 @@ def read_args(reader: GGUFReader, path: Path) -> ModelArgs:
     return args
 
 
-def _tensor_rows(reader: GGUFReader, name: str, path: Path) -> int:
+def _tensor_rows(reader: GGUFHeader, name: str, path: Path) -> int:
     for t in reader.tensors:
         if t.name == name:
             return int(t.shape[-1])
@@ -189,7 +179,7 @@ def _check_args(a: ModelArgs, path: Path) -> None:
 class _Tensors:
     """Checked access to the file's tensors: presence, type, shape, bytes within the file."""
 
-    def __init__(self, reader: GGUFReader, path: Path, args: ModelArgs, copy: bool) -> None:
+    def __init__(self, reader: GGUFHeader, path: Path, args: ModelArgs, copy: bool) -> None:
         self.by_name = {t.name: t for t in reader.tensors}
         self.path, self.args, self.copy = path, args, copy
         self.file_size = path.stat().st_size

@@ -34,6 +34,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
+from colibri_aio.gguf_header import GGUFHeader
 from colibri_aio.errors import ModelFormatError, UserError
 
 __all__ = ["Tokenizer", "StreamDecoder", "TokenizerSpec", "QWEN2_SPLIT_REGEX"]
@@ -73,13 +74,13 @@ class TokenizerSpec:
     chat_template: str | None
 
 
-def _field(reader: gguf.GGUFReader, key: str) -> Any:
+def _field(reader: gguf.GGUFReader | GGUFHeader, key: str) -> Any:
     """The decoded value of a metadata key, or None when the key is absent."""
     f = reader.fields.get(key)
     return None if f is None else f.contents()
 
 
-def read_spec(reader: gguf.GGUFReader) -> TokenizerSpec:
+def read_spec(reader: gguf.GGUFReader | GGUFHeader) -> TokenizerSpec:
     """Read and check the ``tokenizer.*`` keys; refuse anything we cannot tokenize exactly."""
     model = _field(reader, "tokenizer.ggml.model")
     if model is None:
@@ -253,20 +254,16 @@ class Tokenizer:
         self._template = None
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader) -> Tokenizer:
+    def from_gguf(cls, reader: gguf.GGUFReader | GGUFHeader) -> Tokenizer:
         """Build from an open GGUF; raises ModelFormatError for a missing or unsupported tokenizer."""
         return cls(read_spec(reader))
 
     @classmethod
     def from_path(cls, path: str | Path) -> Tokenizer:
         """Build from a GGUF file on disk."""
-        try:
-            reader = gguf.GGUFReader(str(path), "r")
-        except FileNotFoundError:
-            raise UserError(f"{path}: no such file") from None
-        except (ValueError, OSError, IndexError) as e:  # bad magic, truncated header ...
-            raise ModelFormatError(f"{path}: not a readable GGUF file ({e})") from None
-        return cls.from_gguf(reader)
+        if not Path(path).is_file():
+            raise UserError(f"{path}: no such file")
+        return cls.from_gguf(GGUFHeader(path))  # refuses a bad magic or a truncated header
 
     @property
     def vocab_size(self) -> int:

@@ -238,4 +238,4 @@ def test_refuses_out_of_range_special_id(tmp_path: Path) -> None:
 def test_refuses_a_file_that_is_not_gguf(tmp_path: Path) -> None:
     path = tmp_path / "text.gguf"
     path.write_bytes(b"this is not a GGUF file at all")
-    _one_line_refusal(path, "not a readable GGUF")
+    _one_line_refusal(path, "not a GGUF file")

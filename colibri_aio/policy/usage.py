@@ -36,16 +36,10 @@ DEFAULT_DECAY = 0.9
 
 
 def model_fingerprint(model: Model) -> str:
-    """A hex digest of the GGUF's metadata, tensor table and file size (never its path)."""
+    """A hex digest of the GGUF's header (metadata and tensor table) and file size (never its path)."""
     h = hashlib.sha256()
     h.update(f"size={model.identity.size}\n".encode())
-    for name, f in model.reader.fields.items():
-        h.update(f"field={name}\n".encode())
-        for part in f.parts:
-            h.update(np.ascontiguousarray(part).tobytes())
-    for t in model.reader.tensors:
-        shape = ",".join(str(int(x)) for x in t.shape)
-        h.update(f"tensor={t.name}:{int(t.tensor_type)}:{shape}:{int(t.data_offset)}:{int(t.n_bytes)}\n".encode())
+    h.update(model.reader.header_bytes)
     return h.hexdigest()[:32]
 
 
