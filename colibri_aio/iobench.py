@@ -19,6 +19,7 @@ import asyncio
 import datetime
 import itertools
 import json
+import logging
 import os
 import platform
 import shutil
@@ -32,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import structlog
 
 from colibri_aio.errors import UserError
 from colibri_aio.io.align import RANGES_PER_EXPERT
@@ -337,12 +339,17 @@ def write_receipt(directory: Path, document: dict[str, Any]) -> tuple[Path, Path
 
 def run_iobench(args: argparse.Namespace) -> int:
     """Run the benchmark described by ``args``; print a table (or JSON); return the exit status."""
-    import structlog
-    import logging
-
     # One line per reader opening would drown the table: keep only warnings, on stderr.
+    saved = structlog.get_config()
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
                         logger_factory=structlog.PrintLoggerFactory(sys.stderr))
+    try:
+        return _run_iobench(args)
+    finally:
+        structlog.configure(**saved)
+
+
+def _run_iobench(args: argparse.Namespace) -> int:
     if args.runs < 1 or args.seconds <= 0:
         raise UserError("--runs must be >= 1 and --seconds > 0")
     use_fio = not args.no_fio and shutil.which("fio") is not None
@@ -351,6 +358,7 @@ def run_iobench(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise UserError(f"{path}: no such file")
     load_start = os.getloadavg()
+    commit = git_commit()  # before the run: the code measured is the code at start
 
     def progress(run: int, backend: str, bs: int, qd: int, pair: dict[str, Any]) -> None:
         ours = pair["ours"]
@@ -372,7 +380,7 @@ def run_iobench(args: argparse.Namespace) -> int:
             rows = runner.run(bench(path, args, use_fio, progress))
         document = {
             "command": " ".join(sys.orig_argv),
-            "commit": git_commit(), "host": host_facts(), "when_utc": datetime.datetime.now(
+            "commit": commit, "host": host_facts(), "when_utc": datetime.datetime.now(
                 datetime.timezone.utc).isoformat(timespec="seconds"),
             "file": str(path), "file_bytes": path.stat().st_size, "temporary_file": temporary,
             "pattern": args.pattern, "runs": args.runs, "seconds": args.seconds, "event_loop": loop_name,

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import structlog.testing
 from gguf import GGMLQuantizationType
 
 from colibri_aio.errors import ExpertReadError, ModelFormatError, UserError
@@ -90,8 +91,7 @@ async def test_auto_uses_registered_o_direct_io_uring_here(model_file: Path) -> 
         await reader.aclose()
 
 
-async def test_o_direct_refused_falls_back_to_buffered(model_file: Path, monkeypatch: pytest.MonkeyPatch,
-                                                       capsys: pytest.CaptureFixture[str]) -> None:
+async def test_o_direct_refused_falls_back_to_buffered(model_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_open = os.open
 
     def tmpfs_like_open(path, flags, *args):  # tmpfs before Linux 6.6 refused O_DIRECT like this
@@ -101,14 +101,16 @@ async def test_o_direct_refused_falls_back_to_buffered(model_file: Path, monkeyp
 
     monkeypatch.setattr(os, "open", tmpfs_like_open)
     locs = mixed_locations(FILE_NBYTES, 12)
-    reader = await ExpertReader.open(model_file, largest(locs), n_slots=3, backend="uring")
+    with structlog.testing.capture_logs() as logs:
+        reader = await ExpertReader.open(model_file, largest(locs), n_slots=3, backend="uring")
     try:
         assert reader.direct is False
         assert "refuses O_DIRECT" in reader.file.direct_reason
         await read_all_and_check(reader, model_file, locs)
     finally:
         await reader.aclose()
-    assert "O_DIRECT refused" in capsys.readouterr().out
+    notices = [e for e in logs if e["log_level"] == "warning" and "O_DIRECT refused" in e["event"]]
+    assert notices and notices[0]["path"] == str(model_file)
 
 
 async def test_tmpfs_reads_are_exact_whatever_it_says_about_o_direct() -> None:
@@ -135,7 +137,9 @@ async def test_registration_refused_falls_back_to_unregistered_reads(
 
     monkeypatch.setattr(L, "io_uring_register_buffers", refuse)
     locs = mixed_locations(FILE_NBYTES, 20)
-    reader = await ExpertReader.open(model_file, largest(locs), n_slots=4)
+    with structlog.testing.capture_logs() as logs:
+        reader = await ExpertReader.open(model_file, largest(locs), n_slots=4)
+    assert any(e["log_level"] == "warning" and "registration refused" in e["event"] for e in logs)
     try:
         assert (reader.backend, reader.registered) == ("uring", False)
         assert "unregistered" in reader.backend_reason and "ENOMEM" in reader.backend_reason
@@ -185,7 +189,9 @@ async def test_io_uring_setup_failure_falls_back_to_pread(model_file: Path, monk
 
     monkeypatch.setattr(L, "io_uring_queue_init", no_io_uring)
     locs = mixed_locations(FILE_NBYTES, 20)
-    reader = await ExpertReader.open(model_file, largest(locs), n_slots=4, backend="auto")
+    with structlog.testing.capture_logs() as logs:
+        reader = await ExpertReader.open(model_file, largest(locs), n_slots=4, backend="auto")
+    assert any(e["log_level"] == "warning" and "pread" in e["event"] for e in logs)
     try:
         assert reader.backend == "pread"
         assert "io_uring cannot be set up" in reader.backend_reason and "ENOSYS" in reader.backend_reason
