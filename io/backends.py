@@ -174,6 +174,10 @@ class MmapBackend:
         """Bring the expert's pages into memory now, off the event loop, and return views of them."""
         assert self._map is not None
         for rng in loc.ranges:
+            # Ask for the whole range at once: faults alone would read it a read-around window at a time.
+            start = align_down(rng.offset, mmap.PAGESIZE)
+            self._map.madvise(mmap.MADV_WILLNEED, start, rng.offset + rng.nbytes - start)
+        for rng in loc.ranges:
             start = align_down(rng.offset, mmap.PAGESIZE)
             try:
                 self._map.madvise(MADV_POPULATE_READ, start, rng.offset + rng.nbytes - start)
