@@ -31,6 +31,7 @@ The thread count defaults to 2; set ``COLIBRI_KERNEL_THREADS`` or call
 """
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 from collections.abc import Callable
@@ -54,9 +55,15 @@ SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(FORMATS)
 # per chunk, so bigger chunks pay off despite spilling to L3
 # (evidence/kernels_*.md).
 MATMUL_CHUNK_WEIGHTS = 1 << 16
+# Positions per sgemm call. OpenBLAS runs an sgemm above about 1e6
+# multiply-adds on its own threads; called from two kernel threads at once that
+# collapsed to ~0.01 G weights/s here. 8 positions x one chunk stays below it.
+GEMM_POSITIONS = 8
 MATVEC_CHUNK_WEIGHTS = 1 << 18
-# Weights whose block scales are unpacked in one vectorised step.
-SCALE_BATCH_WEIGHTS = 1 << 18
+# Raw bytes whose block scales are unpacked in one vectorised step: few enough
+# that the rows are still in L2 when their chunks are decoded, many enough that
+# the ~25 NumPy calls of a K-quant scale unpacking are amortised.
+SCALE_BATCH_BYTES = 1 << 19
 
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -106,9 +113,9 @@ def _raw_rows(w: QTensor, fmt: Format) -> np.ndarray:
     return w.data.reshape(w.rows, w.cols // fmt.block, fmt.type_size)
 
 
-def _scale_rows(chunk_rows: int, cols: int) -> int:
+def _scale_rows(chunk_rows: int, row_bytes: int) -> int:
     """Rows per scale batch: a whole number of chunks, so batches never cut the chunk grid."""
-    return chunk_rows * max(1, SCALE_BATCH_WEIGHTS // (chunk_rows * cols))
+    return chunk_rows * max(1, SCALE_BATCH_BYTES // (chunk_rows * row_bytes))
 
 
 def _rows_of(s: Scales, a: int, b: int) -> Scales:
@@ -121,28 +128,30 @@ ChunkFn = Callable[[int, int, np.ndarray, Scales], None]
 def _for_chunks(w: QTensor, fmt: Format, chunk_weights: int, chunk_fn: ChunkFn) -> None:
     """Call ``chunk_fn(start, stop, raw_chunk, scales_chunk)`` for every row chunk, across the threads.
 
-    Chunks are ``chunk_weights // cols`` rows (at least one); the grid depends on nothing else.
+    Chunks are ``chunk_weights // cols`` rows (at least one) and scale batches a
+    whole number of chunks; that grid depends on the shape only. Threads take
+    batches from a shared counter, so a thread the OS deschedules holds up no
+    one; which thread ran a chunk never changes its result, since every thread
+    decodes into identical page-aligned scratch.
     """
     raw = _raw_rows(w, fmt)
     rows, step = w.rows, max(1, chunk_weights // w.cols)
-    batch = _scale_rows(step, w.cols)
+    batch = _scale_rows(step, raw.shape[1] * raw.shape[2])
     index = scale_index(fmt.ggml_type, w.cols)
-    n_chunks = -(-rows // step)
+    batches = [(b0, min(b0 + batch, rows)) for b0 in range(0, rows, batch)]
+    taken = itertools.count()  # next() on it is atomic under the GIL
 
-    def run(c0: int, c1: int) -> None:
-        r0, r1 = c0 * step, min(c1 * step, rows)
-        for b0 in range(r0, r1, batch):
-            b1 = min(b0 + batch, r1)
+    def run() -> None:
+        while (i := next(taken)) < len(batches):
+            b0, b1 = batches[i]
             scales = fmt.prepare(raw[b0:b1], index)
             for s0 in range(b0, b1, step):
                 s1 = min(s0 + step, b1)
                 chunk_fn(s0, s1, raw[s0:s1], _rows_of(scales, s0 - b0, s1 - b0))
 
-    n = min(_num_threads, n_chunks)
-    bounds = [k * n_chunks // n for k in range(n + 1)]
-    futures = [_workers().submit(run, bounds[k], bounds[k + 1]) for k in range(1, n)]
+    futures = [_workers().submit(run) for _ in range(min(_num_threads, len(batches)) - 1)]
     try:
-        run(bounds[0], bounds[1])
+        run()
     finally:
         # Wait for every worker even if ours failed: they write into the caller's output.
         errors = [f.exception() for f in futures]
@@ -280,8 +289,10 @@ def matmul(w: QTensor, x: np.ndarray) -> np.ndarray:
     def chunk(s0: int, s1: int, raw: np.ndarray, s: Scales) -> None:
         wbuf = _chunk_weights(fmt, raw, s, cols, with_bias)
         yb = thread_scratch().get("y", (s1 - s0, t), np.float32)
-        # W @ X.T rather than X @ W.T: same products, and OpenBLAS takes its faster path for it here.
-        np.matmul(wbuf, xx.T, out=yb)
+        for p0 in range(0, t, GEMM_POSITIONS):
+            p1 = min(p0 + GEMM_POSITIONS, t)
+            # W @ X.T rather than X @ W.T: same products, and OpenBLAS's faster path here.
+            np.matmul(wbuf, xx[p0:p1].T, out=yb[:, p0:p1])
         y[:, s0:s1] = yb.T
 
     _for_chunks(w, fmt, MATMUL_CHUNK_WEIGHTS, chunk)

@@ -52,7 +52,7 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of a few rows and scale batches of a few chunks, so small tensors cross every boundary."""
     monkeypatch.setattr(quant, "MATVEC_CHUNK_WEIGHTS", 1024)
     monkeypatch.setattr(quant, "MATMUL_CHUNK_WEIGHTS", 1024)
-    monkeypatch.setattr(quant, "SCALE_BATCH_WEIGHTS", 4096)
+    monkeypatch.setattr(quant, "SCALE_BATCH_BYTES", 2048)
 
 
 @pytest.fixture
@@ -195,6 +195,6 @@ def test_a_failing_chunk_reaches_the_caller(threads, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(quant, "FORMATS", {T.Q8_0: dataclasses.replace(fmt, prepare=failing_prepare)})
     monkeypatch.setattr(quant, "MATVEC_CHUNK_WEIGHTS", 64)
-    monkeypatch.setattr(quant, "SCALE_BATCH_WEIGHTS", 64)
+    monkeypatch.setattr(quant, "SCALE_BATCH_BYTES", 64)
     with pytest.raises(RuntimeError, match="boom"):
         quant.matvec(w, np.zeros(64, np.float32))

@@ -4,7 +4,9 @@ For each shape (rows x cols) and GGML type it measures, in G weights/s:
 
 * ``matvec``  - :func:`colibri_aio.kernels.quant.matvec`, one position (decode);
 * ``matmul``  - :func:`colibri_aio.kernels.quant.matmul` with ``--positions`` positions (prefill);
-* ``dequant`` - :func:`colibri_aio.kernels.quant.dequantize` alone (the decoding half of a product);
+* ``decode``  - the decoding half of a matmul alone: every chunk decoded and
+  scaled into the kernel's float32 scratch, no product (``dequantize`` would
+  add a fresh output array's first-touch page faults);
 
 beside float32 BLAS on a float32 matrix of the same shape, measured in the same
 run and interleaved with them: ``f32 gemv`` (``np.dot(W, x)``, the product
@@ -14,7 +16,8 @@ Each sample is one sweep over enough distinct copies of the weights to exceed
 the last-level cache (``--cold-mb``), as experts streamed from the buffer pool
 are: nothing is measured out of a warm cache by accident. Each run is a fresh
 child process; ``--arms`` runs the same measurements under different
-environments (e.g. ``OPENBLAS_NUM_THREADS=1``), alternating arm by arm.
+environments (e.g. ``OPENBLAS_NUM_THREADS=1``, or ``COLIBRI_QUANT_<NAME>=<int>``
+to set a tuning constant of the quant module), alternating arm by arm.
 
     python tools/bench_kernels.py --runs 7 --arms default,OPENBLAS_NUM_THREADS=1
 """
@@ -35,6 +38,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_TYPES = ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "BF16", "F16", "F32"]
+TUNING_PREFIX = "COLIBRI_QUANT_"  # an arm may set a module constant of quant, e.g. COLIBRI_QUANT_MATVEC_CHUNK_WEIGHTS
 TARGETS = {("Q8_0", "matvec"): 3.0, ("Q4_K", "matvec"): 1.5}  # G weights/s, 2 threads
 
 
@@ -73,12 +77,27 @@ def _sweep_seconds(fn, items) -> float:
     return time.perf_counter() - t0
 
 
+def _decode_only(w) -> None:
+    """Decode and scale every chunk of ``w`` into scratch, as matmul does, without the product."""
+    from colibri_aio.kernels import quant
+
+    fmt = quant._format_of(w)
+    quant._for_chunks(w, fmt, quant.MATMUL_CHUNK_WEIGHTS,
+                      lambda s0, s1, raw, s: quant._chunk_weights(fmt, raw, s, w.cols, fmt.has_bias))
+
+
 def child_run(args: argparse.Namespace) -> list[dict]:
     """One sample of every (shape, type, op), interleaved; returns the samples."""
     from colibri_aio.kernels import quant
     from colibri_aio.kernels.qtensor import QTensor
 
     quant.set_num_threads(args.threads)
+    for key, value in os.environ.items():  # arm knobs: COLIBRI_QUANT_<CONSTANT>=<int>
+        if key.startswith(TUNING_PREFIX):
+            name = key[len(TUNING_PREFIX):]
+            if not hasattr(quant, name):
+                raise SystemExit(f"{key}: colibri_aio.kernels.quant has no {name}")
+            setattr(quant, name, int(value))
     rng = np.random.default_rng(args.seed)
     samples = []
     for shape in args.shapes:
@@ -95,8 +114,8 @@ def child_run(args: argparse.Namespace) -> list[dict]:
             ws = [QTensor(r, w.ggml_type, shape) for r in _copies(w.data, n)]
             ops[(name, "matvec")] = (lambda v: quant.matvec(v, x), ws)
             ops[(name, "matmul")] = (lambda v: quant.matmul(v, xs), ws)
-            if name in args.dequant_types:
-                ops[(name, "dequant")] = (quant.dequantize, ws)
+            if name in args.decode_types:
+                ops[(name, "decode")] = (_decode_only, ws)
         ops[("F32-BLAS", "f32 gemv")] = (lambda m: np.dot(m, x), list(f32))
         ops[("F32-BLAS", "f32 gemm")] = (lambda m: xs @ m.T, list(f32))
         for fn, items in ops.values():  # warm-up: first touches, thread pool, BLAS threads
@@ -148,6 +167,11 @@ def _blas_config() -> dict:
         return {"error": repr(e)}
 
 
+def _kernel_constants() -> dict:
+    from colibri_aio.kernels import quant
+    return {k: getattr(quant, k) for k in dir(quant) if k.isupper() and isinstance(getattr(quant, k), int)}
+
+
 def _summary(samples: list[dict], arm: str, shape: list[int], type_name: str, op: str) -> dict | None:
     v = [s["gweights_per_s"] for s in samples
          if s["arm"] == arm and s["shape"] == shape and s["type"] == type_name and s["op"] == op]
@@ -171,13 +195,14 @@ def write_receipt(out_dir: Path, meta: dict, samples: list[dict]) -> tuple[Path,
              f"load average at start {meta['loadavg_start']}, at end {meta['loadavg_end']}",
              f"- NumPy {meta['numpy']}, BLAS {meta['blas'].get('blas', {}).get('name', '?')} "
              f"{meta['blas'].get('blas', {}).get('version', '')}; OPENBLAS_* in the environment: {meta['openblas_env'] or 'none'}",
+             f"- kernel constants {meta['kernel_constants']}",
              f"- kernel threads {meta['threads']}; matmul with {meta['positions']} positions; "
              f"each sample sweeps distinct copies of the weights, >= {meta['cold_mb']:g} MiB of them "
              f"(more than the last-level cache when above its size)",
              f"- {meta['runs']} runs per arm, arms alternating: {', '.join(meta['arms'])}; G weights/s, median [min-max]", ""]
     for arm in meta["arms"]:
         lines += [f"## arm: {arm}", "",
-                  "| shape | type | matvec | matmul | dequant alone | f32 gemv (same run) | f32 gemm (same run) |",
+                  "| shape | type | matvec | matmul | decode alone | f32 gemv (same run) | f32 gemm (same run) |",
                   "|---|---|---|---|---|---|---|"]
         for shape in meta["shapes"]:
             gemv = _summary(samples, arm, shape, "F32-BLAS", "f32 gemv")
@@ -185,7 +210,7 @@ def write_receipt(out_dir: Path, meta: dict, samples: list[dict]) -> tuple[Path,
             for t in meta["types"]:
                 lines.append(f"| {shape[0]}x{shape[1]} | {t} | {_fmt(_summary(samples, arm, shape, t, 'matvec'))} | "
                              f"{_fmt(_summary(samples, arm, shape, t, 'matmul'))} | "
-                             f"{_fmt(_summary(samples, arm, shape, t, 'dequant'))} | {_fmt(gemv)} | {_fmt(gemm)} |")
+                             f"{_fmt(_summary(samples, arm, shape, t, 'decode'))} | {_fmt(gemv)} | {_fmt(gemm)} |")
         lines.append("")
         for (t, op), target in TARGETS.items():
             meds = [s["median"] for shape in meta["shapes"] if (s := _summary(samples, arm, shape, t, op))]
@@ -205,7 +230,7 @@ def _shape(text: str) -> tuple[int, int]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--types", default=",".join(ALL_TYPES))
-    p.add_argument("--dequant-types", default="Q8_0,Q4_K", help="types whose dequantize() is timed alone")
+    p.add_argument("--decode-types", default="Q8_0,Q4_K", help="types whose decoding is also timed alone")
     p.add_argument("--shapes", default="768x2048,2048x768", help="rows x cols (expert gate/up, down)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--positions", type=int, default=8)
@@ -217,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.types = [t for t in args.types.split(",") if t]
-    args.dequant_types = [t for t in args.dequant_types.split(",") if t in args.types]
+    args.decode_types = [t for t in args.decode_types.split(",") if t in args.types]
     args.shapes = [_shape(s) for s in args.shapes.split(",")]
     if args.child:
         json.dump(child_run(args), sys.stdout)
@@ -229,11 +254,12 @@ def main(argv: list[str] | None = None) -> int:
             "when_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "numpy": np.__version__, "blas": _blas_config(),
             "openblas_env": {k: v for k, v in os.environ.items() if k.startswith("OPENBLAS")},
+            "kernel_constants": _kernel_constants(),
             "threads": args.threads, "positions": args.positions, "cold_mb": args.cold_mb,
             "runs": args.runs, "arms": arms, "shapes": [list(s) for s in args.shapes], "types": args.types,
             "loadavg_start": list(os.getloadavg())}
     child_argv = [sys.executable, __file__, "--child", "--types", ",".join(args.types),
-                  "--dequant-types", ",".join(args.dequant_types) or "none",
+                  "--decode-types", ",".join(args.decode_types) or "none",
                   "--shapes", ",".join(f"{r}x{c}" for r, c in args.shapes), "--threads", str(args.threads),
                   "--positions", str(args.positions), "--cold-mb", str(args.cold_mb)]
     samples = []
