@@ -62,10 +62,9 @@ def cache_for(model: Model, placement: Placement, plan: Plan, pins: list[tuple[i
     """The expert cache: per-layer quotas with --cache-per-layer, else global over the planned slots."""
     a = model.args
     if placement.cache_per_layer is not None:
+        # Fewer slots than expert_used_count still works (each expert is read, used and
+        # evicted in turn); it is a knob for experiments and tests, not a good setting.
         per_layer = min(placement.cache_per_layer, a.expert_count)
-        if per_layer < a.expert_used_count:
-            raise UserError(f"--cache-per-layer {per_layer} is below expert_used_count {a.expert_used_count}: "
-                            f"one layer's experts would not fit")
         return ExpertCache(per_layer * a.block_count + len(pins), policy=placement.cache_policy, scope="layer",
                            n_layers=a.block_count, pinned=pins)
     return ExpertCache(plan.slots, policy=placement.cache_policy, scope="global", pinned=pins)
