@@ -49,17 +49,15 @@ __all__ = ["SUPPORTED_TYPES", "dequantize", "matvec", "matmul", "set_num_threads
 
 SUPPORTED_TYPES: frozenset[GGMLQuantizationType] = frozenset(FORMATS)
 
-# Weights per chunk. matmul keeps T * chunk under OpenBLAS's small-matrix
-# limit (about 1e6 multiply-adds) for T <= 8, where sgemm is fastest; its
-# 256 KiB float32 scratch fits one core's L2. matvec does about ten NumPy calls
-# per chunk, so bigger chunks pay off despite spilling to L3
-# (evidence/kernels_*.md).
+# Weights per chunk of rows. matvec does about ten NumPy calls per chunk, so
+# big chunks pay off although their float32 scratch (1 MiB) spills from L2;
+# larger ones made OpenBLAS slower here. matmul's 256 KiB scratch stays in L2.
+MATVEC_CHUNK_WEIGHTS = 1 << 18
 MATMUL_CHUNK_WEIGHTS = 1 << 16
 # Positions per sgemm call. OpenBLAS runs an sgemm above about 1e6
 # multiply-adds on its own threads; called from two kernel threads at once that
 # collapsed to ~0.01 G weights/s here. 8 positions x one chunk stays below it.
 GEMM_POSITIONS = 8
-MATVEC_CHUNK_WEIGHTS = 1 << 18
 # Raw bytes whose block scales are unpacked in one vectorised step: few enough
 # that the rows are still in L2 when their chunks are decoded, many enough that
 # the ~25 NumPy calls of a K-quant scale unpacking are amortised.

@@ -62,10 +62,6 @@ class Format:
     column_order: Callable[[int], np.ndarray | None]
     has_bias: bool = False  # Scales.bias is set (Q4_K, Q5_K: the -dmin * m term)
 
-    @property
-    def is_float(self) -> bool:
-        return self.sub == 0
-
 
 def _split(a: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     """A view of ``a`` reshaped; never a silent copy (``out=`` must land in ``a``)."""

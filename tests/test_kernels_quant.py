@@ -16,6 +16,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels import quant
 from colibri_aio.kernels.qtensor import QTensor
+from colibri_aio.kernels.quant_formats import f16_to_f32
+from colibri_aio.kernels.scratch import Scratch
 
 TYPES = sorted(quant.SUPPORTED_TYPES, key=lambda t: t.name)
 K_TYPES = {T.Q4_K, T.Q5_K, T.Q6_K}
@@ -83,13 +85,23 @@ def test_matvec_matches_reference(t: T, rows: int, blocks: int, small_chunks: No
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,blocks", SHAPES)
-@pytest.mark.parametrize("n_pos", [1, 3, 8])
+@pytest.mark.parametrize("n_pos", [1, 3, 8, 11])
 def test_matmul_matches_reference(t: T, rows: int, blocks: int, n_pos: int, small_chunks: None) -> None:
     w = make_weights(t, (rows, _cols(t, blocks)), seed=rows)
     x = np.random.default_rng(n_pos).standard_normal((n_pos, w.cols)).astype(np.float32)
     y = quant.matmul(w, x)
     assert y.dtype == np.float32 and y.shape == (n_pos, rows)
     assert rel_err(y, x @ reference(w).T) <= 1e-5
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_positive_activations(t: T, small_chunks: None) -> None:
+    """All-positive x (as after SwiGLU) makes the -dmin * m term of Q4_K/Q5_K largest: still accurate."""
+    w = make_weights(t, (33, _cols(t, 2)), seed=11)
+    rng = np.random.default_rng(12)
+    x, xs = np.abs(rng.standard_normal(w.cols)).astype(np.float32), np.abs(rng.standard_normal((4, w.cols))).astype(np.float32)
+    assert rel_err(quant.matvec(w, x), reference(w) @ x) <= 1e-5
+    assert rel_err(quant.matmul(w, xs), xs @ reference(w).T) <= 1e-5
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
@@ -156,6 +168,14 @@ def test_results_do_not_depend_on_thread_count_or_repetition(t: T, threads, smal
         for _ in range(2):
             assert np.array_equal(quant.matvec(w, x), want_v)
             assert np.array_equal(quant.matmul(w, xs), want_m)
+
+
+def test_f16_decoding_is_exact_for_every_bit_pattern() -> None:
+    """Normals, subnormals, signed zeros, infinities and NaN payloads, against NumPy's own conversion."""
+    bits = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    out = f16_to_f32(bits, np.empty(bits.shape, np.float32), Scratch())
+    want = bits.view(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(out.view(np.uint32), want.view(np.uint32))
 
 
 def test_unsupported_type_is_a_model_format_error() -> None:
