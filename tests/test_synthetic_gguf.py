@@ -1,0 +1,166 @@
+"""tools/make_synthetic_gguf.py: valid, loadable, reproducible files; realistic routing is skewed."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as T, GGUFReader
+from gguf.quants import dequantize
+
+from colibri_aio.gguf_model import load
+from colibri_aio.mapped_source import MappedExpertSource
+from colibri_aio.qwen3moe import Qwen3MoE
+from colibri_aio.route_stats import compute
+from colibri_aio.tokenizer import Tokenizer
+from colibri_aio.trace import TraceRecorder, read_trace, trace_run
+
+TOOLS = Path(__file__).resolve().parent.parent / "tools"
+sys.path.insert(0, str(TOOLS))
+import make_synthetic_gguf as msg  # noqa: E402
+from synthetic.shapes import SHAPES  # noqa: E402
+from synthetic.tensors import CODE_CHANNELS  # noqa: E402
+
+TINY = SHAPES["tiny"]
+TYPES = ("q8_0", "q4_k")
+MODES = ("uniform", "realistic")
+PROMPT = ("Lists are mutable sequences, typically used to store collections of homogeneous items. "
+          "Tuples are immutable sequences, typically used to store collections of heterogeneous data. "
+          "A dictionary maps hashable values to arbitrary objects.")
+
+
+def make(out: Path, *extra: str) -> dict:
+    return msg.main(["--shape", "tiny", "--out", str(out), "--quiet", *extra])
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    """The tiny shape in both types and both routing modes (~9 MB each)."""
+    root = tmp_path_factory.mktemp("synthetic")
+    out = {}
+    for qtype in TYPES:
+        for mode in MODES:
+            path = root / f"tiny_{qtype}_{mode}.gguf"
+            make(path, "--type", qtype, "--routing", mode)
+            out[qtype, mode] = path
+    return out
+
+
+def tensors(path: Path) -> dict:
+    return {t.name: t for t in GGUFReader(path).tensors}
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+@pytest.mark.parametrize("mode", MODES)
+def test_loads_with_requested_dims_and_types(models, qtype: str, mode: str) -> None:
+    path = models[qtype, mode]
+    a = load(path).args
+    assert (a.block_count, a.expert_count, a.expert_used_count) == (TINY.block_count, TINY.expert_count,
+                                                                     TINY.expert_used_count)
+    assert (a.embedding_length, a.expert_feed_forward_length, a.vocab_size) == (
+        TINY.embedding_length, TINY.expert_feed_forward_length, TINY.vocab_size)
+    assert (a.head_count, a.head_count_kv, a.key_length, a.rope_freq_base) == (4, 2, 64, 1e6)
+    matrix, embd, output, _ = msg.TYPE_MIXES[qtype]
+    for name, t in tensors(path).items():
+        if name.endswith("norm.weight") or "ffn_gate_inp" in name:
+            want = T.F32
+        elif name == "token_embd.weight":
+            want = embd
+        elif name == "output.weight":
+            want = output
+        else:
+            want = matrix
+        assert t.tensor_type == want, name
+    reader = GGUFReader(path)
+    assert f"routing={mode}" in reader.fields["general.description"].contents()
+    assert reader.fields["synthetic.routing"].contents() == mode
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_blocks_dequantise_to_the_intended_std(models, qtype: str) -> None:
+    """gguf's own dequantiser reads every block type back as finite weights of the planned std."""
+    ts = tensors(models[qtype, "uniform"])
+    d, f = TINY.embedding_length, TINY.expert_feed_forward_length
+    for name, std in (("blk.0.attn_q.weight", 1 / math.sqrt(d)), ("blk.1.ffn_up_exps.weight", 1 / math.sqrt(d)),
+                      ("output.weight", 1 / math.sqrt(d))):
+        w = dequantize(ts[name].data, ts[name].tensor_type)
+        assert np.isfinite(w).all()
+        assert w.std() == pytest.approx(std, rel=0.05), name
+        assert abs(w.mean()) < 0.05 * std, name
+    if qtype == "q8_0":
+        raw = np.asarray(ts["blk.0.attn_q.weight"].data).reshape(-1, 34)
+        assert not (raw[:, 2:].view(np.int8) == -128).any()  # ggml never writes -128
+    down = dequantize(ts["blk.0.ffn_down_exps.weight"].data, ts["blk.0.ffn_down_exps.weight"].tensor_type)
+    assert down.shape == (TINY.expert_count, d, f)
+    assert not down[:, :CODE_CHANNELS].any() and down[:, CODE_CHANNELS:].std() == pytest.approx(1 / math.sqrt(f), rel=0.05)
+    embd = dequantize(ts["token_embd.weight"].data, ts["token_embd.weight"].tensor_type)
+    code = embd[:, :CODE_CHANNELS]
+    assert (code == code[0]).all() and (np.abs(code[0]) == np.abs(code[0, 0])).all()
+
+
+def test_same_seed_same_bytes_and_a_cut_is_a_prefix(tmp_path: Path) -> None:
+    a, b, cut = tmp_path / "a.gguf", tmp_path / "b.gguf", tmp_path / "cut.gguf"
+    make(a, "--type", "q4_k", "--seed", "7")
+    make(b, "--type", "q4_k", "--seed", "7")
+    make(cut, "--type", "q4_k", "--seed", "7", "--layers", "1")
+    assert hashlib.sha256(a.read_bytes()).digest() == hashlib.sha256(b.read_bytes()).digest()
+    full, one = tensors(a), tensors(cut)
+    assert set(one) == {n for n in full if not n.startswith("blk.1.")}
+    for name in one:
+        assert np.array_equal(np.asarray(one[name].data), np.asarray(full[name].data)), name
+
+
+def test_refuses_to_overwrite_without_force(tmp_path: Path) -> None:
+    out = tmp_path / "m.gguf"
+    out.write_bytes(b"keep me")
+    with pytest.raises(SystemExit, match="--force"):
+        make(out)
+    assert out.read_bytes() == b"keep me"
+    make(out, "--force")
+    load(out)
+
+
+def test_padded_vocabulary_tokenises_like_the_shared_tokenizer(models) -> None:
+    tok = Tokenizer.from_path(models["q8_0", "uniform"])
+    assert tok.vocab_size == TINY.vocab_size
+    ids = tok.encode(PROMPT)
+    assert ids and max(ids) < 2048  # placeholders are never produced from text
+    assert tok.decode(ids) == PROMPT
+
+
+def _entropy(path: Path, tmp_path: Path) -> float:
+    """Mean expert-use entropy over layers of a prefill-only trace of PROMPT."""
+    model = load(path)
+    ids = Tokenizer.from_gguf(model.reader).encode(PROMPT)
+    out = io.StringIO()
+    recorder = TraceRecorder(model, out)
+    recorder.header()
+    net = Qwen3MoE(model, MappedExpertSource(model), n_ctx=len(ids))
+    asyncio.run(trace_run(net, recorder, 0, ids, 0, lambda logits: 0, lambda t: False))
+    trace = tmp_path / f"{path.stem}.jsonl"
+    trace.write_text(out.getvalue())
+    stats = compute(read_trace(str(trace)))
+    return float(np.mean([s.entropy for s in stats.layers]))
+
+
+def test_realistic_routing_is_more_skewed_than_uniform(models, tmp_path: Path) -> None:
+    uniform = _entropy(models["q8_0", "uniform"], tmp_path)
+    realistic = _entropy(models["q8_0", "realistic"], tmp_path)
+    assert realistic < uniform - 0.04, (uniform, realistic)
+
+
+@pytest.mark.parametrize("qtype", TYPES)
+def test_llama_cpp_evaluates_finite_logits(models, qtype: str) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(models[qtype, "realistic"]), n_threads=2, n_ctx=64,
+                          logits_all=True, verbose=False)
+    ids = llm.tokenize(b"Lists are mutable sequences", add_bos=False)
+    llm.eval(ids)
+    logits = np.asarray(llm.scores[: len(ids)])
+    assert llm.n_vocab() == TINY.vocab_size
+    assert np.isfinite(logits).all() and 0.3 < logits.std() < 5

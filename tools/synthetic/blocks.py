@@ -1,0 +1,182 @@
+"""Valid quantised blocks written straight from random bytes (no float weights, no quantiser).
+
+Every block starts as random bytes; ``finish`` then overwrites its scale bytes
+with one of 256 pre-computed headers (picked by a random byte of the block)
+and fixes the few quant values a real quantiser never emits. The headers are
+chosen so that the dequantised weights have a requested standard deviation and
+(near) zero mean. This is ~1 byte of NumPy work per byte written, so a 32 GB
+file costs what the random-number generator and the disk cost.
+
+Layouts follow ggml's ``block_q8_0``, ``block_q4_K`` and ``block_q6_K``.
+"""
+from __future__ import annotations
+
+import math
+from typing import ClassVar, Protocol
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+LUT_SIZE = 256  # headers per tensor: indexed by one random byte of each block
+# Root-mean-square of the quant value (after offsets) each format stores:
+Q8_RMS = float(np.sqrt((2 * sum(q * q for q in range(1, 128)) + 127**2) / 256))  # int8, -128 folded to -127
+Q4_RMS = float(np.sqrt(255 / 12))    # uniform 0..15 around its mean 7.5
+Q6_RMS = float(np.sqrt(341.5))       # uniform -32..31
+SCALE_JITTER = 0.15                  # log-normal spread of block scales, as real tensors have
+
+
+class Encoder(Protocol):
+    """What the tensor writer needs from a block format."""
+
+    qtype: T
+    block: int
+    type_size: int
+    scale_bytes: slice  # zeroing these bytes makes every weight of the block exactly 0
+
+    def make_lut(self, rng: np.random.Generator, std: float) -> np.ndarray: ...
+
+    def finish(self, blocks: np.ndarray, lut: np.ndarray) -> None: ...
+
+    def apply_code(self, blocks: np.ndarray, signs: np.ndarray, lut: np.ndarray) -> float: ...
+
+
+def _jitter(rng: np.random.Generator) -> np.ndarray:
+    """LUT_SIZE positive factors with root-mean-square exactly 1 (the std stays as asked)."""
+    j = np.exp(SCALE_JITTER * rng.standard_normal(LUT_SIZE))
+    return j / np.sqrt(np.mean(j * j))
+
+
+def _f16_bytes(values: np.ndarray) -> np.ndarray:
+    """(n,) float -> (n, 2) uint8, little-endian float16."""
+    return np.ascontiguousarray(np.asarray(values, np.float16).astype("<f2")).view(np.uint8).reshape(-1, 2)
+
+
+def _headers_from_lut(blocks: np.ndarray, lut: np.ndarray, where: slice) -> None:
+    """Overwrite ``blocks[:, where]`` with ``lut[i]``, ``i`` = the block's (random) first header byte.
+
+    Works on the widest word that divides the block and the header, and gathers
+    whole words with ``np.take``: ~5x faster than byte-wise fancy indexing.
+    """
+    n, size = blocks.shape
+    start, stop = where.start, where.stop
+    w = math.gcd(size, start, stop - start, 8)
+    words = blocks.reshape(-1).view(f"<u{w}").reshape(n, size // w)[:, start // w: stop // w]
+    table = np.ascontiguousarray(lut).view(f"<u{w}")                # (LUT_SIZE, header words)
+    index = words[:, 0] & 0xFF                                      # low byte = byte ``start``
+    words[...] = np.take(table, index, axis=0)
+
+
+def _fold_minus_128(blocks: np.ndarray) -> None:
+    """Turn every int8 -128 (byte 0x80) into -127, in place, on the contiguous buffer."""
+    flat = blocks.reshape(-1)
+    mask = np.equal(flat, 0x80)
+    np.add(flat, mask, out=flat, casting="unsafe")
+
+
+class Q8_0:
+    """32 int8 quants times one f16 scale ``d``: w = d * q."""
+
+    qtype: ClassVar[T] = T.Q8_0
+    block: ClassVar[int] = 32
+    type_size: ClassVar[int] = 34
+    scale_bytes: ClassVar[slice] = slice(0, 2)
+
+    def make_lut(self, rng: np.random.Generator, std: float) -> np.ndarray:
+        return _f16_bytes(std * _jitter(rng) / Q8_RMS)
+
+    def finish(self, blocks: np.ndarray, lut: np.ndarray) -> None:
+        # ggml never writes the quant -128 and its x86 dot products assume so. Folding on
+        # the whole contiguous buffer before the headers go in beats touching strided quants.
+        _fold_minus_128(blocks)
+        _headers_from_lut(blocks, lut, self.scale_bytes)
+
+    def apply_code(self, blocks: np.ndarray, signs: np.ndarray, lut: np.ndarray) -> float:
+        """Make ``blocks`` (one per row) hold ``±a`` in the pattern ``signs``; returns ``a``."""
+        d = np.float16(lut.view("<f2")[0, 0])
+        blocks[:, 0:2] = _f16_bytes(np.array([d]))
+        blocks[:, 2:] = (127 * np.sign(signs)).astype(np.int8).view(np.uint8)
+        return float(d) * 127
+
+
+def pack_k4_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """(n, 8) 6-bit scales and mins -> (n, 12) bytes, the inverse of ggml's get_scale_min_k4."""
+    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+    out = np.empty(sc.shape[:-1] + (12,), np.uint8)
+    out[..., 0:4] = (sc[..., 0:4] & 0x3F) | ((sc[..., 4:8] >> 4) << 6)
+    out[..., 4:8] = (m[..., 0:4] & 0x3F) | ((m[..., 4:8] >> 4) << 6)
+    out[..., 8:12] = (sc[..., 4:8] & 0x0F) | ((m[..., 4:8] & 0x0F) << 4)
+    return out
+
+
+class Q4_K:
+    """256 weights: f16 d and dmin, eight 6-bit (scale, min) pairs, 4-bit quants.
+
+    w = d*sc*q - dmin*m. With dmin = 8*d and m = round(7.5*sc/8) the offset
+    cancels the mean of q (7.5), so weights are zero-mean and uniform in each
+    32-weight sub-block; sc in [32, 63] gives sub-blocks of differing spread.
+    """
+
+    qtype: ClassVar[T] = T.Q4_K
+    block: ClassVar[int] = 256
+    type_size: ClassVar[int] = 144
+    scale_bytes: ClassVar[slice] = slice(0, 4)
+
+    def make_lut(self, rng: np.random.Generator, std: float) -> np.ndarray:
+        sc = rng.integers(32, 64, size=(LUT_SIZE, 8))
+        m = np.rint(7.5 * sc / 8).astype(np.int64)
+        d = std * _jitter(rng) / (Q4_RMS * np.sqrt(np.mean(sc.astype(np.float64) ** 2, axis=1)))
+        d16 = np.asarray(d, np.float16)
+        lut = np.empty((LUT_SIZE, 16), np.uint8)
+        lut[:, 0:2] = _f16_bytes(d16)
+        lut[:, 2:4] = _f16_bytes(d16.astype(np.float32) * 8)  # exact: a power of two
+        lut[:, 4:16] = pack_k4_scales(sc, m)
+        return lut
+
+    def finish(self, blocks: np.ndarray, lut: np.ndarray) -> None:
+        _headers_from_lut(blocks, lut, slice(0, 16))
+
+    def apply_code(self, blocks: np.ndarray, signs: np.ndarray, lut: np.ndarray) -> float:
+        """Sub-block 0 (the low nibbles of qs[0:32]) holds ±120*d in the pattern ``signs``.
+
+        With sc=16, m=15 and dmin=8d: q=15 gives d*(240-120) = +120d, q=0 gives -120d.
+        The other 224 weights of the super-block stay random.
+        """
+        header = lut[0].copy()
+        sc = np.full((1, 8), 32)
+        sc[0, 0] = 16
+        m = np.rint(7.5 * sc / 8).astype(np.int64)
+        m[0, 0] = 15
+        header[4:16] = pack_k4_scales(sc, m)[0]
+        blocks[:, 0:16] = header
+        low = np.where(signs > 0, 15, 0).astype(np.uint8)
+        blocks[:, 16:48] = (blocks[:, 16:48] & 0xF0) | low
+        return float(header[0:2].view("<f2")[0]) * 120
+
+
+class Q6_K:
+    """256 weights: 6-bit quants (ql, qh), sixteen int8 scales, f16 d: w = d*sc*(q-32)."""
+
+    qtype: ClassVar[T] = T.Q6_K
+    block: ClassVar[int] = 256
+    type_size: ClassVar[int] = 210
+    scale_bytes: ClassVar[slice] = slice(208, 210)
+
+    def make_lut(self, rng: np.random.Generator, std: float) -> np.ndarray:
+        sc = rng.integers(64, 128, size=(LUT_SIZE, 16))
+        d = std * _jitter(rng) / (Q6_RMS * np.sqrt(np.mean(sc.astype(np.float64) ** 2, axis=1)))
+        lut = np.empty((LUT_SIZE, 18), np.uint8)
+        lut[:, 0:16] = sc.astype(np.int8).view(np.uint8)
+        lut[:, 16:18] = _f16_bytes(d)
+        return lut
+
+    def finish(self, blocks: np.ndarray, lut: np.ndarray) -> None:
+        _headers_from_lut(blocks, lut, slice(192, 210))
+
+    def apply_code(self, blocks: np.ndarray, signs: np.ndarray, lut: np.ndarray) -> float:
+        raise NotImplementedError("Q6_K is only used for the output head, which carries no code channels")
+
+
+ENCODERS: dict[T, Encoder] = {e.qtype: e for e in (Q8_0(), Q4_K(), Q6_K())}
+
+for _enc in ENCODERS.values():  # the layouts above must agree with gguf's table
+    assert GGML_QUANT_SIZES[_enc.qtype] == (_enc.block, _enc.type_size), _enc.qtype
