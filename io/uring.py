@@ -1,7 +1,7 @@
 """The io_uring reactor: a ring whose completions wake the running asyncio loop through an eventfd.
 
 Reads are submitted with a ``user_data`` token; a table maps the token to the
-completion callback (or future) that waits for it, the ``Iovec`` the kernel
+completion callback that waits for it, the ``Iovec`` the kernel
 writes through (it must outlive the read) and the bytes it accounts for. The eventfd is registered
 with the ring and watched with ``loop.add_reader``; eventfd wake-ups coalesce,
 so every wake-up drains the completion queue until it is empty.
@@ -50,10 +50,10 @@ class UringReactor:
     """An io_uring ring driven by the running event loop.
 
     ``submit`` calls back with the raw result, bytes read (>= 0) or
-    ``-errno``, once the completion is reaped; ``read`` is the same as a
-    future. Neither can be taken back: the kernel keeps writing into the
-    destination until the completion is reaped, and the destination's owner
-    waits for it (or :meth:`drained`) before reusing the memory.
+    ``-errno``, once the completion is reaped. A read cannot be taken back:
+    the kernel keeps writing into the destination until the completion is
+    reaped, and the destination's owner waits for the callback (or
+    :meth:`drained`) before reusing the memory.
     """
 
     def __init__(self, ring: object, entries: int, eventfd: int, loop: asyncio.AbstractEventLoop,
@@ -128,14 +128,6 @@ class UringReactor:
     def queued(self) -> int:
         """Reads waiting for room in the ring or under the byte bound."""
         return len(self._pending)
-
-    def read(self, fd: int, address: int, nbytes: int, offset: int,
-             buf_index: int | None = None) -> asyncio.Future[int]:
-        """:meth:`submit`, with the result delivered through a future (cancelling it stops nothing)."""
-        future: asyncio.Future[int] = self._loop.create_future()
-        self.submit(fd, address, nbytes, offset, buf_index,
-                    lambda res: None if future.done() else future.set_result(res))
-        return future
 
     def submit(self, fd: int, address: int, nbytes: int, offset: int, buf_index: int | None,
                on_complete: Callable[[int], None]) -> None:

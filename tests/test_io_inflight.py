@@ -277,3 +277,42 @@ async def test_in_flight_reads_are_bounded_by_ring_size_and_bytes(model_file: Pa
         await reader.aclose()
     assert 2 <= peaks["reads"] <= 8
     assert peaks["bytes"] <= 1 << 20
+
+
+async def test_reactor_reaps_every_completion_behind_coalesced_wakeups(model_file: Path) -> None:
+    """Many completions, few eventfd wake-ups: each wake-up must drain the whole queue or reads hang."""
+    from colibri_aio.io.uring import UringReactor
+
+    pool = BufferPool(4096, 64)
+    reactor = UringReactor.create(entries=64)
+    results: dict[int, int] = {}
+    fd = os.open(model_file, os.O_RDONLY)
+    wakeups = 0
+    on_wake = reactor._on_wake
+
+    def counted_wake() -> None:
+        nonlocal wakeups
+        wakeups += 1
+        on_wake()
+
+    loop = asyncio.get_running_loop()
+    loop.remove_reader(reactor._eventfd)
+    loop.add_reader(reactor._eventfd, counted_wake)
+    try:
+        for slot in pool.slots:
+            reactor.submit(fd, slot.address, 4096, slot.index * 8192, None,
+                           lambda res, i=slot.index: results.__setitem__(i, res))
+        await asyncio.sleep(0)  # the batch goes to the kernel
+        time.sleep(0.3)  # the loop looks away while all 64 complete: their wake-ups coalesce
+        async with asyncio.timeout(10):
+            await reactor.drained()
+        assert sorted(results) == list(range(64)) and set(results.values()) == {4096}
+        assert wakeups <= 2
+        for slot in pool.slots:
+            assert bytes(slot.view[:4096]) == os.pread(fd, 4096, slot.index * 8192)
+    finally:
+        await reactor.aclose()
+        os.close(fd)
+        for slot in pool.slots:
+            slot.state = SlotState.LEASED
+        pool.close()
