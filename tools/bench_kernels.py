@@ -70,11 +70,12 @@ def _copies(raw: np.ndarray, n: int) -> np.ndarray:
     return out
 
 
-def _sweep_seconds(fn, items) -> float:
-    t0 = time.perf_counter()
+def _sweep_seconds(fn, items) -> tuple[float, float]:
+    """Wall and CPU seconds (all threads of the process) for one call per item."""
+    t0, c0 = time.perf_counter(), time.process_time()
     for item in items:
         fn(item)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def _decode_only(w) -> None:
@@ -124,9 +125,12 @@ def child_run(args: argparse.Namespace) -> list[dict]:
         rng.shuffle(order)  # a different interleaving each run
         for key in order:
             fn, items = ops[key]
-            seconds = _sweep_seconds(fn, items)
+            seconds, cpu_seconds = _sweep_seconds(fn, items)
+            weights = n_weights * len(items)
             samples.append({"shape": list(shape), "type": key[0], "op": key[1], "calls": len(items),
-                            "seconds": seconds, "gweights_per_s": n_weights * len(items) / seconds / 1e9})
+                            "seconds": seconds, "cpu_seconds": cpu_seconds,
+                            "gweights_per_s": weights / seconds / 1e9,
+                            "gweights_per_cpu_s": weights / cpu_seconds / 1e9})
     return samples
 
 
@@ -172,8 +176,9 @@ def _kernel_constants() -> dict:
     return {k: getattr(quant, k) for k in dir(quant) if k.isupper() and isinstance(getattr(quant, k), int)}
 
 
-def _summary(samples: list[dict], arm: str, shape: list[int], type_name: str, op: str) -> dict | None:
-    v = [s["gweights_per_s"] for s in samples
+def _summary(samples: list[dict], arm: str, shape: list[int], type_name: str, op: str,
+             key: str = "gweights_per_s") -> dict | None:
+    v = [s[key] for s in samples
          if s["arm"] == arm and s["shape"] == shape and s["type"] == type_name and s["op"] == op]
     if not v:
         return None
@@ -211,6 +216,14 @@ def write_receipt(out_dir: Path, meta: dict, samples: list[dict]) -> tuple[Path,
                 lines.append(f"| {shape[0]}x{shape[1]} | {t} | {_fmt(_summary(samples, arm, shape, t, 'matvec'))} | "
                              f"{_fmt(_summary(samples, arm, shape, t, 'matmul'))} | "
                              f"{_fmt(_summary(samples, arm, shape, t, 'decode'))} | {_fmt(gemv)} | {_fmt(gemm)} |")
+        lines += ["", f"Per CPU-second (all threads of the process; less sensitive to other jobs on the machine "
+                  f"than wall time; two idle cores give at most twice this):", "",
+                  "| shape | type | matvec | matmul | decode alone | f32 gemv | f32 gemm |", "|---|---|---|---|---|---|---|"]
+        for shape in meta["shapes"]:
+            cpu = lambda t, op: _fmt(_summary(samples, arm, shape, t, op, "gweights_per_cpu_s"))
+            for t in meta["types"]:
+                lines.append(f"| {shape[0]}x{shape[1]} | {t} | {cpu(t, 'matvec')} | {cpu(t, 'matmul')} | "
+                             f"{cpu(t, 'decode')} | {cpu('F32-BLAS', 'f32 gemv')} | {cpu('F32-BLAS', 'f32 gemm')} |")
         lines.append("")
         for (t, op), target in TARGETS.items():
             meds = [s["median"] for shape in meta["shapes"] if (s := _summary(samples, arm, shape, t, op))]
