@@ -17,6 +17,7 @@ import numpy as np
 
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.gguf_header import GGUFHeader
+from colibri_aio.io.modelfile import FileIdentity
 from colibri_aio.experts import ExpertLocation, TensorRange
 from colibri_aio.kernels.qtensor import QTensor
 from colibri_aio.kernels.quant import SUPPORTED_TYPES, dequantize
@@ -58,22 +59,6 @@ class BlockWeights:
     attn_output: QTensor       # (D, H*d)
     ffn_norm: np.ndarray       # (D,)
     ffn_gate_inp: np.ndarray   # (E, D) router, float32
-
-
-@dataclass(frozen=True, slots=True)
-class FileIdentity:
-    """What must not change under an open model: device, inode, size and mtime."""
-
-    path: str
-    device: int
-    inode: int
-    size: int
-    mtime_ns: int
-
-    @classmethod
-    def of(cls, path: str | os.PathLike[str]) -> "FileIdentity":
-        st = os.stat(path)
-        return cls(os.fspath(path), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @dataclass(slots=True)
@@ -275,7 +260,7 @@ def load(path: str | os.PathLike[str], *, resident: bool = True, progress: Progr
         raise ModelFormatError(f"{p}: tensor {extra[0]} lies beyond block_count {args.block_count}")
     return Model(
         path=p,
-        identity=FileIdentity.of(p),
+        identity=FileIdentity.of(os.stat(p)),
         args=args,
         token_embd=token_embd,
         output_norm=ts.vector("output_norm.weight", (d,)),
