@@ -7,6 +7,7 @@ each range is read as its aligned superset and the tensor's bytes start
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from colibri_aio.experts import ExpertLocation
@@ -48,6 +49,7 @@ class ExpertPlan:
         return sum(r.read_nbytes for r in self.reads)
 
 
+@functools.lru_cache(maxsize=1 << 16)  # a model has a few thousand locations, read again and again
 def plan_expert(loc: ExpertLocation, align: int = ALIGN) -> ExpertPlan:
     """Lay out the aligned supersets of ``loc``'s three ranges back to back in a slot."""
     reads = []

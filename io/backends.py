@@ -158,6 +158,8 @@ class MmapBackend:
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="colibri-mmap")
 
     def start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None, on_done: OnDone) -> None:
+        # Touching pages of a truncated file is SIGBUS, not an error: check before, not only after.
+        self.file.check_unchanged()
         loop = asyncio.get_running_loop()
         for index, rng in enumerate(loc.ranges):
             if self._map is None or rng.offset + rng.nbytes > len(self._map):

@@ -102,6 +102,7 @@ class ExpertReader:
         self.stats = ReaderStats()
         self._in_flight = 0  # reads the kernel or a worker still owns
         self._busy_since = 0.0
+        self._loop = asyncio.get_running_loop()  # readers live on the loop they were opened on
         self._idle = asyncio.Event()  # set while no read is in flight
         self._idle.set()
         self._closed = False
@@ -132,6 +133,9 @@ class ExpertReader:
         how many experts can be in flight or leased at once. ``backend`` is
         one of ``auto|uring|pread|mmap``; ``auto`` tries io_uring with
         registered buffers, then io_uring without them, then pread.
+        ``ring_entries`` and ``max_inflight_bytes`` bound the reads io_uring
+        has in flight; ``threads`` is the pread worker count; ``direct=False``
+        reads through the page cache instead of O_DIRECT.
         """
         if backend not in BACKENDS:
             raise UserError(f"unknown I/O backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -161,7 +165,6 @@ class ExpertReader:
         """Read one expert; the lease's weights are views of its bytes (release it when done)."""
         if self._closed:
             raise ReaderClosedError("the expert reader is closed")
-        self.file.check_unchanged()
         plan = plan_expert(loc)
         slot = None
         if self.pool is not None:
@@ -182,18 +185,24 @@ class ExpertReader:
         except ExpertReadError:
             self.stats.errors += 1
             self._give_back(slot)
+            self.file.check_unchanged()  # a truncated file reads short: name the real cause
             raise
         try:
             if self._closed:  # closed while we waited: the pool is going away
                 raise ReaderClosedError("the expert reader closed while this read was in flight")
-            self.file.check_unchanged()  # the bytes may be from a file that changed under the read
+            # One fstat per read, after it: bytes read from a file that changed
+            # before or during the read never reach compute.
+            self.file.check_unchanged()
         except BaseException:
             self._give_back(slot)
             raise
         self.stats.reads += 1
         self.stats.bytes += loc.nbytes
         self.stats.io_bytes += plan.read_nbytes if slot is not None else loc.nbytes
-        weights = ExpertWeights(*(QTensor(v, r.ggml_type, r.shape) for v, r in zip(views, loc.ranges)))
+        gate, up, down = views
+        weights = ExpertWeights(QTensor(gate, loc.gate.ggml_type, loc.gate.shape),
+                                QTensor(up, loc.up.ggml_type, loc.up.shape),
+                                QTensor(down, loc.down.ggml_type, loc.down.shape))
         return SlotLease(loc, weights, slot, self.pool)
 
     async def _wait_for_slot(self) -> Slot:
@@ -214,7 +223,7 @@ class ExpertReader:
 
     def _start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None) -> asyncio.Future[ExpertBytes]:
         """Hand the slot to the backend; the returned future is the waiter's, cancelling it stops nothing."""
-        waiter: asyncio.Future[ExpertBytes] = asyncio.get_running_loop().create_future()
+        waiter: asyncio.Future[ExpertBytes] = self._loop.create_future()
         if slot is not None:
             slot.state = SlotState.KERNEL
         try:
