@@ -2,7 +2,9 @@
 
 Dev-only: needs CPU torch and transformers, which the engine never imports.
 The run is seeded and stops after a fixed number of steps, so the same command
-on the same software gives the same weights; wall time only affects speed.
+on the same software gives the same data order and schedule; weights agree up
+to the order of CPU float reductions (~1e-6 in the loss). Wall time only
+affects speed.
 
     python tools/train_tiny_moe.py --out /work/artifacts/tiny_moe          # full run
     python tools/train_tiny_moe.py --steps 20 --out /tmp/tiny_moe_probe    # speed probe
