@@ -169,6 +169,16 @@ def _plan_table(model, plan, limits) -> str:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def _add_iobench(sub: argparse._SubParsersAction) -> None:
+    from colibri_aio.iobench import add_iobench_arguments, run_iobench
+
+    p = sub.add_parser("iobench", help="expert-sized read benchmark per I/O backend, paired with fio when present",
+                       description="Random or sequential expert-sized reads per backend: GB/s, IOPS, latency "
+                                   "p50/p99, and our/fio ratios on the same file in the same run.")
+    add_iobench_arguments(p)
+    p.set_defaults(func=run_iobench)
+
+
 def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="read-only checks: model file, io_uring, O_DIRECT, memlock, memory, read speed",
                        description="Check this machine and a model (default: the shipped one); one verdict per line.")
@@ -356,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine events (backend choice, placement)")
     parser.add_argument("--log-json", action="store_true", help="write logs to stderr as JSON lines")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_run, _add_logits, _add_trace, _add_trace_stats, _add_replay, _add_plan, _add_doctor):
+    for add in (_add_run, _add_logits, _add_trace, _add_trace_stats, _add_replay, _add_plan, _add_doctor, _add_iobench):
         add(sub)
     return parser
 

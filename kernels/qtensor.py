@@ -1,6 +1,7 @@
 """QTensor: a GGUF tensor as its raw bytes, its ggml type and its logical shape."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,7 +28,7 @@ class QTensor:
         cols = self.shape[-1]
         if cols % block:
             raise ValueError(f"{self.ggml_type.name}: row length {cols} is not a multiple of {block}")
-        want = int(np.prod(self.shape)) // block * type_size
+        want = math.prod(self.shape) // block * type_size  # math.prod: np.prod costs ~5 µs per call
         if self.data.dtype != np.uint8 or self.data.ndim != 1 or self.data.size != want:
             raise ValueError(
                 f"{self.ggml_type.name}{self.shape}: need {want} bytes as a flat uint8 array, "
@@ -35,7 +36,7 @@ class QTensor:
 
     @property
     def rows(self) -> int:
-        return int(np.prod(self.shape[:-1])) if len(self.shape) > 1 else 1
+        return math.prod(self.shape[:-1]) if len(self.shape) > 1 else 1
 
     @property
     def cols(self) -> int:
@@ -49,7 +50,7 @@ class QTensor:
     def nbytes_for(ggml_type: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
         """Bytes a tensor of this type and shape occupies in a GGUF."""
         block, type_size = GGML_QUANT_SIZES[ggml_type]
-        return int(np.prod(shape)) // block * type_size
+        return math.prod(shape) // block * type_size
 
     def row_block(self, start: int, stop: int) -> "QTensor":
         """The rows [start, stop) as a QTensor view (rows are contiguous byte runs)."""
