@@ -20,7 +20,7 @@ from colibri_aio.qwen3moe import Qwen3MoE
 
 from support import fixture, oracle_ids
 
-FIXTURES = ["tiny_f32", "tiny_q8_0", "tiny_q4_k"]
+FIXTURES = ["tiny_f32", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0"]
 
 
 async def _reference(name: str, ids: list[int]) -> np.ndarray:

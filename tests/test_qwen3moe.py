@@ -45,8 +45,8 @@ def teacher_forced(net: Qwen3MoE, ids: list[int], *, decode: bool) -> np.ndarray
 
 
 def test_oracles_are_present() -> None:
-    assert {"tiny_f32", "tiny_f32_tied", "tiny_q8_0", "tiny_q4_k"} <= set(TRANSFORMERS_FIXTURES)
-    assert {"tiny_f32", "tiny_q8_0", "tiny_q4_k"} <= set(LLAMACPP_FIXTURES)
+    assert {"tiny_f32", "tiny_f32_tied", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0"} <= set(TRANSFORMERS_FIXTURES)
+    assert {"tiny_f32", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0"} <= set(LLAMACPP_FIXTURES)
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
