@@ -27,9 +27,11 @@ log = structlog.get_logger("colibri_aio.placement")
 
 IO_CHOICES = BACKENDS
 PREFETCH_CHOICES = ("auto", "on", "off")
-# The hidden state whose next-layer routing best predicts the next layer's
-# experts (evidence/routing_stats.md): the MoE input of the current layer.
-DEFAULT_LOOKAHEAD = "moe_input"
+# The hidden state that predicts the next layer's experts best on the trained
+# model (evidence/routing_stats.md: recall@k 0.829 on held-out text, against
+# 0.828 for moe_input and 0.770 for layer_input_next_norm; chance is 0.125):
+# the post-attention residual normed with the next layer's ffn_norm.
+DEFAULT_LOOKAHEAD = "residual_next_norm"
 
 
 @dataclass(frozen=True, slots=True)
