@@ -103,3 +103,35 @@ async def test_progress_hears_each_long_step(tmp_path) -> None:
     assert ("allocate pool", 1, 1) in steps
     pins = [s for s in steps if s[0] == "pin experts"]
     assert pins and pins[-1][1] == pins[-1][2] > 0
+
+
+def test_telemetry_read_rate_agrees_with_the_device(tmp_path) -> None:
+    """Our own read counters and /proc/diskstats see the same bytes (O_DIRECT: no page cache in between).
+
+    Tolerance: the device must show at least 90% of what we asked for, and at
+    most 50% more plus 16 MB (file-system metadata and whatever else reads
+    the disk meanwhile; CI runs alone on its machine).
+    """
+    import time
+
+    from colibri_aio.policy.diskstats import DiskstatsSampler, device_of, read_diskstats
+
+    model = fixture("colibri-tiny-q8_0.gguf")
+    device = device_of(model)
+    if device is None:
+        pytest.skip("the model's file system names no block device (overlay, tmpfs): no diskstats to compare")
+    sampler = DiskstatsSampler(device)
+    sampler.sample(read_diskstats(), time.perf_counter())
+    time.sleep(1.0)
+    idle = sampler.sample(read_diskstats(), time.perf_counter())
+    if idle is not None and idle.read_bps > 2e6:
+        pytest.skip(f"{device} is busy with other readers ({idle.read_bps / 1e6:.0f} MB/s): nothing to compare")
+    out = tmp_path / "stats.jsonl"
+    r = run_cli("run", "--model", str(model), "--max-tokens", "64", "--stats-json", str(out), "--stats-interval",
+                "0.05", "--cache-per-layer", "4", "--io", "uring", "--prefetch", "off")
+    assert r.returncode == 0, r.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    ours = sum(row["ourMB/s"] * row["seconds"] for row in rows)
+    device = sum(row["rMB/s"] * row["seconds"] for row in rows)
+    assert ours > 5, f"too little was read to compare ({ours:.1f} MB)"
+    assert 0.9 * ours <= device <= 1.5 * ours + 16, (ours, device)
