@@ -14,15 +14,18 @@ Type census:
                   would also move some attn_v/ffn_down to Q6_K — here every expert has one size)
     both          norms and routers (ffn_gate_inp) F32, as llama.cpp keeps them
 
-Routing (tools/synthetic/routing.py): ``uniform`` random routers, or
-``realistic`` popularity-biased, layer-correlated routers fitted to the written
-file by a short forward pass of our engine (tools/synthetic/calibrate.py). The
-mode, seed and targets are in general.description and in ``synthetic.*`` keys.
+Routing (tools/synthetic/routing.py): ``uniform`` independent random routers,
+or ``realistic`` popularity-biased, layer-correlated routers. In both modes a
+short forward pass of our engine on the written file then fits the routers
+(tools/synthetic/calibrate.py): their random part is made blind to the mean
+hidden state of their layer (a fixed per-expert offset otherwise) and the
+realistic bias is scaled to its design; --calibration-passes 0 skips it. The mode, seed and
+targets are in general.description and in ``synthetic.*`` keys.
 
 The tokenizer is the shared 2048-token one padded with unused placeholders to
 the shape's vocabulary (tools/synthetic/vocab.py). Same arguments and seed give
 the same bytes; a cut (--layers N) holds the first N layers of the full model
-(before calibration, which fits each file on its own).
+(before the fitting pass, which fits each file on its own).
 
 Prints one JSON summary line (sizes, timings, throughput, peak RSS, calibration)
 on stdout; --report PATH writes it to a file too.
@@ -70,8 +73,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="output .gguf (keep it outside the repository)")
     p.add_argument("--force", action="store_true", help="overwrite --out if it exists")
     p.add_argument("--chunk-mb", type=int, default=16, help="bytes generated per write (default: %(default)s MB)")
-    p.add_argument("--calibration-tokens", type=int, default=8)
-    p.add_argument("--calibration-passes", type=int, default=2)
+    p.add_argument("--calibration-tokens", type=int, default=16,
+                   help="tokens of the forward pass that fits the routers (default: %(default)s)")
+    p.add_argument("--calibration-passes", type=int, default=2,
+                   help="forward passes fitting the routers; 0 keeps them as drawn (default: %(default)s)")
     p.add_argument("--report", type=Path, default=None, help="also write the JSON summary here")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     return p.parse_args(argv)
@@ -87,7 +92,8 @@ def description(shape: Shape, full: Shape, qtype: str, routers: RouterSet, seed:
                     f"popularity correlation {t.bias_corr} and router correlation {t.router_corr} "
                     f"between consecutive layers, fitted by a forward pass)")
     else:
-        routing += " (independent Gaussian routers: near-uniform expert use)"
+        routing += (" (independent Gaussian routers, made orthogonal to each layer's mean state by a "
+                    "forward pass: near-uniform expert use)")
     return (f"Synthetic random-weight qwen3moe with the shape of {full.name}{cut}, {qtype.upper()}, "
             f"{routing}, seed {seed}. Not a trained model: its output is noise.")
 
@@ -170,7 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
                            chunk_bytes=args.chunk_mb << 20, progress=_progress(args.quiet, data_bytes))
         write_rss = peak_rss_bytes()  # before calibration maps (and counts) the file's pages
         calibration, cal_seconds = None, 0.0
-        if args.routing == "realistic":
+        if args.calibration_passes > 0:
             from synthetic.calibrate import calibrate
 
             t0 = time.perf_counter()

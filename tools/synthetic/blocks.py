@@ -39,6 +39,8 @@ class Encoder(Protocol):
 
     def apply_code(self, blocks: np.ndarray, signs: np.ndarray, lut: np.ndarray) -> float: ...
 
+    def zero_first_32(self, blocks: np.ndarray) -> None: ...
+
 
 def _jitter(rng: np.random.Generator) -> np.ndarray:
     """LUT_SIZE positive factors with root-mean-square exactly 1 (the std stays as asked)."""
@@ -97,6 +99,10 @@ class Q8_0:
         blocks[:, 2:] = (127 * np.sign(signs)).astype(np.int8).view(np.uint8)
         return float(d) * 127
 
+    def zero_first_32(self, blocks: np.ndarray) -> None:
+        """Weights 0..31 of ``blocks`` (one per row, the row's first) become 0."""
+        blocks[:, 0:2] = 0
+
 
 def pack_k4_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
     """(n, 8) 6-bit scales and mins -> (n, 12) bytes, the inverse of ggml's get_scale_min_k4."""
@@ -152,6 +158,11 @@ class Q4_K:
         blocks[:, 16:48] = (blocks[:, 16:48] & 0xF0) | low
         return float(header[0:2].view("<f2")[0]) * 120
 
+    def zero_first_32(self, blocks: np.ndarray) -> None:
+        """Sub-block 0 gets sc = m = 0 (low 6 bits of scale bytes 0 and 4; the top 2 bits belong to sub-block 4)."""
+        blocks[:, 4] &= 0xC0
+        blocks[:, 8] &= 0xC0
+
 
 class Q6_K:
     """256 weights: 6-bit quants (ql, qh), sixteen int8 scales, f16 d: w = d*sc*(q-32)."""
@@ -174,6 +185,10 @@ class Q6_K:
 
     def apply_code(self, blocks: np.ndarray, signs: np.ndarray, lut: np.ndarray) -> float:
         raise NotImplementedError("Q6_K is only used for the output head, which carries no code channels")
+
+    def zero_first_32(self, blocks: np.ndarray) -> None:
+        """The int8 scales of weights 0..15 and 16..31 become 0."""
+        blocks[:, 192:194] = 0
 
 
 ENCODERS: dict[T, Encoder] = {e.qtype: e for e in (Q8_0(), Q4_K(), Q6_K())}

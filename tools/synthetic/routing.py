@@ -1,9 +1,9 @@
 """Router weights (ffn_gate_inp) for the two routing modes.
 
 uniform
-    Each router is an independent Gaussian matrix: every expert is equally
-    likely and consecutive layers' choices are unrelated. The worst case for a
-    cache.
+    Each router is an independent Gaussian matrix (made blind to the layer's
+    mean hidden state by calibrate.py): every expert is equally likely and
+    consecutive layers' choices are unrelated. The worst case for a cache.
 realistic
     The same Gaussian part (now correlated from layer to layer) plus a
     per-expert *popularity* bias, so that expert use is skewed as in a trained

@@ -22,10 +22,14 @@ from synthetic.blocks import ENCODERS
 from synthetic.shapes import Shape
 
 # The residual-stream channels 0..CODE_CHANNELS-1 carry a constant "code" (the same
-# sign pattern for every token) that nothing but the token embedding writes: rows
-# 0..CODE_CHANNELS-1 of attn_output and of every expert's ffn_down are zero. A
-# router column block aligned with the code then acts as a per-expert bias (see
-# routing.py). 32 channels = one Q8_0 block = one Q4_K sub-block.
+# sign pattern for every token) that nothing but the token embedding writes (rows
+# 0..CODE_CHANNELS-1 of attn_output and of every expert's ffn_down are zero) and
+# nothing but the routers reads (columns 0..CODE_CHANNELS-1 of attn_q/k/v,
+# ffn_gate/up_exps and output are zero). A router column block aligned with the
+# code then acts as a per-expert bias (see routing.py) and nothing else: read by
+# attention or the experts, it would add the same vector to every position at
+# every layer.
+# 32 channels = one Q8_0 block = one Q4_K sub-block = two Q6_K scale groups.
 CODE_CHANNELS = 32
 
 
@@ -59,6 +63,7 @@ class TensorPlan:
     qtype: T
     std: float = 0.0
     zero_rows: int = 0            # first rows of every matrix that are all zeros
+    blind: bool = False           # columns 0..CODE_CHANNELS-1 are zeros (the code is not read)
     code: np.ndarray | None = None  # signs written into the first block of every row
     data: np.ndarray | None = field(default=None, repr=False)  # F32 tensors: the values
 
@@ -97,23 +102,28 @@ def plan_tensors(shape: Shape, matrix: T, embd: T, output: T, routers: list[np.n
         p = f"blk.{i}."
         plans += [
             TensorPlan(p + "attn_norm.weight", (d,), T.F32, data=norm_weight(seed, p + "attn_norm", d, nz)),
-            TensorPlan(p + "attn_q.weight", (qw, d), matrix, scales.attn_in / math.sqrt(d)),
-            TensorPlan(p + "attn_k.weight", (kvw, d), matrix, scales.attn_in / math.sqrt(d)),
-            TensorPlan(p + "attn_v.weight", (kvw, d), matrix, scales.attn_in / math.sqrt(d)),
+            TensorPlan(p + "attn_q.weight", (qw, d), matrix, scales.attn_in / math.sqrt(d),
+                       blind=True),
+            TensorPlan(p + "attn_k.weight", (kvw, d), matrix, scales.attn_in / math.sqrt(d),
+                       blind=True),
+            TensorPlan(p + "attn_v.weight", (kvw, d), matrix, scales.attn_in / math.sqrt(d),
+                       blind=True),
             TensorPlan(p + "attn_q_norm.weight", (hd,), T.F32, data=norm_weight(seed, p + "attn_q_norm", hd, nz)),
             TensorPlan(p + "attn_k_norm.weight", (hd,), T.F32, data=norm_weight(seed, p + "attn_k_norm", hd, nz)),
             TensorPlan(p + "attn_output.weight", (d, qw), matrix, scales.attn_out / math.sqrt(qw),
                        zero_rows=CODE_CHANNELS),
             TensorPlan(p + "ffn_norm.weight", (d,), T.F32, data=norm_weight(seed, p + "ffn_norm", d, nz)),
             TensorPlan(p + "ffn_gate_inp.weight", (e, d), T.F32, data=routers[i]),
-            TensorPlan(p + "ffn_gate_exps.weight", (e, f, d), matrix, scales.expert_in / math.sqrt(d)),
-            TensorPlan(p + "ffn_up_exps.weight", (e, f, d), matrix, scales.expert_in / math.sqrt(d)),
+            TensorPlan(p + "ffn_gate_exps.weight", (e, f, d), matrix, scales.expert_in / math.sqrt(d),
+                       blind=True),
+            TensorPlan(p + "ffn_up_exps.weight", (e, f, d), matrix, scales.expert_in / math.sqrt(d),
+                       blind=True),
             TensorPlan(p + "ffn_down_exps.weight", (e, d, f), matrix, scales.expert_out / math.sqrt(f),
                        zero_rows=CODE_CHANNELS),
         ]
     plans += [
         TensorPlan("output_norm.weight", (d,), T.F32, data=norm_weight(seed, "output_norm", d, nz)),
-        TensorPlan("output.weight", (v, d), output, scales.output / math.sqrt(d)),
+        TensorPlan("output.weight", (v, d), output, scales.output / math.sqrt(d), blind=True),
     ]
     return plans
 
@@ -147,8 +157,11 @@ def tensor_chunks(plan: TensorPlan, seed: int, chunk_bytes: int) -> Iterator[np.
         if plan.zero_rows:
             zero = np.nonzero(np.arange(r0, r1) % rows_per_matrix < plan.zero_rows)[0]
             by_row[zero, :, enc.scale_bytes] = 0
-        if plan.code is not None:
+        if plan.code is not None or plan.blind:
             first = by_row[:, 0, :].copy()
-            enc.apply_code(first, plan.code, lut)
+            if plan.code is not None:
+                enc.apply_code(first, plan.code, lut)
+            else:
+                enc.zero_first_32(first)
             by_row[:, 0, :] = first
         yield raw
