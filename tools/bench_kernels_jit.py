@@ -156,13 +156,14 @@ def child_run(args) -> list[dict]:
         rng.shuffle(order)
         for key in order:
             fn, items = ops[key]
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             for item in items:
                 fn(item)
-            seconds = time.perf_counter() - t0
+            seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
             samples.append({"shape": list(shape), "type": key[0], "op": key[1], "arm": args.arm,
-                            "calls": len(items), "seconds": seconds,
-                            "gweights_per_s": rows * cols * len(items) / seconds / 1e9})
+                            "calls": len(items), "seconds": seconds, "cpu_seconds": cpu,
+                            "gweights_per_s": rows * cols * len(items) / seconds / 1e9,
+                            "gweights_per_cpu_s": rows * cols * len(items) / max(cpu, 1e-9) / 1e9})
         del ops
     return samples
 
@@ -246,8 +247,8 @@ def _fmt(s: dict | None) -> str:
     return "-" if s is None else f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
 
 
-def _summary(samples, **k) -> dict | None:
-    v = [s["gweights_per_s"] for s in samples if all(s[a] == b for a, b in k.items())]
+def _summary(samples, metric: str = "gweights_per_s", **k) -> dict | None:
+    v = [s[metric] for s in samples if metric in s and all(s[a] == b for a, b in k.items())]
     return _stats(v) if v else None
 
 
@@ -284,6 +285,18 @@ def write_receipt(out_dir: Path, meta: dict, samples: list[dict]) -> tuple[Path,
                 roof = _fmt(_summary(samples, shape=shape, type=t, op="int8 sum", arm="roofline")) if op == "matvec" else "-"
                 blas = _fmt(_summary(samples, shape=shape, type="F32", op=op, arm="f32 BLAS"))
                 lines.append(f"| {shape[0]}x{shape[1]} | {t} | {op} | " + " | ".join(cells) + f" | {roof} | {blas} |")
+    lines += ["", "## Per CPU-second (weights / CPU time of the process, all its threads)", "",
+              "Wall-clock rates above fall when other jobs share the 2 cores; this one much less so.", "",
+              "| shape | type | op | numpy | numba (threads) | int8 sum roofline |", "|---|---|---|---|---|---|"]
+    for shape, types in meta["plan"]:
+        for t in types:
+            for op in ("matvec", "matmul"):
+                a = _summary(samples, "gweights_per_cpu_s", shape=shape, type=t, op=op, arm="numpy")
+                b = _summary(samples, "gweights_per_cpu_s", shape=shape, type=t, op=op, arm="numba")
+                if a or b:
+                    roof = _summary(samples, "gweights_per_cpu_s", shape=shape, type=t, op="int8 sum", arm="roofline")
+                    lines.append(f"| {shape[0]}x{shape[1]} | {t} | {op} | {_fmt(a)} | {_fmt(b)} | "
+                                 f"{_fmt(roof) if op == 'matvec' else '-'} |")
     lines += ["", "## Targets (matvec, 2 threads, numba with Python threads)", ""]
     for t, target in TARGETS.items():
         meds = [(f"{s[0]}x{s[1]}", m["median"]) for s, types in meta["plan"] if t in types
@@ -299,12 +312,13 @@ def write_receipt(out_dir: Path, meta: dict, samples: list[dict]) -> tuple[Path,
                 b = _summary(samples, shape=shape, type=t, op=op, arm="numba")
                 if a and b:
                     lines.append(f"- {shape[0]}x{shape[1]} {t} {op}: x{b['median'] / a['median']:.2f}")
-    lines += ["", "## Compile time (fresh process each; import of the jit module + warm_up())", "",
+    lines += ["", "## Compile time (fresh process each; import of the jit module + warm_up())", ""]
+    lines += ["- not measured in this run (--compile-runs 0)"] if not c["cold"] else [
               f"- cold (empty NUMBA_CACHE_DIR): import {_fmt(_stats([r['import_s'] for r in c['cold']]))} s, "
               f"warm_up {_fmt(_stats([r['warm_up_s'] for r in c['cold']]))} s (n={len(c['cold'])})",
               f"- warm (cache filled): import {_fmt(_stats([r['import_s'] for r in c['warm']]))} s, "
-              f"warm_up {_fmt(_stats([r['warm_up_s'] for r in c['warm']]))} s (n={len(c['warm'])})",
-              "", "## Accuracy: relative error vs gguf dequantize(raw) @ x in float64, 768x2048", ""]
+              f"warm_up {_fmt(_stats([r['warm_up_s'] for r in c['warm']]))} s (n={len(c['warm'])})"]
+    lines += ["", "## Accuracy: relative error vs gguf dequantize(raw) @ x in float64, 768x2048", ""]
     lines += [f"- {k}: {v:.2e}" for k, v in meta["accuracy"].items()]
     md_path.write_text("\n".join(lines) + "\n")
     return json_path, md_path
