@@ -19,7 +19,7 @@ from colibri_aio.io.reader import BACKENDS, ExpertReader
 from colibri_aio.memory import memory_limits
 from colibri_aio.plan import Plan, make_plan
 from colibri_aio.policy.cache import ExpertCache
-from colibri_aio.policy.backpressure import BackpressureController
+from colibri_aio.policy.backpressure import BackpressureConfig, BackpressureController
 from colibri_aio.policy.usage import UsageHistory, default_usage_path, model_fingerprint, pins_for
 from colibri_aio.scheduler import CachedExpertSource
 
@@ -45,6 +45,7 @@ class Placement:
     pin: str = "off"
     cache_policy: str = "lru"
     context: int | None = None
+    backpressure: BackpressureConfig | None = None  # thresholds of --prefetch auto (None: defaults)
 
     def check(self) -> None:
         if self.io not in IO_CHOICES:
@@ -106,7 +107,8 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
     reader = await ExpertReader.open(model.path, model.expert_nbytes_max, cache.n_slots, backend=placement.io)
     if progress is not None:
         progress("allocate pool", 1, 1)
-    backpressure = BackpressureController(mode=placement.prefetch, start=time.perf_counter())  # type: ignore[arg-type]
+    backpressure = BackpressureController(placement.backpressure, mode=placement.prefetch,  # type: ignore[arg-type]
+                                          start=time.perf_counter())
     source = CachedExpertSource(model, reader, cache, backpressure, usage=history)
     try:
         await source.fill_pinned(progress)

@@ -37,16 +37,24 @@ import numpy as np
 from colibri_aio.gguf_model import Model, load
 from colibri_aio.memory import peak_rss_bytes
 from colibri_aio.qwen3moe import Qwen3MoE
+from colibri_aio.policy.backpressure import BackpressureConfig
 from colibri_aio.sources import DEFAULT_LOOKAHEAD, Placement, open_source
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ("off", "on", "auto")
+DEFAULT_ARMS = "off,on,auto"
 
 
-async def one_run(model: Model, args: argparse.Namespace, prefetch: str, ids: list[int]) -> dict:
+def arm_placement(arm: str) -> tuple[str, BackpressureConfig | None]:
+    """An arm is a prefetch mode, optionally with a backpressure window: "auto@1.0"."""
+    mode, _, window = arm.partition("@")
+    return mode, (BackpressureConfig(window=float(window)) if window else None)
+
+
+async def one_run(model: Model, args: argparse.Namespace, arm: str, ids: list[int]) -> dict:
     """One teacher-forced decode from an empty cache; figures over the decode part only."""
+    prefetch, config = arm_placement(arm)
     placement = Placement(io=args.io, cache_per_layer=args.cache_per_layer, prefetch=prefetch,
-                          context=len(ids) + 1)
+                          context=len(ids) + 1, backpressure=config)
     source, _plan = await open_source(model, placement)
     try:
         net = Qwen3MoE(model, source, len(ids) + 1)
@@ -66,7 +74,7 @@ async def one_run(model: Model, args: argparse.Namespace, prefetch: str, ids: li
         bp = source.backpressure
         score = source.predictor.score
         return {
-            "prefetch": prefetch, "tokens": len(ids) - args.prefill, "seconds": wall,
+            "prefetch": arm, "tokens": len(ids) - args.prefill, "seconds": wall,
             "tok_s": (len(ids) - args.prefill) / wall, "hit_rate": hits / lookups if lookups else 0.0,
             "prefetch_hits": c1["prefetch_hits"] - c0["prefetch_hits"],
             "prefetch_reads": c1["prefetch_reads"] - c0["prefetch_reads"],
@@ -104,11 +112,11 @@ def make_model(out: Path, layers: int) -> None:
                     "--force", "--quiet"], check=True)
 
 
-def summarise(runs: list[dict]) -> dict:
+def summarise(runs: list[dict], arms: list[str]) -> dict:
     out: dict = {}
     for cond in sorted({r["condition"] for r in runs}):
         out[cond] = {}
-        for arm in ARMS:
+        for arm in arms:
             xs = [r for r in runs if r["condition"] == cond and r["prefetch"] == arm]
             if not xs:
                 continue
@@ -123,10 +131,10 @@ def summarise(runs: list[dict]) -> dict:
                 "lookahead_precision_median": statistics.median(r["lookahead_precision"] for r in xs),
                 "lookahead_recall_median": statistics.median(r["lookahead_recall"] for r in xs),
             }
-        arms = out[cond]
-        if {"off", "on", "auto"} <= arms.keys():
-            best = max(arms["off"]["tok_s_median"], arms["on"]["tok_s_median"])
-            arms["auto_vs_best"] = arms["auto"]["tok_s_median"] / best
+        got = out[cond]
+        if {"off", "on"} <= got.keys():
+            best = max(got["off"]["tok_s_median"], got["on"]["tok_s_median"])
+            got["vs_best"] = {a: got[a]["tok_s_median"] / best for a in arms if a.startswith("auto") and a in got}
     return out
 
 
@@ -139,7 +147,7 @@ def markdown(receipt: dict) -> str:
              "| condition | prefetch | n | decode tok/s median [min–max] | hit rate | GB read | overlap | "
              "switched off/on | lookahead precision / recall |", "|---|---|---|---|---|---|---|---|---|"]
     for cond, arms in receipt["summary"].items():
-        for arm in ARMS:
+        for arm in receipt["arms"]:
             a = arms.get(arm)
             if a is None:
                 continue
@@ -147,8 +155,8 @@ def markdown(receipt: dict) -> str:
                          f"{a['tok_s_max']:.3f}] | {a['hit_rate_median']:.1%} | {a['gb_read_median']:.2f} | "
                          f"{a['overlap_median']:.2f} | {a['switched_off_total']}/{a['switched_on_total']} | "
                          f"{a['lookahead_precision_median']:.2f} / {a['lookahead_recall_median']:.2f} |")
-        if "auto_vs_best" in arms:
-            lines.append(f"| {cond} | auto ÷ best of off, on | | **{arms['auto_vs_best']:.3f}** | | | | | |")
+        for arm, ratio in arms.get("vs_best", {}).items():
+            lines.append(f"| {cond} | {arm} ÷ best of off, on | | **{ratio:.3f}** | | | | | |")
     lines += ["", "Overlap = (compute busy + read busy) / wall: 1.0 means reads and compute never ran at the "
               "same time; 2.0 would be perfect overlap of equal halves.",
               "Every sample is in the JSON receipt beside this file, including the backpressure controller's "
@@ -166,7 +174,7 @@ async def main_async(args: argparse.Namespace, model: Model) -> list[dict]:
             if fio is not None:
                 time.sleep(2.0)  # let fio reach its steady queue
             for i in range(args.runs):
-                for arm in ARMS:
+                for arm in args.arms.split(","):
                     r = await one_run(model, args, arm, ids)
                     r.update(condition=cond, run=i)
                     print(json.dumps({k: r[k] for k in ("condition", "prefetch", "run", "tok_s", "hit_rate",
@@ -192,6 +200,8 @@ def main() -> int:
     p.add_argument("--saturate-file", default="/work/artifacts/bench/saturate.bin")
     p.add_argument("--saturate-gb", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arms", default=DEFAULT_ARMS,
+                   help="prefetch modes to interleave; auto@W sets the backpressure window to W s (default: %(default)s)")
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
     args = p.parse_args()
     os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="bench-cache-"))  # no pins from old runs
@@ -212,7 +222,8 @@ def main() -> int:
             "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "model": model_path.name,
             "model_note": note, "model_bytes": model.identity.size, "expert_count": model.args.expert_count,
             "cache_per_layer": args.cache_per_layer, "tokens": args.tokens, "io": args.io,
-            "peak_rss_bytes": peak_rss_bytes(), "summary": summarise(runs), "runs": runs,
+            "peak_rss_bytes": peak_rss_bytes(), "arms": args.arms.split(","),
+            "summary": summarise(runs, args.arms.split(",")), "runs": runs,
             "note": "shared 2-vCPU machine: other jobs may have run during the measurement",
         }
         args.out.mkdir(exist_ok=True)
