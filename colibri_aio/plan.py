@@ -93,7 +93,8 @@ def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, 
 
     Refuses, with a :class:`UserError` that says what is missing, a budget
     that cannot hold the trunk, the KV cache for ``context`` and a minimal
-    cache (one slot per routed expert of a layer: expert_used_count).
+    cache: one slot per layer (the cache keeps a quota per layer; with one
+    slot a layer's experts are read, used and evicted in turn).
     """
     a = model.args
     context = min(context or a.context_length, a.context_length)
@@ -106,13 +107,14 @@ def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, 
     reserved = model.trunk_nbytes + kv + working
     total = a.block_count * a.expert_count
     slots = min(total, slots_for_budget(budget, slot, reserved))
-    if slots < a.expert_used_count:
-        need = reserved + a.expert_used_count * slot
+    minimal = a.block_count
+    if slots < minimal:
+        need = reserved + minimal * slot
         raise UserError(
             f"budget {gb(budget)} is too small: trunk {gb(model.trunk_nbytes)} + KV cache {gb(kv)} for {context} "
-            f"positions + working {gb(working)} + a minimal cache of {a.expert_used_count} expert slots "
-            f"({gb(a.expert_used_count * slot)}) need {gb(need)}")
-    pinned = min(int(slots * pin_share), slots - a.expert_used_count) if usage_counts else 0
+            f"positions + working {gb(working)} + a minimal cache of {minimal} expert slots, one per layer "
+            f"({gb(minimal * slot)}), need {gb(need)}")
+    pinned = min(int(slots * pin_share), slots - minimal) if usage_counts else 0
     hit, hit_source = expected_hit_rate(usage_counts, slots, total)
     compute_s, disk_s = token_times(model, 0.0 if hit is None else hit)
     return Plan(budget, source, context, model.trunk_nbytes, kv, working, slot, slots, total, max(0, pinned),

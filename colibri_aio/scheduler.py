@@ -198,7 +198,10 @@ class CachedExpertSource:
         if layer <= self._current_layer or self._closed:
             self.stats.prefetch_stale += 1
             return
-        chosen = self.predictor.predicted(layer, experts, headroom=self.backpressure.headroom)
+        # A fixed k candidates: in replays of the trained model the adaptive count read
+        # 1.7-2.1x the bytes and lost hit rate below 8 slots per layer
+        # (evidence/replay_colibri_tiny.md, "What prefetch costs").
+        chosen = self.predictor.predicted(layer, experts, count=self.model.args.expert_used_count)
         for e in chosen:
             key = (layer, e)
             if self.cache.slot_of(key) is not None:
