@@ -211,6 +211,75 @@ def child_accuracy() -> dict:
     return out
 
 
+# --- child: teacher-forced decode of a model, one backend ---
+
+def child_decode(args) -> dict:
+    """Seconds per token of a fixed id sequence fed one by one (after one untimed pass that warms
+    the page cache and the kernels), with the forward pass's kernels taken from the dispatcher."""
+    import asyncio
+
+    from colibri_aio import qwen3moe
+    from colibri_aio.gguf_model import load
+    from colibri_aio.kernels import backend
+    from colibri_aio.mapped_source import MappedExpertSource
+
+    backend.set_backend(args.arm)
+    backend.set_num_threads(args.threads)
+    for name in ("matvec", "matmul", "dequantize"):  # route the forward pass through the dispatcher
+        setattr(qwen3moe, name, getattr(backend, name))
+    warm = backend.warm_up()
+    model = load(args.decode_model)
+    net = qwen3moe.Qwen3MoE(model, MappedExpertSource(model))
+    ids = [int(i) for i in np.random.default_rng(args.seed).integers(0, model.args.vocab_size, args.decode_tokens)]
+
+    async def feed() -> list[float]:
+        net.reset()
+        times = []
+        for t in ids:
+            t0 = time.perf_counter()
+            await net.forward([t])
+            times.append(time.perf_counter() - t0)
+        return times
+
+    asyncio.run(feed())  # untimed: page cache, first touches, kernel loading
+    times = asyncio.run(feed())
+    return {"arm": args.arm, "backend": backend.backend_name(), "reason": backend.backend_reason(),
+            "warm_up_s": warm, "token_seconds": times, "median_token_s": statistics.median(times)}
+
+
+def decode_main(args, meta: dict) -> int:
+    """Alternate fresh processes per backend; write kernels_jit_decode_<stamp>.{json,md}."""
+    child_args = ["--decode-model", args.decode_model, "--decode-tokens", str(args.decode_tokens),
+                  "--threads", str(args.threads)]
+    results, order = [], np.random.default_rng(args.seed)
+    for run in range(args.runs):
+        for arm in order.permutation(["numpy", "auto"]):
+            r = _child(args, "decode", extra=[*child_args, "--arm", str(arm), "--seed", str(args.seed)])
+            results.append({**r, "run": run})
+            print(f"run {run + 1}/{args.runs} {arm}: {r['median_token_s']:.3f} s/token", file=sys.stderr)
+    meta["loadavg_end"] = list(os.getloadavg())
+    stamp = meta["when_utc"].replace("-", "").replace(":", "")[:15] + "Z"
+    out = Path(args.out)
+    (out / f"kernels_jit_decode_{stamp}.json").write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
+    lines = [f"# kernels_jit decode {stamp}", "", f"- command: `{meta['command']}`",
+             f"- commit: `{meta['commit']['sha']}`; uncommitted kernel files: {meta['commit']['kernel_files_modified'] or 'none'}",
+             f"- host: {meta['host']['hostname']}, {meta['host']['cpu']}, {meta['host']['cpus']} CPUs; load average "
+             f"at start {meta['loadavg_start']}, at end {meta['loadavg_end']}",
+             f"- model `{args.decode_model}`, {args.decode_tokens} fixed random ids fed one at a time (teacher-forced "
+             f"decode) after one untimed pass; experts through the mmap source; {args.threads} kernel threads; "
+             f"{args.runs} runs, each backend a fresh process, order alternating at random", "",
+             "| backend | median s/token (median of runs) [min-max of run medians] | tok/s | warm_up s |", "|---|---|---|---|"]
+    for arm in ("numpy", "auto"):
+        med = [r["median_token_s"] for r in results if r["arm"] == arm]
+        warm = [r["warm_up_s"] for r in results if r["arm"] == arm]
+        lines.append(f"| {arm} | {statistics.median(med):.3f} [{min(med):.3f}-{max(med):.3f}] | "
+                     f"{1 / statistics.median(med):.2f} | {statistics.median(warm):.2f} |")
+    lines += ["", f"- auto: {next(r['reason'] for r in results if r['arm'] == 'auto')}"]
+    (out / f"kernels_jit_decode_{stamp}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
 # --- parent ---
 
 def _host() -> dict:
@@ -350,7 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cold-mb", type=float, default=64.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "evidence"))
-    p.add_argument("--child", choices=["run", "compile", "accuracy"], help=argparse.SUPPRESS)
+    p.add_argument("--decode-model", help="instead of the kernel sweep: teacher-forced decode of this GGUF, numpy vs auto")
+    p.add_argument("--decode-tokens", type=int, default=16)
+    p.add_argument("--child", choices=["run", "compile", "accuracy", "decode"], help=argparse.SUPPRESS)
     p.add_argument("--plan", help=argparse.SUPPRESS)
     p.add_argument("--arm", help=argparse.SUPPRESS)
     p.add_argument("--arms", default=",".join(ALL_ARMS), help="arms to run, each in its own process")
@@ -361,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.child == "run":
             args.plan = [(tuple(s), t) for s, t in json.loads(args.plan)]
             result = child_run(args)
+        elif args.child == "decode":
+            result = child_decode(args)
         else:
             result = child_compile() if args.child == "compile" else child_accuracy()
         json.dump(result, sys.stdout)
@@ -368,12 +441,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 5:
         p.error("--runs must be >= 5")
     import numba
-    plan = _plan(args)
+    plan = _plan(args) if not args.decode_model else []
     meta = {"command": " ".join([sys.executable, *sys.argv]), "arms": args.arms, "commit": _commit(), "host": _host(),
             "when_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "numpy": np.__version__, "numba": numba.__version__, "threads": args.threads,
             "positions": args.positions, "cold_mb": args.cold_mb, "runs": args.runs, "plan": plan,
             "loadavg_start": list(os.getloadavg())}
+    if args.decode_model:
+        return decode_main(args, meta)
     compile_times = {"cold": [], "warm": []}
     for i in range(args.compile_runs):
         with tempfile.TemporaryDirectory(prefix="numba-cache-") as cache:
