@@ -169,6 +169,7 @@ class _Tensors:
         self.path, self.args, self.copy = path, args, copy
         self.file_size = path.stat().st_size
         self.raw = np.memmap(path, dtype=np.uint8, mode="r")
+        self.file = open(path, "rb", buffering=0)
 
     def get(self, name: str, shape: tuple[int, ...]):
         t = self.by_name.get(name)
@@ -190,10 +191,19 @@ class _Tensors:
 
     def resident(self, name: str, shape: tuple[int, ...]) -> QTensor:
         """A copy in RAM (the trunk must not depend on the page cache), or a view of the file when
-        only the model's description is wanted."""
+        only the model's description is wanted.
+
+        The copy is read with readinto, not through the mmap: mapped file pages
+        count in RSS, and copying through them would hold the trunk twice at peak.
+        """
         t = self.get(name, shape)
-        data = self.raw[t.data_offset: t.data_offset + t.n_bytes]
-        return QTensor(np.array(data) if self.copy else data, t.tensor_type, shape)
+        if not self.copy:
+            return QTensor(self.raw[t.data_offset: t.data_offset + t.n_bytes], t.tensor_type, shape)
+        data = np.empty(t.n_bytes, np.uint8)
+        self.file.seek(t.data_offset)
+        if self.file.readinto(memoryview(data)) != t.n_bytes:
+            raise ModelFormatError(f"{self.path}: tensor {name} could not be read in full (truncated?)")
+        return QTensor(data, t.tensor_type, shape)
 
     def vector(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         return dequantize(self.resident(name, shape)).astype(np.float32, copy=False)
@@ -248,24 +258,18 @@ def load(path: str | os.PathLike[str], *, resident: bool = True, progress: Progr
     args = read_args(reader, p)
     ts = _Tensors(reader, p, args, copy=resident)
     vocab, d = args.vocab_size, args.embedding_length
-    token_embd = ts.resident("token_embd.weight", (vocab, d))
-    blocks = []
-    for i in range(args.block_count):
-        blocks.append(_block(ts, i))
-        if progress is not None:
-            progress("load trunk", i + 1, args.block_count)
+    with ts.file:
+        token_embd = ts.resident("token_embd.weight", (vocab, d))
+        output = token_embd if args.tied_output else ts.resident("output.weight", (vocab, d))
+        output_norm = ts.vector("output_norm.weight", (d,))
+        blocks = []
+        for i in range(args.block_count):
+            blocks.append(_block(ts, i))
+            if progress is not None:
+                progress("load trunk", i + 1, args.block_count)
     experts = [_expert_locations(ts, i) for i in range(args.block_count)]
     extra = sorted(n for n in ts.by_name if n.startswith(f"blk.{args.block_count}."))
     if extra:
         raise ModelFormatError(f"{p}: tensor {extra[0]} lies beyond block_count {args.block_count}")
-    return Model(
-        path=p,
-        identity=FileIdentity.of(os.stat(p)),
-        args=args,
-        token_embd=token_embd,
-        output_norm=ts.vector("output_norm.weight", (d,)),
-        output=token_embd if args.tied_output else ts.resident("output.weight", (vocab, d)),
-        blocks=blocks,
-        experts=experts,
-        reader=reader,
-    )
+    return Model(path=p, identity=FileIdentity.of(os.stat(p)), args=args, token_embd=token_embd,
+                 output_norm=output_norm, output=output, blocks=blocks, experts=experts, reader=reader)
