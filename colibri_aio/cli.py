@@ -35,13 +35,17 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
                         "while the disk is saturated (default: %(default)s)")
     g.add_argument("--pin", default="off", metavar="auto|off|FILE",
                    help="keep the most used experts (from a usage history) resident (default: %(default)s)")
+    g.add_argument("--kernels", choices=("auto", "numpy", "numba"), default=None,
+                   help="matrix kernels: compiled (numba) where they pay, else NumPy "
+                        "(default: $COLIBRI_KERNELS or auto)")
     g.add_argument("--ctx", type=int, default=None, metavar="N",
                    help="context positions to allocate in the KV cache (default: the model's context_length)")
 
 
 def _placement(args: argparse.Namespace) -> dict:
     return dict(io=args.io, ram_budget=args.ram_budget, cache_per_layer=args.cache_per_layer,
-                prefetch=args.prefetch, pin=args.pin, progress=_progress if sys.stderr.isatty() else None)
+                prefetch=args.prefetch, pin=args.pin, kernels=args.kernels,
+                progress=_progress if sys.stderr.isatty() else None)
 
 
 def _progress(step: str, done: int, total: int) -> None:

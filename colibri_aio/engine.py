@@ -18,6 +18,8 @@ import numpy as np
 
 from colibri_aio.errors import UserError
 from colibri_aio.gguf_model import Model, Progress, load
+from colibri_aio.kernels import backend
+from gguf import GGMLQuantizationType
 from colibri_aio.memory import peak_rss_bytes, rss_bytes
 from colibri_aio.policy.diskstats import DiskstatsSampler, device_of, read_diskstats
 from colibri_aio.models import default_model_path
@@ -56,6 +58,13 @@ class GenerationPiece:
         return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
+def _matrix_types(model: Model) -> tuple[GGMLQuantizationType, ...]:
+    """The ggml types the forward pass multiplies (to compile or load their kernels up front)."""
+    b, e = model.blocks[0], model.experts[0][0]
+    mats = [model.output, b.attn_q, b.attn_k, b.attn_v, b.attn_output]
+    return tuple(sorted({m.ggml_type for m in mats} | {r.ggml_type for r in e.ranges}))
+
+
 class Engine:
     """A model ready to generate. Open with :meth:`open`; close with ``async with`` or :meth:`aclose`."""
 
@@ -73,21 +82,34 @@ class Engine:
     async def open(cls, path: str | os.PathLike[str] | None = None, *, io: str = "auto",
                    ram_budget: int | str | None = None, cache_per_layer: int | None = None,
                    prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None,
-                   progress: Progress | None = None) -> "Engine":
+                   kernels: str | None = None, progress: Progress | None = None) -> "Engine":
         """Load ``path`` (default: the shipped model) and open its expert source.
 
         Placement: ``io`` (auto|uring|pread|mmap), ``ram_budget`` (bytes or a
         size such as "12G"; default: a share of usable RAM), ``cache_per_layer``
         (expert slots per layer instead of a budget), ``prefetch``
         (auto|on|off), ``pin`` (auto|off|FILE), ``n_ctx`` (KV-cache positions).
-        Placement changes speed, never tokens. ``progress(step, done, total)``
-        hears about the long steps (loading the trunk, the pool, pinning).
+        Placement changes speed, never tokens. ``kernels`` (auto|numpy|numba;
+        default: $COLIBRI_KERNELS or auto) picks the matrix kernels for the
+        process; backends differ in the last bits, so compare runs within one.
+        ``progress(step, done, total)`` hears about the long steps (loading the
+        trunk, compiling or loading kernels, the pool, pinning).
         """
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,
                               pin=pin, context=n_ctx)
         placement.check()
+        if kernels is not None:
+            if kernels not in backend.NAMES:
+                raise UserError(f"unknown kernels {kernels!r} (choose from {', '.join(backend.NAMES)})")
+            backend.set_backend(kernels)
         model = load(path if path is not None else default_model_path(), progress=progress)
+        if progress is not None:
+            progress("load kernels", 0, 1)
+        # Compiled kernels come from numba's on-disk cache (~1 s); only a cold cache compiles.
+        backend.warm_up(_matrix_types(model))
+        if progress is not None:
+            progress("load kernels", 1, 1)
         tokenizer = Tokenizer.from_gguf(model.reader)
         if tokenizer.vocab_size != model.args.vocab_size:
             raise UserError(f"{model.path}: tokenizer has {tokenizer.vocab_size} tokens, model {model.args.vocab_size}")
@@ -102,7 +124,7 @@ class Engine:
         reader, cache = self.source.reader, self.source.cache
         return (f"{self.model.path.name}: {self.plan.one_line()}; cache {cache.n_slots} slots {cache.scope} "
                 f"{cache.policy} ({len(cache.pinned)} pinned); io {reader.backend} ({reader.backend_reason}); "
-                f"prefetch {self.placement.prefetch}")
+                f"prefetch {self.placement.prefetch}; kernels {backend.backend_name()} ({backend.backend_reason()})")
 
     def stats(self) -> EngineStats:
         """The engine's counters now: tokens and their time, cache hits, reads, prefetch state, memory."""

@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 
 import numpy as np
 import pytest
 
 from colibri_aio.gguf_model import load
+from colibri_aio.kernels import backend
 from colibri_aio.mapped_source import MappedExpertSource
 from colibri_aio.qwen3moe import Qwen3MoE
 
@@ -44,6 +46,14 @@ def teacher_forced(net: Qwen3MoE, ids: list[int], *, decode: bool) -> np.ndarray
     return asyncio.run(one_by_one())
 
 
+@pytest.fixture(params=["numpy", "auto"])
+def kernels(request: pytest.FixtureRequest):
+    """Run a test with the NumPy kernels and with the default (compiled where it pays) ones."""
+    backend.set_backend(request.param)
+    yield backend.backend_name()
+    backend.set_backend(os.environ.get("COLIBRI_KERNELS", "auto"))
+
+
 def test_oracles_are_present() -> None:
     assert {"tiny_f32", "tiny_f32_tied", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0"} <= set(TRANSFORMERS_FIXTURES)
     assert {"tiny_f32", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0"} <= set(LLAMACPP_FIXTURES)
@@ -51,7 +61,7 @@ def test_oracles_are_present() -> None:
 
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
 @pytest.mark.parametrize("name", TRANSFORMERS_FIXTURES)
-def test_logits_match_transformers(name: str, decode: bool) -> None:
+def test_logits_match_transformers(name: str, decode: bool, kernels: str) -> None:
     net, ref = _net(name), np.load(ORACLE / f"{name}.transformers.npz")
     for i, ids in enumerate(oracle_ids()):
         want = ref[f"seq{i}"]
@@ -81,7 +91,7 @@ def test_argmax_matches_llamacpp(name: str) -> None:
         np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
 
 
-def test_greedy_32_tokens_match_transformers() -> None:
+def test_greedy_32_tokens_match_transformers(kernels: str) -> None:
     spec = json.loads((ORACLE / "tiny_f32.greedy.json").read_text())
     net = _net("tiny_f32")
 
