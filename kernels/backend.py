@@ -25,7 +25,7 @@ from types import ModuleType
 import numpy as np
 from gguf import GGMLQuantizationType as T
 
-from colibri_aio.kernels import quant
+from colibri_aio.kernels import quant, threads
 from colibri_aio.kernels.qtensor import QTensor
 
 __all__ = ["NAMES", "NUMBA_FASTER", "RECEIPT", "matvec", "matmul", "dequantize", "set_backend",
@@ -164,9 +164,7 @@ def warm_up(types: tuple[T, ...] | None = None) -> float:
 
 def set_num_threads(n: int) -> None:
     """Threads per kernel call, for both backends."""
-    quant.set_num_threads(n)
-    if _jit is not None:
-        _jit.set_num_threads(n)
+    threads.set_num_threads(n)  # one pool serves both backends
 
 
 def _initial() -> None:

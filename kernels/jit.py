@@ -42,9 +42,7 @@ from __future__ import annotations
 
 import itertools
 import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numba.core.config
@@ -56,6 +54,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from colibri_aio.kernels.qtensor import QTensor
+from colibri_aio.kernels.threads import get_num_threads, set_num_threads, workers
 
 __all__ = ["SUPPORTED_TYPES", "dequantize", "matvec", "matmul", "matvec_q8", "warm_up",
            "set_num_threads", "get_num_threads", "set_parallel"]
@@ -504,25 +503,7 @@ def _mv_q8_0_i8(raw: np.ndarray, tab: np.ndarray, qx: np.ndarray, dx: np.ndarray
 
 # --- Python side: chunk grid, threads, checks ---
 
-_pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-_num_threads = max(1, int(os.environ.get("COLIBRI_KERNEL_THREADS", "2")))
 _parallel = os.environ.get("COLIBRI_JIT_PARALLEL", "pool")
-
-
-def set_num_threads(n: int) -> None:
-    """Use ``n`` threads (the caller plus ``n - 1`` pool workers) per kernel call."""
-    global _pool, _num_threads
-    if n < 1:
-        raise ValueError(f"kernel thread count must be >= 1, got {n}")
-    with _pool_lock:
-        old, _pool, _num_threads = _pool, None, n
-    if old is not None:
-        old.shutdown(wait=True)
-
-
-def get_num_threads() -> int:
-    return _num_threads
 
 
 def set_parallel(mode: str) -> None:
@@ -531,14 +512,6 @@ def set_parallel(mode: str) -> None:
     if mode not in ("pool", "prange"):
         raise ValueError(f"parallel mode must be 'pool' or 'prange', got {mode!r}")
     _parallel = mode
-
-
-def _workers() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max(1, _num_threads - 1), thread_name_prefix="colibri-jit")
-        return _pool
 
 
 def _code(w: QTensor) -> int:
@@ -554,9 +527,9 @@ def _step(cols: int) -> int:
 
 
 def _run_chunks(rows: int, step: int, fn) -> None:
-    """fn(r0, r1) for every chunk of ``step`` rows, on up to ``_num_threads`` threads taking chunks in turn."""
+    """fn(r0, r1) for every chunk of ``step`` rows, on up to ``get_num_threads()`` threads taking chunks in turn."""
     chunks = [(r0, min(rows, r0 + step)) for r0 in range(0, rows, step)]
-    n = min(_num_threads, len(chunks))
+    n = min(get_num_threads(), len(chunks))
     if n <= 1:
         for r0, r1 in chunks:
             fn(r0, r1)
@@ -567,7 +540,7 @@ def _run_chunks(rows: int, step: int, fn) -> None:
         while (i := next(taken)) < len(chunks):
             fn(*chunks[i])
 
-    futures = [_workers().submit(run) for _ in range(n - 1)]
+    futures = [workers().submit(run) for _ in range(n - 1)]
     try:
         run()
     finally:

@@ -32,16 +32,14 @@ The thread count defaults to 2; set ``COLIBRI_KERNEL_THREADS`` or call
 from __future__ import annotations
 
 import itertools
-import os
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels.qtensor import QTensor
+from colibri_aio.kernels.threads import get_num_threads, set_num_threads, workers
 from colibri_aio.kernels.quant_formats import FORMATS, Format, Scales, scale_index
 from colibri_aio.kernels.scratch import aligned_empty, thread_scratch
 
@@ -63,36 +61,8 @@ GEMM_POSITIONS = 8
 # the ~25 NumPy calls of a K-quant scale unpacking are amortised.
 SCALE_BATCH_BYTES = 1 << 19
 
-_pool_lock = threading.Lock()
-_pool: ThreadPoolExecutor | None = None
-_num_threads = max(1, int(os.environ.get("COLIBRI_KERNEL_THREADS", "2")))
-
 _ONES = aligned_empty((1024,), np.float32)
 _ONES.fill(1.0)
-
-
-def set_num_threads(n: int) -> None:
-    """Use ``n`` threads (the caller plus ``n - 1`` pool workers) for every kernel call."""
-    global _pool, _num_threads
-    if n < 1:
-        raise ValueError(f"kernel thread count must be >= 1, got {n}")
-    with _pool_lock:
-        old, _pool, _num_threads = _pool, None, n
-    if old is not None:
-        old.shutdown(wait=True)
-
-
-def get_num_threads() -> int:
-    """The number of threads a kernel call uses."""
-    return _num_threads
-
-
-def _workers() -> ThreadPoolExecutor:
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(max(1, _num_threads - 1), thread_name_prefix="colibri-kernel")
-        return _pool
 
 
 # --- the chunk grid ---
@@ -147,7 +117,7 @@ def _for_chunks(w: QTensor, fmt: Format, chunk_weights: int, chunk_fn: ChunkFn) 
                 s1 = min(s0 + step, b1)
                 chunk_fn(s0, s1, raw[s0:s1], _rows_of(scales, s0 - b0, s1 - b0))
 
-    futures = [_workers().submit(run) for _ in range(min(_num_threads, len(batches)) - 1)]
+    futures = [workers().submit(run) for _ in range(min(get_num_threads(), len(batches)) - 1)]
     try:
         run()
     finally:

@@ -1,0 +1,40 @@
+"""The kernels' worker threads: one pool shared by every backend.
+
+A kernel call runs on the calling thread plus ``get_num_threads() - 1`` pool
+workers (NumPy and numba release the GIL). ``COLIBRI_KERNEL_THREADS`` sets
+the count at start (default 2, the cores of the machines this was tuned on).
+"""
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_num_threads = max(1, int(os.environ.get("COLIBRI_KERNEL_THREADS", "2")))
+
+
+def set_num_threads(n: int) -> None:
+    """Use ``n`` threads (the caller plus ``n - 1`` pool workers) for every kernel call."""
+    global _pool, _num_threads
+    if n < 1:
+        raise ValueError(f"kernel thread count must be >= 1, got {n}")
+    with _lock:
+        old, _pool, _num_threads = _pool, None, n
+    if old is not None:
+        old.shutdown(wait=True)
+
+
+def get_num_threads() -> int:
+    """The number of threads a kernel call uses."""
+    return _num_threads
+
+
+def workers() -> ThreadPoolExecutor:
+    """The pool of ``get_num_threads() - 1`` workers, made on first use."""
+    global _pool
+    with _lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max(1, _num_threads - 1), thread_name_prefix="colibri-kernel")
+        return _pool
