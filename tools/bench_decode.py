@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,6 +24,7 @@ import numpy as np
 
 from colibri_aio.engine import Engine
 from colibri_aio.kernels import backend
+from receipt import header as receipt_header, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,6 +99,11 @@ def _kernels_of(arm: str) -> str:
     return f"{backend.backend_name()}: {backend.backend_reason()}"
 
 
+def _ratio(r: dict, key: str, arm: str) -> str:
+    """The arm's ratio to llama.cpp; 1 for llama.cpp itself, '-' when it did not run."""
+    return "1.000" if arm == "llama.cpp" else (f"{r[key]:.3f}" if key in r else "-")
+
+
 def stats(xs: list[float]) -> dict:
     return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": xs}
 
@@ -138,19 +141,14 @@ def main() -> int:
         for a in arms:
             if a != "llama.cpp":
                 ratios[a] = {k: summary[a][k]["median"] / ref[k]["median"] for k in ("decode_tok_s", "prefill_tok_s")}
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     receipt = {
-        "date": stamp, "host": platform.node(), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                 cwd=ROOT).stdout.strip(),
-        "command": " ".join(["tools/bench_decode.py", *sys.argv[1:]]), "model": args.model.name,
+        **receipt_header("tools/bench_decode.py"), "model": args.model.name,
         "model_bytes": args.model.stat().st_size, "tokens": args.tokens, "prefill": args.prefill,
         "kernels": {a: _kernels_of(a) for a, e in engines.items() if isinstance(e, Ours)},
         "summary": summary, "ratios_vs_llama_cpp": ratios,
         "note": "shared 2-vCPU machine; llama-cpp-python 0.3.36 built from source (AVX-512), n_threads=2",
     }
-    args.out.mkdir(exist_ok=True)
-    (args.out / f"decode_{stamp}.json").write_text(json.dumps(receipt, indent=1))
+    stamp = receipt["date"]
     lines = [f"# Decode and prefill, in RAM — {stamp}", "",
              f"host `{receipt['host']}`, commit `{receipt['commit']}`, model `{args.model.name}` "
              f"({receipt['model_bytes'] / 1e9:.2f} GB), load average at end {receipt['load_average']}", "",
@@ -163,9 +161,8 @@ def main() -> int:
         d, pf = summary[a]["decode_tok_s"], summary[a]["prefill_tok_s"]
         r = ratios.get(a, {})
         lines.append(f"| {a} | {d['median']:.2f} [{d['min']:.2f}–{d['max']:.2f}] | {pf['median']:.2f} "
-                     f"[{pf['min']:.2f}–{pf['max']:.2f}] | {r.get('decode_tok_s', 1.0):.3f} | "
-                     f"{r.get('prefill_tok_s', 1.0):.3f} |")
-    (args.out / f"decode_{stamp}.md").write_text("\n".join(lines) + "\n")
+                     f"[{pf['min']:.2f}–{pf['max']:.2f}] | {_ratio(r, 'decode_tok_s', a)} | {_ratio(r, 'prefill_tok_s', a)} |")
+    write_receipt(args.out, f"decode_{stamp}", receipt, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

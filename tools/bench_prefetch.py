@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -39,6 +37,7 @@ from colibri_aio.memory import peak_rss_bytes
 from colibri_aio.qwen3moe import Qwen3MoE
 from colibri_aio.policy.backpressure import BackpressureConfig
 from colibri_aio.sources import DEFAULT_LOOKAHEAD, Placement, open_source
+from receipt import header as receipt_header, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ARMS = "off,on,auto"
@@ -214,21 +213,15 @@ def main() -> int:
         runs = asyncio.run(main_async(args, model))
         desc = model.reader.fields.get("general.description")
         note = desc.contents() if desc is not None else "no description"
-        stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         receipt = {
-            "date": stamp, "host": platform.node(), "cpus": os.cpu_count(),
-            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                     cwd=ROOT).stdout.strip(),
-            "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "model": model_path.name,
+            **receipt_header("bench_prefetch.py"), "model": model_path.name,
             "model_note": note, "model_bytes": model.identity.size, "expert_count": model.args.expert_count,
             "cache_per_layer": args.cache_per_layer, "tokens": args.tokens, "io": args.io,
             "peak_rss_bytes": peak_rss_bytes(), "arms": args.arms.split(","),
             "summary": summarise(runs, args.arms.split(",")), "runs": runs,
             "note": "shared 2-vCPU machine: other jobs may have run during the measurement",
         }
-        args.out.mkdir(exist_ok=True)
-        (args.out / f"prefetch_{stamp}.json").write_text(json.dumps(receipt, indent=1))
-        (args.out / f"prefetch_{stamp}.md").write_text(markdown(receipt))
+        write_receipt(args.out, f"prefetch_{receipt['date']}", receipt, markdown(receipt))
         print(markdown(receipt))
     finally:
         if made:

@@ -11,16 +11,14 @@ differ only by what the OS already caches. Arms are interleaved.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from receipt import header as receipt_header, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -58,14 +56,8 @@ def main() -> int:
             samples[f"{k} warm"].append(first_token_seconds(k, warm[k], args.model))
     summary = {a: {"median": statistics.median(x), "min": min(x), "max": max(x), "samples": x}
                for a, x in samples.items()}
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    receipt = {"date": stamp, "host": platform.node(), "load_average": os.getloadavg(),
-               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=ROOT).stdout.strip(),
-               "command": " ".join(["tools/bench_ttft.py", *sys.argv[1:]]), "model": args.model or "shipped",
-               "summary": summary}
-    args.out.mkdir(exist_ok=True)
-    (args.out / f"ttft_{stamp}.json").write_text(json.dumps(receipt, indent=1))
+    receipt = {**receipt_header("tools/bench_ttft.py"), "model": args.model or "shipped", "summary": summary}
+    stamp = receipt["date"]
     lines = [f"# Time to first token of `run` — {stamp}", "",
              f"host `{receipt['host']}`, commit `{receipt['commit']}`, model {receipt['model']}, load average at end "
              f"{receipt['load_average']}", "", f"Command: `{receipt['command']}`", "",
@@ -74,7 +66,7 @@ def main() -> int:
     for a, s in summary.items():
         k, c = a.split()
         lines.append(f"| {k} | {c} | {s['median']:.2f} [{s['min']:.2f}–{s['max']:.2f}] |")
-    (args.out / f"ttft_{stamp}.md").write_text("\n".join(lines) + "\n")
+    write_receipt(args.out, f"ttft_{stamp}", receipt, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

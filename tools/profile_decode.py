@@ -14,12 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
-import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -30,6 +25,7 @@ import numpy as np
 from colibri_aio import qwen3moe
 from colibri_aio.engine import Engine
 from colibri_aio.kernels import backend
+from receipt import header as receipt_header, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 CATEGORIES = ("expert matvecs", "attention projections", "attention", "output head", "routing", "python overhead")
@@ -117,14 +113,9 @@ def main() -> int:
     loop.run_until_complete(engine.aclose())
     summary = {a: {k: {"median": statistics.median(s[k] for s in xs), "min": min(s[k] for s in xs),
                        "max": max(s[k] for s in xs)} for k in (*CATEGORIES, "total")} for a, xs in samples.items()}
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    receipt = {"date": stamp, "host": platform.node(), "load_average": os.getloadavg(),
-               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=ROOT).stdout.strip(),
-               "command": " ".join(["tools/profile_decode.py", *sys.argv[1:]]), "model": args.model.name,
+    receipt = {**receipt_header("tools/profile_decode.py"), "model": args.model.name,
                "unit": "ms per decoded token", "summary": summary, "samples": samples}
-    args.out.mkdir(exist_ok=True)
-    (args.out / f"profile_decode_{stamp}.json").write_text(json.dumps(receipt, indent=1))
+    stamp = receipt["date"]
     lines = [f"# One decode step, by category — {stamp}", "",
              f"host `{receipt['host']}`, commit `{receipt['commit']}`, model `{args.model.name}` (every expert "
              f"cached: a model in RAM), load average at end {receipt['load_average']}", "",
@@ -136,7 +127,7 @@ def main() -> int:
         cells = [f"{summary[a][k]['median']:.2f} [{summary[a][k]['min']:.2f}–{summary[a][k]['max']:.2f}]"
                  for a in arms]
         lines.append(f"| {k} | " + " | ".join(cells) + " |")
-    (args.out / f"profile_decode_{stamp}.md").write_text("\n".join(lines) + "\n")
+    write_receipt(args.out, f"profile_decode_{stamp}", receipt, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -13,11 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime as dt
-import json
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -34,6 +30,7 @@ from colibri_aio.qwen3moe import Qwen3MoE  # noqa: E402
 from colibri_aio.route_stats import TraceStats, compute, format_table  # noqa: E402
 from colibri_aio.tokenizer import Tokenizer  # noqa: E402
 from colibri_aio.trace import TraceRecorder, read_trace  # noqa: E402
+from receipt import header as receipt_header, write as write_receipt  # noqa: E402
 
 
 async def trace_model(path: Path, docs: list[str], prefill: int, decode: int, out: Path) -> int:
@@ -118,15 +115,9 @@ def main() -> int:
             rows.append(summary_row(path.name, stats))
             tables[path.name] = format_table(stats)
             print(tables[path.name], flush=True)
-    stamp = dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    receipt = {"date": stamp, "host": platform.node(),
-               "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                        cwd=ROOT).stdout.strip(),
-               "command": " ".join(["tools/routing_stats.py", *sys.argv[1:]]), "prefill": args.prefill,
-               "decode": args.decode, "rows": rows, "tables": tables}
-    args.out.mkdir(exist_ok=True)
-    (args.out / "routing_stats.json").write_text(json.dumps(receipt, indent=1))
-    (args.out / "routing_stats.md").write_text(markdown(receipt))
+    receipt = {**receipt_header("tools/routing_stats.py"), "prefill": args.prefill, "decode": args.decode,
+               "rows": rows, "tables": tables}
+    write_receipt(args.out, "routing_stats", receipt, markdown(receipt))
     print(markdown(receipt))
     return 0
 
