@@ -13,7 +13,7 @@ import sys
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 pytest.importorskip("numba", reason="numba is not installed: the compiled kernels are optional")
 
@@ -21,31 +21,15 @@ from colibri_aio.errors import ModelFormatError  # noqa: E402
 from colibri_aio.kernels import backend, jit, quant  # noqa: E402
 from colibri_aio.kernels.qtensor import QTensor  # noqa: E402
 
+from kernel_data import make_weights, mapped, placed, reference, rel_err  # noqa: E402
+
 TYPES = sorted(jit.SUPPORTED_TYPES, key=lambda t: t.name)
-K_SCALE_BYTES = {T.Q4_K: slice(0, 4), T.Q5_K: slice(0, 4), T.Q6_K: slice(208, 210)}
 
 
-def make_weights(t: T, shape: tuple[int, ...], seed: int = 0) -> QTensor:
-    """Quantised random data, or random K-quant blocks whose f16 scales are small and finite."""
-    rng = np.random.default_rng(seed)
-    if t in K_SCALE_BYTES:
-        block, type_size = GGML_QUANT_SIZES[t]
-        blocks = rng.integers(0, 256, (int(np.prod(shape)) // block, type_size), dtype=np.uint8)
-        sl = K_SCALE_BYTES[t]
-        scales = (rng.uniform(-1, 1, (blocks.shape[0], (sl.stop - sl.start) // 2)) * 2e-3).astype(np.float16)
-        blocks[:, sl] = scales.view(np.uint8)
-        raw = blocks.reshape(-1)
-    else:
-        raw = quants.quantize(rng.standard_normal(shape).astype(np.float32), t).view(np.uint8).reshape(-1)
-    return QTensor(np.ascontiguousarray(raw), t, shape)
 
 
-def reference(w: QTensor) -> np.ndarray:
-    return quants.dequantize(w.data, w.ggml_type).reshape(w.rows, w.cols).astype(np.float64)
 
 
-def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.linalg.norm(ours.astype(np.float64) - ref) / np.linalg.norm(ref))
 
 
 def cols_of(t: T, blocks: int) -> int:
@@ -127,20 +111,8 @@ def test_matmul_rows_equal_matvec_bit_for_bit(t: T, small_chunks: None) -> None:
 
 # --- bit-identity: placement, threads, repetition ---
 
-def _placed(w: QTensor, offset: int) -> QTensor:
-    """The same bytes at ``offset`` inside a 4096-aligned buffer, as in an I/O pool slot."""
-    slot = np.zeros(offset + w.nbytes + 8192, dtype=np.uint8)
-    start = (-slot.ctypes.data) % 4096
-    view = slot[start + offset: start + offset + w.nbytes]
-    view[:] = w.data
-    return QTensor(view, w.ggml_type, w.shape)
 
 
-def _mapped(w: QTensor, path) -> QTensor:
-    """The same bytes in a file mapping at a 32-byte (GGUF-style) offset."""
-    with open(path, "wb") as f:
-        f.write(b"\0" * 96 + w.data.tobytes())
-    return QTensor(np.memmap(path, np.uint8, "r", offset=96, shape=(w.nbytes,)), w.ggml_type, w.shape)
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
@@ -151,7 +123,7 @@ def test_results_do_not_depend_on_where_the_bytes_live(t: T, tmp_path, small_chu
     x_odd = np.zeros(w.cols + 3, np.float32)[3:]  # x at a 12-byte offset
     x_odd[:] = x
     want = jit.matvec(w, x), jit.matmul(w, xs), jit.dequantize(w)
-    places = [_placed(w, off) for off in (0, 1, 32, 64 + 32, 4096 + 96)] + [_mapped(w, tmp_path / "w.bin")]
+    places = [placed(w, off) for off in (0, 1, 32, 64 + 32, 4096 + 96)] + [mapped(w, tmp_path / "w.bin")]
     for p in places:
         assert np.array_equal(jit.matvec(p, x), want[0])
         assert np.array_equal(jit.matvec(p, x_odd), want[0])

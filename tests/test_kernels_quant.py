@@ -11,7 +11,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels import quant
@@ -19,34 +19,15 @@ from colibri_aio.kernels.qtensor import QTensor
 from colibri_aio.kernels.quant_formats import f16_to_f32
 from colibri_aio.kernels.scratch import Scratch
 
+from kernel_data import K_TYPES, make_weights, mapped, placed, reference, rel_err
+
 TYPES = sorted(quant.SUPPORTED_TYPES, key=lambda t: t.name)
-K_TYPES = {T.Q4_K, T.Q5_K, T.Q6_K}
-# Byte offset of each block's f16 scale(s) in the K-quant layouts.
-K_SCALE_BYTES = {T.Q4_K: slice(0, 4), T.Q5_K: slice(0, 4), T.Q6_K: slice(208, 210)}
 
 
-def make_weights(t: T, shape: tuple[int, ...], seed: int = 0) -> QTensor:
-    """A valid tensor of type ``t``: quantised random data, or random valid K-quant blocks."""
-    rng = np.random.default_rng(seed)
-    if t in K_TYPES:
-        block, type_size = GGML_QUANT_SIZES[t]
-        blocks = rng.integers(0, 256, (int(np.prod(shape)) // block, type_size), dtype=np.uint8)
-        n_f16 = (K_SCALE_BYTES[t].stop - K_SCALE_BYTES[t].start) // 2
-        scales = (rng.uniform(-1, 1, (blocks.shape[0], n_f16)) * 2e-3).astype(np.float16)
-        blocks[:, K_SCALE_BYTES[t]] = scales.view(np.uint8)
-        raw = blocks.reshape(-1)
-    else:
-        a = rng.standard_normal(shape).astype(np.float32)
-        raw = quants.quantize(a, t).view(np.uint8).reshape(-1)
-    return QTensor(np.ascontiguousarray(raw), t, shape)
 
 
-def reference(w: QTensor) -> np.ndarray:
-    return quants.dequantize(w.data, w.ggml_type).reshape(w.rows, w.cols).astype(np.float64)
 
 
-def rel_err(ours: np.ndarray, ref: np.ndarray) -> float:
-    return float(np.linalg.norm(ours.astype(np.float64) - ref) / np.linalg.norm(ref))
 
 
 @pytest.fixture
@@ -123,20 +104,8 @@ def test_dequantize_equals_gguf_reference(t: T, small_chunks: None) -> None:
     np.testing.assert_array_equal(out.reshape(w.rows, w.cols), reference(w).astype(np.float32))
 
 
-def _placed(w: QTensor, offset: int) -> QTensor:
-    """The same bytes at ``offset`` inside a larger, page-aligned uint8 buffer (like a pool slot)."""
-    slot = np.zeros(offset + w.nbytes + 8192, dtype=np.uint8)
-    start = (-slot.ctypes.data) % 4096
-    view = slot[start + offset: start + offset + w.nbytes]
-    view[:] = w.data
-    return QTensor(view, w.ggml_type, w.shape)
 
 
-def _mapped(w: QTensor, path) -> QTensor:
-    """The same bytes in a file mapping at a 32-byte (GGUF-style) offset."""
-    with open(path, "wb") as f:
-        f.write(b"\0" * 96 + w.data.tobytes())
-    return QTensor(np.memmap(path, np.uint8, "r", offset=96, shape=(w.nbytes,)), w.ggml_type, w.shape)
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
@@ -144,7 +113,7 @@ def test_results_do_not_depend_on_where_the_bytes_live(t: T, tmp_path, small_chu
     w = make_weights(t, (37, 2 * GGML_QUANT_SIZES[t][0] if t in K_TYPES else 96), seed=6)
     rng = np.random.default_rng(7)
     x, xs = rng.standard_normal(w.cols).astype(np.float32), rng.standard_normal((8, w.cols)).astype(np.float32)
-    places = [_placed(w, off) for off in (0, 32, 64 + 32, 4096 + 96)] + [_mapped(w, tmp_path / "w.bin")]
+    places = [placed(w, off) for off in (0, 32, 64 + 32, 4096 + 96)] + [mapped(w, tmp_path / "w.bin")]
     # x misaligned too: a float32 view at an odd 4-byte offset of a bigger buffer.
     x_odd = np.zeros(w.cols + 3, np.float32)[3:]
     x_odd[:] = x
