@@ -85,6 +85,7 @@ class CachedExpertSource:
         self._fills: dict[int, _Fill] = {}        # filling slots
         self._failures: dict[Key, BaseException] = {}  # failed reads a stream still holds
         self._current_layer = -1
+        self._started = False  # reads started and not yet kicked to the kernel
         self._prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next use
         self._closed = False
 
@@ -134,6 +135,7 @@ class CachedExpertSource:
         try:
             self._reserve_misses(layer, todo, waiting)
             while ready or waiting or todo:
+                await self._kick()
                 if not ready:
                     await self._wait_for(layer, ready, waiting, todo)
                     continue
@@ -148,6 +150,20 @@ class CachedExpertSource:
                 self.cache.release(slot)
             for slot in waiting:
                 self._let_go(slot)
+
+    async def _kick(self) -> None:
+        """Let reads started since the last kick reach the kernel before compute takes the thread.
+
+        A read task only runs when the event loop does, and the io_uring reactor
+        submits a loop iteration's reads together in a callback; compute on the
+        hits (or on an expert already here) does not yield to the loop, so
+        without this the reads would wait for it instead of overlapping it.
+        Two turns of the loop: one for the read tasks, one for the submit.
+        """
+        if self._started:
+            self._started = False
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
 
     def _reserve_misses(self, layer: int, todo: deque[int], waiting: dict[int, int]) -> None:
         """Reserve slots and submit reads for as many misses as the cache can take now."""
@@ -229,6 +245,7 @@ class CachedExpertSource:
         task = asyncio.get_running_loop().create_task(self.reader.read(loc))
         fill = _Fill(key, kind, task, ticket)
         self._fills[slot] = fill
+        self._started = True
         if kind == "demand":
             self.stats.demand_reads += 1
         else:

@@ -43,18 +43,26 @@ ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ARMS = "off,on,auto"
 
 
-def arm_placement(arm: str) -> tuple[str, BackpressureConfig | None]:
-    """An arm is a prefetch mode, optionally with a backpressure window: "auto@1.0"."""
+def arm_placement(arm: str) -> tuple[str, BackpressureConfig | None, bool]:
+    """An arm is a prefetch mode, optionally with a backpressure window ("auto@1.0"), optionally
+    "+nokick": reads are left to start when the decode loop next waits (the scheduler before it
+    kicked new reads to the kernel ahead of compute), for an A/B of that change."""
+    arm, plus, flag = arm.partition("+")
     mode, _, window = arm.partition("@")
-    return mode, (BackpressureConfig(window=float(window)) if window else None)
+    return mode, (BackpressureConfig(window=float(window)) if window else None), flag == "nokick"
 
 
 async def one_run(model: Model, args: argparse.Namespace, arm: str, ids: list[int]) -> dict:
     """One teacher-forced decode from an empty cache; figures over the decode part only."""
-    prefetch, config = arm_placement(arm)
+    prefetch, config, nokick = arm_placement(arm)
     placement = Placement(io=args.io, cache_per_layer=args.cache_per_layer, prefetch=prefetch,
                           context=len(ids) + 1, backpressure=config)
     source, _plan = await open_source(model, placement)
+    if nokick:
+        async def no_kick() -> None:
+            source._started = False
+
+        source._kick = no_kick  # type: ignore[method-assign]
     try:
         net = Qwen3MoE(model, source, len(ids) + 1)
         net.lookahead = None if prefetch == "off" else DEFAULT_LOOKAHEAD
