@@ -222,7 +222,8 @@ class CachedExpertSource:
             key = (layer, e)
             if self.cache.slot_of(key) is not None:
                 continue
-            if not self.backpressure.may_prefetch(self.model.expert(*key).nbytes, time.perf_counter()):
+            if not self.backpressure.may_prefetch(self.model.expert(*key).nbytes, time.perf_counter(),
+                                                  self._precision()):
                 self.stats.prefetch_skipped_gate += 1
                 return
             res = self.cache.reserve(key, prefetch=True)
@@ -232,6 +233,11 @@ class CachedExpertSource:
             self._evict(res)
             self._start_fill(res.slot, key, "prefetch")
             self._prefetched.setdefault(layer, set()).add(e)
+
+    def _precision(self) -> float | None:
+        """Share of prefetched experts that were used, once enough predictions were scored."""
+        score = self.predictor.score
+        return score.precision if score.prefetched >= 4 * self.model.args.expert_used_count * 8 else None
 
     # --- reads --------------------------------------------------------------------------
 

@@ -46,10 +46,14 @@ DEFAULT_ARMS = "off,on,auto"
 def arm_placement(arm: str) -> tuple[str, BackpressureConfig | None, bool]:
     """An arm is a prefetch mode, optionally with a backpressure window ("auto@1.0"), optionally
     "+nokick": reads are left to start when the decode loop next waits (the scheduler before it
-    kicked new reads to the kernel ahead of compute), for an A/B of that change."""
+    kicked new reads to the kernel ahead of compute), or "+precision": predictions at least 0.6
+    precise keep prefetch going on a saturated disk; each for an A/B of that change."""
     arm, plus, flag = arm.partition("+")
     mode, _, window = arm.partition("@")
-    return mode, (BackpressureConfig(window=float(window)) if window else None), flag == "nokick"
+    config = BackpressureConfig(window=float(window)) if window else None
+    if flag == "precision":  # precise predictions (>= 0.6) keep prefetch going on a saturated disk
+        config = BackpressureConfig(keep_on_precision=0.6)
+    return mode, config, flag == "nokick"
 
 
 async def one_run(model: Model, args: argparse.Namespace, arm: str, ids: list[int]) -> dict:

@@ -61,6 +61,12 @@ class BackpressureConfig:
     min_window_reads: int = 4            # fewer completions give no time-per-byte sample
     max_prefetch_reads: int = 4
     max_prefetch_bytes: int | None = None
+    # Predictions this precise are mostly reads the model will make anyway: they
+    # reorder demand rather than add to it, so saturation need not stop them.
+    # None (the default): saturation always stops prefetch. 0.6 measured +6% on a
+    # saturated disk and an inconclusive -8% idle (evidence/prefetch_20261129T193*.md),
+    # not enough to turn it on.
+    keep_on_precision: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +114,7 @@ class BackpressureCounters:
     aborted_reads: int = 0        # completed with ok=False (failed or cancelled)
     refused_by_state: int = 0     # may_prefetch said no because prefetch was off
     refused_by_cap: int = 0       # may_prefetch said no because of the in-flight cap
+    kept_by_precision: int = 0    # allowed while off, the predictions being precise enough
     max_in_flight: int = 0        # most reads in flight reported by on_read
     reasons: dict[str, int] = field(default_factory=dict)
 
@@ -233,12 +240,21 @@ class BackpressureController:
         """An iostat-style sample of the model's device (see :mod:`.diskstats`)."""
         self._samples.append(sample)
 
-    def may_prefetch(self, nbytes: int, now: float) -> bool:
-        """Whether a prefetch read of ``nbytes`` may be submitted now (state and cap)."""
+    def may_prefetch(self, nbytes: int, now: float, precision: float | None = None) -> bool:
+        """Whether a prefetch read of ``nbytes`` may be submitted now (state and cap).
+
+        ``precision``: the measured share of prefetched experts that were then
+        used (None: not known yet). While prefetch is off for saturation, reads
+        of a predictor at least ``keep_on_precision`` precise still go (under
+        the cap): on a disk shared by demand reads they are demand moved earlier.
+        """
         self.update(now)
+        keep = self.config.keep_on_precision
         if not self._on:
-            self.counters.refused_by_state += 1
-            return False
+            if precision is None or keep is None or precision < keep:
+                self.counters.refused_by_state += 1
+                return False
+            self.counters.kept_by_precision += 1
         cfg = self.config
         over_bytes = (cfg.max_prefetch_bytes is not None
                       and self._prefetch_bytes_in_flight + nbytes > cfg.max_prefetch_bytes)
