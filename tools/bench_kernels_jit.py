@@ -34,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench_kernels import _copies, _tensor as _valid_tensor
+
 ROOT = Path(__file__).resolve().parents[1]
 EXPERT_SHAPES = "768x2048,2048x768"
 ATTN_SHAPES = "4096x2048,512x2048,2048x4096"
@@ -44,33 +46,17 @@ TARGETS = {"Q8_0": 7.0, "Q4_K": 5.0}  # G weights/s, matvec, 2 threads
 # --- child: one run ---
 
 def _tensor(type_name: str, shape: tuple[int, int], rng: np.random.Generator):
-    """Valid weights: quantised random data, or random K-quant blocks with finite, small scales."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+    """Valid weights (bench_kernels' generator); the output head tiles 4096 rows (rows are whole
+    byte runs) instead of quantising 0.3 G weights."""
+    from gguf import GGMLQuantizationType
     from colibri_aio.kernels.qtensor import QTensor
 
+    if shape[0] <= 4096:
+        return _valid_tensor(type_name, shape, rng)
     t = GGMLQuantizationType[type_name]
-    if shape[0] > 4096:  # the output head: tile 4096 rows (rows are whole byte runs) instead of quantising 0.3 G weights
-        part = _tensor(type_name, (4096, shape[1]), rng)
-        reps = -(-shape[0] // 4096)
-        raw = np.tile(part.data, reps)[:QTensor.nbytes_for(t, shape)]
-        return QTensor(np.ascontiguousarray(raw), t, shape)
-    k_scale_bytes = {"Q4_K": slice(0, 4), "Q5_K": slice(0, 4), "Q6_K": slice(208, 210)}
-    if type_name in k_scale_bytes:
-        block, type_size = GGML_QUANT_SIZES[t]
-        blocks = rng.integers(0, 256, (shape[0] * shape[1] // block, type_size), dtype=np.uint8)
-        sl = k_scale_bytes[type_name]
-        blocks[:, sl] = (rng.uniform(-1, 1, (blocks.shape[0], (sl.stop - sl.start) // 2)) * 2e-3
-                         ).astype(np.float16).view(np.uint8)
-        raw = blocks.reshape(-1)
-    else:
-        raw = quants.quantize(rng.standard_normal(shape).astype(np.float32), t).view(np.uint8).reshape(-1)
+    part = _valid_tensor(type_name, (4096, shape[1]), rng)
+    raw = np.tile(part.data, -(-shape[0] // 4096))[:QTensor.nbytes_for(t, shape)]
     return QTensor(np.ascontiguousarray(raw), t, shape)
-
-
-def _copies(raw: np.ndarray, n: int) -> np.ndarray:
-    out = np.empty((n, raw.size), raw.dtype)
-    out[:] = raw
-    return out
 
 
 def _int8_sum_kernel():
