@@ -33,7 +33,6 @@ from colibri_aio.telemetry import EngineStats
 from colibri_aio.tokenizer import Tokenizer
 
 Prompt = str | Sequence[Mapping[str, Any]]
-PREFILL_CHUNK = 256  # positions per prefill step: bounds activation memory, keeps batch-union wide
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,18 +184,12 @@ class Engine:
     async def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Run ``ids`` from an empty context; return the logits after the last one."""
         self.net.reset()
-        logits = None
-        for start in range(0, len(ids), PREFILL_CHUNK):
-            logits = await self.net.forward(ids[start: start + PREFILL_CHUNK])
-        assert logits is not None
-        return logits
+        return await self.net.prefill(ids)
 
     async def logits(self, ids: Sequence[int]) -> np.ndarray:
         """Teacher-forced logits (len(ids), vocab): row i follows ids[0..i]."""
         self.net.reset()
-        rows = [await self.net.forward(ids[s: s + PREFILL_CHUNK], logits="all")
-                for s in range(0, len(ids), PREFILL_CHUNK)]
-        return np.concatenate(rows, axis=0)
+        return await self.net.prefill(ids, logits="all")
 
     async def generate(self, prompt: Prompt, *, chat: bool = False, max_tokens: int = 128,
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,

@@ -14,6 +14,7 @@ from colibri_aio.gguf_model import Model
 from colibri_aio.io.align import slot_nbytes_for
 from colibri_aio.memory import MemoryLimits
 from colibri_aio.policy.budget import slots_for_budget
+from colibri_aio.qwen3moe import PREFILL_CHUNK
 
 GiB = 1 << 30
 # Python, NumPy, BLAS and the tokenizer before any model memory (peak RSS of an
@@ -79,7 +80,7 @@ def kv_cache_nbytes(model: Model, context: int) -> int:
     return 2 * a.block_count * context * a.head_count_kv * a.key_length * 4
 
 
-def working_nbytes(model: Model, prefill_chunk: int = 256) -> int:
+def working_nbytes(model: Model, prefill_chunk: int = PREFILL_CHUNK) -> int:
     """Activations of one prefill chunk (a few (T, D) buffers, attention scores) and one row of logits."""
     a = model.args
     acts = prefill_chunk * a.embedding_length * 4 * 16

@@ -55,6 +55,11 @@ def expert_ffn(w: ExpertWeights, x: np.ndarray) -> np.ndarray:
     return linear(w.down, swiglu(linear(w.gate, x), linear(w.up, x)))
 
 
+# Positions per forward step of a long prompt: bounds activation memory (and the
+# attention scores), while keeping batch-union wide enough to read each expert once.
+PREFILL_CHUNK = 256
+
+
 class KVCache:
     """Keys and values of every layer for up to ``n_ctx`` positions, allocated once."""
 
@@ -79,6 +84,15 @@ class Qwen3MoE:
         self.n_past = 0
         # The hidden state that predicts the next layer's experts (see trace.PREDICTORS); None = off.
         self.lookahead: str | None = None
+
+    async def prefill(self, ids: Sequence[int], *, logits: Literal["last", "all"] = "last",
+                      observer: RouteObserver | None = None) -> np.ndarray:
+        """``forward`` over ``ids`` in chunks of PREFILL_CHUNK positions; logits as ``forward`` gives them."""
+        rows = [await self.forward(ids[s: s + PREFILL_CHUNK], logits=logits, observer=observer)
+                for s in range(0, len(ids), PREFILL_CHUNK)]
+        if not rows:
+            raise UserError("forward needs at least one token")
+        return np.concatenate(rows, axis=0) if logits == "all" else rows[-1]
 
     def reset(self) -> None:
         """Forget the context (the KV cache memory is kept and overwritten)."""

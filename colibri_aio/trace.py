@@ -54,7 +54,7 @@ class TraceRecorder:
     out: IO[str]
     run: int = 0
     phase: str = "prefill"
-    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    tokens: list[int] = field(default_factory=list)  # every id fed in this run, by position
     _layer_input: np.ndarray | None = None
 
     def header(self) -> None:
@@ -82,7 +82,7 @@ class TraceRecorder:
         for i, pos in enumerate(positions.tolist()):
             rec: dict[str, Any] = {
                 "kind": "route", "run": self.run, "phase": self.phase, "pos": pos,
-                "token": int(self.tokens[i]), "layer": layer, "experts": ids[i].tolist(),
+                "token": int(self.tokens[pos]), "layer": layer, "experts": ids[i].tolist(),
                 "weights": [round(float(w), 6) for w in weights[i]]}
             if predicted:
                 rec["predicted"] = {k: v[i].tolist() for k, v in predicted.items()}
@@ -103,21 +103,17 @@ def read_trace(path: str) -> Iterator[dict[str, Any]]:
 
 async def trace_run(net: Qwen3MoE, recorder: TraceRecorder, run: int, prompt: list[int],
                     max_tokens: int, sample: Callable[[np.ndarray], int],
-                    is_eog: Callable[[int], bool], prefill_chunk: int = 256) -> list[int]:
+                    is_eog: Callable[[int], bool]) -> list[int]:
     """Prefill ``prompt`` and decode up to ``max_tokens``, recording every route; returns new tokens."""
     net.reset()
-    recorder.run, recorder.phase = run, "prefill"
-    logits = None
-    for s in range(0, len(prompt), prefill_chunk):
-        recorder.tokens = np.asarray(prompt[s: s + prefill_chunk])
-        logits = await net.forward(prompt[s: s + prefill_chunk], observer=recorder)
-    assert logits is not None
+    recorder.run, recorder.phase, recorder.tokens = run, "prefill", list(prompt)
+    logits = await net.prefill(prompt, observer=recorder)
     recorder.phase, out = "decode", []
     for _ in range(min(max_tokens, net.n_ctx - len(prompt))):
         token = sample(logits)
         if is_eog(token):
             break
         out.append(token)
-        recorder.tokens = np.asarray([token])
+        recorder.tokens.append(token)
         logits = await net.forward([token], observer=recorder)
     return out

@@ -81,6 +81,11 @@ def test_trace_and_stats(tmp_path) -> None:
     assert header["format"] == "colibri-aio-route-trace" and header["block_count"] == 2
     phases = [r["phase"] for r in routes]
     assert phases.count("decode") == 5 * 2 and phases[0] == "prefill"
+    from colibri_aio.tokenizer import Tokenizer
+
+    prompt = Tokenizer.from_path(fixture("tiny_f32.gguf")).encode("The list type is")
+    assert [r["token"] for r in routes if r["phase"] == "prefill" and r["layer"] == 0] == prompt
+    assert [r["pos"] for r in routes if r["layer"] == 0] == list(range(len(prompt) + 5))
     for rec in routes:
         assert len(rec["experts"]) == 2 and abs(sum(rec["weights"]) - 1) < 1e-5
         assert ("predicted" in rec) == (rec["layer"] == 0)

@@ -22,7 +22,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "fixtures"))
 
 import corpus  # noqa: E402
-import numpy as np  # noqa: E402
 
 from colibri_aio.gguf_model import load  # noqa: E402
 from colibri_aio.mapped_source import MappedExpertSource  # noqa: E402
@@ -47,11 +46,10 @@ async def trace_model(path: Path, docs: list[str], prefill: int, decode: int, ou
             if len(ids) < prefill + decode:
                 continue
             net.reset()
-            rec.run, rec.phase, rec.tokens = runs, "prefill", np.asarray(ids[:prefill])
+            rec.run, rec.phase, rec.tokens = runs, "prefill", list(ids)  # teacher-forced: all ids known
             await net.forward(ids[:prefill], observer=rec)
             rec.phase = "decode"
             for t in ids[prefill:]:
-                rec.tokens = np.asarray([t])
                 await net.forward([t], observer=rec)
             runs += 1
     return runs
