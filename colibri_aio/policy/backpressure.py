@@ -1,11 +1,11 @@
 """When speculative reads may use the disk: a sans-I/O backpressure controller.
 
 Prefetch does not create bandwidth, it reorders it: on a disk that demand
-reads (or another process) already keep busy, every prefetch delays a read
+reads (or another process) already keep busy, a prefetch can delay a read
 the model is waiting for. The controller watches the reads the engine issues
 (and, where the model's device is known, ``/proc/diskstats`` samples) in
-fixed windows of time and turns prefetch off when one of these holds in a
-window:
+fixed windows of time and calls the disk saturated when one of these holds
+in a window:
 
 1. ``demand-busy``: demand reads alone kept the disk busy (at least one in
    flight) ``busy_high`` of the window;
@@ -20,10 +20,25 @@ window:
    own queue depth on a disk whose bandwidth is flat in queue depth, so what
    raises it is contention from outside.
 
-It turns prefetch back on only after ``min_dwell`` seconds in which every
-window showed headroom (busy, utilisation and bandwidth below the lower
-thresholds, time per byte below ``latency_low`` times baseline): two
-thresholds plus a dwell time, so it does not flap.
+The disk stops counting as saturated only after ``min_dwell`` seconds in
+which every window showed headroom (busy, utilisation and bandwidth below
+the lower thresholds, time per byte below ``latency_low`` times baseline):
+two thresholds plus a dwell time, so it does not flap. Without saturation,
+prefetch is on.
+
+A saturated disk does not by itself mean prefetch delays the model: where a
+contended device shares its bandwidth by reads in flight, prefetch wins a
+bigger share, and precise predictions are reads the model makes anyway
+(evidence/prefetch_20261129T192601Z.md: saturated, off 1.90 and on 2.23
+tok/s). So while saturated the controller measures instead of assuming: a
+trial alternates prefetch per decode step (off, on, off, on ...) for
+``trial_steps`` steps per arm, pairs each off-step with the on-step after it,
+and keeps prefetch off only if the median of on/off step time exceeds
+``1 + trial_margin``. The verdict holds ``hold_steps`` decode steps; then, if
+the disk is still saturated, another trial. Decode steps come from
+:meth:`BackpressureController.step`; a trial whose steps never come (a long
+prefill, or a caller that does not report steps) keeps its current arm.
+``trial_steps=0`` turns trials off: saturation then turns prefetch off.
 
 Independently of the state, a prefetch cap bounds prefetch reads and bytes in
 flight, so a demand read never queues behind more than the cap; and
@@ -67,6 +82,22 @@ class BackpressureConfig:
     # saturated disk and an inconclusive -8% idle (evidence/prefetch_20261129T193*.md),
     # not enough to turn it on.
     keep_on_precision: float | None = None
+    # The detectors see a busy disk, not whether prefetch delays the model: on a contended
+    # device more reads in flight can win a bigger share (evidence/prefetch_20261129T192601Z.md:
+    # saturated, on 2.23 vs off 1.90 tok/s, and the detectors chose off). So saturation starts
+    # a trial: prefetch alternates per decode step, trial_steps steps per arm (adjacent steps
+    # see the same contention on a noisy shared machine). 0: no trial, saturation turns it off.
+    trial_steps: int = 4
+    # Decode steps a verdict holds before the next trial while saturation lasts: half a
+    # trial runs the worse arm, so trials must be rare compared with the steps they steer.
+    hold_steps: int = 48
+    # Off must beat on by more than this fraction of step time: a tie keeps prefetch on,
+    # the state without saturation, since then guesses do not delay the model's reads.
+    trial_margin: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.trial_steps < 0 or self.hold_steps < 0 or self.trial_margin < 0:
+            raise ValueError("trial_steps, hold_steps and trial_margin must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +147,51 @@ class BackpressureCounters:
     refused_by_cap: int = 0       # may_prefetch said no because of the in-flight cap
     kept_by_precision: int = 0    # allowed while off, the predictions being precise enough
     max_in_flight: int = 0        # most reads in flight reported by on_read
+    decode_steps: int = 0         # decode steps timed by step()
+    trials: int = 0               # trials started (saturation while trials are on)
+    trial_verdict_on: int = 0
+    trial_verdict_off: int = 0
+    # The saturation rule behind each trial (or, with trial_steps=0, each switch off).
+    # turned_off/turned_on count changes of the decided state, not a trial's arms.
     reasons: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class _Trial:
+    """One online A/B while saturated: decode steps alternate off, on, off, on ..."""
+
+    cause: str                # the saturation that started it
+    arm_steps: int            # pairs to collect
+    next_step: int = 0        # index of the next decode step: even runs off, odd runs on
+    off: tuple[int, float] | None = None       # the last off-step (index, seconds), awaiting its on-step
+    pairs: list[tuple[float, float]] = field(default_factory=list)   # (off, on) seconds
+
+    @property
+    def done(self) -> bool:
+        return len(self.pairs) >= self.arm_steps
+
+    def record(self, index: int, seconds: float) -> None:
+        """Decode step ``index`` took ``seconds``; an on-step pairs with the off-step just before it.
+
+        A step without a time (the last before a prefill) leaves its pair
+        incomplete, and the trial runs on until it has ``arm_steps`` pairs.
+        """
+        if index % 2 == 0:
+            self.off = (index, seconds)
+        elif self.off is not None and self.off[0] == index - 1:
+            self.pairs.append((self.off[1], seconds))
+            self.off = None
+
+    def progress(self, index: int) -> str:
+        """Which step of the trial ``index`` is, as "3/8" (counting complete pairs)."""
+        return f"{2 * len(self.pairs) + index % 2 + 1}/{2 * self.arm_steps}"
+
+    def verdict(self, margin: float) -> tuple[bool, str]:
+        """Whether prefetch should be on, and why: off only if on-steps are slower by more than ``margin``."""
+        off, on = (np.array(x) for x in zip(*self.pairs))
+        keep_on = float(np.median(on / off)) <= 1.0 + margin
+        return keep_on, (f"trial: on {np.median(on) * 1e3:.0f} ms/step vs off {np.median(off) * 1e3:.0f} ms "
+                         f"(median of {len(self.pairs)} pairs) -> {'on' if keep_on else 'off'}")
 
 
 class BackpressureController:
@@ -132,10 +207,18 @@ class BackpressureController:
         self.counters = BackpressureCounters()
         self.last: WindowStats | None = None
         self._on = mode != "off"
+        self._decided_on = self._on     # the state outside a trial's arms
         self._reason = {"auto": "start", "on": "forced on", "off": "forced off"}[mode]
         self._window_start: float | None = start
-        self._switched_at: float = 0.0 if start is None else start
+        self._saturated = False
+        self._saturated_at: float = 0.0 if start is None else start
         self._headroom_since: float | None = start
+        self._cause = ""                # the last saturation reason
+        self._trial: _Trial | None = None
+        self._hold_left = 0             # decode steps the last verdict still holds
+        self._pass_start: float | None = None
+        self._pass_decode = False
+        self._pass_arm: tuple[_Trial, int] | None = None   # (trial, step index) of the pass in progress
         self._reads: dict[int, _Read] = {}
         self._next_ticket = 0
         self._samples: list[DeviceSample] = []
@@ -149,6 +232,7 @@ class BackpressureController:
 
     @property
     def prefetch_on(self) -> bool:
+        """Whether prefetch is on now; during a trial, the arm of the current decode step."""
         return self._on
 
     @property
@@ -236,6 +320,26 @@ class BackpressureController:
         """The scheduler's ``PrefetchGate`` question: is prefetch on at ``now``."""
         return self.update(now)
 
+    def step(self, now: float, positions: int) -> None:
+        """A forward pass over ``positions`` positions begins at ``now``.
+
+        A decode step (one position) lasts until the next pass begins, and is
+        timed only if that pass is a decode step too: a prefill chunk is no
+        decode step, and neither is the last step before one, whose time may
+        hold a gap (the next prompt). While saturated in auto mode, decode
+        steps drive the trial and the hold; forced modes only time them.
+        """
+        self.update(now)
+        arm, self._pass_arm = self._pass_arm, None
+        decode = positions == 1
+        if decode and self._pass_decode and self._pass_start is not None and now > self._pass_start:
+            self.counters.decode_steps += 1
+            if arm is not None and arm[0] is self._trial:   # not a trial abandoned since
+                arm[0].record(arm[1], now - self._pass_start)
+        self._pass_start, self._pass_decode = now, decode
+        if decode and self.mode == "auto" and self._saturated and self.config.trial_steps > 0:
+            self._advance()
+
     def device(self, sample: DeviceSample) -> None:
         """An iostat-style sample of the model's device (see :mod:`.diskstats`)."""
         self._samples.append(sample)
@@ -251,7 +355,8 @@ class BackpressureController:
         self.update(now)
         keep = self.config.keep_on_precision
         if not self._on:
-            if precision is None or keep is None or precision < keep:
+            # A trial's off-arm measures prefetch off as such, precise guesses included.
+            if self._trial is not None or precision is None or keep is None or precision < keep:
                 self.counters.refused_by_state += 1
                 return False
             self.counters.kept_by_precision += 1
@@ -267,7 +372,7 @@ class BackpressureController:
         """Close every window that ended by ``now`` and decide; returns whether prefetch is on."""
         w = self.config.window
         if self._window_start is None:
-            self._window_start = self._switched_at = self._headroom_since = now
+            self._window_start = self._saturated_at = self._headroom_since = now
         while self._window_start + w + self._close_lag <= now:
             if self._idle_since_window_start():
                 self._skip_idle(now)
@@ -366,28 +471,69 @@ class BackpressureController:
     def _decide(self, s: WindowStats) -> None:
         saturated = self._saturation(s)
         if saturated is not None:
-            self._headroom_since = None
-            if self._on:
-                self._switch(False, saturated, s.end)
+            self._headroom_since, self._cause = None, saturated
+            if not self._saturated:
+                self._saturated, self._saturated_at = True, s.end
+                if self.config.trial_steps > 0:
+                    self._begin_trial()
+                else:
+                    self._count_rule(saturated)
+                    self._switch(False, saturated)
             return
         if not self._has_headroom(s):
             self._headroom_since = None  # between the thresholds: keep the state, restart the dwell
             return
         if self._headroom_since is None:
             self._headroom_since = s.start
-        if (not self._on and s.end - self._headroom_since >= self.config.min_dwell
-                and s.end - self._switched_at >= self.config.min_dwell):
-            self._switch(True, f"headroom for {s.end - self._headroom_since:.2f}s", s.end)
+        if (self._saturated and s.end - self._headroom_since >= self.config.min_dwell
+                and s.end - self._saturated_at >= self.config.min_dwell):
+            self._saturated, self._trial = False, None
+            self._switch(True, f"headroom for {s.end - self._headroom_since:.2f}s")
 
-    def _switch(self, on: bool, reason: str, now: float) -> None:
-        self._on, self._reason, self._switched_at = on, reason, now
-        c = self.counters
-        if on:
-            c.turned_on += 1
-        else:
-            c.turned_off += 1
-            rule = reason.split(":", 1)[0]
-            c.reasons[rule] = c.reasons.get(rule, 0) + 1
+    def _switch(self, on: bool, reason: str) -> None:
+        """Set the decided state; count a change of it (a trial's arms are no change)."""
+        if on != self._decided_on:
+            if on:
+                self.counters.turned_on += 1
+            else:
+                self.counters.turned_off += 1
+        self._on = self._decided_on = on
+        self._reason = reason
+
+    def _count_rule(self, reason: str) -> None:
+        rule = reason.split(":", 1)[0]
+        self.counters.reasons[rule] = self.counters.reasons.get(rule, 0) + 1
+
+    # --- trials ----------------------------------------------------------------------
+
+    def _begin_trial(self) -> None:
+        """Saturated: measure whether prefetch delays decode steps; its arms start at the next step."""
+        self._trial = _Trial(self._cause, self.config.trial_steps)
+        self.counters.trials += 1
+        self._count_rule(self._cause)
+        self._reason = f"trial 0/{2 * self.config.trial_steps} (saturated: {self._cause})"
+
+    def _advance(self) -> None:
+        """A decode step begins while saturated: conclude a finished trial, hold, or run the next arm."""
+        if self._trial is not None and self._trial.done:
+            on, why = self._trial.verdict(self.config.trial_margin)
+            if on:
+                self.counters.trial_verdict_on += 1
+            else:
+                self.counters.trial_verdict_off += 1
+            self._trial, self._hold_left = None, self.config.hold_steps
+            self._switch(on, why)
+        if self._trial is None:
+            if self._hold_left > 0:
+                self._hold_left -= 1
+                return
+            self._begin_trial()
+        trial = self._trial
+        assert trial is not None
+        index, trial.next_step = trial.next_step, trial.next_step + 1
+        self._on = index % 2 == 1
+        self._pass_arm = (trial, index)
+        self._reason = f"trial {trial.progress(index)} (saturated: {trial.cause})"
 
 
 def _bytes_in(r: _Read, t0: float, t1: float) -> float:
