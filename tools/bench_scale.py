@@ -323,7 +323,7 @@ def markdown(receipt: dict) -> str:
         fio = c.get("fio")
         lines += [f"## {cond}: `{c['model']}` ({c['model_bytes'] / 1e9:.2f} GB)"
                   + (f", cgroup v{c['cgroup_version']} limit {c['limit'] / 2**30:.2f} GiB" if c.get("limit") else ""),
-                  "", f"Disk reference (fio, random 4 MiB O_DIRECT reads, QD 8, on the model file): "
+                  "", "Disk reference (fio, random 4 MiB O_DIRECT reads, QD 8, on the model file): "
                   + (f"{fio['gb_s']:.2f} GB/s" if fio else "not measured"), "",
                   "| engine | n ok / failed | pp tok/s median [min–max] | tg tok/s median [min–max] | peak RSS GiB "
                   "| cgroup peak GiB | GB read from disk (pp+tg) |", "|---|---|---|---|---|---|---|"]
