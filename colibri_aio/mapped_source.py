@@ -39,5 +39,8 @@ class MappedExpertSource:
     def hint(self, layer: int, experts: Sequence[int]) -> None:
         """The page cache does its own read-ahead; a hint changes nothing here."""
 
+    def step(self, positions: int) -> None:
+        """Nothing here is steered by step times."""
+
     async def aclose(self) -> None:
         self._map = None

@@ -109,6 +109,7 @@ class Qwen3MoE:
             raise UserError(f"token id out of range [0, {a.vocab_size})")
         if self.n_past + tok.size > self.n_ctx:
             raise UserError(f"context full: {self.n_past} + {tok.size} tokens > n_ctx {self.n_ctx}")
+        self.experts.step(tok.size)
         positions = np.arange(self.n_past, self.n_past + tok.size)
         cos, sin = rope_cos_sin(positions, a.key_length, a.rope_freq_base)
         x = embed_rows(self.model.token_embd, tok)                                # (T, D)

@@ -15,6 +15,9 @@ out with the :class:`~colibri_aio.io.reader.ExpertReader`:
   predicted misses are read into slots the cache can spare. Demand reads
   never wait behind more than the cap of prefetches, and a prefetch for a
   layer already passed is not started.
+- ``step(positions)``: a forward pass begins; the backpressure controller
+  times decode steps by it to judge, on a saturated disk, whether prefetch
+  slows them.
 
 Slot ownership (design invariant 2): a cache slot that is filling belongs to
 its read until the read is over, even if every waiter went away; evicting a
@@ -233,6 +236,11 @@ class CachedExpertSource:
             self._evict(res)
             self._start_fill(res.slot, key, "prefetch")
             self._prefetched.setdefault(layer, set()).add(e)
+
+    def step(self, positions: int) -> None:
+        """A forward pass over ``positions`` positions begins: the backpressure controller times
+        decode steps by it, for its trials of prefetch on against off on a saturated disk."""
+        self.backpressure.step(time.perf_counter(), positions)
 
     def _precision(self) -> float | None:
         """Share of prefetched experts that were used, once enough predictions were scored."""

@@ -108,6 +108,9 @@ class StreamingExpertSource:
     def hint(self, layer: int, experts: Sequence[int]) -> None:
         """Predictions are not acted on here: this source reads only what is asked (prefetch is the scheduler's)."""
 
+    def step(self, positions: int) -> None:
+        """Nothing here is steered by step times (the backpressure controller is the scheduler's)."""
+
     async def aclose(self) -> None:
         """Close the reader (if this source owns it) once its in-flight reads are drained."""
         if self._owns_reader:

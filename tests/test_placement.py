@@ -16,7 +16,9 @@ from colibri_aio.errors import ExpertReadError, UserError
 from colibri_aio.gguf_model import load
 from colibri_aio.io.reader import ReaderClosedError
 from colibri_aio.mapped_source import MappedExpertSource
+from colibri_aio.policy.backpressure import BackpressureConfig
 from colibri_aio.qwen3moe import Qwen3MoE
+from colibri_aio.sources import DEFAULT_LOOKAHEAD, Placement, open_source
 
 from support import fixture, oracle_ids
 
@@ -72,6 +74,27 @@ async def test_small_cache_evicts_and_prefetch_is_counted() -> None:
     assert c.evictions > 0
     assert s.prefetch_reads == c.prefetch_reads > 0
     assert c.prefetch_hits + c.prefetch_wasted <= c.prefetch_reads
+
+
+async def test_decode_steps_reach_the_backpressure_trial_and_never_change_logits() -> None:
+    # busy_high=0: every window counts as saturated, so auto runs trials from the first decode step.
+    ids = oracle_ids()[1]
+    want = await _reference("tiny_f32", ids)
+    model = load(fixture("tiny_f32.gguf"))
+    config = BackpressureConfig(window=0.001, busy_high=0.0, trial_steps=1, hold_steps=1)
+    source, _ = await open_source(model, Placement(io="pread", cache_per_layer=2, prefetch="auto",
+                                                   backpressure=config))
+    try:
+        net = Qwen3MoE(model, source)
+        net.lookahead = DEFAULT_LOOKAHEAD
+        prefill = await net.forward(ids[:12], logits="all")
+        decode = [await net.forward([t]) for t in ids[12:]]
+    finally:
+        await source.aclose()
+    assert np.array_equal(np.concatenate([prefill, np.stack(decode)]), want)
+    c = source.backpressure.counters
+    assert c.decode_steps == len(ids) - 12 - 1     # the first follows the prefill, the last never ends
+    assert c.trials >= 2 and c.trial_verdict_on + c.trial_verdict_off >= 1
 
 
 async def test_cancelled_generation_drains_reads_and_closes() -> None:
