@@ -31,8 +31,9 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-per-layer", type=int, default=None, metavar="N",
                    help="hold N experts per layer instead of sizing the cache from the budget")
     g.add_argument("--prefetch", choices=PREFETCH_CHOICES, default="auto",
-                   help="read the experts router lookahead predicts for the next layer; auto turns it off "
-                        "while the disk is saturated (default: %(default)s)")
+                   help="read the experts router lookahead predicts for the next layer; auto keeps it on "
+                        "unless the disk is saturated and decode steps measure faster with it off "
+                        "(default: %(default)s)")
     g.add_argument("--pin", default="off", metavar="auto|off|FILE",
                    help="keep the most used experts (from a usage history) resident (default: %(default)s)")
     g.add_argument("--kernels", choices=("auto", "numpy", "numba"), default=None,
