@@ -8,9 +8,10 @@ starts from an empty cache. "saturated" runs fio (random 1 MiB O_DIRECT reads,
 QD 32) on another file of the same disk for the whole condition.
 
 Per run it records decode tok/s, expert hit rate, bytes read, how often the
-backpressure controller switched prefetch and why, lookahead precision and
-recall, and the overlap figure (compute busy + read busy) / wall, where compute
-busy is wall time minus the time the decode loop waited for demand reads.
+backpressure controller switched prefetch and why, its trials of prefetch off
+against on and their verdicts, lookahead precision and recall, and the overlap
+figure (compute busy + read busy) / wall, where compute busy is wall time minus
+the time the decode loop waited for demand reads.
 
     python tools/bench_prefetch.py --runs 5                  # makes and removes an 8-layer model
     python tools/bench_prefetch.py --model M.gguf --runs 5   # an existing model
@@ -46,14 +47,19 @@ DEFAULT_ARMS = "off,on,auto"
 def arm_placement(arm: str) -> tuple[str, BackpressureConfig | None, bool]:
     """An arm is a prefetch mode, optionally with a backpressure window ("auto@1.0"), optionally
     "+nokick": reads are left to start when the decode loop next waits (the scheduler before it
-    kicked new reads to the kernel ahead of compute), or "+precision": predictions at least 0.6
-    precise keep prefetch going on a saturated disk; each for an A/B of that change."""
-    arm, plus, flag = arm.partition("+")
+    kicked new reads to the kernel ahead of compute), "+precision": predictions at least 0.6
+    precise keep prefetch going on a saturated disk, or "+notrial": saturation turns prefetch off
+    without a trial of off against on (auto before trials); each for an A/B of that change."""
+    arm, _, flag = arm.partition("+")
     mode, _, window = arm.partition("@")
-    config = BackpressureConfig(window=float(window)) if window else None
+    settings: dict = {}
+    if window:
+        settings["window"] = float(window)
     if flag == "precision":  # precise predictions (>= 0.6) keep prefetch going on a saturated disk
-        config = BackpressureConfig(keep_on_precision=0.6)
-    return mode, config, flag == "nokick"
+        settings["keep_on_precision"] = 0.6
+    if flag == "notrial":
+        settings["trial_steps"] = 0
+    return mode, BackpressureConfig(**settings) if settings else None, flag == "nokick"
 
 
 async def one_run(model: Model, args: argparse.Namespace, arm: str, ids: list[int]) -> dict:
@@ -94,6 +100,8 @@ async def one_run(model: Model, args: argparse.Namespace, arm: str, ids: list[in
             "overlap": (compute_busy + read_busy) / wall, "compute_busy_s": compute_busy, "read_busy_s": read_busy,
             "lookahead_precision": score.precision, "lookahead_recall": score.recall,
             "switched_off": bp.counters.turned_off, "switched_on": bp.counters.turned_on,
+            "trials": bp.counters.trials, "trial_verdict_on": bp.counters.trial_verdict_on,
+            "trial_verdict_off": bp.counters.trial_verdict_off,
             "reasons": dict(bp.counters.reasons), "final_state": "on" if bp.prefetch_on else "off",
             "final_reason": bp.reason,
         }
@@ -139,6 +147,9 @@ def summarise(runs: list[dict], arms: list[str]) -> dict:
                 "overlap_median": statistics.median(r["overlap"] for r in xs),
                 "switched_off_total": sum(r["switched_off"] for r in xs),
                 "switched_on_total": sum(r["switched_on"] for r in xs),
+                "trials_total": sum(r["trials"] for r in xs),
+                "trial_verdict_on_total": sum(r["trial_verdict_on"] for r in xs),
+                "trial_verdict_off_total": sum(r["trial_verdict_off"] for r in xs),
                 "lookahead_precision_median": statistics.median(r["lookahead_precision"] for r in xs),
                 "lookahead_recall_median": statistics.median(r["lookahead_recall"] for r in xs),
             }
@@ -156,7 +167,8 @@ def markdown(receipt: dict) -> str:
              f"{receipt['expert_count']}, {receipt['tokens']} teacher-forced decode tokens per run, io "
              f"`{receipt['io']}`.", "", f"Command: `{receipt['command']}`", "",
              "| condition | prefetch | n | decode tok/s median [min–max] | hit rate | GB read | overlap | "
-             "switched off/on | lookahead precision / recall |", "|---|---|---|---|---|---|---|---|---|"]
+             "switched off/on | trials (verdicts on/off) | lookahead precision / recall |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for cond, arms in receipt["summary"].items():
         for arm in receipt["arms"]:
             a = arms.get(arm)
@@ -165,9 +177,10 @@ def markdown(receipt: dict) -> str:
             lines.append(f"| {cond} | {arm} | {a['n']} | {a['tok_s_median']:.3f} [{a['tok_s_min']:.3f}–"
                          f"{a['tok_s_max']:.3f}] | {a['hit_rate_median']:.1%} | {a['gb_read_median']:.2f} | "
                          f"{a['overlap_median']:.2f} | {a['switched_off_total']}/{a['switched_on_total']} | "
+                         f"{a['trials_total']} ({a['trial_verdict_on_total']}/{a['trial_verdict_off_total']}) | "
                          f"{a['lookahead_precision_median']:.2f} / {a['lookahead_recall_median']:.2f} |")
         for arm, ratio in arms.get("vs_best", {}).items():
-            lines.append(f"| {cond} | {arm} ÷ best of off, on | | **{ratio:.3f}** | | | | | |")
+            lines.append(f"| {cond} | {arm} ÷ best of off, on | | **{ratio:.3f}** | | | | | | |")
     lines += ["", "Overlap = (compute busy + read busy) / wall: 1.0 means reads and compute never ran at the "
               "same time; 2.0 would be perfect overlap of equal halves.",
               "Every sample is in the JSON receipt beside this file, including the backpressure controller's "
@@ -212,7 +225,8 @@ def main() -> int:
     p.add_argument("--saturate-gb", type=int, default=4)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arms", default=DEFAULT_ARMS,
-                   help="prefetch modes to interleave; auto@W sets the backpressure window to W s (default: %(default)s)")
+                   help="prefetch modes to interleave; auto@W sets the backpressure window to W s, "
+                        "+notrial/+precision/+nokick an A/B flag (see arm_placement) (default: %(default)s)")
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
     args = p.parse_args()
     os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="bench-cache-"))  # no pins from old runs
