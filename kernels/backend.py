@@ -99,8 +99,11 @@ def backend_name() -> str:
 
 
 def backend_reason() -> str:
-    """One line: what runs and why (including why numba is not used, if it is not)."""
-    return _reason
+    """One line: what runs and why (including why numba is not used, if it is not), and the matmul path."""
+    jit = _jit
+    if jit is None:
+        return _reason
+    return f"{_reason}; matmul of {jit.BLAS_MIN_POSITIONS}+ positions: {jit.get_matmul()}"
 
 
 def _fallback(e: Exception) -> None:

@@ -8,12 +8,21 @@ Shapes follow :mod:`.quant` (NumPy order; ``cols`` is ggml's ``ne[0]``)::
 
 Every kernel walks the blocks of a row in file order, decodes each block's
 scales and quants in registers and accumulates in float32; no dequantised
-matrix is ever materialised. matmul runs the matvec kernel once per position
-over a chunk of rows that stays in L2, so the bytes come from memory once.
+matrix is ever materialised.
 
-Summation order, the same in every kernel, so results are bit-identical
-across placements, thread counts, repetitions and between matvec and the
-matching row of matmul::
+matmul has two paths (:func:`set_matmul`, or ``COLIBRI_MATMUL`` at import):
+
+* ``"fused"`` (default): the matvec kernel once per position over a chunk of
+  rows that stays in L2, so the bytes come from memory once but are decoded T times;
+* ``"blas"``: for :data:`BLAS_MIN_POSITIONS` or more positions, a
+  chunk of rows (:data:`BLAS_CHUNK_WEIGHTS` weights) is decoded once into a
+  per-thread float32 scratch buffer that stays in L2, then multiplied by every
+  position in one single-threaded sgemm. Fewer positions, decode included,
+  take the fused path.
+
+Summation order of the fused kernels, the same in every one, so their results
+are bit-identical across placements, thread counts, repetitions and between
+matvec and the matching row of a fused matmul::
 
     lane l (0..31) of a row:  acc[l] = (((w[l] x[l] + w[32+l] x[32+l]) + w[64+l] x[64+l]) + ...)
                               with w the weight without its additive term
@@ -25,12 +34,18 @@ The 32 lanes are independent element-wise updates, so LLVM vectorises them
 without reassociating anything (``fastmath=False``); alignment of the bytes
 changes which load instructions run, never the arithmetic.
 
+The BLAS path sums in sgemm's order instead: as accurate (the decoded weights
+are gguf's own float32 values), the same bits for the same inputs, but a row
+may differ from matvec's in the last bits, and may depend on how many positions
+share the call. Its chunk grid depends on the row length only and BLAS sees
+only page-aligned scratch, so placement and thread count change no bit.
+
 Threads: a call cuts the rows into a fixed grid of chunks (its size depends
 only on the shape) and ``threads`` Python threads take chunks from a shared
 counter; the kernels release the GIL. A row is always computed whole, by one
 call, so neither the grid nor the thread that ran a chunk changes a bit.
-``set_parallel("prange")`` runs the same chunks through numba's own thread
-pool instead: it measured slower and far noisier on a shared 2-core machine
+``set_parallel("prange")`` runs the fused kernels' chunks through numba's own
+thread pool instead: it measured slower and far noisier on a shared 2-core machine
 (a descheduled thread stalls its static share), and numba's ``workqueue``
 layer aborts the process when two Python threads launch kernels at once.
 
@@ -43,6 +58,7 @@ from __future__ import annotations
 import itertools
 import os
 import time
+import warnings
 
 import numba
 import numba.core.config
@@ -54,10 +70,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from colibri_aio.kernels.qtensor import QTensor
+from colibri_aio.kernels.scratch import thread_scratch
 from colibri_aio.kernels.threads import get_num_threads, set_num_threads, workers
 
-__all__ = ["SUPPORTED_TYPES", "dequantize", "matvec", "matmul", "matvec_q8", "warm_up",
-           "set_num_threads", "get_num_threads", "set_parallel"]
+__all__ = ["SUPPORTED_TYPES", "MATMUL_PATHS", "dequantize", "matvec", "matmul", "matvec_q8", "warm_up",
+           "set_num_threads", "get_num_threads", "set_parallel", "set_matmul", "get_matmul"]
 
 LANES = 32
 # Weights per chunk of rows: small enough that a descheduled thread leaves
@@ -404,13 +421,13 @@ def _mm_rows(code: int, raw: np.ndarray, tab: np.ndarray, x: np.ndarray, xs: np.
 
 @njit(**_KW)
 def _dq_rows(code: int, raw: np.ndarray, tab: np.ndarray, out: np.ndarray, r0: int, r1: int) -> None:
-    """out[r] = the weights of rows [r0, r1), with Q4_K/Q5_K's additive term."""
+    """out[r - r0] = the weights of row r for rows [r0, r1), with Q4_K/Q5_K's additive term."""
     nsub = out.shape[1] // 32
     wb = carray(_stack_f32(32), (32,))
     for r in range(r0, r1):
         for j in range(nsub):
             bj = _sub32(code, raw, tab, r, j, nsub, wb)
-            ob = out[r, 32 * j:32 * j + 32]
+            ob = out[r - r0, 32 * j:32 * j + 32]
             for l in range(32):
                 ob[l] = wb[l] + bj if code == 5 or code == 6 else wb[l]
 
@@ -587,26 +604,107 @@ def matvec(w: QTensor, x: np.ndarray) -> np.ndarray:
 def matmul(w: QTensor, x: np.ndarray) -> np.ndarray:
     """``x @ W.T`` for a batch of positions: x (T, cols) float32 -> (T, rows) float32.
 
-    Row t equals ``matvec(w, x[t])`` bit for bit.
+    With the ``"fused"`` path, or fewer than :data:`BLAS_MIN_POSITIONS` positions, row t
+    equals ``matvec(w, x[t])`` bit for bit. With the ``"blas"`` path (see :func:`set_matmul`)
+    it is as accurate but may differ from it in the last bits; either way the same
+    inputs give the same bits whatever the thread count or where ``w``'s bytes live.
     """
     code = _code(w)
     x2 = _x2d(w, x, 2)
     y = np.empty((x2.shape[0], w.rows), np.float32)
     if x2.shape[0] == 0:
         return y
-    xs, step, raw = _sums(code, x2), _step(w.cols), _raw(w)
-    if _parallel == "prange":
-        _mm_prange(code, raw, _F16_TO_F32, x2, xs, y, step, LANES)
-    else:
-        _run_chunks(w.rows, step, lambda r0, r1: _mm_code(code, raw, _F16_TO_F32, x2, xs, y, r0, r1, LANES))
+    blas = _matmul_path == "blas" and x2.shape[0] >= BLAS_MIN_POSITIONS
+    (_matmul_blas if blas else _matmul_fused)(code, _raw(w), x2, y)
     return y
+
+
+def _matmul_fused(code: int, raw: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+    """y = x @ W.T with the fused kernels, row chunks of :func:`_step` on the kernel threads."""
+    xs, step = _sums(code, x), _step(x.shape[1])
+    if _parallel == "prange":
+        _mm_prange(code, raw, _F16_TO_F32, x, xs, y, step, LANES)
+    else:
+        _run_chunks(y.shape[1], step, lambda r0, r1: _mm_code(code, raw, _F16_TO_F32, x, xs, y, r0, r1, LANES))
+
+
+# --- prefill through BLAS: rows decoded to float32 once per chunk, one sgemm for every position ---
+
+MATMUL_PATHS = ("blas", "fused")
+# Rows per BLAS chunk hold about this many weights: the chunk's float32 copy (256 KiB) is
+# per thread and stays in L2 while sgemm streams every position past it.
+BLAS_CHUNK_WEIGHTS = 1 << 16
+# Fewest positions that take the BLAS path. Below it (decode is one position) the fused
+# kernels win: decoding a row costs about as much as multiplying it by a few positions.
+BLAS_MIN_POSITIONS = 4
+DEFAULT_MATMUL = "fused"
+
+
+def _initial_matmul() -> str:
+    """COLIBRI_MATMUL if it names a path, else the default (with a warning for a bad name)."""
+    name = os.environ.get("COLIBRI_MATMUL", DEFAULT_MATMUL)
+    if name not in MATMUL_PATHS:
+        warnings.warn(f"COLIBRI_MATMUL={name!r} is not one of {', '.join(MATMUL_PATHS)}; "
+                      f"using {DEFAULT_MATMUL!r}", RuntimeWarning, stacklevel=2)
+        return DEFAULT_MATMUL
+    return name
+
+
+_matmul_path = _initial_matmul()
+
+
+def set_matmul(path: str) -> None:
+    """How :func:`matmul` multiplies :data:`BLAS_MIN_POSITIONS` or more positions.
+
+    ``"blas"``: decode a chunk of rows to float32 into a per-thread scratch buffer,
+    then one single-threaded BLAS sgemm with every position; ``"fused"``: the fused
+    matvec kernel once per position over the quantised bytes. Also set at import by
+    the ``COLIBRI_MATMUL`` environment variable.
+    """
+    global _matmul_path
+    if path not in MATMUL_PATHS:
+        raise ValueError(f"matmul path must be one of {', '.join(MATMUL_PATHS)}, got {path!r}")
+    _matmul_path = path
+
+
+def get_matmul() -> str:
+    """The path :func:`matmul` takes for :data:`BLAS_MIN_POSITIONS` or more positions."""
+    return _matmul_path
+
+
+def _blas_step(cols: int) -> int:
+    """Rows per BLAS chunk: depends on the row length only, a multiple of 8 (sgemm's register tiles)."""
+    return max(8, BLAS_CHUNK_WEIGHTS // cols // 8 * 8)
+
+
+def _matmul_blas(code: int, raw: np.ndarray, x: np.ndarray, y: np.ndarray) -> None:
+    """y = x @ W.T, chunk by chunk: decode the chunk's rows, one sgemm, copy the columns out.
+
+    BLAS reads and writes only page-aligned scratch (x copied once, the chunk's weights,
+    its output), so which instructions it picks cannot depend on where the caller's
+    arrays or the raw bytes start. Runs on the kernel pool whatever :func:`set_parallel`
+    says: numba's pool cannot call BLAS.
+    """
+    n_pos, cols = x.shape
+    xa = thread_scratch().get("blas_x", (n_pos, cols), np.float32)
+    xa[...] = x
+
+    def chunk(r0: int, r1: int) -> None:
+        s = thread_scratch()
+        wc = s.get("blas_w", (r1 - r0, cols), np.float32)
+        _dq_rows(code, raw, _F16_TO_F32, wc, r0, r1)
+        yc = s.get("blas_y", (n_pos, r1 - r0), np.float32)
+        np.matmul(xa, wc.T, out=yc)
+        y[:, r0:r1] = yc
+
+    _run_chunks(y.shape[1], _blas_step(cols), chunk)
 
 
 def dequantize(w: QTensor) -> np.ndarray:
     """All weights of ``w`` as a new float32 array of shape ``w.shape``."""
     code = _code(w)
     out, raw = np.empty((w.rows, w.cols), np.float32), _raw(w)
-    _run_chunks(w.rows, _step(w.cols), lambda r0, r1: _dq_rows(code, raw, _F16_TO_F32, out, r0, r1))
+    _run_chunks(w.rows, _step(w.cols), lambda r0, r1: _dq_rows(code, raw, _F16_TO_F32, out[r0:r1], r0, r1))
     return out.reshape(w.shape)
 
 
@@ -632,9 +730,12 @@ def warm_up(types: tuple[T, ...] | None = None) -> float:
     for t in types or tuple(CODES):
         cols = 256  # a whole number of blocks of every supported type
         w = QTensor(np.zeros(QTensor.nbytes_for(t, (1, cols)), np.uint8), t, (1, cols))
-        x = np.zeros((2, cols), np.float32)
+        x = np.zeros((max(2, BLAS_MIN_POSITIONS), cols), np.float32)
+        y = np.empty((x.shape[0], 1), np.float32)
         matvec(w, x[0])
         matmul(w, x)
+        for path in (_matmul_fused, _matmul_blas):  # either may run whatever set_matmul says now
+            path(_code(w), _raw(w), x, y)
         dequantize(w)
     return time.perf_counter() - t0
 

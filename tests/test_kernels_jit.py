@@ -1,5 +1,5 @@
 """The compiled (numba) kernels against gguf-py's dequantisation, their bit-identity guarantees,
-and the backend dispatcher's choices and fallbacks.
+both matmul paths (fused and BLAS), and the backend dispatcher's choices and fallbacks.
 
 Reference: ``gguf.quants.dequantize(raw) @ x`` in float64. Test tensors are
 quantised random data (floats, Q8_0, Q4_0) or random valid K-quant blocks.
@@ -41,15 +41,24 @@ def cols_of(t: T, blocks: int) -> int:
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of a few rows, so small tensors cross chunk boundaries and use both threads."""
     monkeypatch.setattr(jit, "CHUNK_WEIGHTS", 1024)
+    monkeypatch.setattr(jit, "BLAS_CHUNK_WEIGHTS", 1024)
 
 
 @pytest.fixture
 def restore_jit():
-    """Put the thread count and parallel mode back after a test changes them."""
-    threads, mode = jit.get_num_threads(), jit._parallel
+    """Put the thread count, parallel mode and matmul path back after a test changes them."""
+    threads, mode, path = jit.get_num_threads(), jit._parallel, jit.get_matmul()
     yield
     jit.set_num_threads(threads)
     jit.set_parallel(mode)
+    jit.set_matmul(path)
+
+
+@pytest.fixture(params=jit.MATMUL_PATHS)
+def matmul_path(request: pytest.FixtureRequest, restore_jit) -> str:
+    """Run a test with each matmul path."""
+    jit.set_matmul(request.param)
+    return request.param
 
 
 @pytest.fixture
@@ -65,7 +74,8 @@ def restore_backend():
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows", [1, 3, 17, 97])
 @pytest.mark.parametrize("blocks", [1, 3])
-def test_matvec_and_matmul_match_reference(t: T, rows: int, blocks: int, small_chunks: None) -> None:
+def test_matvec_and_matmul_match_reference(t: T, rows: int, blocks: int, small_chunks: None,
+                                           matmul_path: str) -> None:
     w = make_weights(t, (rows, cols_of(t, blocks)), seed=rows + blocks)
     ref = reference(w)
     rng = np.random.default_rng(rows)
@@ -73,7 +83,7 @@ def test_matvec_and_matmul_match_reference(t: T, rows: int, blocks: int, small_c
     y = jit.matvec(w, x)
     assert y.dtype == np.float32 and y.shape == (rows,)
     assert rel_err(y, ref @ x) <= 1e-5
-    for n_pos in (1, 3, 8):
+    for n_pos in (1, 3, jit.BLAS_MIN_POSITIONS, 8, 33):
         xs = rng.standard_normal((n_pos, w.cols)).astype(np.float32)
         ys = jit.matmul(w, xs)
         assert ys.dtype == np.float32 and ys.shape == (n_pos, rows)
@@ -81,11 +91,11 @@ def test_matvec_and_matmul_match_reference(t: T, rows: int, blocks: int, small_c
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-def test_positive_activations(t: T) -> None:
+def test_positive_activations(t: T, matmul_path: str) -> None:
     """All-positive x (as after SwiGLU) makes Q4_K/Q5_K's -dmin * m term largest: still accurate."""
     w = make_weights(t, (33, cols_of(t, 2)), seed=11)
     rng = np.random.default_rng(12)
-    x, xs = np.abs(rng.standard_normal(w.cols)), np.abs(rng.standard_normal((4, w.cols)))
+    x, xs = np.abs(rng.standard_normal(w.cols)), np.abs(rng.standard_normal((9, w.cols)))
     x, xs = x.astype(np.float32), xs.astype(np.float32)
     assert rel_err(jit.matvec(w, x), reference(w) @ x) <= 1e-5
     assert rel_err(jit.matmul(w, xs), xs @ reference(w).T) <= 1e-5
@@ -100,13 +110,64 @@ def test_dequantize_equals_gguf_reference(t: T, small_chunks: None) -> None:
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-def test_matmul_rows_equal_matvec_bit_for_bit(t: T, small_chunks: None) -> None:
-    """Prefill and decode of the same position give the same bits."""
+def test_fused_matmul_rows_equal_matvec_bit_for_bit(t: T, small_chunks: None, restore_jit) -> None:
+    """With the fused path, prefill and decode of the same position give the same bits."""
+    jit.set_matmul("fused")
     w = make_weights(t, (19, cols_of(t, 2)), seed=13)
     xs = np.random.default_rng(14).standard_normal((11, w.cols)).astype(np.float32)
     ys = jit.matmul(w, xs)
     for i in range(xs.shape[0]):
         assert np.array_equal(ys[i], jit.matvec(w, xs[i]))
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_blas_matmul_rows_are_as_accurate_as_matvec(t: T, small_chunks: None, restore_jit) -> None:
+    """With the BLAS path each row is within float32 rounding of the reference, like matvec,
+    though not necessarily the same bits."""
+    jit.set_matmul("blas")
+    w = make_weights(t, (19, cols_of(t, 2)), seed=13)
+    ref = reference(w)
+    xs = np.random.default_rng(14).standard_normal((11, w.cols)).astype(np.float32)
+    ys = jit.matmul(w, xs)
+    for i in range(xs.shape[0]):
+        assert rel_err(ys[i], ref @ xs[i]) <= 1e-5
+        assert rel_err(jit.matvec(w, xs[i]), ref @ xs[i]) <= 1e-5
+
+
+@pytest.mark.parametrize("n_pos", [1, 2, jit.BLAS_MIN_POSITIONS - 1])
+def test_few_positions_stay_on_the_fused_kernels(n_pos: int, small_chunks: None, restore_jit) -> None:
+    """Decode (one position) and batches below BLAS_MIN_POSITIONS keep matvec's bits on the BLAS path."""
+    jit.set_matmul("blas")
+    w = make_weights(T.Q8_0, (19, 256), seed=17)
+    xs = np.random.default_rng(18).standard_normal((n_pos, w.cols)).astype(np.float32)
+    ys = jit.matmul(w, xs)
+    for i in range(n_pos):
+        assert np.array_equal(ys[i], jit.matvec(w, xs[i]))
+
+
+def test_blas_scratch_is_per_chunk_not_per_matrix(restore_jit) -> None:
+    """The BLAS path decodes a chunk of rows at a time: its float32 scratch is bounded by the
+    chunk, never a float32 copy of the whole matrix."""
+    from colibri_aio.kernels.scratch import thread_scratch
+
+    jit.set_matmul("blas")
+    jit.set_num_threads(1)  # every chunk on this thread, so its scratch is the one to inspect
+    w = make_weights(T.Q8_0, (4096, 256), seed=19)
+    xs = np.random.default_rng(20).standard_normal((9, w.cols)).astype(np.float32)
+    assert rel_err(jit.matmul(w, xs), xs @ reference(w).T) <= 1e-5
+    chunk_bytes = 4 * jit._blas_step(w.cols) * w.cols
+    assert chunk_bytes < 4 * w.rows * w.cols // 8
+    assert thread_scratch()._buffers["blas_w"].nbytes <= 2 * chunk_bytes
+
+
+def test_matmul_path_is_chosen_by_name_and_environment(restore_jit, monkeypatch) -> None:
+    with pytest.raises(ValueError, match="blas, fused"):
+        jit.set_matmul("gemm")
+    monkeypatch.setenv("COLIBRI_MATMUL", "fused")
+    assert jit._initial_matmul() == "fused"
+    monkeypatch.setenv("COLIBRI_MATMUL", "gemm")
+    with pytest.warns(RuntimeWarning, match="gemm"):
+        assert jit._initial_matmul() == jit.DEFAULT_MATMUL
 
 
 # --- bit-identity: placement, threads, repetition ---
@@ -116,26 +177,33 @@ def test_matmul_rows_equal_matvec_bit_for_bit(t: T, small_chunks: None) -> None:
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
-def test_results_do_not_depend_on_where_the_bytes_live(t: T, tmp_path, small_chunks: None) -> None:
+def test_results_do_not_depend_on_where_the_bytes_live(t: T, tmp_path, small_chunks: None,
+                                                       matmul_path: str) -> None:
     w = make_weights(t, (37, cols_of(t, 2)), seed=6)
     rng = np.random.default_rng(7)
     x, xs = rng.standard_normal(w.cols).astype(np.float32), rng.standard_normal((8, w.cols)).astype(np.float32)
     x_odd = np.zeros(w.cols + 3, np.float32)[3:]  # x at a 12-byte offset
     x_odd[:] = x
+    xs_odd = np.zeros(xs.size + 3, np.float32)[3:].reshape(xs.shape)
+    xs_odd[:] = xs
     want = jit.matvec(w, x), jit.matmul(w, xs), jit.dequantize(w)
     places = [placed(w, off) for off in (0, 1, 32, 64 + 32, 4096 + 96)] + [mapped(w, tmp_path / "w.bin")]
     for p in places:
         assert np.array_equal(jit.matvec(p, x), want[0])
         assert np.array_equal(jit.matvec(p, x_odd), want[0])
         assert np.array_equal(jit.matmul(p, xs), want[1])
+        assert np.array_equal(jit.matmul(p, xs_odd), want[1])
         assert np.array_equal(jit.dequantize(p), want[2])
 
 
 @pytest.mark.parametrize("t", [T.Q8_0, T.Q4_K, T.Q6_K], ids=lambda t: t.name)
-def test_results_do_not_depend_on_threads_chunks_or_repetition(t: T, restore_jit, monkeypatch) -> None:
+def test_results_do_not_depend_on_threads_chunks_or_repetition(t: T, matmul_path: str, monkeypatch) -> None:
+    """The fused kernels compute a row whole, so not even their chunk size changes a bit; the BLAS
+    path's chunk grid is fixed by the row length, so thread count and scheduling do not."""
+    monkeypatch.setattr(jit, "BLAS_CHUNK_WEIGHTS", 4096)  # 8 chunks of 8 rows, taken by every thread
     w = make_weights(t, (61, 512), seed=8)
     rng = np.random.default_rng(9)
-    x, xs = rng.standard_normal(512).astype(np.float32), rng.standard_normal((3, 512)).astype(np.float32)
+    x, xs = rng.standard_normal(512).astype(np.float32), rng.standard_normal((9, 512)).astype(np.float32)
     jit.set_num_threads(1)
     want_v, want_m = jit.matvec(w, x), jit.matmul(w, xs)
     for n, chunk in ((2, 1024), (3, 512), (2, 1 << 18), (1, 4096)):
