@@ -419,17 +419,130 @@ def _mm_rows(code: int, raw: np.ndarray, tab: np.ndarray, x: np.ndarray, xs: np.
                 y[p0 + t, r] = v + bias[t] if with_bias else v
 
 
+# --- decoding rows to float32 (dequantize, and matmul's BLAS path) ---
+#
+# Each type's layout as in its matvec kernel. A sub-block is decoded into a stack buffer and
+# then copied out: stored straight into the output, LLVM must assume the stores may overwrite
+# the quantised bytes still to be read and neither reorders nor vectorises them (x8 slower).
+# Each weight is gguf's own float32 value, the additive term included (Q4_K/Q5_K).
+
+@njit(inline="always", **_KW)
+def _put32(o: np.ndarray, c: int, wb: np.ndarray) -> None:
+    """o[c:c+32] = wb."""
+    for l in range(32):
+        o[c + l] = wb[l]
+
+
+@njit(**_KW)
+def _dq_q8_0(raw: np.ndarray, tab: np.ndarray, out: np.ndarray, r0: int, r1: int) -> None:
+    q = raw.view(np.int8)
+    nb = out.shape[1] // 32
+    wb = carray(_stack_f32(32), (32,))
+    for r in range(r0, r1):
+        o = out[r - r0]
+        for b in range(nb):
+            off = (r * nb + b) * 34
+            d = _f16(raw, off, tab)
+            for l in range(32):
+                wb[l] = d * np.float32(q[off + 2 + l])
+            _put32(o, 32 * b, wb)
+
+
+@njit(**_KW)
+def _dq_q4_0(raw: np.ndarray, tab: np.ndarray, out: np.ndarray, r0: int, r1: int) -> None:
+    nb = out.shape[1] // 32
+    wb = carray(_stack_f32(32), (32,))
+    for r in range(r0, r1):
+        o = out[r - r0]
+        for b in range(nb):
+            off = (r * nb + b) * 18
+            d = _f16(raw, off, tab)
+            qb = raw[off + 2:off + 18]
+            for l in range(16):
+                wb[l] = d * np.float32((np.int32(qb[l]) & 15) - 8)
+            for l in range(16):
+                wb[16 + l] = d * np.float32((np.int32(qb[l]) >> 4) - 8)
+            _put32(o, 32 * b, wb)
+
+
+@njit(**_KW)
+def _dq_k4(raw: np.ndarray, tab: np.ndarray, out: np.ndarray, r0: int, r1: int, five: bool) -> None:
+    """Q4_K (five=False) or Q5_K (five=True): w = d sc q + (-(dmin m))."""
+    size, qs = (176, 48) if five else (144, 16)
+    nb = out.shape[1] // 256
+    wb = carray(_stack_f32(32), (32,))
+    for r in range(r0, r1):
+        o = out[r - r0]
+        for b in range(nb):
+            off = (r * nb + b) * size
+            d, dmin = _f16(raw, off, tab), _f16(raw, off + 2, tab)
+            hb = raw[off + 16:off + 48]
+            for g in range(4):
+                c, qb = b * 256 + g * 64, raw[off + qs + g * 32:off + qs + g * 32 + 32]
+                sc0, m0 = _k4_scale_min(raw, off + 4, 2 * g)
+                sc1, m1 = _k4_scale_min(raw, off + 4, 2 * g + 1)
+                d0, d1 = d * np.float32(sc0), d * np.float32(sc1)
+                b0, b1 = -(dmin * np.float32(m0)), -(dmin * np.float32(m1))
+                if five:
+                    for l in range(32):
+                        q = (np.int32(qb[l]) & 15) | (((np.int32(hb[l]) >> (2 * g)) & 1) << 4)
+                        wb[l] = d0 * np.float32(q) + b0
+                    _put32(o, c, wb)
+                    for l in range(32):
+                        q = (np.int32(qb[l]) >> 4) | (((np.int32(hb[l]) >> (2 * g + 1)) & 1) << 4)
+                        wb[l] = d1 * np.float32(q) + b1
+                    _put32(o, c + 32, wb)
+                else:
+                    for l in range(32):
+                        wb[l] = d0 * np.float32(np.int32(qb[l]) & 15) + b0
+                    _put32(o, c, wb)
+                    for l in range(32):
+                        wb[l] = d1 * np.float32(np.int32(qb[l]) >> 4) + b1
+                    _put32(o, c + 32, wb)
+
+
+@njit(**_KW)
+def _dq_q6_k(raw: np.ndarray, tab: np.ndarray, out: np.ndarray, r0: int, r1: int) -> None:
+    sc = raw.view(np.int8)
+    nb = out.shape[1] // 256
+    wb = carray(_stack_f32(32), (32,))
+    for r in range(r0, r1):
+        o = out[r - r0]
+        for b in range(nb):
+            off = (r * nb + b) * 210
+            d = _f16(raw, off + 208, tab)
+            for h in range(2):
+                lo, ho, so, c = off + 64 * h, off + 128 + 32 * h, off + 192 + 8 * h, b * 256 + 128 * h
+                hb = raw[ho:ho + 32]
+                for k in range(4):
+                    da = d * np.float32(sc[so + 2 * k])
+                    db = d * np.float32(sc[so + 2 * k + 1])
+                    lk = raw[lo + 32 * (k & 1):lo + 32 * (k & 1) + 32]
+                    for l in range(16):
+                        wb[l] = da * _q6_quant(lk, hb, l, k)
+                    for l in range(16, 32):
+                        wb[l] = db * _q6_quant(lk, hb, l, k)
+                    _put32(o, c + 32 * k, wb)
+
+
 @njit(**_KW)
 def _dq_rows(code: int, raw: np.ndarray, tab: np.ndarray, out: np.ndarray, r0: int, r1: int) -> None:
     """out[r - r0] = the weights of row r for rows [r0, r1), with Q4_K/Q5_K's additive term."""
-    nsub = out.shape[1] // 32
-    wb = carray(_stack_f32(32), (32,))
-    for r in range(r0, r1):
-        for j in range(nsub):
-            bj = _sub32(code, raw, tab, r, j, nsub, wb)
-            ob = out[r - r0, 32 * j:32 * j + 32]
-            for l in range(32):
-                ob[l] = wb[l] + bj if code == 5 or code == 6 else wb[l]
+    if code == 3:
+        _dq_q8_0(raw, tab, out, r0, r1)
+    elif code == 4:
+        _dq_q4_0(raw, tab, out, r0, r1)
+    elif code == 5 or code == 6:
+        _dq_k4(raw, tab, out, r0, r1, code == 6)
+    elif code == 7:
+        _dq_q6_k(raw, tab, out, r0, r1)
+    else:  # the float types
+        nsub = out.shape[1] // 32
+        wb = carray(_stack_f32(32), (32,))
+        for r in range(r0, r1):
+            for j in range(nsub):
+                _sub32(code, raw, tab, r, j, nsub, wb)
+                _put32(out[r - r0], 32 * j, wb)
 
 
 @njit(**_KW)
