@@ -25,10 +25,10 @@ ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1.10
 
 
-def one_run(model: Path, budget: str, tokens: int, prompt: str) -> dict:
+def one_run(model: Path, budget: str, tokens: int, prompt: str, ctx: int) -> dict:
     """One ``run`` process; its peak RSS from the kernel and the plan line it printed."""
     cmd = [sys.executable, "-m", "colibri_aio", "run", "--model", str(model), "--ram-budget", budget,
-           "--max-tokens", str(tokens), "--prompt", prompt, "--no-stats"]
+           "--max-tokens", str(tokens), "--prompt", prompt, "--ctx", str(ctx), "--no-stats"]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     stderr = proc.stderr.read() if proc.stderr is not None else ""
@@ -45,7 +45,8 @@ def one_run(model: Path, budget: str, tokens: int, prompt: str) -> dict:
 def markdown(receipt: dict) -> str:
     lines = [f"# Peak RSS against the RAM budget — {receipt['date']}", "",
              f"host `{receipt['host']}`, commit `{receipt['commit']}`, model `{receipt['model']}` "
-             f"({receipt['model_bytes'] / 1e9:.2f} GB), {receipt['tokens']} tokens per run, budgets interleaved.",
+             f"({receipt['model_bytes'] / 1e9:.2f} GB), {receipt['tokens']} tokens per run, context {receipt['ctx']}, "
+             "budgets interleaved.",
              "", f"Command: `{receipt['command']}`", "",
              "| budget | n ok | peak RSS GiB median [min–max] | peak ÷ budget, max | within budget + 10% |",
              "|---|---|---|---|---|"]
@@ -67,13 +68,14 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--prompt", default="The list type")
+    p.add_argument("--ctx", type=int, default=4096, help="KV-cache positions (the plan sizes the KV cache from it)")
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
     args = p.parse_args()
     budgets = args.budgets.split(",")
     runs = []
     for i in range(args.runs):
         for b in budgets:
-            r = one_run(args.model, b, args.tokens, args.prompt)
+            r = one_run(args.model, b, args.tokens, args.prompt, args.ctx)
             r["run"] = i
             runs.append(r)
             print(f"{b}: peak {r['peak_rss'] / 2**30:.2f} GiB, exit {r['returncode']}", flush=True)
@@ -86,7 +88,7 @@ def main() -> int:
             summary[b].update(median=statistics.median(peaks), min=min(peaks), max=max(peaks),
                               max_ratio=max(peaks) / parse_size(b))
     receipt = {**receipt_header("tools/bench_rss.py"), "model": args.model.name,
-               "model_bytes": args.model.stat().st_size, "tokens": args.tokens, "summary": summary, "runs": runs}
+               "model_bytes": args.model.stat().st_size, "tokens": args.tokens, "ctx": args.ctx, "summary": summary, "runs": runs}
     write_receipt(args.out, f"rss_{receipt['date']}", receipt, markdown(receipt))
     print(markdown(receipt))
     return 0 if all(s["n"] == args.runs and s["max_ratio"] <= TOLERANCE for s in summary.values()) else 1
