@@ -42,6 +42,8 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Chunks of a few rows, so small tensors cross chunk boundaries and use both threads."""
     monkeypatch.setattr(jit, "CHUNK_WEIGHTS", 1024)
     monkeypatch.setattr(jit, "BLAS_CHUNK_WEIGHTS", 1024)
+    monkeypatch.setattr(jit, "BLAS_SMALL_MACS", 4096)
+    monkeypatch.setattr(jit, "BLAS_MAX_CHUNK_WEIGHTS", 2048)
 
 
 @pytest.fixture
@@ -155,7 +157,7 @@ def test_blas_scratch_is_per_chunk_not_per_matrix(restore_jit) -> None:
     w = make_weights(T.Q8_0, (4096, 256), seed=19)
     xs = np.random.default_rng(20).standard_normal((9, w.cols)).astype(np.float32)
     assert rel_err(jit.matmul(w, xs), xs @ reference(w).T) <= 1e-5
-    chunk_bytes = 4 * jit._blas_step(w.cols) * w.cols
+    chunk_bytes = 4 * jit._blas_step(xs.shape[0], w.cols) * w.cols
     assert chunk_bytes < 4 * w.rows * w.cols // 8
     assert thread_scratch()._buffers["blas_w"].nbytes <= 2 * chunk_bytes
 
@@ -200,7 +202,7 @@ def test_results_do_not_depend_on_where_the_bytes_live(t: T, tmp_path, small_chu
 def test_results_do_not_depend_on_threads_chunks_or_repetition(t: T, matmul_path: str, monkeypatch) -> None:
     """The fused kernels compute a row whole, so not even their chunk size changes a bit; the BLAS
     path's chunk grid is fixed by the row length, so thread count and scheduling do not."""
-    monkeypatch.setattr(jit, "BLAS_CHUNK_WEIGHTS", 4096)  # 8 chunks of 8 rows, taken by every thread
+    monkeypatch.setattr(jit, "BLAS_SMALL_MACS", 9 * 512 * 8)  # 8 chunks of 8 rows, taken by every thread
     w = make_weights(t, (61, 512), seed=8)
     rng = np.random.default_rng(9)
     x, xs = rng.standard_normal(512).astype(np.float32), rng.standard_normal((9, 512)).astype(np.float32)
