@@ -7,18 +7,25 @@ can fall into a cached loop); prefill is the same ids as one batch. Arms are
 interleaved, run 0 of each arm is a warm-up (caches filled, kernels loaded) and
 not counted, then ``--runs`` timed runs each.
 
-    python tools/bench_decode.py MODEL.gguf --runs 5 --tokens 32
+An arm of ours is a kernel backend (``numpy``, ``numba``, ``auto``), optionally
+with the compiled matmul path after a slash (``auto/blas``, ``auto/fused``; see
+``colibri_aio.kernels.jit.set_matmul``); without one it runs the default path.
+
+    python tools/bench_decode.py MODEL.gguf --runs 5 --tokens 32 --arms auto/blas,auto/fused,llama.cpp
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
+# colibri_aio first, as in the CLI: it sets OPENBLAS_NUM_THREADS=1 before NumPy loads OpenBLAS.
+from colibri_aio import __version__
 import numpy as np
 
 from colibri_aio.engine import Engine
@@ -29,23 +36,27 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 class Ours:
-    """Our engine with one kernel backend; the arms share one engine (and its warm expert cache)."""
+    """Our engine with one kernel backend (and matmul path); the arms share one engine (and its warm expert cache)."""
 
     _shared: dict[Path, tuple[asyncio.AbstractEventLoop, Engine]] = {}
 
-    def __init__(self, path: Path, kernels: str, n_ctx: int) -> None:
-        self.kernels = kernels
+    def __init__(self, path: Path, arm: str, n_ctx: int) -> None:
+        self.kernels, _, self.matmul = arm.partition("/")
         if path not in self._shared:
             loop = asyncio.new_event_loop()
             engine = loop.run_until_complete(Engine.open(
                 path, prefetch="off", n_ctx=n_ctx, cache_per_layer=10**6))  # every expert fits: a model in RAM
             self._shared[path] = (loop, engine)
         self.loop, self.engine = self._shared[path]
-        backend.set_backend(kernels)
+        self._select()
         backend.warm_up()
 
+    def _select(self) -> None:
+        """This arm's backend and matmul path (the engine is shared, so before every run)."""
+        select(self.kernels, self.matmul)
+
     def decode(self, ids: list[int]) -> float:
-        backend.set_backend(self.kernels)
+        self._select()
         net = self.engine.net
 
         async def run() -> float:
@@ -59,7 +70,7 @@ class Ours:
         return self.loop.run_until_complete(run())
 
     def prefill(self, ids: list[int]) -> float:
-        backend.set_backend(self.kernels)
+        self._select()
         net = self.engine.net
 
         async def run() -> float:
@@ -93,8 +104,20 @@ class LlamaCpp:
         return time.perf_counter() - t0
 
 
+def select(kernels: str, matmul: str) -> None:
+    """Use backend ``kernels`` and, if named, the compiled matmul path ``matmul`` (else the default)."""
+    backend.set_backend(kernels)
+    if backend.backend_name() == "numba":
+        from colibri_aio.kernels import jit
+
+        jit.set_matmul(matmul or jit.DEFAULT_MATMUL)
+    elif matmul:
+        raise SystemExit(f"arm {kernels}/{matmul}: a matmul path needs the compiled kernels")
+
+
 def _kernels_of(arm: str) -> str:
-    backend.set_backend(arm)
+    kernels, _, matmul = arm.partition("/")
+    select(kernels, matmul)
     return f"{backend.backend_name()}: {backend.backend_reason()}"
 
 
@@ -143,6 +166,7 @@ def main() -> int:
     receipt = {
         **receipt_header("tools/bench_decode.py"), "model": args.model.name,
         "model_bytes": args.model.stat().st_size, "tokens": args.tokens, "prefill": args.prefill,
+        "engine_version": __version__, "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
         "kernels": {a: _kernels_of(a) for a, e in engines.items() if isinstance(e, Ours)},
         "summary": summary, "ratios_vs_llama_cpp": ratios,
         "note": "shared 2-vCPU machine; llama-cpp-python 0.3.36 built from source (AVX-512), n_threads=2",
