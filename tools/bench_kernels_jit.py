@@ -4,6 +4,9 @@ Arms, interleaved in a fresh order inside every run (G weights/s, 2 threads):
 
 * ``numpy``        - :mod:`colibri_aio.kernels.quant` (the reference kernels);
 * ``numba``        - :mod:`colibri_aio.kernels.jit`, rows split over Python threads (nogil);
+  matmul on the fused path (the matvec kernel once per position);
+* ``numba-blas``   - the same, matmul on the BLAS path (a chunk of rows decoded to float32,
+  then one sgemm with every position); matvec is the same kernel as ``numba``'s;
 * ``numba-prange`` - the same kernels, rows split by numba's own thread pool;
 * ``numba-int8x``  - Q8_0 matvec with x quantised to int8 per block of 32 (llama.cpp's
   approach; changes numerics, the error is reported);
@@ -101,6 +104,7 @@ def _ops(args, shape, type_name, x, xs, rng) -> dict:
         mv, mm = (lambda v: jit.matvec_q8(v, x)), None
     else:
         jit.set_parallel("prange" if arm == "numba-prange" else "pool")
+        jit.set_matmul("blas" if arm == "numba-blas" else "fused")
         mv, mm = (lambda v: jit.matvec(v, x)), (lambda v: jit.matmul(v, xs))
     ops = {(type_name, "matvec"): (mv, ws)}
     if mm is not None and not big:
@@ -138,6 +142,9 @@ def child_run(args) -> list[dict]:
                 ops.update(_ops(args, shape, t, x, xs, rng))
         for fn, items in ops.values():  # warm-up: compile/load, first touches, thread pools
             fn(items[0])
+            for _ in range(args.warm_sweeps):  # and, if asked, whole untimed sweeps: steady state
+                for item in items:
+                    fn(item)
         order = list(ops)
         rng.shuffle(order)
         for key in order:
@@ -307,7 +314,7 @@ def _summary(samples, metric: str = "gweights_per_s", **k) -> dict | None:
     return _stats(v) if v else None
 
 
-ARMS = ["numpy", "numba", "numba-prange", "numba-int8x"]
+ARMS = ["numpy", "numba", "numba-blas", "numba-prange", "numba-int8x"]
 ALL_ARMS = [*ARMS, "roofline", "f32 BLAS"]
 
 
@@ -322,21 +329,24 @@ def write_receipt(out_dir: Path, meta: dict, samples: list[dict]) -> tuple[Path,
              f"- host: {meta['host']['hostname']}, {meta['host']['cpu']}, {meta['host']['cpus']} CPUs, "
              f"Python {meta['host']['python']}; load average at start {meta['loadavg_start']}, at end {meta['loadavg_end']}",
              f"- NumPy {meta['numpy']}, numba {meta['numba']}; kernel threads {meta['threads']}; "
-             f"matmul with {meta['positions']} positions; each sample sweeps distinct copies of the weights, "
+             f"OPENBLAS_NUM_THREADS={meta.get('openblas_num_threads')}; "
+             f"matmul with {meta['positions']} positions; {meta.get('warm_sweeps', 0)} untimed sweeps before "
+             "the timed ones (besides one call per op); each sample sweeps distinct copies of the weights, "
              f">= {meta['cold_mb']:g} MiB (one copy for the output head)",
              f"- {meta['runs']} runs; in each run every arm is a fresh process (so no arm inherits another's "
              "spinning BLAS or OpenMP threads), arms in a new random order per run, and inside an arm the "
              "(type, op) pairs of a shape in a random order; G weights/s (rows x cols x calls / seconds), "
              "median [min-max]", "",
              "## Throughput", "",
-             "| shape | type | op | numpy | numba (threads) | numba (prange) | numba int8-x | int8 sum roofline | f32 BLAS |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| shape | type | op | numpy | numba (threads) | numba (BLAS matmul) | numba (prange) | numba int8-x "
+             "| int8 sum roofline | f32 BLAS |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for shape, types in meta["plan"]:
         for t in types:
             for op in ("matvec", "matmul"):
-                if _summary(samples, shape=shape, type=t, op=op, arm="numpy") is None:
-                    continue
                 cells = [_fmt(_summary(samples, shape=shape, type=t, op=op, arm=a)) for a in ARMS]
+                if all(c == "-" for c in cells):
+                    continue
                 roof = _fmt(_summary(samples, shape=shape, type=t, op="int8 sum", arm="roofline")) if op == "matvec" else "-"
                 blas = _fmt(_summary(samples, shape=shape, type="F32", op=op, arm="f32 BLAS"))
                 lines.append(f"| {shape[0]}x{shape[1]} | {t} | {op} | " + " | ".join(cells) + f" | {roof} | {blas} |")
@@ -367,6 +377,14 @@ def write_receipt(out_dir: Path, meta: dict, samples: list[dict]) -> tuple[Path,
                 b = _summary(samples, shape=shape, type=t, op=op, arm="numba")
                 if a and b:
                     lines.append(f"- {shape[0]}x{shape[1]} {t} {op}: x{b['median'] / a['median']:.2f}")
+    lines += ["", "## BLAS matmul path vs fused (ratio of medians, per shape)", ""]
+    for shape, types in meta["plan"]:
+        for t in types:
+            a = _summary(samples, shape=shape, type=t, op="matmul", arm="numba")
+            b = _summary(samples, shape=shape, type=t, op="matmul", arm="numba-blas")
+            if a and b:
+                lines.append(f"- {shape[0]}x{shape[1]} {t} matmul, {meta['positions']} positions: "
+                             f"x{b['median'] / a['median']:.2f}")
     lines += ["", "## Compile time (fresh process each; import of the jit module + warm_up())", ""]
     lines += ["- not measured in this run (--compile-runs 0)"] if not c["cold"] else [
               f"- cold (empty NUMBA_CACHE_DIR): import {_fmt(_stats([r['import_s'] for r in c['cold']]))} s, "
@@ -403,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--compile-runs", type=int, default=5)
     p.add_argument("--cold-mb", type=float, default=64.0)
+    p.add_argument("--warm-sweeps", type=int, default=0,
+                   help="untimed sweeps per op before the timed one (0: only one warm-up call)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=str(ROOT / "evidence"))
     p.add_argument("--decode-model", help="instead of the kernel sweep: teacher-forced decode of this GGUF, numpy vs auto")
@@ -427,11 +447,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 5:
         p.error("--runs must be >= 5")
     import numba
+    # The children run the kernels as the engine does: importing colibri_aio sets single-threaded
+    # OpenBLAS before NumPy loads it, but the children import NumPy first, so say it here.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     plan = _plan(args) if not args.decode_model else []
     meta = {"command": " ".join([sys.executable, *sys.argv]), "arms": args.arms, "commit": _commit(), "host": _host(),
             "when_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "numpy": np.__version__, "numba": numba.__version__, "threads": args.threads,
+            "openblas_num_threads": os.environ["OPENBLAS_NUM_THREADS"],
             "positions": args.positions, "cold_mb": args.cold_mb, "runs": args.runs, "plan": plan,
+            "warm_sweeps": args.warm_sweeps,
             "loadavg_start": list(os.getloadavg())}
     if args.decode_model:
         return decode_main(args, meta)
@@ -446,6 +471,7 @@ def main(argv: list[str] | None = None) -> int:
     meta["compile"] = compile_times
     meta["accuracy"] = _child(args, "accuracy")
     child_args = ["--threads", str(args.threads), "--positions", str(args.positions),
+                  "--warm-sweeps", str(args.warm_sweeps),
                   "--cold-mb", str(args.cold_mb), "--roofline-types", ",".join(args.roofline_types),
                   "--plan", json.dumps(plan)]
     samples, order = [], np.random.default_rng(args.seed)
