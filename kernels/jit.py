@@ -301,9 +301,9 @@ def _mv_q6_k(raw: np.ndarray, tab: np.ndarray, x: np.ndarray, xs: np.ndarray, y:
 
 
 # --- sub-block decoders: weights 32j .. 32j + 31 of row r (any type) into a 32-lane buffer,
-# without their additive term, which is returned (Q4_K/Q5_K; 0 otherwise). Used by matmul,
-# dequantize and the float types' matvec. Each expression is the fused matvec's own, so a
-# matmul row equals the matvec result bit for bit. ---
+# without their additive term, which is returned (Q4_K/Q5_K; 0 otherwise). Used by the fused
+# matmul, the float types' matvec and dequantize. Each expression is the fused matvec's own, so
+# a fused matmul row equals the matvec result bit for bit. ---
 
 @njit(inline="always", **_KW)
 def _sub_float(raw: np.ndarray, tab: np.ndarray, base: int, wb: np.ndarray, kind: int) -> None:
