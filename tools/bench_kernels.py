@@ -28,13 +28,14 @@ import datetime as dt
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+
+from receipt import spread
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_TYPES = ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "BF16", "F16", "F32"]
@@ -182,7 +183,7 @@ def _summary(samples: list[dict], arm: str, shape: list[int], type_name: str, op
          if s["arm"] == arm and s["shape"] == shape and s["type"] == type_name and s["op"] == op]
     if not v:
         return None
-    return {"n": len(v), "median": statistics.median(v), "min": min(v), "max": max(v)}
+    return spread(v)
 
 
 def _fmt(s: dict | None) -> str:

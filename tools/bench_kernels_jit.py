@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from bench_kernels import _copies, _tensor as _valid_tensor
+from receipt import spread
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERT_SHAPES = "768x2048,2048x768"
@@ -301,17 +302,13 @@ def _child(args, mode: str, env: dict | None = None, extra: list[str] | None = N
     return json.loads(out.stdout)
 
 
-def _stats(v: list[float]) -> dict:
-    return {"n": len(v), "median": statistics.median(v), "min": min(v), "max": max(v)}
-
-
 def _fmt(s: dict | None) -> str:
     return "-" if s is None else f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
 
 
 def _summary(samples, metric: str = "gweights_per_s", **k) -> dict | None:
     v = [s[metric] for s in samples if metric in s and all(s[a] == b for a, b in k.items())]
-    return _stats(v) if v else None
+    return spread(v) if v else None
 
 
 ARMS = ["numpy", "numba", "numba-blas", "numba-prange", "numba-int8x"]
@@ -387,10 +384,10 @@ def write_receipt(out_dir: Path, meta: dict, samples: list[dict]) -> tuple[Path,
                              f"x{b['median'] / a['median']:.2f}")
     lines += ["", "## Compile time (fresh process each; import of the jit module + warm_up())", ""]
     lines += ["- not measured in this run (--compile-runs 0)"] if not c["cold"] else [
-              f"- cold (empty NUMBA_CACHE_DIR): import {_fmt(_stats([r['import_s'] for r in c['cold']]))} s, "
-              f"warm_up {_fmt(_stats([r['warm_up_s'] for r in c['cold']]))} s (n={len(c['cold'])})",
-              f"- warm (cache filled): import {_fmt(_stats([r['import_s'] for r in c['warm']]))} s, "
-              f"warm_up {_fmt(_stats([r['warm_up_s'] for r in c['warm']]))} s (n={len(c['warm'])})"]
+              f"- cold (empty NUMBA_CACHE_DIR): import {_fmt(spread([r['import_s'] for r in c['cold']]))} s, "
+              f"warm_up {_fmt(spread([r['warm_up_s'] for r in c['cold']]))} s (n={len(c['cold'])})",
+              f"- warm (cache filled): import {_fmt(spread([r['import_s'] for r in c['warm']]))} s, "
+              f"warm_up {_fmt(spread([r['warm_up_s'] for r in c['warm']]))} s (n={len(c['warm'])})"]
     lines += ["", "## Accuracy: relative error vs gguf dequantize(raw) @ x in float64, 768x2048", ""]
     lines += [f"- {k}: {v:.2e}" for k, v in meta["accuracy"].items()]
     md_path.write_text("\n".join(lines) + "\n")

@@ -125,10 +125,12 @@ def start_saturation(path: Path, size_gb: int) -> subprocess.Popen:
          "--output=/dev/null"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def make_model(out: Path, layers: int) -> None:
+def make_model(out: Path, layers: int | None) -> None:
+    """A synthetic Qwen3-30B-A3B Q8_0 GGUF with realistic routing: its first ``layers`` blocks (None: all 48)."""
+    cut = ["--layers", str(layers)] if layers else []
     subprocess.run([sys.executable, str(ROOT / "tools" / "make_synthetic_gguf.py"), "--shape", "qwen3-30b-a3b",
-                    "--layers", str(layers), "--type", "q8_0", "--routing", "realistic", "--out", str(out),
-                    "--force", "--quiet"], check=True)
+                    *cut, "--type", "q8_0", "--routing", "realistic", "--out", str(out), "--force", "--quiet"],
+                   check=True)
 
 
 def summarise(runs: list[dict], arms: list[str]) -> dict:

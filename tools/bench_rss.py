@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from colibri_aio.policy.budget import parse_size
-from receipt import header as receipt_header, write as write_receipt
+from receipt import header as receipt_header, spread, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1.10
@@ -85,8 +84,7 @@ def main() -> int:
         peaks = [r["peak_rss"] for r in ok]
         summary[b] = {"n": len(ok), "errors": sorted({r["error"] for r in runs if r["budget"] == b and "error" in r})}
         if peaks:
-            summary[b].update(median=statistics.median(peaks), min=min(peaks), max=max(peaks),
-                              max_ratio=max(peaks) / parse_size(b))
+            summary[b].update(spread(peaks), max_ratio=max(peaks) / parse_size(b))
     receipt = {**receipt_header("tools/bench_rss.py"), "model": args.model.name,
                "model_bytes": args.model.stat().st_size, "tokens": args.tokens, "ctx": args.ctx, "summary": summary, "runs": runs}
     write_receipt(args.out, f"rss_{receipt['date']}", receipt, markdown(receipt))

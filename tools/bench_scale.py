@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -42,7 +41,9 @@ from pathlib import Path
 
 import numpy as np
 
-from receipt import header as receipt_header, write as write_receipt
+from bench_prefetch import make_model
+from colibri_aio.iobench import measure_fio
+from receipt import header as receipt_header, spread, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = ("ours", "llama.cpp")
@@ -243,32 +244,14 @@ def fio_reference(model: Path, seconds: int) -> dict | None:
     if shutil.which("fio") is None:
         return None
     drop_page_cache()
-    out = subprocess.run(
-        ["fio", "--name=ref", f"--filename={model}", "--readonly", "--rw=randread", "--bs=4M", "--iodepth=8",
-         "--direct=1", "--ioengine=io_uring", "--time_based", f"--runtime={seconds}", "--output-format=json"],
-        capture_output=True, text=True)
-    if out.returncode != 0:
+    try:
+        r = measure_fio(model, 4 << 20, 8, "rand", seconds, direct=True, seed=0)
+    except RuntimeError:
         return None
-    job = json.loads(out.stdout)["jobs"][0]["read"]
-    return {"gb_s": job["bw_bytes"] / 1e9, "iops": job["iops"], "seconds": seconds}
-
-
-def make_model(workdir: Path, layers: int | None) -> Path:
-    name = f"q30b_{'l%d' % layers if layers else '48'}_q8_real.gguf"
-    out = workdir / name
-    cmd = [sys.executable, str(ROOT / "tools" / "make_synthetic_gguf.py"), "--shape", "qwen3-30b-a3b",
-           "--type", "q8_0", "--routing", "realistic", "--out", str(out), "--force", "--quiet"]
-    if layers:
-        cmd += ["--layers", str(layers)]
-    subprocess.run(cmd, check=True)
-    return out
+    return {"gb_s": r["gbps"], "iops": r["iops"], "seconds": r["seconds"], "command": r["command"]}
 
 
 # --- summary ----------------------------------------------------------------------------------------------
-
-
-def stats(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -281,13 +264,13 @@ def summarise(runs: list[dict]) -> dict:
             entry: dict = {"failed": len(failed), "errors": sorted({r["error"] for r in failed})}
             if ok:
                 for key in ("pp_tok_s", "tg_tok_s", "peak_rss", "disk_gb_read", "open_s"):
-                    entry[key] = stats([r[key] for r in ok])
+                    entry[key] = spread([r[key] for r in ok])
                 if ok[0].get("cgroup_peak") is not None:
-                    entry["cgroup_peak"] = stats([r["cgroup_peak"] for r in ok])
+                    entry["cgroup_peak"] = spread([r["cgroup_peak"] for r in ok])
                 if engine == "ours":
                     for key in ("tg_hit_rate", "tg_gb_read", "pp_gb_read", "tg_overlap", "tg_demand_wait_s",
                                 "tg_compute_busy_s", "tg_read_busy_s"):
-                        entry[key] = stats([r[key] for r in ok])
+                        entry[key] = spread([r[key] for r in ok])
                     entry["prefetch_final"] = {s: sum(r["prefetch_state"] == s for r in ok) for s in ("on", "off")}
                     entry["prefetch_switches"] = [r["prefetch_switched_off"] + r["prefetch_switched_on"] for r in ok]
             out[cond][engine] = entry
@@ -388,7 +371,8 @@ def main() -> int:
     def model_for(given: Path | None, layers: int | None) -> Path:
         if given is not None:
             return given
-        path = make_model(tmp, layers)
+        path = tmp / f"q30b_{'l%d' % layers if layers else '48'}_q8_real.gguf"
+        make_model(path, layers)
         made.append(path)
         return path
 

@@ -5,6 +5,7 @@ import datetime as dt
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -25,6 +26,11 @@ def header(script: str) -> dict:
                                  cwd=ROOT).stdout.strip(),
         "command": " ".join([script, *sys.argv[1:]]),
     }
+
+
+def spread(xs: list[float]) -> dict:
+    """n, median, min and max of a benchmark's samples: what every receipt table quotes."""
+    return {"n": len(xs), "median": statistics.median(xs), "min": min(xs), "max": max(xs)}
 
 
 def write(out: Path, name: str, receipt: dict, markdown: str) -> None:
