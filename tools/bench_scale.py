@@ -66,6 +66,11 @@ def proc_read_bytes() -> int:
     return 0
 
 
+def context(pp: int, tg: int) -> int:
+    """KV positions a run needs: the longer of the warm-up and the timed part, plus slack."""
+    return pp + max(tg, WARMUP_TG) + 8
+
+
 def worker_ours(model: Path, pp: int, tg: int, seed: int) -> dict:
     import asyncio
 
@@ -74,7 +79,7 @@ def worker_ours(model: Path, pp: int, tg: int, seed: int) -> dict:
 
     async def run() -> dict:
         t_open = time.perf_counter()
-        engine = await Engine.open(model, n_ctx=pp + tg + 8)
+        engine = await Engine.open(model, n_ctx=context(pp, tg))
         open_s = time.perf_counter() - t_open
         try:
             net, src = engine.net, engine.source
@@ -126,7 +131,7 @@ def worker_llama(model: Path, pp: int, tg: int, seed: int) -> dict:
     from colibri_aio.memory import peak_rss_bytes
 
     t_open = time.perf_counter()
-    llm = Llama(model_path=str(model), n_ctx=pp + tg + 8, n_threads=2, n_threads_batch=2, n_batch=512,
+    llm = Llama(model_path=str(model), n_ctx=context(pp, tg), n_threads=2, n_threads_batch=2, n_batch=512,
                 verbose=False)
     open_s = time.perf_counter() - t_open
     warm = token_ids(seed + 1, pp + WARMUP_TG)
