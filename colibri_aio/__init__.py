@@ -28,14 +28,14 @@ import os as _os
 # setting by the user wins.
 _os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-from colibri_aio.logs import configure_default as _configure_logs  # noqa: E402
+from colibri_aio.cli.logs import configure_default as _configure_logs  # noqa: E402
 
 _configure_logs()
 
-from colibri_aio.engine import Engine, GenerationPiece  # noqa: E402
+from colibri_aio.engine.engine import Engine, GenerationPiece  # noqa: E402
 from colibri_aio.errors import ExpertReadError, ModelFormatError, UserError  # noqa: E402
-from colibri_aio.sync import generate  # noqa: E402
-from colibri_aio.telemetry import EngineStats  # noqa: E402
+from colibri_aio.engine.sync import generate  # noqa: E402
+from colibri_aio.engine.stats import EngineStats  # noqa: E402
 
 __all__ = ["Engine", "EngineStats", "ExpertReadError", "GenerationPiece", "ModelFormatError", "UserError",
            "generate", "__version__"]

@@ -49,7 +49,7 @@ def test_run_greedy_equals_argmax_of_logits(tmp_path) -> None:
     model = str(fixture("tiny_f32.gguf"))
     r = run_cli("run", "--model", model, "--prompt", "def f(x):", "--max-tokens", "1")
     assert r.returncode == 0, r.stderr
-    from colibri_aio.tokenizer import Tokenizer
+    from colibri_aio.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_path(model)
     ids = tok.encode("def f(x):")
@@ -62,7 +62,7 @@ def test_run_greedy_equals_argmax_of_logits(tmp_path) -> None:
 
 
 def test_run_chat_uses_the_template() -> None:
-    from colibri_aio.tokenizer import Tokenizer
+    from colibri_aio.text.tokenizer import Tokenizer
 
     model = str(fixture("tiny_q8_0.gguf"))
     r = run_cli("run", "--model", model, "--chat", "--prompt", "hi", "--max-tokens", "4")
@@ -81,7 +81,7 @@ def test_trace_and_stats(tmp_path) -> None:
     assert header["format"] == "colibri-aio-route-trace" and header["block_count"] == 2
     phases = [r["phase"] for r in routes]
     assert phases.count("decode") == 5 * 2 and phases[0] == "prefill"
-    from colibri_aio.tokenizer import Tokenizer
+    from colibri_aio.text.tokenizer import Tokenizer
 
     prompt = Tokenizer.from_path(fixture("tiny_f32.gguf")).encode("The list type is")
     assert [r["token"] for r in routes if r["phase"] == "prefill" and r["layer"] == 0] == prompt

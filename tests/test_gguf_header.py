@@ -8,7 +8,7 @@ import pytest
 from gguf import GGUFReader
 
 from colibri_aio.errors import ModelFormatError
-from colibri_aio.gguf_header import GGUFHeader
+from colibri_aio.gguf.header import GGUFHeader
 
 from support import FIXTURES
 

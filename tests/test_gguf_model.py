@@ -6,7 +6,7 @@ import pytest
 from gguf import GGUFReader
 
 from colibri_aio.errors import ModelFormatError
-from colibri_aio.gguf_model import load
+from colibri_aio.gguf.model import load
 
 from support import FIXTURES, fixture, run_cli
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from colibri_aio.gguf_model import load
+from colibri_aio.gguf.model import load
 from colibri_aio.io import ExpertReader, StreamingExpertSource
 
 pytest.importorskip("liburing")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from colibri_aio.errors import UserError
-from colibri_aio.iobench import add_iobench_arguments, parse_size, run_iobench, write_receipt
+from colibri_aio.cli.iobench import add_iobench_arguments, parse_size, run_iobench, write_receipt
 
 pytest.importorskip("liburing")
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from colibri_aio.errors import UserError
-from colibri_aio.gguf_model import load
+from colibri_aio.gguf.model import load
 from colibri_aio.policy.usage import (
     UsageHistory,
     default_usage_path,

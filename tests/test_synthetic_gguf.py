@@ -13,12 +13,12 @@ import pytest
 from gguf import GGMLQuantizationType as T, GGUFReader
 from gguf.quants import dequantize
 
-from colibri_aio.gguf_model import load
-from colibri_aio.mapped_source import MappedExpertSource
-from colibri_aio.qwen3moe import Qwen3MoE
-from colibri_aio.route_stats import compute
-from colibri_aio.tokenizer import Tokenizer
-from colibri_aio.trace import TraceRecorder, read_trace, trace_run
+from colibri_aio.gguf.model import load
+from colibri_aio.engine.mapped_source import MappedExpertSource
+from colibri_aio.arch.qwen3moe import Qwen3MoE
+from colibri_aio.cli.route_stats import compute
+from colibri_aio.text.tokenizer import Tokenizer
+from colibri_aio.cli.trace import TraceRecorder, read_trace, trace_run
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 sys.path.insert(0, str(TOOLS))

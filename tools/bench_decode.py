@@ -28,7 +28,7 @@ from pathlib import Path
 from colibri_aio import __version__
 import numpy as np
 
-from colibri_aio.engine import Engine
+from colibri_aio.engine.engine import Engine
 from colibri_aio.kernels import backend
 from receipt import header as receipt_header, write as write_receipt
 

@@ -212,10 +212,10 @@ def child_decode(args) -> dict:
     the page cache and the kernels), with the forward pass's kernels taken from the dispatcher."""
     import asyncio
 
-    from colibri_aio import qwen3moe
-    from colibri_aio.gguf_model import load
+    from colibri_aio.arch import qwen3moe
+    from colibri_aio.gguf.model import load
     from colibri_aio.kernels import backend
-    from colibri_aio.mapped_source import MappedExpertSource
+    from colibri_aio.engine.mapped_source import MappedExpertSource
 
     backend.set_backend(args.arm)
     backend.set_num_threads(args.threads)

@@ -33,11 +33,11 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri_aio.gguf_model import Model, load
-from colibri_aio.memory import peak_rss_bytes
-from colibri_aio.qwen3moe import Qwen3MoE
+from colibri_aio.gguf.model import Model, load
+from colibri_aio.engine.memory import peak_rss_bytes
+from colibri_aio.arch.qwen3moe import Qwen3MoE
 from colibri_aio.policy.backpressure import BackpressureConfig
-from colibri_aio.sources import DEFAULT_LOOKAHEAD, Placement, open_source
+from colibri_aio.engine.placement import DEFAULT_LOOKAHEAD, Placement, open_source
 from receipt import header as receipt_header, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]

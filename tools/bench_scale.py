@@ -42,7 +42,7 @@ from pathlib import Path
 import numpy as np
 
 from bench_prefetch import make_model
-from colibri_aio.iobench import measure_fio
+from colibri_aio.cli.iobench import measure_fio
 from receipt import header as receipt_header, spread, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,8 +74,8 @@ def context(pp: int, tg: int) -> int:
 def worker_ours(model: Path, pp: int, tg: int, seed: int) -> dict:
     import asyncio
 
-    from colibri_aio.engine import Engine
-    from colibri_aio.memory import peak_rss_bytes
+    from colibri_aio.engine.engine import Engine
+    from colibri_aio.engine.memory import peak_rss_bytes
 
     async def run() -> dict:
         t_open = time.perf_counter()
@@ -128,7 +128,7 @@ def worker_ours(model: Path, pp: int, tg: int, seed: int) -> dict:
 def worker_llama(model: Path, pp: int, tg: int, seed: int) -> dict:
     from llama_cpp import Llama
 
-    from colibri_aio.memory import peak_rss_bytes
+    from colibri_aio.engine.memory import peak_rss_bytes
 
     t_open = time.perf_counter()
     llm = Llama(model_path=str(model), n_ctx=context(pp, tg), n_threads=2, n_threads_batch=2, n_batch=512,
@@ -418,7 +418,7 @@ def main() -> int:
         for path in made:
             path.unlink(missing_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
-    from colibri_aio.memory import meminfo
+    from colibri_aio.engine.memory import meminfo
 
     receipt = {**receipt_header("tools/bench_scale.py"), "ram_gib": meminfo()["MemTotal"] / 2**30,
                "pp": args.pp, "tg": args.tg, "page_cache_dropped": dropped, "conditions": info,

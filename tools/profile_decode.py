@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri_aio import qwen3moe
-from colibri_aio.engine import Engine
+from colibri_aio.arch import qwen3moe
+from colibri_aio.engine.engine import Engine
 from colibri_aio.kernels import backend
 from receipt import header as receipt_header, write as write_receipt
 

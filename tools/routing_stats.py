@@ -23,12 +23,12 @@ sys.path.insert(0, str(ROOT / "fixtures"))
 
 import corpus  # noqa: E402
 
-from colibri_aio.gguf_model import load  # noqa: E402
-from colibri_aio.mapped_source import MappedExpertSource  # noqa: E402
-from colibri_aio.qwen3moe import Qwen3MoE  # noqa: E402
-from colibri_aio.route_stats import TraceStats, compute, format_table  # noqa: E402
-from colibri_aio.tokenizer import Tokenizer  # noqa: E402
-from colibri_aio.trace import TraceRecorder, read_trace  # noqa: E402
+from colibri_aio.gguf.model import load  # noqa: E402
+from colibri_aio.engine.mapped_source import MappedExpertSource  # noqa: E402
+from colibri_aio.arch.qwen3moe import Qwen3MoE  # noqa: E402
+from colibri_aio.cli.route_stats import TraceStats, compute, format_table  # noqa: E402
+from colibri_aio.text.tokenizer import Tokenizer  # noqa: E402
+from colibri_aio.cli.trace import TraceRecorder, read_trace  # noqa: E402
 from receipt import header as receipt_header, write as write_receipt  # noqa: E402
 
 

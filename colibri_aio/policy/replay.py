@@ -1,6 +1,6 @@
 """Replay a route trace through the expert cache: hit rate and bytes read, no model needed.
 
-A trace (see :mod:`colibri_aio.trace`) records, in execution order, which
+A trace (see :mod:`colibri_aio.cli.trace`) records, in execution order, which
 experts every layer chose at every position. The replay turns it into
 *steps* — one per (run, layer, prefill chunk or decode position) — and runs
 each step through an :class:`~colibri_aio.policy.cache.ExpertCache` as the
@@ -127,7 +127,7 @@ def steps_from_records(records: Iterable[dict[str, Any]], run_offset: int = 0,
 
 def load_traces(paths: Sequence[str], split_prefill: bool = False) -> Trace:
     """Read one or more trace files of the same model; their runs follow one another."""
-    from colibri_aio.trace import read_trace
+    from colibri_aio.cli.trace import read_trace
 
     header: dict[str, Any] | None = None
     steps: list[Step] = []

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from colibri_aio.errors import UserError
-from colibri_aio.gguf_model import Model
+from colibri_aio.gguf.model import Model
 from colibri_aio.policy.cache import Key
 
 USAGE_FORMAT, USAGE_VERSION = "colibri-aio-usage", 1

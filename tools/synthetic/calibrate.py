@@ -34,9 +34,9 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFReader
 
-from colibri_aio.gguf_model import Model, load
-from colibri_aio.mapped_source import MappedExpertSource
-from colibri_aio.qwen3moe import Qwen3MoE
+from colibri_aio.gguf.model import Model, load
+from colibri_aio.engine.mapped_source import MappedExpertSource
+from colibri_aio.arch.qwen3moe import Qwen3MoE
 from synthetic.routing import bias_coefficients
 from synthetic.tensors import CODE_CHANNELS, code_signs, tensor_rng
 

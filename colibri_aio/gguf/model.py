@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from colibri_aio.errors import ModelFormatError
-from colibri_aio.gguf_header import GGUFHeader
+from colibri_aio.gguf.header import GGUFHeader
 from colibri_aio.io.modelfile import FileIdentity
 from colibri_aio.experts import ExpertLocation, TensorRange
 from colibri_aio.kernels.qtensor import QTensor

@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from colibri_aio.engine import Engine, GenerationPiece, Prompt
+from colibri_aio.engine.engine import Engine, GenerationPiece, Prompt
 
 
 def generate(prompt: Prompt, model: str | os.PathLike[str] | None = None, *, max_tokens: int = 128,

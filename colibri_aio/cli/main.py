@@ -16,8 +16,8 @@ import numpy as np
 
 from colibri_aio import __version__
 from colibri_aio.errors import ExpertReadError, UserError
-from colibri_aio.logs import configure as configure_logs
-from colibri_aio.sources import IO_CHOICES, PREFETCH_CHOICES
+from colibri_aio.cli.logs import configure as configure_logs
+from colibri_aio.engine.placement import IO_CHOICES, PREFETCH_CHOICES
 
 
 def _add_placement(p: argparse.ArgumentParser) -> None:
@@ -128,11 +128,11 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from colibri_aio.gguf_model import load
-    from colibri_aio.memory import memory_limits
-    from colibri_aio.plan import make_plan
+    from colibri_aio.gguf.model import load
+    from colibri_aio.engine.memory import memory_limits
+    from colibri_aio.engine.plan import make_plan
     from colibri_aio.policy.budget import parse_size
-    from colibri_aio.sources import PIN_SHARE, usage_history
+    from colibri_aio.engine.placement import PIN_SHARE, usage_history
 
     model = load(args.model, resident=False)
     history = usage_history(model)
@@ -149,7 +149,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _plan_table(model, plan, limits) -> str:
-    from colibri_aio.plan import gb
+    from colibri_aio.engine.plan import gb
 
     a = model.args
     hit = "n/a (no usage history)" if plan.expected_hit_rate is None else \
@@ -175,7 +175,7 @@ def _plan_table(model, plan, limits) -> str:
 
 
 def _add_iobench(sub: argparse._SubParsersAction) -> None:
-    from colibri_aio.iobench import add_iobench_arguments, run_iobench
+    from colibri_aio.cli.iobench import add_iobench_arguments, run_iobench
 
     p = sub.add_parser("iobench", help="expert-sized read benchmark per I/O backend, paired with fio when present",
                        description="Random or sequential expert-sized reads per backend: GB/s, IOPS, latency "
@@ -192,7 +192,7 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from colibri_aio.doctor import run_checks
+    from colibri_aio.cli.doctor import run_checks
     from colibri_aio.models import default_model_path
 
     return run_checks(args.model or default_model_path(), lambda c: print(c.line(), flush=True))
@@ -209,8 +209,8 @@ def _parse_ids(text: str) -> list[int]:
 
 
 async def _run_async(args: argparse.Namespace) -> int:
-    from colibri_aio.engine import Engine
-    from colibri_aio.telemetry import Telemetry, summary_line
+    from colibri_aio.engine.engine import Engine
+    from colibri_aio.cli.telemetry import Telemetry, summary_line
 
     show = sys.stderr.isatty() if args.stats is None else args.stats
     if args.stats_interval <= 0:
@@ -250,7 +250,7 @@ def _run(args: argparse.Namespace) -> int:
 
 
 async def _logits_async(args: argparse.Namespace) -> int:
-    from colibri_aio.engine import Engine
+    from colibri_aio.engine.engine import Engine
 
     ids = _parse_ids(args.ids)
     async with await Engine.open(args.model, n_ctx=args.ctx or len(ids), **_placement(args)) as engine:
@@ -266,9 +266,9 @@ def _logits(args: argparse.Namespace) -> int:
 
 
 async def _trace_async(args: argparse.Namespace) -> int:
-    from colibri_aio.engine import Engine
-    from colibri_aio.sampling import make_sampler
-    from colibri_aio.trace import TraceRecorder, trace_run
+    from colibri_aio.engine.engine import Engine
+    from colibri_aio.text.sampling import make_sampler
+    from colibri_aio.cli.trace import TraceRecorder, trace_run
 
     text = args.prompt if args.prompt is not None else _read_text(args.prompt_file)
     async with await Engine.open(args.model, n_ctx=args.ctx, **_placement(args)) as engine:
@@ -299,8 +299,8 @@ def _trace(args: argparse.Namespace) -> int:
 def _trace_stats(args: argparse.Namespace) -> int:
     import json
 
-    from colibri_aio.route_stats import compute, format_table
-    from colibri_aio.trace import read_trace
+    from colibri_aio.cli.route_stats import compute, format_table
+    from colibri_aio.cli.trace import read_trace
 
     if not args.trace.is_file():
         raise UserError(f"{args.trace}: no such trace file")

@@ -10,11 +10,11 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from colibri_aio.errors import UserError
-from colibri_aio.gguf_model import Model
+from colibri_aio.gguf.model import Model
 from colibri_aio.io.align import slot_nbytes_for
-from colibri_aio.memory import MemoryLimits
+from colibri_aio.engine.memory import MemoryLimits
 from colibri_aio.policy.budget import slots_for_budget
-from colibri_aio.qwen3moe import PREFILL_CHUNK
+from colibri_aio.arch.qwen3moe import PREFILL_CHUNK
 
 GiB = 1 << 30
 # Python, NumPy, BLAS and the tokenizer before any model memory (peak RSS of an

@@ -17,11 +17,11 @@ import numpy as np
 
 from colibri_aio.errors import UserError
 from colibri_aio.experts import ExpertSource, ExpertWeights
-from colibri_aio.gguf_model import Model
+from colibri_aio.gguf.model import Model
 from colibri_aio.kernels.ops import attention, rms_norm, rope_cos_sin, rope_neox, router_top_k, swiglu
 from colibri_aio.kernels.qtensor import QTensor
 from colibri_aio.kernels.backend import dequantize, matmul, matvec
-from colibri_aio.lookahead import predictor_state, rank_experts
+from colibri_aio.arch.lookahead import predictor_state, rank_experts
 
 
 class RouteObserver(Protocol):

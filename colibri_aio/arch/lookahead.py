@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from colibri_aio.gguf_model import Model
+from colibri_aio.gguf.model import Model
 from colibri_aio.kernels.ops import rms_norm
 
 PREDICTORS = ("moe_input", "residual_next_norm", "raw_residual", "layer_input_next_norm")

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Sequence
 import numpy as np
 
 from colibri_aio.experts import ExpertLocation, ExpertWeights
-from colibri_aio.gguf_model import Model
+from colibri_aio.gguf.model import Model
 from colibri_aio.kernels.qtensor import QTensor
 
 

@@ -286,7 +286,7 @@ def git_commit() -> str:
     here = Path(__file__).resolve().parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "io", "colibri_aio/iobench.py"],
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "io", "colibri_aio/cli/iobench.py"],
                                cwd=here.parent, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -404,7 +404,7 @@ def _run_iobench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m colibri_aio.iobench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m colibri_aio.cli.iobench", description=__doc__.splitlines()[0])
     add_iobench_arguments(parser)
     args = parser.parse_args(argv)
     try:

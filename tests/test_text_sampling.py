@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from colibri_aio.errors import UserError
-from colibri_aio.sampling import (
+from colibri_aio.text.sampling import (
     StopStrings, Stopper, keep_min_p, keep_top_k, keep_top_p, make_sampler, softmax,
 )
 

@@ -14,14 +14,14 @@ import numpy as np
 import structlog
 
 from colibri_aio.errors import UserError
-from colibri_aio.gguf_model import Model, Progress
+from colibri_aio.gguf.model import Model, Progress
 from colibri_aio.io.reader import BACKENDS, ExpertReader
-from colibri_aio.memory import memory_limits
-from colibri_aio.plan import Plan, make_plan
+from colibri_aio.engine.memory import memory_limits
+from colibri_aio.engine.plan import Plan, make_plan
 from colibri_aio.policy.cache import ExpertCache
 from colibri_aio.policy.backpressure import BackpressureConfig, BackpressureController
 from colibri_aio.policy.usage import UsageHistory, default_usage_path, model_fingerprint, pins_for
-from colibri_aio.scheduler import CachedExpertSource
+from colibri_aio.engine.scheduler import CachedExpertSource
 
 log = structlog.get_logger("colibri_aio.placement")
 

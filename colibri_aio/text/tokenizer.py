@@ -34,7 +34,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from colibri_aio.gguf_header import GGUFHeader
+from colibri_aio.gguf.header import GGUFHeader
 from colibri_aio.errors import ModelFormatError, UserError
 
 __all__ = ["Tokenizer", "StreamDecoder", "TokenizerSpec", "QWEN2_SPLIT_REGEX"]

@@ -11,14 +11,14 @@ import itertools
 import numpy as np
 import pytest
 
-from colibri_aio.engine import Engine
+from colibri_aio.engine.engine import Engine
 from colibri_aio.errors import ExpertReadError, UserError
-from colibri_aio.gguf_model import load
+from colibri_aio.gguf.model import load
 from colibri_aio.io.reader import ReaderClosedError
-from colibri_aio.mapped_source import MappedExpertSource
+from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.policy.backpressure import BackpressureConfig
-from colibri_aio.qwen3moe import Qwen3MoE
-from colibri_aio.sources import DEFAULT_LOOKAHEAD, Placement, open_source
+from colibri_aio.arch.qwen3moe import Qwen3MoE
+from colibri_aio.engine.placement import DEFAULT_LOOKAHEAD, Placement, open_source
 
 from support import fixture, oracle_ids
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from colibri_aio.errors import ModelFormatError, UserError
-from colibri_aio.tokenizer import Tokenizer
+from colibri_aio.text.tokenizer import Tokenizer
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 ORACLE = json.loads((FIXTURES / "oracle" / "tokenizer_llamacpp.json").read_text(encoding="utf-8"))

@@ -16,10 +16,10 @@ import os
 import numpy as np
 import pytest
 
-from colibri_aio.gguf_model import load
+from colibri_aio.gguf.model import load
 from colibri_aio.kernels import backend
-from colibri_aio.mapped_source import MappedExpertSource
-from colibri_aio.qwen3moe import Qwen3MoE
+from colibri_aio.engine.mapped_source import MappedExpertSource
+from colibri_aio.arch.qwen3moe import Qwen3MoE
 
 from support import ORACLE, fixture, oracle_ids
 

@@ -11,56 +11,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
+from colibri_aio.engine.stats import EngineStats
 from colibri_aio.policy.diskstats import DeviceSample, DiskstatsSampler, read_diskstats
 
 if TYPE_CHECKING:
-    from colibri_aio.engine import Engine
+    from colibri_aio.engine.engine import Engine
 
 MB = 1e6
-
-
-@dataclass(frozen=True, slots=True)
-class EngineStats:
-    """Cumulative counters of an engine at time ``t`` (monotonic seconds)."""
-
-    t: float
-    prompt_tokens: int
-    generated_tokens: int
-    prefill_s: float
-    decode_s: float
-    pinned_hits: int
-    cached_hits: int
-    prefetch_hits: int
-    misses: int
-    prefetch_reads: int
-    prefetch_wasted: int
-    prefetch_wasted_bytes: int
-    prefetch_on: bool
-    prefetch_reason: str
-    lookahead_recall: float
-    lookahead_precision: float
-    bytes_read: int        # expert bytes delivered by the reader
-    io_bytes: int          # bytes asked of the disk (aligned supersets)
-    reads_in_flight: int
-    slots_used: int
-    slots_total: int
-    read_busy_s: float     # wall time with at least one expert read in flight
-    rss: int
-    peak_rss: int
-
-    @property
-    def lookups(self) -> int:
-        return self.pinned_hits + self.cached_hits + self.prefetch_hits + self.misses
-
-    @property
-    def hit_rate(self) -> float:
-        return (self.lookups - self.misses) / self.lookups if self.lookups else 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "hit_rate": self.hit_rate}
 
 
 @dataclass(frozen=True, slots=True)

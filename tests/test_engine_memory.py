@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from colibri_aio.memory import cgroup_memory_limit, memory_limits, peak_rss_bytes, rss_bytes
+from colibri_aio.engine.memory import cgroup_memory_limit, memory_limits, peak_rss_bytes, rss_bytes
 
 MEMINFO = "MemTotal:       24683652 kB\nMemFree:  1000 kB\nMemAvailable:   22467552 kB\nHugePages_Total: 0\n"
 

@@ -17,20 +17,20 @@ from typing import Any
 import numpy as np
 
 from colibri_aio.errors import UserError
-from colibri_aio.gguf_model import Model, Progress, load
+from colibri_aio.gguf.model import Model, Progress, load
 from colibri_aio.kernels import backend
 from gguf import GGMLQuantizationType
-from colibri_aio.memory import peak_rss_bytes, rss_bytes
+from colibri_aio.engine.memory import peak_rss_bytes, rss_bytes
 from colibri_aio.policy.diskstats import DiskstatsSampler, device_of, read_diskstats
 from colibri_aio.models import default_model_path
-from colibri_aio.qwen3moe import Qwen3MoE
-from colibri_aio.sampling import FinishReason, Stopper, make_sampler
-from colibri_aio.plan import Plan
+from colibri_aio.arch.qwen3moe import Qwen3MoE
+from colibri_aio.text.sampling import FinishReason, Stopper, make_sampler
+from colibri_aio.engine.plan import Plan
 from colibri_aio.policy.budget import parse_size
-from colibri_aio.scheduler import CachedExpertSource
-from colibri_aio.sources import DEFAULT_LOOKAHEAD, Placement, open_source
-from colibri_aio.telemetry import EngineStats
-from colibri_aio.tokenizer import Tokenizer
+from colibri_aio.engine.scheduler import CachedExpertSource
+from colibri_aio.engine.placement import DEFAULT_LOOKAHEAD, Placement, open_source
+from colibri_aio.engine.stats import EngineStats
+from colibri_aio.text.tokenizer import Tokenizer
 
 Prompt = str | Sequence[Mapping[str, Any]]
 

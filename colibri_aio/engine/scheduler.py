@@ -36,14 +36,14 @@ from typing import Literal
 import structlog
 
 from colibri_aio.experts import ExpertWeights
-from colibri_aio.gguf_model import Model
+from colibri_aio.gguf.model import Model
 from colibri_aio.io.reader import ExpertReader, SlotLease
 from colibri_aio.policy.backpressure import BackpressureController
 from colibri_aio.policy.cache import ExpertCache, Key, Reservation, SlotState
 from colibri_aio.policy.predictor import LookaheadPredictor
 from colibri_aio.policy.usage import UsageHistory, default_usage_path
 
-log = structlog.get_logger("colibri_aio.scheduler")
+log = structlog.get_logger("colibri_aio.engine.scheduler")
 
 ReadKind = Literal["demand", "prefetch"]
 

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import Literal
 
 from colibri_aio.errors import UserError
-from colibri_aio.gguf_model import Model, load
+from colibri_aio.gguf.model import Model, load
 from colibri_aio.io.modelfile import ModelFile
 from colibri_aio.io.reader import ExpertReader
-from colibri_aio.memory import memory_limits
-from colibri_aio.plan import gb
+from colibri_aio.engine.memory import memory_limits
+from colibri_aio.engine.plan import gb
 
 Verdict = Literal["ok", "warn", "fail"]
 PROBE_SECONDS = 1.0

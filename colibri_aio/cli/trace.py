@@ -37,11 +37,11 @@ from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
 
-from colibri_aio.gguf_model import Model
-from colibri_aio.lookahead import PREDICTORS, predictor_state, rank_experts
+from colibri_aio.gguf.model import Model
+from colibri_aio.arch.lookahead import PREDICTORS, predictor_state, rank_experts
 
 if TYPE_CHECKING:
-    from colibri_aio.qwen3moe import Qwen3MoE
+    from colibri_aio.arch.qwen3moe import Qwen3MoE
 
 FORMAT, VERSION = "colibri-aio-route-trace", 1
 

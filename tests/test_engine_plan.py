@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 
 from colibri_aio.errors import UserError
-from colibri_aio.gguf_model import ModelArgs
-from colibri_aio.memory import MemoryLimits
-from colibri_aio.plan import kv_cache_nbytes, make_plan, working_nbytes
+from colibri_aio.gguf.model import ModelArgs
+from colibri_aio.engine.memory import MemoryLimits
+from colibri_aio.engine.plan import kv_cache_nbytes, make_plan, working_nbytes
 
 from support import fixture, run_cli
 

@@ -1,0 +1,1 @@
+"""``python -m colibri_aio``: the commands, their telemetry and diagnostics."""

@@ -1,0 +1,1 @@
+"""Text in and out: the tokenizer and chat template from GGUF metadata, and the samplers."""
