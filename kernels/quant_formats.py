@@ -5,11 +5,12 @@ permutation of the row's columns chosen per type so that NumPy works on long
 contiguous runs instead of 16- or 32-element pieces):
 
 * ``decode(raw, scratch)`` -> the integer quant values, ``(rows, cols)`` int8
-  or uint8 (or float32 for the float types, which have no scales);
+  or uint8 -- for IQ4_NL, IQ4_XS and MXFP4 the small integers their 4-bit
+  codes stand for -- (or float32 for the float types, which have no scales);
 * ``prepare(raw, index)`` -> :class:`Scales`, one value per sub-block of
   ``sub`` consecutive layout columns, ``(rows, sub_blocks)`` float32: the
-  factor ``mul`` and, for Q4_K/Q5_K, the additive ``bias`` (``-dmin * m``),
-  so that ``weight = q * mul + bias``. ``index`` (from :func:`scale_index`)
+  factor ``mul`` and, for Q4_1/Q5_1 (``m``) and Q2_K/Q4_K/Q5_K
+  (``-dmin * m``), the additive ``bias``, so that ``weight = q * mul + bias``. ``index`` (from :func:`scale_index`)
   names, per layout sub-block, the block and the natural scale it uses; the
   small integer scales are gathered into layout order before any float work,
   so every pass runs over whole rows.
@@ -19,8 +20,10 @@ GGUF bytes; nibbles and high bits are unpacked eight at a time on uint64 words.
 ``column_order(cols)`` gives, for each layout position, the natural column it
 holds (``None`` when layout order is natural order).
 
-Byte layouts follow ggml's ``block_q8_0``, ``block_q4_0``, ``block_q4_K``,
-``block_q5_K`` and ``block_q6_K``.
+Byte layouts follow ggml's ``block_<type>`` structs (``block_q8_0`` ...
+``block_iq4_xs``, ``block_mxfp4``); each is drawn beside its decoder.
+``gguf.quants.dequantize`` is the reference: ``dequantize`` reproduces it bit
+for bit, since ``q * mul + bias`` is the same float32 arithmetic.
 """
 from __future__ import annotations
 
@@ -183,7 +186,7 @@ def _contiguous_bytes(raw: np.ndarray, start: int, stop: int, name: str, scratch
 # --- Q8_0: d (f16) + 32 x int8. Natural layout; the int8 values are read in place. ---
 
 def _prepare_q8_0(raw: np.ndarray, index: ScaleIndex) -> Scales:
-    """mul = d per sub-block (Q8_0 and Q4_0 share the leading f16 d)."""
+    """mul = d per sub-block, for every type whose block opens with its one f16 scale d."""
     d = _f16_field(raw, 0)                                                  # (R, nb)
     return Scales(d if index.scale.size == 0 else d[:, index.block], None)  # empty scale: natural order
 
@@ -241,8 +244,9 @@ def _decode_q4_1(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
     return _as_row(_nibble_words(raw, 4, scratch), np.uint8)
 
 
-# Q5_0 (22 bytes):  | d f16 | qh u32 | qs[16] |         weight j = d * (nibble | (bit j of qh) << 4) - 16 d
-# Q5_1 (24 bytes):  | d f16 | m f16 | qh u32 | qs[16] | weight j = d * (nibble | (bit j of qh) << 4) + m
+# Q5_0 (22 bytes):  | d f16 | qh u32 | qs[16] |         weight j = d * (q5_j - 16)
+# Q5_1 (24 bytes):  | d f16 | m f16 | qh u32 | qs[16] | weight j = d * q5_j + m
+# where q5_j = nibble j | (bit j of qh) << 4 (qh little-endian: byte k holds weights 8k..8k+7).
 # In layout (h, b, l) the word of l = 8g..8g+7 takes its fifth bits from qh byte 2h + g, bit i to byte i.
 
 _BIT_I_OF_BYTE_I = np.uint64(0x8040201008040201)
@@ -407,11 +411,16 @@ def _order_q5_k(cols: int) -> np.ndarray:
 # ql[64h + 32(k % 2) + l] and bits 2k..2k+1 of qh[32h + l]; minus 32; one scale per 16 weights.
 # Layout (k, b, h, l) with k = 2 * nibble + part. ---
 
+def _d_times(d: np.ndarray, scales: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = d * scale per layout sub-block; d (R, nb) float32, scales (R, nb, n) signed integers."""
+    mul = d[:, index.block]
+    np.multiply(mul, scales[:, index.block, index.scale], out=mul)
+    return Scales(mul, None)
+
+
 def _prepare_q6_k(raw: np.ndarray, index: ScaleIndex) -> Scales:
     """mul = d * sc per layout sub-block of 16."""
-    mul = _f16_field(raw, 208)[:, index.block]
-    np.multiply(mul, raw[..., 192:208].view(np.int8)[:, index.block, index.scale], out=mul)
-    return Scales(mul, None)
+    return _d_times(_f16_field(raw, 208), raw[..., 192:208].view(np.int8), index)
 
 
 def _decode_q6_k(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
@@ -435,6 +444,21 @@ def _decode_q6_k(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
 def _order_q6_k(cols: int) -> np.ndarray:
     return _grid_order((4, cols // 256, 2, 32), lambda k, b, h, l: b * 256 + h * 128 + k * 32 + l)
 
+def _split_bytes(packed: np.ndarray, low: np.ndarray, high: np.ndarray) -> None:
+    """Bytes -> their low and high nibbles (small arrays of packed scales; any strides)."""
+    np.bitwise_and(packed, 0x0F, out=low)
+    np.right_shift(packed, 4, out=high)
+
+
+def _six_bits_minus_32(low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """6-bit scales from their low nibbles and (unmasked) top two bits, minus 32, as int8 in ``low``."""
+    np.bitwise_and(high, 0x03, out=high)
+    np.left_shift(high, 4, out=high)
+    np.bitwise_or(low, high, out=low)
+    np.subtract(low, 32, out=low)  # wraps: read as int8 it is the scale - 32
+    return low.view(np.int8)
+
+
 # --- Q2_K (84 bytes, 256 weights, 16 sub-blocks of 16):
 #
 #     | scales[16] | qs[64] | d f16 | dmin f16 |
@@ -452,10 +476,8 @@ def _crumbs(qs: np.ndarray, out: np.ndarray) -> None:
 def _prepare_q2_k(raw: np.ndarray, index: ScaleIndex) -> Scales:
     r, nb, _ = raw.shape
     d_dmin = f16_to_f32(raw[..., 80:84].view(np.uint16), np.empty((r, nb, 2), np.float32), thread_scratch())
-    packed = raw[..., 0:16]
     sc_m = np.empty((r, nb, 2, 16), np.uint8)
-    np.bitwise_and(packed, 0x0F, out=sc_m[:, :, 0])
-    np.right_shift(packed, 4, out=sc_m[:, :, 1])
+    _split_bytes(raw[..., 0:16], sc_m[:, :, 0], sc_m[:, :, 1])
     return _mul_bias(d_dmin, sc_m, index)
 
 
@@ -491,23 +513,15 @@ def unpack_q3_k_scales(raw: np.ndarray) -> np.ndarray:
     r, nb, _ = raw.shape
     packed = raw[..., 96:108]
     low = np.empty((r, nb, 2, 8), np.uint8)                                # [nibble, byte]: j = 8 nibble + byte
-    np.bitwise_and(packed[..., :8], 0x0F, out=low[:, :, 0])
-    np.right_shift(packed[..., :8], 4, out=low[:, :, 1])
+    _split_bytes(packed[..., :8], low[:, :, 0], low[:, :, 1])
     high = np.empty((r, nb, 4, 4), np.uint8)                               # [pair, byte]: j = 4 pair + byte
     np.right_shift(packed[..., None, 8:12], _Q3_HIGH_SHIFTS, out=high)
-    np.bitwise_and(high, 0x03, out=high)
-    np.left_shift(high, 4, out=high)
-    sc = _split(low, (r, nb, 16))
-    np.bitwise_or(sc, _split(high, (r, nb, 16)), out=sc)
-    np.subtract(sc, 32, out=sc)                                            # wraps: read as int8 it is sc - 32
-    return sc.view(np.int8)
+    return _six_bits_minus_32(_split(low, (r, nb, 16)), _split(high, (r, nb, 16)))
 
 
 def _prepare_q3_k(raw: np.ndarray, index: ScaleIndex) -> Scales:
     """mul = d * (scale - 32) per layout sub-block of 16."""
-    mul = _f16_field(raw, 108)[:, index.block]
-    np.multiply(mul, unpack_q3_k_scales(raw)[:, index.block, index.scale], out=mul)
-    return Scales(mul, None)
+    return _d_times(_f16_field(raw, 108), unpack_q3_k_scales(raw), index)
 
 
 def _decode_q3_k(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
@@ -541,22 +555,15 @@ def unpack_iq4_xs_scales(raw: np.ndarray) -> np.ndarray:
     """IQ4_XS blocks (R, nb, 136) -> the 8 signed sub-block scales (6-bit value - 32), (R, nb, 8) int8."""
     r, nb, _ = raw.shape
     low = np.empty((r, nb, 4, 2), np.uint8)                                # [byte, nibble]: k = 2 byte + nibble
-    np.bitwise_and(raw[..., 4:8], 0x0F, out=low[..., 0])
-    np.right_shift(raw[..., 4:8], 4, out=low[..., 1])
-    high = raw[..., 2:4].view(np.uint16)[..., 0:1] >> _IQ4_XS_HIGH_SHIFTS  # (R, nb, 8)
-    np.bitwise_and(high, 0x03, out=high)
-    np.left_shift(high, 4, out=high)
-    sc = _split(low, (r, nb, 8))
-    np.bitwise_or(sc, high, out=sc, casting="unsafe")                      # values < 64: uint16 -> uint8 exact
-    np.subtract(sc, 32, out=sc)
-    return sc.view(np.int8)
+    _split_bytes(raw[..., 4:8], low[..., 0], low[..., 1])
+    high = np.empty((r, nb, 8), np.uint8)
+    np.right_shift(raw[..., 2:4].view(np.uint16)[..., 0:1], _IQ4_XS_HIGH_SHIFTS, out=high, casting="unsafe")
+    return _six_bits_minus_32(_split(low, (r, nb, 8)), high)
 
 
 def _prepare_iq4_xs(raw: np.ndarray, index: ScaleIndex) -> Scales:
     """mul = d * (scale - 32) per layout sub-block of 16."""
-    mul = _f16_field(raw, 0)[:, index.block]
-    np.multiply(mul, unpack_iq4_xs_scales(raw)[:, index.block, index.scale], out=mul)
-    return Scales(mul, None)
+    return _d_times(_f16_field(raw, 0), unpack_iq4_xs_scales(raw), index)
 
 
 def _decode_iq4_xs(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
