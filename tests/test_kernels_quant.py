@@ -45,12 +45,12 @@ def threads():
 
 
 SHAPES = [(1, 1), (3, 1), (17, 3), (97, 2)]  # (rows, blocks per row)
-_cols = cols_for
+
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,blocks", SHAPES)
 def test_matvec_matches_reference(t: T, rows: int, blocks: int, small_chunks: None) -> None:
-    w = make_weights(t, (rows, _cols(t, blocks)), seed=rows)
+    w = make_weights(t, (rows, cols_for(t, blocks)), seed=rows)
     x = np.random.default_rng(1).standard_normal(w.cols).astype(np.float32)
     y = quant.matvec(w, x)
     assert y.dtype == np.float32 and y.shape == (rows,)
@@ -61,7 +61,7 @@ def test_matvec_matches_reference(t: T, rows: int, blocks: int, small_chunks: No
 @pytest.mark.parametrize("rows,blocks", SHAPES)
 @pytest.mark.parametrize("n_pos", [1, 3, 8, 11])
 def test_matmul_matches_reference(t: T, rows: int, blocks: int, n_pos: int, small_chunks: None) -> None:
-    w = make_weights(t, (rows, _cols(t, blocks)), seed=rows)
+    w = make_weights(t, (rows, cols_for(t, blocks)), seed=rows)
     x = np.random.default_rng(n_pos).standard_normal((n_pos, w.cols)).astype(np.float32)
     y = quant.matmul(w, x)
     assert y.dtype == np.float32 and y.shape == (n_pos, rows)
@@ -71,7 +71,7 @@ def test_matmul_matches_reference(t: T, rows: int, blocks: int, n_pos: int, smal
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_positive_activations(t: T, small_chunks: None) -> None:
     """All-positive x (as after SwiGLU) makes the -dmin * m term of Q4_K/Q5_K largest: still accurate."""
-    w = make_weights(t, (33, _cols(t, 2)), seed=11)
+    w = make_weights(t, (33, cols_for(t, 2)), seed=11)
     rng = np.random.default_rng(12)
     x, xs = np.abs(rng.standard_normal(w.cols)).astype(np.float32), np.abs(rng.standard_normal((4, w.cols))).astype(np.float32)
     assert rel_err(quant.matvec(w, x), reference(w) @ x) <= 1e-5
@@ -91,7 +91,7 @@ def test_default_chunking_on_an_expert_sized_matrix(t: T) -> None:
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_dequantize_equals_gguf_reference(t: T, small_chunks: None) -> None:
-    w = make_weights(t, (2, 3, _cols(t, 2)), seed=5)
+    w = make_weights(t, (2, 3, cols_for(t, 2)), seed=5)
     out = quant.dequantize(w)
     assert out.dtype == np.float32 and out.shape == w.shape
     np.testing.assert_array_equal(out.reshape(w.rows, w.cols), reference(w).astype(np.float32))
@@ -101,7 +101,7 @@ def test_dequantize_equals_gguf_reference(t: T, small_chunks: None) -> None:
 @pytest.mark.filterwarnings("ignore:(overflow|invalid value):RuntimeWarning")  # inf and NaN, on purpose
 def test_dequantize_of_every_bit_pattern_equals_gguf(t: T, small_chunks: None) -> None:
     """Random bytes everywhere, scales included: subnormal, huge, infinite and NaN scales decode as gguf's."""
-    w = random_bytes(t, (41, _cols(t, 3)), seed=13)
+    w = random_bytes(t, (41, cols_for(t, 3)), seed=13)
     np.testing.assert_array_equal(quant.dequantize(w), reference(w).astype(np.float32))
 
 
@@ -120,7 +120,7 @@ def test_mxfp4_scales_cover_every_exponent() -> None:
 def test_gguf_reference_agrees_with_ggml(t: T) -> None:
     """The reference itself, against ggml's C dequantisation (``to_float`` of its type traits)."""
     ggml = pytest.importorskip("ggml", reason="ggml-python checks the gguf-py reference against ggml's C code")
-    w = make_weights(t, (7, _cols(t, 2)), seed=14)
+    w = make_weights(t, (7, cols_for(t, 2)), seed=14)
     out = np.empty(w.rows * w.cols, np.float32)
     traits = ggml.ggml_get_type_traits(int(t)).contents
     traits.to_float(w.data.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
@@ -130,7 +130,7 @@ def test_gguf_reference_agrees_with_ggml(t: T) -> None:
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_results_do_not_depend_on_where_the_bytes_live(t: T, tmp_path, small_chunks: None) -> None:
-    w = make_weights(t, (37, _cols(t, 3)), seed=6)
+    w = make_weights(t, (37, cols_for(t, 3)), seed=6)
     rng = np.random.default_rng(7)
     x, xs = rng.standard_normal(w.cols).astype(np.float32), rng.standard_normal((8, w.cols)).astype(np.float32)
     places = [placed(w, off) for off in (0, 32, 64 + 32, 4096 + 96)] + [mapped(w, tmp_path / "w.bin")]
@@ -148,7 +148,7 @@ def test_results_do_not_depend_on_where_the_bytes_live(t: T, tmp_path, small_chu
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_every_byte_offset_gives_the_same_bits(t: T, small_chunks: None) -> None:
     """An expert slice may start at any byte of a slot (blocks of 17, 22 or 110 bytes put fields anywhere)."""
-    w = make_weights(t, (9, _cols(t, 2)), seed=15)
+    w = make_weights(t, (9, cols_for(t, 2)), seed=15)
     rng = np.random.default_rng(16)
     x, xs = rng.standard_normal(w.cols).astype(np.float32), rng.standard_normal((3, w.cols)).astype(np.float32)
     want_v, want_m, want_d = quant.matvec(w, x), quant.matmul(w, xs), quant.dequantize(w)
