@@ -158,6 +158,10 @@ def warm_up(types: tuple[T, ...] | None = None) -> float:
     jit = _jit
     if jit is None:
         return 0.0
+    if types is not None:  # types with no compiled kernel run on NumPy: nothing to compile
+        types = tuple(t for t in types if t in jit.SUPPORTED_TYPES)
+        if not types:
+            return 0.0
     try:
         return jit.warm_up(types)
     except jit.numba.core.errors.NumbaError as e:

@@ -2,7 +2,9 @@
 
 Tolerance: the transformers oracle runs on the same dequantised weights
 (gguf.quants.dequantize), so every fixture, quantised or not, must agree to
-1e-4 x max|logit|. llama.cpp also quantises activations to Q8_0 before each
+1e-4 x max|logit|. The fixtures of fixtures/quant_types/ (the tensor types
+beyond the first eight) store oracles for fewer positions: each test runs the
+ids each oracle file holds. llama.cpp also quantises activations to Q8_0 before each
 product on quantised weights, so against it we check argmax agreement wherever
 its own top-2 margin is clear, and closeness only on F32 fixtures (for F16/BF16
 weights it rounds activations to half precision).
@@ -21,12 +23,32 @@ from colibri_aio.kernels import backend
 from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.arch.qwen3moe import Qwen3MoE
 
-from support import ORACLE, fixture, oracle_ids
+from support import FIXTURES, ORACLE, fixture, oracle_ids
 
 REL_TOL = 1e-4
-TRANSFORMERS_FIXTURES = sorted(p.name.split(".")[0] for p in ORACLE.glob("*.transformers.npz"))
-LLAMACPP_FIXTURES = sorted(p.name.split(".")[0] for p in ORACLE.glob("*.llamacpp.npz"))
+# Oracle directories and the prefix that makes their stems fixture names (relative to fixtures/).
+ORACLE_DIRS = {ORACLE: "", FIXTURES / "quant_types" / "oracle": "quant_types/"}
+QUANT_TYPE_FIXTURES = {f"quant_types/{s}" for s in (
+    "tiny_q4_1", "tiny_q5_0", "tiny_q5_1", "tiny_iq4_nl", "tiny_mxfp4", "ktiny_q2_k", "ktiny_iq4_xs")}
+
+
+def _with_oracle(kind: str) -> list[str]:
+    return sorted(prefix + p.name.split(".")[0] for d, prefix in ORACLE_DIRS.items() for p in d.glob(f"*.{kind}.npz"))
+
+
+TRANSFORMERS_FIXTURES = _with_oracle("transformers")
+LLAMACPP_FIXTURES = _with_oracle("llamacpp")
 F32_FIXTURES = {"tiny_f32", "tiny_f32_tied"}
+
+
+def _oracle(name: str, kind: str) -> list[tuple[str, list[int], np.ndarray]]:
+    """(sequence key, ids, logits) for every sequence the oracle file of ``name`` holds.
+
+    A file may hold fewer sequences, or fewer positions, than fixtures/oracle/ids.json.
+    """
+    folder, _, stem = name.rpartition("/")
+    ref, ids = np.load(FIXTURES / folder / "oracle" / f"{stem}.{kind}.npz"), oracle_ids()
+    return [(key, ids[int(key[3:])][: ref[key].shape[0]], ref[key]) for key in sorted(ref.files)]
 
 
 def _net(name: str) -> Qwen3MoE:
@@ -57,17 +79,17 @@ def kernels(request: pytest.FixtureRequest):
 def test_oracles_are_present() -> None:
     assert {"tiny_f32", "tiny_f32_tied", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0"} <= set(TRANSFORMERS_FIXTURES)
     assert {"tiny_f32", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0"} <= set(LLAMACPP_FIXTURES)
+    assert QUANT_TYPE_FIXTURES <= set(TRANSFORMERS_FIXTURES) and QUANT_TYPE_FIXTURES <= set(LLAMACPP_FIXTURES)
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
 @pytest.mark.parametrize("name", TRANSFORMERS_FIXTURES)
 def test_logits_match_transformers(name: str, decode: bool, kernels: str) -> None:
-    net, ref = _net(name), np.load(ORACLE / f"{name}.transformers.npz")
-    for i, ids in enumerate(oracle_ids()):
-        want = ref[f"seq{i}"]
+    net = _net(name)
+    for key, ids, want in _oracle(name, "transformers"):
         got = teacher_forced(net, ids, decode=decode)
         tol = REL_TOL * float(np.abs(want).max())
-        assert float(np.abs(got - want).max()) <= tol, f"{name} seq{i}"
+        assert float(np.abs(got - want).max()) <= tol, f"{name} {key}"
         top2 = np.sort(want, axis=-1)[:, -2:]
         clear = (top2[:, 1] - top2[:, 0]) > tol
         np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
@@ -75,17 +97,16 @@ def test_logits_match_transformers(name: str, decode: bool, kernels: str) -> Non
 
 @pytest.mark.parametrize("name", LLAMACPP_FIXTURES)
 def test_argmax_matches_llamacpp(name: str) -> None:
-    net, ref = _net(name), np.load(ORACLE / f"{name}.llamacpp.npz")
+    net = _net(name)
     f32_weights = name in F32_FIXTURES
-    for i, ids in enumerate(oracle_ids()):
-        want = ref[f"seq{i}"]
+    for key, ids, want in _oracle(name, "llamacpp"):
         got = teacher_forced(net, ids, decode=False)
         scale = float(np.abs(want).max())
         # F32 weights: only the summation order differs. Otherwise llama.cpp rounds the
         # activations too (to F16/BF16 for half-precision weights, Q8_0 for quantised ones).
         tol = (REL_TOL if f32_weights else 0.05) * scale
         if f32_weights:
-            assert float(np.abs(got - want).max()) <= tol, f"{name} seq{i}"
+            assert float(np.abs(got - want).max()) <= tol, f"{name} {key}"
         top2 = np.sort(want, axis=-1)[:, -2:]
         clear = (top2[:, 1] - top2[:, 0]) > 2 * tol
         np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])

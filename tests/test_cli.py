@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from support import ORACLE, fixture, oracle_ids, run_cli
+from support import FIXTURES, ORACLE, fixture, oracle_ids, run_cli
 
 
 def test_help_explains_every_command() -> None:
@@ -27,6 +27,17 @@ def test_logits_writes_teacher_forced_rows(tmp_path) -> None:
     got, want = np.load(out), np.load(ORACLE / "tiny_f32.transformers.npz")["seq1"]
     assert got.dtype == np.float32 and got.shape == (len(ids), 2048)
     assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
+
+
+@pytest.mark.parametrize("kernels", ["numba", "auto"])
+def test_logits_of_types_without_compiled_kernels(kernels: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q2_K/Q3_K file opens under every backend (none compiles those types) and runs on NumPy's kernels."""
+    monkeypatch.setenv("COLIBRI_KERNELS", kernels)
+    want = np.load(FIXTURES / "quant_types" / "oracle" / "ktiny_q2_k.transformers.npz")["seq0"]
+    ids, out = oracle_ids()[0][: len(want)], tmp_path / "l.npy"
+    r = run_cli("logits", str(fixture("quant_types/ktiny_q2_k.gguf")), "--ids", ",".join(map(str, ids)), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert float(np.abs(np.load(out) - want).max()) <= 1e-4 * float(np.abs(want).max())
 
 
 @pytest.mark.parametrize("ids", ["1,x,3", "", "5,99999"])

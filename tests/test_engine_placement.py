@@ -22,7 +22,7 @@ from colibri_aio.engine.placement import DEFAULT_LOOKAHEAD, Placement, open_sour
 
 from support import fixture, oracle_ids
 
-FIXTURES = ["tiny_f32", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0"]
+FIXTURES = ["tiny_f32", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0", "quant_types/tiny_mxfp4", "quant_types/ktiny_q2_k"]
 
 
 async def _reference(name: str, ids: list[int]) -> np.ndarray:

@@ -18,6 +18,7 @@ BAD = {
     "arch_bad.gguf": "unsupported architecture",
     "experts_bad.gguf": "expert_used_count",
     "notgguf_bad.gguf": "not a GGUF",
+    "quant_types/iq2_xxs_bad.gguf": "tensor blk.0.ffn_down_exps.weight has unsupported type IQ2_XXS",
 }
 
 
@@ -63,6 +64,24 @@ def test_cli_refuses_broken_files_with_one_line_and_status_2(name: str, phrase: 
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and phrase in lines[0] and "Traceback" not in r.stderr, r.stderr
     assert r.stdout == ""
+
+
+def test_a_made_up_tensor_type_is_refused_with_one_line(tmp_path) -> None:
+    """A type id no ggml knows (here 200, written over blk.0.attn_q's Q8_0) names the tensor and the id."""
+    src = FIXTURES / "quant_types" / "iq2_xxs_bad.gguf"
+    data = bytearray(src.read_bytes())
+    name = b"blk.0.attn_q.weight"
+    at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)  # after the name: n_dims, dims, type
+    n_dims = int.from_bytes(data[at: at + 4], "little")
+    type_at = at + 4 + 8 * n_dims
+    assert int.from_bytes(data[type_at: type_at + 4], "little") == 8  # Q8_0, so the patch lands on the type
+    data[type_at: type_at + 4] = (200).to_bytes(4, "little")
+    path = tmp_path / "madeup_bad.gguf"
+    path.write_bytes(bytes(data))
+    r = run_cli("logits", str(path), "--ids", "1,2", "--out", str(tmp_path / "x.npy"))
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "tensor blk.0.attn_q.weight has unknown ggml type 200" in lines[0], r.stderr
 
 
 def test_missing_file_is_a_user_error(tmp_path) -> None:

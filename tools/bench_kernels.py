@@ -38,7 +38,8 @@ import numpy as np
 from receipt import spread
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL_TYPES = ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "BF16", "F16", "F32"]
+ALL_TYPES = ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K",
+             "IQ4_XS", "BF16", "F16", "F32"]
 TUNING_PREFIX = "COLIBRI_QUANT_"  # an arm may set a module constant of quant, e.g. COLIBRI_QUANT_MATVEC_CHUNK_WEIGHTS
 TARGETS = {("Q8_0", "matvec"): 3.0, ("Q4_K", "matvec"): 1.5}  # G weights/s, 2 threads
 
@@ -46,12 +47,14 @@ TARGETS = {("Q8_0", "matvec"): 3.0, ("Q4_K", "matvec"): 1.5}  # G weights/s, 2 t
 # --- child: one run of every measurement ---
 
 def _tensor(type_name: str, shape: tuple[int, int], rng: np.random.Generator):
-    """A valid weight tensor: quantised random data, or random K-quant blocks with finite scales."""
+    """A valid weight tensor: quantised random data, or (types gguf cannot quantise) random blocks
+    with finite scales."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
     from colibri_aio.kernels.qtensor import QTensor
 
     t = GGMLQuantizationType[type_name]
-    k_scale_bytes = {"Q4_K": slice(0, 4), "Q5_K": slice(0, 4), "Q6_K": slice(208, 210)}
+    k_scale_bytes = {"Q4_K": slice(0, 4), "Q5_K": slice(0, 4), "Q6_K": slice(208, 210), "Q2_K": slice(80, 84),
+                     "Q3_K": slice(108, 110), "IQ4_NL": slice(0, 2), "IQ4_XS": slice(0, 2)}
     if type_name in k_scale_bytes:
         block, type_size = GGML_QUANT_SIZES[t]
         blocks = rng.integers(0, 256, (shape[0] * shape[1] // block, type_size), dtype=np.uint8)

@@ -179,7 +179,8 @@ class _Tensors:
                 hint = f" (block_count says {self.args.block_count} blocks)"
             raise ModelFormatError(f"{self.path}: missing tensor {name}{hint}")
         if t.tensor_type not in SUPPORTED_TYPES:
-            raise ModelFormatError(f"{self.path}: tensor {name} has unsupported type {t.tensor_type.name}")
+            raise ModelFormatError(f"{self.path}: tensor {name} has unsupported type {t.tensor_type.name} "
+                                   f"(this engine runs {', '.join(sorted(s.name for s in SUPPORTED_TYPES))})")
         got = tuple(int(n) for n in reversed(t.shape.tolist()))
         if got != shape:
             raise ModelFormatError(f"{self.path}: tensor {name} has shape {got}, expected {shape} from the metadata")
