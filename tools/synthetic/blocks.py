@@ -83,9 +83,10 @@ class Q8_0:
     block: ClassVar[int] = 32
     type_size: ClassVar[int] = 34
     scale_bytes: ClassVar[slice] = slice(0, 2)
+    rms: ClassVar[float] = Q8_RMS  # of the stored quant value
 
     def make_lut(self, rng: np.random.Generator, std: float) -> np.ndarray:
-        return _f16_bytes(std * _jitter(rng) / Q8_RMS)
+        return _f16_bytes(std * _jitter(rng) / self.rms)
 
     def finish(self, blocks: np.ndarray, lut: np.ndarray) -> None:
         # ggml never writes the quant -128 and its x86 dot products assume so. Folding on
@@ -192,29 +193,23 @@ class Q6_K:
         blocks[:, 192:194] = 0
 
 
-class Q5_0:
+class Q5_0(Q8_0):
     """32 weights: f16 d, 4 bytes of fifth bits, 16 bytes of low nibbles: w = d * (q - 16), q in 0..31.
 
-    Random bytes give q uniform over 0..31 (mean -0.5 d, not quite zero); only the scale is set.
+    Its scale sits where Q8_0's does, so LUT and zeroing are Q8_0's. Random bytes
+    give q uniform over 0..31 (mean -0.5 d, not quite zero); only the scale is set.
     Used where llama.cpp's Q4_K_M falls back for rows that are not whole super-blocks.
     """
 
     qtype: ClassVar[T] = T.Q5_0
-    block: ClassVar[int] = 32
     type_size: ClassVar[int] = 22
-    scale_bytes: ClassVar[slice] = slice(0, 2)
-
-    def make_lut(self, rng: np.random.Generator, std: float) -> np.ndarray:
-        return _f16_bytes(std * _jitter(rng) / Q5_RMS)
+    rms: ClassVar[float] = Q5_RMS
 
     def finish(self, blocks: np.ndarray, lut: np.ndarray) -> None:
         _headers_from_lut(blocks, lut, self.scale_bytes)
 
     def apply_code(self, blocks: np.ndarray, signs: np.ndarray, lut: np.ndarray) -> float:
         raise NotImplementedError("Q5_0 only stands in for K-quant rows of odd width, which carry no code")
-
-    def zero_first_32(self, blocks: np.ndarray) -> None:
-        blocks[:, 0:2] = 0
 
 
 MXFP4_TABLE = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float64)  # ggml's doubled E2M1
