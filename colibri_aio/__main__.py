@@ -4,7 +4,8 @@ from __future__ import annotations
 import sys
 
 
-def _main() -> int:
+def entry() -> int:
+    """The program: `python -m colibri_aio` and the `colibri-aio` script."""
     # Importing the CLI pulls in NumPy, numba and the engine (about a second): Ctrl-C
     # meanwhile ends the program as quietly as Ctrl-C during a command does.
     try:
@@ -18,4 +19,4 @@ def _main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_main())
+    sys.exit(entry())

@@ -1,9 +1,9 @@
 """Every user mistake and broken input is one line on stderr and exit status 2, whatever command and
 whatever task meets it; what the engine changes of what was asked is said aloud.
 
-The cases run in this process through ``main()`` (fast); ``python tests/test_cli_mistakes.py`` runs
-each one as a subprocess, the way a user would, and prints the table of commands, exit statuses and
-first lines of stderr.
+The cases run in this process through ``main()`` (fast); ``python tests/test_cli_mistakes.py [ROOT]``
+runs each one as a subprocess, the way a user would, from the checkout at ROOT (default: this one, e.g.
+an older commit's to compare), and prints the table of commands, exit statuses and first lines of stderr.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import pytest
 from support import FIXTURES, fixture, main_in_process
 
 MODEL = "fixtures/tiny_q8_0.gguf"
-RUN = ("run", MODEL, "--max-tokens", "4")
+RUN = ("run", "--model", MODEL, "--max-tokens", "4")  # --model: the spelling older versions take too
 
 # (case id, arguments, exit status, a phrase of the one stderr line). {tmp} is a folder of prepared files.
 MISTAKES = [
@@ -41,7 +41,7 @@ MISTAKES = [
     ("run prompt-file missing", (*RUN, "--prompt-file", "{tmp}/nope.txt"), 2, "cannot read"),
     ("run ram-budget 10T", (*RUN, "--ram-budget", "10T"), 2, "is more than"),
     ("run ram-budget nonsense", (*RUN, "--ram-budget", "lots"), 2, "not a size"),
-    ("run two different models", (*RUN, "--model", "fixtures/tiny_f32.gguf"), 2, "two models given"),
+    ("run two different models", ("run", "fixtures/tiny_f32.gguf", "--model", MODEL), 2, "two models given"),
     ("run stats-json in a missing folder", (*RUN, "--stats-json", "{tmp}/no/dir/s.jsonl"), 2, "no such folder"),
     ("run max-tokens not a number", (*RUN, "--max-tokens", "abc"), 2, "invalid int value"),
     ("run missing model", ("run", "{tmp}/nope.gguf"), 2, "no such model file"),
@@ -74,7 +74,7 @@ SAID_ALOUD = [
     ("run ctx 512 (model: 256)", (*RUN, "--ctx", "512"), 0, "--ctx 512 is more than the model's context_length 256"),
     ("run ctx 100000", (*RUN, "--ctx", "100000"), 0, "--ctx 100000 is more than"),
     ("run max-tokens 2000", (*RUN, "--max-tokens", "2000"), 0, "the context is full: 256 positions"),
-    ("plan ctx 512", ("plan", MODEL, "--ctx", "512"), 0, ""),
+    ("plan ctx 512", ("plan", MODEL, "--ctx", "512"), 0, "--ctx 512 is more than"),
 ]
 
 
@@ -184,19 +184,24 @@ def test_run_prompt_file_reads_long_prompts(files: Path) -> None:
     assert by_file[0] == 0 and by_file[1] == by_arg[1]
 
 
-def _table() -> str:
-    """Every case as a subprocess, as a user runs it: a markdown table for the closing note."""
+def _table(root: Path) -> str:
+    """Every case as a subprocess, as a user runs it from ``root``: a markdown table."""
     import tempfile
 
     rows = ["| case | command | exit | first line of stderr |", "|---|---|---|---|"]
     with tempfile.TemporaryDirectory() as tmp:
         prepare(Path(tmp))
-        for name, args, _, _ in MISTAKES + SAID_ALOUD:
+        for name, args, _, phrase in MISTAKES + SAID_ALOUD:
             argv = _args(args, Path(tmp))
             r = subprocess.run([sys.executable, "-m", "colibri_aio", *argv], capture_output=True,
-                               cwd=FIXTURES.parent, env={"XDG_CACHE_HOME": tmp, "PATH": "/usr/bin:/bin"})
+                               cwd=root, env={"XDG_CACHE_HOME": tmp, "PATH": "/usr/bin:/bin"})
             err = r.stderr.decode("utf-8", "replace").strip().splitlines()
             first = next((line for line in err if not line.startswith("[")), err[0] if err else "")
+            if first.startswith("Traceback"):
+                first = f"{err[-1]} (a traceback of {len(err)} lines)"
+            elif r.returncode == 0:  # what was said about the change, on stderr (or in plan's table)
+                said = [line for line in err + r.stdout.decode().splitlines() if phrase and phrase in line]
+                first = said[0] if said else first
             shown = " ".join(a.replace(tmp, "$TMP").encode("utf-8", "surrogateescape").decode("latin-1")
                              if "\udce9" in a else a.replace(tmp, "$TMP") for a in argv)
             rows.append(f"| {name} | `{shown}` | {r.returncode} | {first.replace('|', '/')[:160]} |")
@@ -205,4 +210,4 @@ def _table() -> str:
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).parent))
-    print(_table())
+    print(_table(Path(sys.argv[1]).resolve() if len(sys.argv) > 1 else FIXTURES.parent))

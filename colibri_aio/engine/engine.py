@@ -136,8 +136,8 @@ class Engine:
         source, plan = await open_source(model, placement, progress, store)
         for note in plan.notes:
             log.warning(note)
-        log.info(plan.one_line())
         engine = cls(model, tokenizer, source, plan, placement, store)
+        log.info(engine.describe(full=True))
         if engine.device is not None and placement.prefetch == "auto":
             engine._monitor = asyncio.get_running_loop().create_task(engine._watch_device())
         return engine
