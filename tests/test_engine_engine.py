@@ -50,6 +50,15 @@ async def test_a_caller_that_will_not_wait_is_told_at_once() -> None:
         assert len(await _tokens(engine, "Python", dict(max_tokens=3, wait=False))) == 3
 
 
+async def test_a_task_asking_again_inside_its_own_stream_is_told_instead_of_waiting_forever() -> None:
+    async with await Engine.open(MODEL, io="pread") as engine:
+        async with contextlib.aclosing(engine.generate("The list type", max_tokens=5)) as stream:
+            async for _ in stream:
+                with pytest.raises(EngineBusyError, match="own stream"):
+                    await engine.logits([1, 2])
+                break
+
+
 async def test_a_waiting_caller_runs_when_the_first_stream_is_closed() -> None:
     async with await Engine.open(MODEL, io="pread") as engine:
         first = engine.generate("The list type", max_tokens=50)

@@ -63,6 +63,22 @@ def test_early_break_lets_the_next_generation_in() -> None:
         assert len(list(engine.generate("Python", max_tokens=3, wait=False))) == 3
 
 
+def test_a_second_call_from_the_thread_holding_a_stream_fails_instead_of_hanging() -> None:
+    import pytest
+
+    from colibri_aio import EngineBusyError
+
+    with SyncEngine.open(MODEL, io="pread") as engine:
+        first = engine.generate("The list type", max_tokens=20)
+        next(first)
+        with pytest.raises(EngineBusyError, match="still open"):
+            engine.text("Python", max_tokens=2)
+        with pytest.raises(EngineBusyError):
+            engine.logits([1, 2])
+        first.close()
+        assert engine.text("Python", max_tokens=2)
+
+
 SCRIPT = """
 import sys
 import colibri_aio

@@ -91,6 +91,7 @@ class Engine:
         self.device = device_of(model.path)
         self._monitor: asyncio.Task[None] | None = None
         self._turn = asyncio.Lock()  # one caller at a time on the KV cache
+        self._holder: asyncio.Task[Any] | None = None  # the task whose turn it is
         self._closed = False
 
     @classmethod
@@ -236,10 +237,16 @@ class Engine:
         """Hold the engine (its KV cache) for one caller; others queue, or fail at once without ``wait``."""
         if self._closed:
             raise RuntimeError("the engine is closed")
+        if self._turn.locked() and self._holder is asyncio.current_task():
+            raise EngineBusyError("this task's own stream holds the engine: finish or close it first")
         if not wait and self._turn.locked():
             raise EngineBusyError("the engine is generating for another caller (wait=True queues behind it)")
         async with self._turn:
-            yield
+            self._holder = asyncio.current_task()
+            try:
+                yield
+            finally:
+                self._holder = None
 
     async def prefill(self, ids: Sequence[int], *, wait: bool = True) -> np.ndarray:
         """Run ``ids`` from an empty context; return the logits after the last one."""

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from colibri_aio.engine.engine import Engine, GenerationPiece, Prompt
+from colibri_aio.errors import EngineBusyError
 
 T = TypeVar("T")
 
@@ -77,6 +78,7 @@ class SyncEngine:
     def __init__(self, engine: Engine, portal: _LoopThread) -> None:
         self.engine, self._portal = engine, portal
         self._lock = threading.Lock()
+        self._streaming: set[int] = set()  # threads with a stream open: waiting there would never end
         self.closed = False
         _open_engines.add(self)
 
@@ -105,6 +107,12 @@ class SyncEngine:
             raise RuntimeError("the engine is closed")
         return self._portal.call(coro)
 
+    def _not_streaming_here(self) -> None:
+        """A thread whose own stream holds the engine would wait for itself forever: say so instead."""
+        if threading.get_ident() in self._streaming:
+            raise EngineBusyError("this thread has a generation still open on this engine: finish or close it "
+                                  "(break out of its loop, or call .close() on it) first")
+
     def generate(self, prompt: Prompt, **options: Any) -> Iterator[GenerationPiece]:
         """Stream a continuation, piece by piece; ``options`` are :meth:`Engine.generate`'s.
 
@@ -112,7 +120,10 @@ class SyncEngine:
         caller in; other callers (threads) wait for this stream to end, or
         with ``wait=False`` fail at once with ``EngineBusyError``.
         """
+        self._not_streaming_here()
         stream: AsyncIterator[GenerationPiece] = self.engine.generate(prompt, **options)
+        me = threading.get_ident()
+        self._streaming.add(me)
         try:
             while True:
                 try:
@@ -120,6 +131,7 @@ class SyncEngine:
                 except StopAsyncIteration:
                     return
         finally:
+            self._streaming.discard(me)
             if self.closed:
                 pass  # closed first (at exit, or by another thread): nothing is left to end
             elif threading.current_thread() is self._portal.thread:  # collected on the loop's own thread
@@ -133,6 +145,7 @@ class SyncEngine:
 
     def logits(self, ids: Sequence[int], **options: Any) -> np.ndarray:
         """Teacher-forced logits (len(ids), vocab): row i follows ids[0..i]."""
+        self._not_streaming_here()
         return self._call(self.engine.logits(ids, **options))
 
     def stats(self):  # noqa: ANN201 - EngineStats
