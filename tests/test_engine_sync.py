@@ -109,3 +109,30 @@ def test_what_is_left_open_at_exit_is_closed_quietly(tmp_path: Path) -> None:
                            timeout=120, cwd=FIXTURES.parent, env={**os.environ, "XDG_CACHE_HOME": str(cache)})
         assert r.returncode == 0 and r.stdout == "done\n" and r.stderr == "", (case, r.stderr)
         assert _history_runs(cache) == 1
+
+
+CTRL_C = """
+import sys
+import colibri_aio
+engine = colibri_aio.SyncEngine.open(None, prefetch="on")
+try:
+    for n, piece in enumerate(engine.generate("The list type", max_tokens=240)):
+        if n == 0:
+            print("first", flush=True)
+except KeyboardInterrupt:
+    print("interrupted", engine.engine.source.reader.in_flight, flush=True)
+print("again", len(engine.text("Python", max_tokens=3)) > 0, flush=True)
+engine.close()
+"""
+
+
+def test_ctrl_c_in_a_generation_cleans_up_and_the_engine_goes_on(tmp_path: Path) -> None:
+    import signal
+
+    p = subprocess.Popen([sys.executable, "-c", CTRL_C], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         cwd=FIXTURES.parent, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    assert p.stdout is not None and p.stdout.readline() == "first\n"
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    assert out == "interrupted 0\nagain True\n" and err == ""

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import concurrent.futures
 import contextlib
 import os
 import threading
@@ -54,16 +53,34 @@ class _LoopThread:
         self.thread.start()
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the loop and return its result; if the caller is interrupted
-        (Ctrl-C), the coroutine is cancelled and waited for before the interrupt goes on."""
-        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        """Run ``coro`` on the loop and return its result.
+
+        If the caller is interrupted (Ctrl-C) while waiting, the coroutine is
+        cancelled and waited for, so its clean-up (reads drained, the stream
+        closed) is over before the interrupt goes on.
+        """
+        started, finished = threading.Event(), threading.Event()
+
+        async def tracked() -> T:
+            started.set()
+            try:
+                return await coro
+            finally:
+                finished.set()
+
+        future = asyncio.run_coroutine_threadsafe(tracked(), self.loop)
         try:
             return future.result()
         except BaseException:
             if not future.done():
                 future.cancel()
-                with contextlib.suppress(BaseException):
-                    concurrent.futures.wait([future])
+                # One more round trip through the loop runs after the cancellation: by then the
+                # coroutine has either never started or is unwinding; then wait for it to end.
+                asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.loop).result()
+                if started.is_set():
+                    finished.wait()
+                else:
+                    coro.close()
             raise
 
     def stop(self) -> None:
