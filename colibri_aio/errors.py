@@ -2,9 +2,13 @@
 
 A :class:`UserError` is something the user can fix (a path, an option, a
 broken or unsupported file): the CLI prints its message as one line on stderr
-and exits with status 2. An :class:`ExpertReadError` is an I/O fault while
-streaming an expert: it names the file, offset, length and (layer, expert),
-and it is raised instead of ever handing compute wrong or partial bytes.
+and exits with status 2. A :class:`NonFiniteError` is a broken model found
+while computing (a NaN or infinity in a hidden state or the logits): also a
+user error, naming the layer. An :class:`EngineBusyError` tells a caller that
+asked not to wait that the engine is generating for someone else. An
+:class:`ExpertReadError` is an I/O fault while streaming an expert: it names
+the file, offset, length and (layer, expert), and it is raised instead of ever
+handing compute wrong or partial bytes.
 """
 from __future__ import annotations
 
@@ -15,6 +19,14 @@ class UserError(Exception):
 
 class ModelFormatError(UserError):
     """The GGUF is not one we can run: not a GGUF, truncated, inconsistent or unsupported."""
+
+
+class NonFiniteError(ModelFormatError):
+    """A hidden state or the logits stopped being finite: the model's weights are broken."""
+
+
+class EngineBusyError(RuntimeError):
+    """The engine is already generating and the caller asked not to wait (``wait=False``)."""
 
 
 class ExpertReadError(OSError):

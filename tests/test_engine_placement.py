@@ -150,12 +150,17 @@ async def test_pinning_from_usage_history_keeps_logits_and_hits() -> None:
     assert engine.source.cache.pinned and engine.source.cache.stats.pinned_hits > 0
 
 
-async def test_usage_history_of_another_model_is_refused(tmp_path) -> None:
-    from colibri_aio.policy.usage import default_usage_path, model_fingerprint
+async def test_usage_history_of_another_model_is_never_used(tmp_path) -> None:
+    """At the default place it is set aside (a cache); named with --pin FILE it is refused."""
+    from colibri_aio.engine.history import default_usage_path
+    from colibri_aio.policy.usage import model_fingerprint
 
     await _engine_logits("tiny_q8_0", oracle_ids()[0][:13], io="pread")
     theirs = default_usage_path(model_fingerprint(load(fixture("tiny_q8_0.gguf"))))
     ours = default_usage_path(model_fingerprint(load(fixture("tiny_f32.gguf"))))
     ours.write_bytes(theirs.read_bytes())
+    engine = await Engine.open(fixture("tiny_f32.gguf"), pin="auto")
+    await engine.aclose()
+    assert not engine.source.cache.pinned and ours.with_name(ours.name + ".bad").exists()
     with pytest.raises(UserError, match="another model"):
-        await Engine.open(fixture("tiny_f32.gguf"), pin="auto")
+        await Engine.open(fixture("tiny_f32.gguf"), pin=str(theirs))

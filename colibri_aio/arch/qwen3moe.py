@@ -15,7 +15,7 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-from colibri_aio.errors import UserError
+from colibri_aio.errors import NonFiniteError, UserError
 from colibri_aio.experts import ExpertSource, ExpertWeights
 from colibri_aio.gguf.model import Model
 from colibri_aio.kernels.ops import attention, rms_norm, rope_cos_sin, rope_neox, router_top_k, swiglu
@@ -113,18 +113,29 @@ class Qwen3MoE:
         positions = np.arange(self.n_past, self.n_past + tok.size)
         cos, sin = rope_cos_sin(positions, a.key_length, a.rope_freq_base)
         x = embed_rows(self.model.token_embd, tok)                                # (T, D)
+        self._check_finite(x, "the token embedding (token_embd)", positions)
         for layer in range(a.block_count):
             if observer is not None:
                 observer.on_layer_input(layer, x)
             layer_input = x
-            x = x + self._attention(layer, rms_norm(x, self.model.blocks[layer].attn_norm, a.rms_eps),
-                                    positions, cos, sin)
+            attn = self._attention(layer, rms_norm(x, self.model.blocks[layer].attn_norm, a.rms_eps),
+                                   positions, cos, sin)
+            self._check_finite(attn, f"layer {layer} attention", positions)
+            x = x + attn
             h = rms_norm(x, self.model.blocks[layer].ffn_norm, a.rms_eps)
             x = x + await self._moe(layer, h, positions, layer_input, x, observer)
         self.n_past += tok.size
         rows = x if logits == "all" else x[-1:]
         out = linear(self.model.output, rms_norm(rows, self.model.output_norm, a.rms_eps))
+        self._check_finite(out, "the output head (output_norm, output)", positions[-len(rows):])
         return out if logits == "all" else out[0]
+
+    def _check_finite(self, x: np.ndarray, where: str, positions: np.ndarray) -> None:
+        """A NaN or infinity never turns into tokens: stop, naming where it appeared (broken weights)."""
+        if not np.isfinite(x).all():
+            bad = positions[~np.isfinite(x.reshape(len(positions), -1)).all(axis=1)]
+            raise NonFiniteError(f"{self.model.path}: non-finite values from {where} at position {int(bad[0])}: "
+                                 f"the model's weights there are broken (`doctor --verify` scans every tensor)")
 
     def _attention(self, layer: int, h: np.ndarray, positions: np.ndarray,
                    cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -150,6 +161,7 @@ class Qwen3MoE:
         """
         a = self.args
         ids, weights = router_top_k(h @ self.model.blocks[layer].ffn_gate_inp.T, a.expert_used_count)
+        self._check_finite(weights, f"layer {layer} router (ffn_gate_inp)", positions)
         if observer is not None:
             observer.on_route(layer, positions, residual, h, ids, weights)
         predicted = self._lookahead(layer, layer_input, residual, h)
@@ -162,7 +174,12 @@ class Qwen3MoE:
                     predicted = None
                 rows, ranks = np.nonzero(ids == expert)
                 contrib[rows, ranks] = expert_ffn(w, h[rows]) * weights[rows, ranks][:, None]
-        return contrib.sum(axis=1)
+        out = contrib.sum(axis=1)
+        if not np.isfinite(out).all():
+            bad = np.unique(ids[~np.isfinite(contrib).all(axis=2)]).tolist()
+            self._check_finite(out, f"layer {layer} expert{'s' if len(bad) > 1 else ''} "
+                                    f"{', '.join(map(str, bad))}", positions)
+        return out
 
     def _lookahead(self, layer: int, layer_input: np.ndarray, residual: np.ndarray,
                    h: np.ndarray) -> list[int] | None:

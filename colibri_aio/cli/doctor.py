@@ -2,6 +2,7 @@
 
 Nothing here writes anything: it opens the model read-only, sets up (and
 closes) an io_uring ring and a small buffer pool, and reads a few experts.
+``--verify`` also decodes every tensor and fails on values that are not finite.
 """
 from __future__ import annotations
 
@@ -17,10 +18,12 @@ from typing import Literal
 
 from colibri_aio.errors import UserError
 from colibri_aio.gguf.model import Model, load
+from colibri_aio.gguf.verify import scan
 from colibri_aio.io.modelfile import ModelFile
 from colibri_aio.io.reader import ExpertReader
 from colibri_aio.engine.memory import memory_limits
 from colibri_aio.engine.plan import gb
+from colibri_aio.io.align import slot_nbytes_for
 
 Verdict = Literal["ok", "warn", "fail"]
 PROBE_SECONDS = 1.0
@@ -45,7 +48,16 @@ def check_gguf(path: Path) -> tuple[Check, Model | None]:
     a = model.args
     return Check("gguf", "ok", f"{path.name}: {a.architecture}, {a.block_count} layers, {a.expert_count} experts "
                                f"top-{a.expert_used_count}, {gb(model.identity.size)}, trunk "
-                               f"{gb(model.trunk_nbytes)}, expert {gb(model.expert_nbytes_max)}"), model
+                               f"{gb(model.trunk_nbytes)}, expert {gb(model.expert_nbytes_max)} (pool slot "
+                               f"{gb(slot_nbytes_for(model.expert_nbytes_max))} with O_DIRECT alignment)"), model
+
+
+def check_values(model: Model, progress: Callable[[int, int], None] | None = None) -> list[Check]:
+    """Every tensor decoded: one failing check per tensor with a value that is not finite, else one OK."""
+    found = [Check("values", "fail", bad.describe())
+             for bad in scan(model.path, model.reader, progress)]
+    n = len(model.reader.tensors)
+    return found or [Check("values", "ok", f"{n} tensors decoded: every value is finite")]
 
 
 def check_memlock() -> Check:
@@ -105,8 +117,12 @@ async def _probe(model: Model, reader: ExpertReader) -> Check:
                                      f"{done / dt:.0f} experts/s, {PROBE_SLOTS} in flight{note}")
 
 
-def run_checks(path: Path | None, emit: Callable[[Check], None]) -> int:
-    """Run every check, emitting each as it finishes; returns 2 if any failed, else 0."""
+def run_checks(path: Path | None, emit: Callable[[Check], None], *, verify: bool = False,
+               progress: Callable[[int, int], None] | None = None) -> int:
+    """Run every check, emitting each as it finishes; returns 2 if any failed, else 0.
+
+    ``verify`` adds :func:`check_values` (reads the whole file).
+    """
     checks: list[Check] = [check_memory(), check_memlock()]
     for c in checks:
         emit(c)
@@ -119,4 +135,8 @@ def run_checks(path: Path | None, emit: Callable[[Check], None]) -> int:
             emit(check_o_direct(path))
             for c in asyncio.run(check_backend(model)):
                 emit(c)
+            if verify:
+                for c in check_values(model, progress):
+                    emit(c)
+                    failed = failed or c.verdict == "fail"
     return 2 if failed else 0

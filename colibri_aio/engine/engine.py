@@ -3,6 +3,15 @@
     async with await Engine.open("model.gguf") as engine:
         async for piece in engine.generate("The list type", max_tokens=32):
             print(piece.text, end="", flush=True)
+
+One engine holds one KV cache, so it computes for one caller at a time:
+``generate``, ``logits`` and ``prefill`` called concurrently (several tasks,
+``asyncio.gather``, several threads through :class:`~colibri_aio.SyncEngine`)
+queue behind each other in call order, or, with ``wait=False``, fail at once
+with :class:`~colibri_aio.errors.EngineBusyError`. A stream holds the engine
+from its first piece until it ends or is closed: leave an ``async for`` early
+inside ``contextlib.aclosing(...)`` (or close the stream) so the next caller
+does not wait for the garbage collector.
 """
 from __future__ import annotations
 
@@ -15,8 +24,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import structlog
 
-from colibri_aio.errors import UserError
+from colibri_aio.errors import EngineBusyError, UserError
 from colibri_aio.gguf.model import Model, Progress, load
 from colibri_aio.kernels import backend
 from gguf import GGMLQuantizationType
@@ -24,15 +34,18 @@ from colibri_aio.engine.memory import peak_rss_bytes, rss_bytes
 from colibri_aio.policy.diskstats import DiskstatsSampler, device_of, read_diskstats
 from colibri_aio.models import default_model_path
 from colibri_aio.arch.qwen3moe import Qwen3MoE
-from colibri_aio.text.sampling import FinishReason, Stopper, make_sampler
-from colibri_aio.engine.plan import Plan
+from colibri_aio.text.sampling import FinishReason, Sampler, Stopper, check_generation_options, make_sampler
+from colibri_aio.engine.plan import Plan, gb
 from colibri_aio.policy.budget import parse_size
 from colibri_aio.engine.scheduler import CachedExpertSource
+from colibri_aio.engine.history import HistoryFile
 from colibri_aio.engine.placement import DEFAULT_LOOKAHEAD, Placement, open_source
 from colibri_aio.engine.stats import EngineStats
 from colibri_aio.text.tokenizer import Tokenizer
 
 Prompt = str | Sequence[Mapping[str, Any]]
+
+log = structlog.get_logger("colibri_aio.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,31 +81,39 @@ class Engine:
     """A model ready to generate. Open with :meth:`open`; close with ``async with`` or :meth:`aclose`."""
 
     def __init__(self, model: Model, tokenizer: Tokenizer, source: CachedExpertSource, plan: Plan,
-                 placement: Placement) -> None:
+                 placement: Placement, history: HistoryFile | None = None) -> None:
         self.model, self.tokenizer, self.source, self.plan, self.placement = model, tokenizer, source, plan, placement
+        self.history = history
         self.net = Qwen3MoE(model, source, plan.context)
         self.net.lookahead = None if placement.prefetch == "off" else DEFAULT_LOOKAHEAD
         self.prompt_tokens = self.generated_tokens = 0
         self.prefill_s = self.decode_s = 0.0
         self.device = device_of(model.path)
         self._monitor: asyncio.Task[None] | None = None
+        self._turn = asyncio.Lock()  # one caller at a time on the KV cache
+        self._holder: asyncio.Task[Any] | None = None  # the task whose turn it is
+        self._closed = False
 
     @classmethod
     async def open(cls, path: str | os.PathLike[str] | None = None, *, io: str = "auto",
                    ram_budget: int | str | None = None, cache_per_layer: int | None = None,
                    prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None,
-                   kernels: str | None = None, progress: Progress | None = None) -> "Engine":
+                   kernels: str | None = None, progress: Progress | None = None,
+                   history: bool = True) -> "Engine":
         """Load ``path`` (default: the shipped model) and open its expert source.
 
         Placement: ``io`` (auto|uring|pread|mmap), ``ram_budget`` (bytes or a
         size such as "12G"; default: a share of usable RAM), ``cache_per_layer``
         (expert slots per layer instead of a budget), ``prefetch``
-        (auto|on|off), ``pin`` (auto|off|FILE), ``n_ctx`` (KV-cache positions).
-        Placement changes speed, never tokens. ``kernels`` (auto|numpy|numba;
+        (auto|on|off), ``pin`` (auto|off|FILE), ``n_ctx`` (KV-cache positions;
+        default min(the model's context, 4096); more than the model's is
+        clamped with a warning). Placement changes speed, never tokens. ``kernels`` (auto|numpy|numba;
         default: $COLIBRI_KERNELS or auto) picks the matrix kernels for the
         process; backends differ in the last bits, so compare runs within one.
         ``progress(step, done, total)`` hears about the long steps (loading the
-        trunk, compiling or loading kernels, the pool, pinning).
+        trunk, compiling or loading kernels, the pool, pinning). ``history``:
+        read and update this model's usage history (a cache file under
+        ``$XDG_CACHE_HOME/colibri_aio/usage``; False: neither read nor write it).
         """
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,
@@ -112,18 +133,31 @@ class Engine:
         tokenizer = Tokenizer.from_gguf(model.reader)
         if tokenizer.vocab_size != model.args.vocab_size:
             raise UserError(f"{model.path}: tokenizer has {tokenizer.vocab_size} tokens, model {model.args.vocab_size}")
-        source, plan = await open_source(model, placement, progress)
-        engine = cls(model, tokenizer, source, plan, placement)
+        store = HistoryFile.for_model(model) if history else None
+        source, plan = await open_source(model, placement, progress, store)
+        for note in plan.notes:
+            log.warning(note)
+        engine = cls(model, tokenizer, source, plan, placement, store)
+        log.info(engine.describe(full=True))
         if engine.device is not None and placement.prefetch == "auto":
             engine._monitor = asyncio.get_running_loop().create_task(engine._watch_device())
         return engine
 
-    def describe(self) -> str:
-        """One line: model, plan, and the I/O backend with the reason it was chosen."""
-        reader, cache = self.source.reader, self.source.cache
-        return (f"{self.model.path.name}: {self.plan.one_line()}; cache {cache.n_slots} slots {cache.scope} "
-                f"{cache.policy} ({len(cache.pinned)} pinned); io {reader.backend} ({reader.backend_reason}); "
-                f"prefetch {self.placement.prefetch}; kernels {backend.backend_name()} ({backend.backend_reason()})")
+    def describe(self, *, full: bool = False) -> str:
+        """One line: model, memory, cache, I/O backend, prefetch and kernels.
+
+        ``full`` adds the whole plan and the reasons the I/O backend and the
+        kernels were chosen (a few hundred characters).
+        """
+        a, plan, reader, cache = self.model.args, self.plan, self.source.reader, self.source.cache
+        line = (f"{self.model.path.name}: {a.block_count} layers x {a.expert_count} experts of "
+                f"{gb(plan.expert_nbytes)}; KV {plan.context} ctx; cache {cache.n_slots} slots "
+                f"({len(cache.pinned)} pinned) = {gb(cache.n_slots * plan.slot_nbytes)}; io {reader.backend}; "
+                f"prefetch {self.placement.prefetch}; kernels {backend.backend_name()}")
+        if not full:
+            return line
+        return (f"{line}; {plan.one_line()}; cache {cache.scope} {cache.policy}; io {reader.backend_reason}; "
+                f"kernels {backend.backend_reason()}")
 
     def stats(self) -> EngineStats:
         """The engine's counters now: tokens and their time, cache hits, reads, prefetch state, memory."""
@@ -160,13 +194,26 @@ class Engine:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop the device watch, drain every read in flight, release the pool."""
+        """Stop the device watch, drain every read in flight, release the pool, save the usage history.
+
+        Closing twice is harmless. Saving never raises: a history that cannot
+        be written is one warning.
+        """
+        if self._closed:
+            return
+        self._closed = True
         if self._monitor is not None:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._monitor
             self._monitor = None
         await self.source.aclose()
+        if self.history is not None and self.source.usage is not None:
+            # A thread: the save may wait (a bounded time) for another run's lock on the folder.
+            try:
+                await asyncio.to_thread(self.history.save, self.source.usage)
+            except RuntimeError:  # closed at interpreter exit: no new threads then, so on this one
+                self.history.save(self.source.usage)
 
     def prompt_ids(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
         """Token ids of a prompt: plain text, or chat messages rendered with the model's template."""
@@ -176,34 +223,75 @@ class Engine:
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
         else:
             text = prompt
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # lone surrogates: bytes from argv or a file that were not UTF-8
+            raise UserError(f"the prompt is not valid UTF-8 (at character {exc.start})") from None
         ids = self.tokenizer.encode(text, parse_special=True, add_special=True)
         if not ids:
             raise UserError("the prompt is empty")
         return ids
 
-    async def prefill(self, ids: Sequence[int]) -> np.ndarray:
-        """Run ``ids`` from an empty context; return the logits after the last one."""
-        self.net.reset()
-        return await self.net.prefill(ids)
+    @contextlib.asynccontextmanager
+    async def turn(self, *, wait: bool = True) -> AsyncIterator[None]:
+        """Hold the engine (its KV cache) for one caller; others queue, or fail at once without ``wait``."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        if self._turn.locked() and self._holder is asyncio.current_task():
+            raise EngineBusyError("this task's own stream holds the engine: finish or close it first")
+        if not wait and self._turn.locked():
+            raise EngineBusyError("the engine is generating for another caller (wait=True queues behind it)")
+        async with self._turn:
+            self._holder = asyncio.current_task()
+            try:
+                yield
+            finally:
+                self._holder = None
 
-    async def logits(self, ids: Sequence[int]) -> np.ndarray:
+    async def prefill(self, ids: Sequence[int], *, wait: bool = True) -> np.ndarray:
+        """Run ``ids`` from an empty context; return the logits after the last one."""
+        async with self.turn(wait=wait):
+            self.net.reset()
+            return await self.net.prefill(ids)
+
+    async def logits(self, ids: Sequence[int], *, wait: bool = True) -> np.ndarray:
         """Teacher-forced logits (len(ids), vocab): row i follows ids[0..i]."""
-        self.net.reset()
-        return await self.net.prefill(ids, logits="all")
+        async with self.turn(wait=wait):
+            self.net.reset()
+            return await self.net.prefill(ids, logits="all")
 
     async def generate(self, prompt: Prompt, *, chat: bool = False, max_tokens: int = 128,
                        temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                       seed: int | None = None, stop: Sequence[str] = ()) -> AsyncIterator[GenerationPiece]:
-        """Stream a continuation of ``prompt`` piece by piece; the last piece carries ``finish_reason``."""
+                       seed: int | None = None, stop: Sequence[str] = (),
+                       wait: bool = True) -> AsyncIterator[GenerationPiece]:
+        """Stream a continuation of ``prompt`` piece by piece; the last piece carries ``finish_reason``.
+
+        ``finish_reason`` is "stop" (an end-of-generation token or a stop
+        string) or "length": ``max_tokens`` reached, or the context is full
+        (then ``generated_tokens`` < ``max_tokens``). Concurrent calls queue
+        behind each other (see the module's docstring); ``wait=False`` raises
+        :class:`~colibri_aio.errors.EngineBusyError` instead of queueing.
+        """
+        check_generation_options(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                 min_p=min_p, seed=seed)
         ids = self.prompt_ids(prompt, chat=chat)
         budget = self.net.n_ctx - len(ids)
         if budget < 1:
-            raise UserError(f"the prompt has {len(ids)} tokens; the context holds {self.net.n_ctx}")
+            raise UserError(f"the prompt has {len(ids)} tokens; the context holds {self.net.n_ctx} "
+                            f"(--ctx / n_ctx, at most the model's {self.model.args.context_length})")
         sample = make_sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+        async with self.turn(wait=wait):
+            async with contextlib.aclosing(self._generate(ids, max_tokens, budget, stop, sample)) as stream:
+                async for piece in stream:
+                    yield piece
+
+    async def _generate(self, ids: list[int], max_tokens: int, budget: int, stop: Sequence[str],
+                        sample: Sampler) -> AsyncIterator[GenerationPiece]:
         stopper = Stopper(self.tokenizer.stream_decoder(skip_special=True), self.tokenizer.is_eog,
                           max_tokens=min(max_tokens, budget), stop=stop)
         t0 = time.perf_counter()
-        logits = await self.prefill(ids)
+        self.net.reset()
+        logits = await self.net.prefill(ids)
         t_prefill = time.perf_counter() - t0
         self.prompt_tokens += len(ids)
         self.prefill_s += t_prefill

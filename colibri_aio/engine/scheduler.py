@@ -41,7 +41,7 @@ from colibri_aio.io.reader import ExpertReader, SlotLease
 from colibri_aio.policy.backpressure import BackpressureController
 from colibri_aio.policy.cache import ExpertCache, Key, Reservation, SlotState
 from colibri_aio.policy.predictor import LookaheadPredictor
-from colibri_aio.policy.usage import UsageHistory, default_usage_path
+from colibri_aio.policy.usage import UsageHistory
 
 log = structlog.get_logger("colibri_aio.engine.scheduler")
 
@@ -303,7 +303,9 @@ class CachedExpertSource:
     # --- end --------------------------------------------------------------------------------
 
     async def aclose(self) -> None:
-        """Wait for every read in flight, release every lease, close the reader."""
+        """Wait for every read in flight, release every lease, close the reader.
+
+        ``usage`` holds this run's selections; saving them is the engine's business."""
         self._closed = True
         pending = [f.task for f in self._fills.values()]
         if pending:
@@ -314,5 +316,3 @@ class CachedExpertSource:
             lease.release()
         self._leases.clear()
         await self.reader.aclose()
-        if self.usage is not None:
-            self.usage.save(default_usage_path(self.usage.fingerprint))

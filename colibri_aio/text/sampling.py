@@ -21,7 +21,7 @@ from colibri_aio.errors import UserError
 
 __all__ = [
     "Sampler", "make_sampler", "greedy", "keep_top_k", "keep_top_p", "keep_min_p", "draw", "softmax",
-    "StopStrings", "Stopper", "Step", "FinishReason",
+    "StopStrings", "Stopper", "Step", "FinishReason", "check_generation_options",
 ]
 
 Sampler = Callable[[np.ndarray], int]
@@ -97,7 +97,8 @@ def draw(cands: Candidates, rng: np.random.Generator) -> int:
     return int(ids[min(i, len(ids) - 1)])
 
 
-def check_sampling_options(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+def check_sampling_options(temperature: float, top_k: int, top_p: float, min_p: float,
+                           seed: int | None = None) -> None:
     """Refuse values that have no meaning, with one line naming the option."""
     if not np.isfinite(temperature) or temperature < 0:
         raise UserError(f"temperature must be >= 0, got {temperature}")
@@ -107,6 +108,16 @@ def check_sampling_options(temperature: float, top_k: int, top_p: float, min_p: 
         raise UserError(f"top-p must be in (0, 1] (1 = off), got {top_p}")
     if not 0.0 <= min_p <= 1.0:
         raise UserError(f"min-p must be in [0, 1] (0 = off), got {min_p}")
+    if seed is not None and seed < 0:
+        raise UserError(f"seed must be >= 0, got {seed}")
+
+
+def check_generation_options(*, max_tokens: int, temperature: float, top_k: int, top_p: float, min_p: float,
+                             seed: int | None) -> None:
+    """Every option of a generation, refused before any work starts (one line naming the option)."""
+    if max_tokens < 1:
+        raise UserError(f"max-tokens must be >= 1, got {max_tokens}")
+    check_sampling_options(temperature, top_k, top_p, min_p, seed)
 
 
 def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
@@ -118,7 +129,7 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, m
     drawn from a ``Generator`` seeded with ``seed``: the same seed and the same
     logits give the same tokens.
     """
-    check_sampling_options(temperature, top_k, top_p, min_p)
+    check_sampling_options(temperature, top_k, top_p, min_p, seed)
     if temperature == 0.0:
         return greedy
     rng = np.random.default_rng(seed)
