@@ -225,8 +225,7 @@ class CachedExpertSource:
             key = (layer, e)
             if self.cache.slot_of(key) is not None:
                 continue
-            if not self.backpressure.may_prefetch(self.model.expert(*key).nbytes, time.perf_counter(),
-                                                  self._precision()):
+            if not self.backpressure.may_prefetch(self.model.expert(*key).nbytes, time.perf_counter()):
                 self.stats.prefetch_skipped_gate += 1
                 return
             res = self.cache.reserve(key, prefetch=True)
@@ -241,11 +240,6 @@ class CachedExpertSource:
         """A forward pass over ``positions`` positions begins: the backpressure controller times
         decode steps by it, for its trials of prefetch on against off on a saturated disk."""
         self.backpressure.step(time.perf_counter(), positions)
-
-    def _precision(self) -> float | None:
-        """Share of prefetched experts that were used, once enough predictions were scored."""
-        score = self.predictor.score
-        return score.precision if score.prefetched >= 4 * self.model.args.expert_used_count * 8 else None
 
     # --- reads --------------------------------------------------------------------------
 
