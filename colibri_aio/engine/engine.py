@@ -31,7 +31,7 @@ from colibri_aio.gguf.model import Model, Progress, load
 from colibri_aio.kernels import backend
 from gguf import GGMLQuantizationType
 from colibri_aio.engine.memory import peak_rss_bytes, rss_bytes
-from colibri_aio.policy.diskstats import DiskstatsSampler, device_of, read_diskstats
+from colibri_aio.engine.device import DeviceMonitor
 from colibri_aio.models import default_model_path
 from colibri_aio.arch.qwen3moe import Qwen3MoE
 from colibri_aio.text.sampling import FinishReason, Sampler, Stopper, check_generation_options, make_sampler
@@ -88,7 +88,9 @@ class Engine:
         self.net.lookahead = None if placement.prefetch == "off" else DEFAULT_LOOKAHEAD
         self.prompt_tokens = self.generated_tokens = 0
         self.prefill_s = self.decode_s = 0.0
-        self.device = device_of(model.path)
+        # One sampler of the model's device per engine: it feeds the backpressure controller,
+        # and telemetry reads the same counters.
+        self.device = DeviceMonitor.for_path(model.path, source.backpressure.device)
         self._monitor: asyncio.Task[None] | None = None
         self._turn = asyncio.Lock()  # one caller at a time on the KV cache
         self._holder: asyncio.Task[Any] | None = None  # the task whose turn it is
@@ -139,8 +141,8 @@ class Engine:
             log.warning(note)
         engine = cls(model, tokenizer, source, plan, placement, store)
         log.info(engine.describe(full=True))
-        if engine.device is not None and placement.prefetch == "auto":
-            engine._monitor = asyncio.get_running_loop().create_task(engine._watch_device())
+        if engine.device is not None:
+            engine._monitor = asyncio.get_running_loop().create_task(engine.device.run())
         return engine
 
     def describe(self, *, full: bool = False) -> str:
@@ -176,16 +178,6 @@ class Engine:
             bytes_read=reader.bytes, io_bytes=reader.io_bytes, reads_in_flight=src.reader.in_flight,
             slots_used=len(src.cache), slots_total=src.cache.n_slots, read_busy_s=reader.busy_s,
             rss=rss_bytes(), peak_rss=peak_rss_bytes())
-
-    async def _watch_device(self, period: float = 0.25) -> None:
-        """Feed the backpressure controller iostat-style samples of the model's device."""
-        assert self.device is not None
-        sampler = DiskstatsSampler(self.device)
-        while True:
-            sample = sampler.sample(read_diskstats(), time.perf_counter())
-            if sample is not None:
-                self.source.backpressure.device(sample)
-            await asyncio.sleep(period)
 
     async def __aenter__(self) -> "Engine":
         return self
