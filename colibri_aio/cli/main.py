@@ -495,7 +495,7 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
 def _replay(args: argparse.Namespace) -> int:
     import json
 
-    from colibri_aio.policy.replay import replay_command
+    from colibri_aio.cli.replay import replay_command
 
     doc, text = replay_command(
         [str(t) for t in args.traces], policy=args.policy, cache_per_layer=args.cache_per_layer,
