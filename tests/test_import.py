@@ -34,3 +34,9 @@ def test_the_command_line_configures_logging_to_stderr() -> None:
              "structlog.get_logger('t').info('filtered out')\n")
     assert r.returncode == 0, r.stderr
     assert r.stdout == "" and "to stderr" in r.stderr and "filtered out" not in r.stderr
+
+
+def test_the_runtime_never_imports_the_benchmarks() -> None:
+    r = _run("import sys, colibri_aio, colibri_aio.engine.engine, colibri_aio.engine.placement\n"
+             "assert not [m for m in sys.modules if m.startswith('colibri_aio.bench')]\n")
+    assert r.returncode == 0, r.stderr

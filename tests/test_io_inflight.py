@@ -13,7 +13,7 @@ from colibri_aio.errors import ExpertReadError
 from colibri_aio.experts import ExpertLocation
 from colibri_aio.io import ExpertReader, ReaderClosedError, SlotState, StreamingExpertSource
 from colibri_aio.io.pool import BufferPool
-from colibri_aio.io.synthetic import bench_locations, byte_range
+from colibri_aio.bench.locations import bench_locations, byte_range
 
 pytest.importorskip("liburing")
 

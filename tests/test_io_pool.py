@@ -9,7 +9,7 @@ import pytest
 from colibri_aio.io.align import ALIGN, plan_expert, slot_nbytes_for
 from colibri_aio.io.iovec import layout_problem
 from colibri_aio.io.pool import BufferPool, SlotState
-from colibri_aio.io.synthetic import byte_range, random_locations
+from colibri_aio.bench.locations import byte_range, random_locations
 from colibri_aio.experts import ExpertLocation
 
 

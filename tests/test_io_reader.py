@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 from colibri_aio.errors import ExpertReadError, ModelFormatError, UserError
 from colibri_aio.experts import ExpertLocation
 from colibri_aio.io import ExpertReader, ModelFileChangedError, ReaderClosedError
-from colibri_aio.io.synthetic import byte_range, random_locations
+from colibri_aio.bench.locations import byte_range, random_locations
 from colibri_aio.io.uring import UringReactor
 
 L = pytest.importorskip("liburing")
@@ -152,7 +152,7 @@ _NO_IPC_LOCK_SCRIPT = """
 import asyncio, os, sys
 import numpy as np
 from colibri_aio.io import ExpertReader
-from colibri_aio.io.synthetic import random_locations
+from colibri_aio.bench.locations import random_locations
 path = sys.argv[1]
 async def main():
     locs = random_locations(os.path.getsize(path), 16, np.random.default_rng(5), shape=(64, 256))

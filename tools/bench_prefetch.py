@@ -38,7 +38,7 @@ from colibri_aio.engine.memory import peak_rss_bytes
 from colibri_aio.arch.qwen3moe import Qwen3MoE
 from colibri_aio.policy.backpressure import BackpressureConfig
 from colibri_aio.engine.placement import DEFAULT_LOOKAHEAD, Placement, open_source
-from receipt import header as receipt_header, write as write_receipt
+from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ARMS = "off,on,auto"

@@ -42,8 +42,8 @@ from pathlib import Path
 import numpy as np
 
 from bench_prefetch import make_model
-from colibri_aio.cli.iobench import measure_fio
-from receipt import header as receipt_header, spread, write as write_receipt
+from colibri_aio.bench.iobench import measure_fio
+from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = ("ours", "llama.cpp")

@@ -279,7 +279,7 @@ def _plan_table(model, plan, limits) -> str:
 
 
 def _add_iobench(sub: argparse._SubParsersAction) -> None:
-    from colibri_aio.cli.iobench import add_iobench_arguments, run_iobench
+    from colibri_aio.bench.iobench import add_iobench_arguments, run_iobench
 
     p = sub.add_parser("iobench", help="expert-sized read benchmark per I/O backend, paired with fio when present",
                        description="Random or sequential expert-sized reads per backend: GB/s, IOPS, latency "
