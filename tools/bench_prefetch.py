@@ -37,7 +37,7 @@ from colibri_aio.gguf.model import Model, load
 from colibri_aio.engine.memory import peak_rss_bytes
 from colibri_aio.arch.qwen3moe import Qwen3MoE
 from colibri_aio.policy.backpressure import BackpressureConfig
-from colibri_aio.engine.placement import DEFAULT_LOOKAHEAD, Placement, open_source
+from colibri_aio.engine.placement import Placement, open_source
 from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,7 +68,7 @@ async def one_run(model: Model, args: argparse.Namespace, arm: str, ids: list[in
     source, _plan = await open_source(model, placement)
     try:
         net = Qwen3MoE(model, source, len(ids) + 1)
-        net.lookahead = None if prefetch == "off" else DEFAULT_LOOKAHEAD
+        net.lookahead = placement.lookahead
         await net.forward(ids[: args.prefill])
         c0, r0, w0 = _cache(source), source.reader.stats.io_bytes, source.stats.demand_wait_s
         busy0 = source.reader.stats.busy_s

@@ -238,11 +238,10 @@ def _plan(args: argparse.Namespace) -> int:
 
     placement = Placement(ram_budget=parse_size(args.ram_budget) if args.ram_budget else None,
                           cache_per_layer=args.cache_per_layer, pin=args.pin, context=args.ctx)
-    placement.check()
     model = load(_model(args) or default_model_path(), resident=False)
     past = HistoryFile.for_model(model).load() if args.history else None
-    plan, _ = plan_for(model, placement, past)
     limits = memory_limits()
+    plan, _ = plan_for(model, placement, past, limits)
     if args.json:
         print(json.dumps({**plan.as_dict(), "model": str(model.path), "ram_total": limits.total,
                           "ram_available": limits.available, "cgroup_limit": limits.cgroup_limit}, indent=1))

@@ -39,7 +39,7 @@ from colibri_aio.engine.plan import Plan, gb
 from colibri_aio.policy.budget import parse_size
 from colibri_aio.engine.scheduler import CachedExpertSource
 from colibri_aio.engine.history import HistoryFile
-from colibri_aio.engine.placement import DEFAULT_LOOKAHEAD, Placement, open_source
+from colibri_aio.engine.placement import Placement, open_source
 from colibri_aio.engine.stats import EngineStats
 from colibri_aio.text.tokenizer import Tokenizer
 
@@ -85,7 +85,7 @@ class Engine:
         self.model, self.tokenizer, self.source, self.plan, self.placement = model, tokenizer, source, plan, placement
         self.history = history
         self.net = Qwen3MoE(model, source, plan.context)
-        self.net.lookahead = None if placement.prefetch == "off" else DEFAULT_LOOKAHEAD
+        self.net.lookahead = placement.lookahead
         self.prompt_tokens = self.generated_tokens = 0
         self.prefill_s = self.decode_s = 0.0
         # One sampler of the model's device per engine: it feeds the backpressure controller,
@@ -120,7 +120,6 @@ class Engine:
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,
                               pin=pin, context=n_ctx)
-        placement.check()
         if kernels is not None:
             if kernels not in backend.NAMES:
                 raise UserError(f"unknown kernels {kernels!r} (choose from {', '.join(backend.NAMES)})")
