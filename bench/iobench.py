@@ -1,8 +1,8 @@
 """``iobench``: expert-sized reads through each I/O backend, side by side with fio on the same file.
 
 For every block size (one expert's bytes), queue depth (experts in flight)
-and backend it runs a closed loop of ``ExpertReader.read`` calls for a fixed
-time and reports GB/s, IOPS and latency percentiles. When ``fio`` is on the
+and backend it runs a closed loop of ``ExpertReader.start`` calls (one slot
+per worker) for a fixed time and reports GB/s, IOPS and latency percentiles. When ``fio`` is on the
 PATH each measurement is paired with a fio run (io_uring engine, same file,
 block size, depth and O_DIRECT flag), the two run back to back in alternating
 order, and the report gives the median of the per-pair our/fio ratios.
@@ -142,22 +142,21 @@ async def measure_ours(path: Path, backend: str, bs: int, qd: int, pattern: str,
     stop_at = 0.0
     cursor = itertools.count()
 
-    async def worker() -> None:
+    async def worker(slot: int) -> None:  # each worker reads into its own slot
         while True:
             now = time.perf_counter()
             if now >= stop_at:
                 return
-            loc = locations[next(cursor) % len(locations)]
-            (await reader.read(loc)).release()
+            await reader.start(locations[next(cursor) % len(locations)], slot)
             latencies.append(time.perf_counter() - now)
 
     try:
         stop_at = time.perf_counter() + 0.1  # warm-up: first touches of the ring and the slots
-        await asyncio.gather(*(worker() for _ in range(qd)))
+        await asyncio.gather(*(worker(slot) for slot in range(qd)))
         latencies.clear()
         cpu0, t0 = time.process_time(), time.perf_counter()
         stop_at = t0 + seconds
-        await asyncio.gather(*(worker() for _ in range(qd)))
+        await asyncio.gather(*(worker(slot) for slot in range(qd)))
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         info = {"backend": reader.backend, "reason": reader.backend_reason,
                 "registered": reader.registered, "o_direct": reader.direct}

@@ -70,7 +70,7 @@ async def one_run(model: Model, args: argparse.Namespace, arm: str, ids: list[in
         net = Qwen3MoE(model, source, len(ids) + 1)
         net.lookahead = placement.lookahead
         await net.forward(ids[: args.prefill])
-        c0, r0, w0 = _cache(source), source.reader.stats.io_bytes, source.stats.demand_wait_s
+        c0, r0, w0 = _cache(source), source.reader.stats.io_bytes, source.demand_wait_s
         busy0 = source.reader.stats.busy_s
         t0 = time.perf_counter()
         for token in ids[args.prefill:]:
@@ -80,9 +80,9 @@ async def one_run(model: Model, args: argparse.Namespace, arm: str, ids: list[in
         lookups = sum(c1[k] - c0[k] for k in ("pinned_hits", "cached_hits", "prefetch_hits", "misses"))
         hits = lookups - (c1["misses"] - c0["misses"])
         read_busy = source.reader.stats.busy_s - busy0
-        compute_busy = wall - (source.stats.demand_wait_s - w0)
-        bp = source.backpressure
-        score = source.predictor.score
+        compute_busy = wall - (source.demand_wait_s - w0)
+        bp = source.policy.backpressure
+        score = source.policy.predictor.score
         return {
             "prefetch": arm, "tokens": len(ids) - args.prefill, "seconds": wall,
             "tok_s": (len(ids) - args.prefill) / wall, "hit_rate": hits / lookups if lookups else 0.0,
@@ -103,7 +103,7 @@ async def one_run(model: Model, args: argparse.Namespace, arm: str, ids: list[in
 
 
 def _cache(source) -> dict:
-    s = source.cache.stats
+    s = source.policy.cache.stats
     return {k: getattr(s, k) for k in ("pinned_hits", "cached_hits", "prefetch_hits", "misses",
                                        "prefetch_reads", "prefetch_wasted")}
 

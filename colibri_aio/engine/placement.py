@@ -19,6 +19,8 @@ from colibri_aio.engine.memory import MemoryLimits, memory_limits
 from colibri_aio.engine.plan import Plan, make_plan
 from colibri_aio.policy.cache import ExpertCache
 from colibri_aio.policy.backpressure import BackpressureConfig, BackpressureController
+from colibri_aio.policy.predictor import LookaheadPredictor
+from colibri_aio.policy.scheduler import SchedulerPolicy
 from colibri_aio.policy.usage import UsageHistory, model_fingerprint
 from colibri_aio.engine.history import HistoryFile, read_history
 from colibri_aio.engine.scheduler import CachedExpertSource
@@ -145,9 +147,14 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
     reader = await ExpertReader.open(model.path, model.expert_nbytes_max, cache.n_slots, backend=placement.io)
     if progress is not None:
         progress("allocate pool", 1, 1)
-    backpressure = BackpressureController(placement.backpressure, mode=placement.prefetch,  # type: ignore[arg-type]
-                                          start=time.perf_counter())
-    source = CachedExpertSource(model, reader, cache, backpressure, usage=past.empty() if past is not None else None)
+    a = model.args
+    policy = SchedulerPolicy(
+        cache, BackpressureController(placement.backpressure, mode=placement.prefetch,  # type: ignore[arg-type]
+                                      start=time.perf_counter()),
+        LookaheadPredictor(a.expert_used_count, a.expert_count),
+        expert_nbytes=lambda key: model.expert(*key).nbytes, prefetch_count=a.expert_used_count,
+        usage=past.empty() if past is not None else None)
+    source = CachedExpertSource(reader, policy, model.expert)
     try:
         await source.fill_pinned(progress)
     except BaseException:
