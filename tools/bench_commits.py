@@ -140,9 +140,10 @@ def main() -> int:
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
     p.add_argument("--name", default="commits", help="receipt file name prefix")
-    p.add_argument("command", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS: a tools/ script of both commits")
-    args = p.parse_args()
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    p.usage = "%(prog)s A B [options] -- SCRIPT [ARGS...]   (SCRIPT: a tools/ script both commits have)"
+    argv = sys.argv[1:]
+    split = argv.index("--") if "--" in argv else len(argv)
+    args, command = p.parse_args(argv[:split]), argv[split + 1:]
     if not command:
         p.error("give the benchmark command after --")
     scratch = args.scratch or Path(tempfile.mkdtemp(prefix="bench-commits-"))
