@@ -6,7 +6,7 @@ commit X is the command with that commit's ``tools/`` script, its installed
 package first on ``PYTHONPATH``, in a fresh process. Every round runs the
 command once per commit and condition, alternating which commit goes first,
 optionally holding an exclusive ``flock`` for the round (released between
-rounds). Each run prints JSON lines, one per sample; samples are grouped by
+rounds; a shared one for the untimed warm-up). Each run prints JSON lines, one per sample; samples are grouped by
 the ``--key`` fields and the ``--metric`` compared: per group the median
 [min–max] of each commit and the median [min–max] of the per-round B/A ratios,
 beside each commit's own run-to-run spread (max/min).
@@ -55,13 +55,13 @@ def export(commit: str, scratch: Path) -> tuple[str, Path, Path]:
 
 
 @contextlib.contextmanager
-def exclusive(lock: Path | None) -> Iterator[None]:
-    """Hold an exclusive flock on ``lock`` (nothing when None)."""
+def holding(lock: Path | None, mode: int) -> Iterator[None]:
+    """Hold a flock of ``mode`` (LOCK_EX, LOCK_SH) on ``lock`` (nothing when None)."""
     if lock is None:
         yield
         return
     with open(lock, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        fcntl.flock(f, mode)
         try:
             yield
         finally:
@@ -135,7 +135,8 @@ def main() -> int:
     p.add_argument("--conditions", default="default", help="comma-separated values for {condition}")
     p.add_argument("--key", default="condition,prefetch", help="sample fields that name a group")
     p.add_argument("--metric", default="tok_s")
-    p.add_argument("--lock", type=Path, default=None, help="hold an exclusive flock on this file for each round")
+    p.add_argument("--lock", type=Path, default=None,
+                   help="hold an exclusive flock on this file for each round (a shared one for the warm-up)")
     p.add_argument("--scratch", type=Path, default=None, help="where the commits are installed (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
@@ -150,13 +151,14 @@ def main() -> int:
     try:
         arms = {name: export(commit, scratch) for name, commit in (("a", args.a), ("b", args.b))}
         conditions = args.conditions.split(",")
-        for name, (_, tree, site) in arms.items():
-            for _ in range(args.warmup):
-                run_once(tree, site, command, conditions[0], scratch)
+        with holding(args.lock, fcntl.LOCK_SH):  # untimed, but CPU-heavy: not while others time theirs
+            for _, tree, site in arms.values():
+                for _ in range(args.warmup):
+                    run_once(tree, site, command, conditions[0], scratch)
         runs = []
         for rnd in range(args.rounds):
             order = ["a", "b"] if rnd % 2 == 0 else ["b", "a"]
-            with exclusive(args.lock):
+            with holding(args.lock, fcntl.LOCK_EX):
                 for condition in conditions:
                     for name in order:
                         _, tree, site = arms[name]
