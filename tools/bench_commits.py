@@ -16,6 +16,9 @@ beside each commit's own run-to-run spread (max/min).
         --conditions {condition} --out {scratch}/receipts
 
 ``{condition}`` and ``{scratch}`` in the command are filled in per run.
+``--background COND=CMD`` runs CMD (e.g. fio loading the disk) through both
+commits' runs of COND in each round, so the pair shares one load: a load that
+each run started for itself could settle differently from run to run.
 """
 from __future__ import annotations
 
@@ -25,11 +28,14 @@ import fcntl
 import io
 import json
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -66,6 +72,25 @@ def holding(lock: Path | None, mode: int) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def background(command: str | None, settle: float) -> Iterator[None]:
+    """Run ``command`` (in its own session) for the duration; nothing when None."""
+    if command is None:
+        yield
+        return
+    proc = subprocess.Popen(shlex.split(command), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        time.sleep(settle)  # let the load reach its steady state
+        if proc.poll() is not None:
+            raise SystemExit(f"background command exited ({proc.returncode}): {command}")
+        yield
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait()
 
 
 def run_once(tree: Path, site: Path, command: list[str], condition: str, scratch: Path) -> list[dict]:
@@ -114,6 +139,8 @@ def markdown(receipt: dict) -> str:
              f"{', each round under an exclusive lock' if receipt['lock'] else ''}.", "",
              f"Command: `{receipt['command']}`", "",
              f"Benchmark run per commit: `{' '.join(receipt['benchmark'])}`", "",
+             *[f"Through both commits' runs of `{c}` in each round: `{cmd}`" for c, cmd in receipt["background"].items()],
+             "",
              f"| {' | '.join(keys)} | A {metric} median [min–max] | B {metric} median [min–max] | "
              f"B/A per round, median [min–max] | A spread (max/min) | B spread (max/min) |",
              "|" + "---|" * (len(keys) + 5)]
@@ -137,6 +164,9 @@ def main() -> int:
     p.add_argument("--metric", default="tok_s")
     p.add_argument("--lock", type=Path, default=None,
                    help="hold an exclusive flock on this file for each round (a shared one for the warm-up)")
+    p.add_argument("--background", action="append", default=[], metavar="COND=CMD",
+                   help="run CMD through both commits' runs of condition COND in each round (repeatable)")
+    p.add_argument("--settle", type=float, default=2.0, help="seconds a background load runs before the first run")
     p.add_argument("--scratch", type=Path, default=None, help="where the commits are installed (default: a temp dir)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
@@ -147,6 +177,7 @@ def main() -> int:
     args, command = p.parse_args(argv[:split]), argv[split + 1:]
     if not command:
         p.error("give the benchmark command after --")
+    loads = dict(item.split("=", 1) for item in args.background)
     scratch = args.scratch or Path(tempfile.mkdtemp(prefix="bench-commits-"))
     try:
         arms = {name: export(commit, scratch) for name, commit in (("a", args.a), ("b", args.b))}
@@ -160,15 +191,17 @@ def main() -> int:
             order = ["a", "b"] if rnd % 2 == 0 else ["b", "a"]
             with holding(args.lock, fcntl.LOCK_EX):
                 for condition in conditions:
-                    for name in order:
-                        _, tree, site = arms[name]
-                        for sample in run_once(tree, site, command, condition, scratch):
-                            runs.append({"round": rnd, "arm": name, "condition": condition, "sample": sample})
-                            print(json.dumps(runs[-1]), flush=True)
+                    with background(loads.get(condition), args.settle):
+                        for name in order:
+                            _, tree, site = arms[name]
+                            for sample in run_once(tree, site, command, condition, scratch):
+                                runs.append({"round": rnd, "arm": name, "condition": condition, "sample": sample})
+                                print(json.dumps(runs[-1]), flush=True)
         keys = args.key.split(",")
         receipt = {**header("tools/bench_commits.py"), "tool_commit": git_state()["sha"],
                    "a": {"name": args.a, "sha": arms["a"][0]}, "b": {"name": args.b, "sha": arms["b"][0]},
                    "rounds": args.rounds, "warmup": args.warmup, "lock": str(args.lock) if args.lock else None,
+                   "background": loads,
                    "benchmark": command, "keys": keys, "metric": args.metric,
                    "summary": summarise(runs, keys, args.metric), "runs": runs,
                    "note": "shared 2-vCPU machine: other jobs may run between rounds (and during them when no lock "
