@@ -97,7 +97,8 @@ def run_once(tree: Path, site: Path, command: list[str], condition: str, scratch
     """One run of ``command`` under the commit installed in ``site``; its JSON lines."""
     argv = [a.replace("{condition}", condition).replace("{scratch}", str(scratch)) for a in command]
     script = tree / argv[0]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}
+    path = os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env = {**os.environ, "PYTHONPATH": path}
     done = subprocess.run([sys.executable, str(script), *argv[1:]], env=env, cwd=tree, capture_output=True,
                           text=True)
     if done.returncode != 0:
@@ -139,7 +140,8 @@ def markdown(receipt: dict) -> str:
              f"{', each round under an exclusive lock' if receipt['lock'] else ''}.", "",
              f"Command: `{receipt['command']}`", "",
              f"Benchmark run per commit: `{' '.join(receipt['benchmark'])}`", "",
-             *[f"Through both commits' runs of `{c}` in each round: `{cmd}`" for c, cmd in receipt["background"].items()],
+             *[f"Through both commits' runs of `{c}` in each round: `{cmd}`"
+               for c, cmd in receipt["background"].items()],
              "",
              f"| {' | '.join(keys)} | A {metric} median [min–max] | B {metric} median [min–max] | "
              f"B/A per round, median [min–max] | A spread (max/min) | B spread (max/min) |",
