@@ -17,6 +17,11 @@ Plain (no event loop of your own; works inside one too, e.g. in Jupyter)::
             print(piece.text, end="", flush=True)
 
 or, for one generation, ``colibri_aio.generate("The list type", max_tokens=32)``.
+
+Importing the package configures nothing global: its events go through
+structlog as the application configured it (structlog's defaults otherwise);
+``configure_logging()`` applies the command line's setup (warnings and errors
+to stderr, ``verbose=True`` for informational events).
 """
 from __future__ import annotations
 
@@ -44,6 +49,7 @@ _EXPORTS = {
     "generate": "colibri_aio.engine.sync", "EngineBusyError": "colibri_aio.errors",
     "ExpertReadError": "colibri_aio.errors", "ModelFormatError": "colibri_aio.errors",
     "NonFiniteError": "colibri_aio.errors", "UserError": "colibri_aio.errors",
+    "configure_logging": "colibri_aio.cli.logs",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

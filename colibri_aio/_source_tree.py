@@ -1,4 +1,4 @@
-"""Running from a clone: ``colibri_aio.io`` and ``colibri_aio.kernels`` are the clone's ``io/`` and ``kernels/``.
+"""Running from a clone: ``colibri_aio.io``, ``colibri_aio.kernels`` and ``colibri_aio.bench`` are the clone's folders.
 
 In a wheel, setuptools' ``package-dir`` (pyproject.toml) puts ``io/`` and
 ``kernels/`` inside the package, and an editable install maps them with its
@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 # The same mapping as [tool.setuptools.package-dir] in pyproject.toml (a test checks they agree).
-MAPPED = {"colibri_aio.io": "io", "colibri_aio.kernels": "kernels"}
+MAPPED = {"colibri_aio.bench": "bench", "colibri_aio.io": "io", "colibri_aio.kernels": "kernels"}
 
 
 class SourceTreeFinder:

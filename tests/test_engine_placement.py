@@ -62,7 +62,7 @@ async def test_cache_that_holds_everything_reads_each_expert_once() -> None:
     model = load(fixture("tiny_q8_0.gguf"))
     got, engine = await _engine_logits("tiny_q8_0", ids + ids, io="pread", cache_per_layer=model.args.expert_count,
                                        prefetch="off")
-    stats = engine.source.cache.stats
+    stats = engine.source.policy.cache.stats
     assert stats.misses == engine.source.reader.stats.reads <= model.args.block_count * model.args.expert_count
     assert stats.hit_rate > 0.5 and stats.prefetch_reads == 0
 
@@ -70,7 +70,7 @@ async def test_cache_that_holds_everything_reads_each_expert_once() -> None:
 async def test_small_cache_evicts_and_prefetch_is_counted() -> None:
     ids = oracle_ids()[1]
     _, engine = await _engine_logits("tiny_f32", ids, io="pread", cache_per_layer=2, prefetch="on")
-    s, c = engine.source.stats, engine.source.cache.stats
+    s, c = engine.source.policy.stats, engine.source.policy.cache.stats
     assert c.evictions > 0
     assert s.prefetch_reads == c.prefetch_reads > 0
     assert c.prefetch_hits + c.prefetch_wasted <= c.prefetch_reads
@@ -92,7 +92,7 @@ async def test_decode_steps_reach_the_backpressure_trial_and_never_change_logits
     finally:
         await source.aclose()
     assert np.array_equal(np.concatenate([prefill, np.stack(decode)]), want)
-    c = source.backpressure.counters
+    c = source.policy.backpressure.counters
     assert c.decode_steps == len(ids) - 12 - 1     # the first follows the prefill, the last never ends
     assert c.trials >= 2 and c.trial_verdict_on + c.trial_verdict_off >= 1
 
@@ -112,20 +112,24 @@ async def test_cancelled_generation_drains_reads_and_closes() -> None:
     await engine.aclose()
     assert engine.source.reader.in_flight == 0
     with pytest.raises(ReaderClosedError):
-        await engine.source.reader.read(engine.model.expert(0, 0))
+        engine.source.reader.start(engine.model.expert(0, 0), 0)
 
 
 async def test_read_error_names_the_expert(monkeypatch) -> None:
     engine = await Engine.open(fixture("tiny_q8_0.gguf"), io="pread", cache_per_layer=2, prefetch="off")
     reader = engine.source.reader
-    real = reader.read
+    real = reader.start
 
-    async def failing(loc):
-        if (loc.layer, loc.expert) == (1, 3):
-            raise ExpertReadError(reader.file.path, loc.gate.offset, loc.nbytes, loc.layer, loc.expert, "injected")
-        return await real(loc)
+    def failing(loc, slot):
+        future = real(loc, slot)
+        if (loc.layer, loc.expert) != (1, 3):
+            return future
+        error = ExpertReadError(reader.file.path, loc.gate.offset, loc.nbytes, loc.layer, loc.expert, "injected")
+        broken = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda _: broken.set_exception(error))  # fails once the kernel is done
+        return broken
 
-    monkeypatch.setattr(reader, "read", failing)
+    monkeypatch.setattr(reader, "start", failing)
     try:
         with pytest.raises(ExpertReadError, match="layer 1 expert 3"):
             for ids in oracle_ids():
@@ -147,7 +151,7 @@ async def test_pinning_from_usage_history_keeps_logits_and_hits() -> None:
     await _engine_logits("tiny_q8_0", ids, io="pread", cache_per_layer=k + 2)  # records the usage history
     got, engine = await _engine_logits("tiny_q8_0", ids, io="pread", cache_per_layer=k + 2, pin="auto")
     assert np.array_equal(got, want)
-    assert engine.source.cache.pinned and engine.source.cache.stats.pinned_hits > 0
+    assert engine.source.policy.cache.pinned and engine.source.policy.cache.stats.pinned_hits > 0
 
 
 async def test_usage_history_of_another_model_is_never_used(tmp_path) -> None:
@@ -161,6 +165,6 @@ async def test_usage_history_of_another_model_is_never_used(tmp_path) -> None:
     ours.write_bytes(theirs.read_bytes())
     engine = await Engine.open(fixture("tiny_f32.gguf"), pin="auto")
     await engine.aclose()
-    assert not engine.source.cache.pinned and ours.with_name(ours.name + ".bad").exists()
+    assert not engine.source.policy.cache.pinned and ours.with_name(ours.name + ".bad").exists()
     with pytest.raises(UserError, match="another model"):
         await Engine.open(fixture("tiny_f32.gguf"), pin=str(theirs))

@@ -24,10 +24,11 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_wheel_maps_io_and_kernels_into_the_package(wheel: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     for module in ("colibri_aio/io/reader.py", "colibri_aio/kernels/quant.py", "colibri_aio/policy/cache.py",
+                   "colibri_aio/bench/iobench.py", "colibri_aio/bench/receipt.py",
                    "colibri_aio/py.typed", "colibri_aio/models/__init__.py",
                    "colibri_aio/models/colibri-tiny-q8_0.gguf"):
         assert module in names
-    assert not any(n.startswith(("io/", "kernels/")) for n in names)
+    assert not any(n.startswith(("io/", "kernels/", "bench/")) for n in names)
 
 
 def test_installed_wheel_imports(wheel: Path, tmp_path: Path) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 
 from colibri_aio.engine.engine import Engine
 from colibri_aio.kernels import backend
-from receipt import header as receipt_header, write as write_receipt
+from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 

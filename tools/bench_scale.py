@@ -42,8 +42,8 @@ from pathlib import Path
 import numpy as np
 
 from bench_prefetch import make_model
-from colibri_aio.cli.iobench import measure_fio
-from receipt import header as receipt_header, spread, write as write_receipt
+from colibri_aio.bench.iobench import measure_fio
+from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = ("ours", "llama.cpp")
@@ -92,12 +92,12 @@ def worker_ours(model: Path, pp: int, tg: int, seed: int) -> dict:
             t0 = time.perf_counter()
             await engine.prefill(ids[:pp])
             t1 = time.perf_counter()
-            s1, w1 = engine.stats(), src.stats.demand_wait_s
+            s1, w1 = engine.stats(), src.demand_wait_s
             for t in ids[pp:]:
                 await net.forward([t])
             t2 = time.perf_counter()
-            s2, w2, d2 = engine.stats(), src.stats.demand_wait_s, proc_read_bytes()
-            bp = src.backpressure
+            s2, w2, d2 = engine.stats(), src.demand_wait_s, proc_read_bytes()
+            bp = src.policy.backpressure
             tg_lookups = s2.lookups - s1.lookups
             tg_hits = tg_lookups - (s2.misses - s1.misses)
             tg_wall = t2 - t1
@@ -106,7 +106,7 @@ def worker_ours(model: Path, pp: int, tg: int, seed: int) -> dict:
             return {
                 "pp_tok_s": pp / (t1 - t0), "tg_tok_s": tg / tg_wall, "open_s": open_s,
                 "peak_rss": peak_rss_bytes(), "plan": engine.plan.one_line(),
-                "cache_slots": src.cache.n_slots,
+                "cache_slots": src.policy.cache.n_slots,
                 "tg_hit_rate": tg_hits / tg_lookups if tg_lookups else 0.0,
                 "pp_gb_read": (s1.io_bytes - s0.io_bytes) / 1e9, "tg_gb_read": (s2.io_bytes - s1.io_bytes) / 1e9,
                 "disk_gb_read": (d2 - d0) / 1e9,

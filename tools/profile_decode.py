@@ -25,7 +25,7 @@ import numpy as np
 from colibri_aio.arch import qwen3moe
 from colibri_aio.engine.engine import Engine
 from colibri_aio.kernels import backend
-from receipt import header as receipt_header, write as write_receipt
+from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 CATEGORIES = ("expert matvecs", "attention projections", "attention", "output head", "routing", "python overhead")

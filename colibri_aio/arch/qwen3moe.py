@@ -82,7 +82,8 @@ class Qwen3MoE:
         self.n_ctx = min(n_ctx or a.context_length, a.context_length)
         self.cache = KVCache(a.block_count, self.n_ctx, a.head_count_kv, a.key_length)
         self.n_past = 0
-        # The hidden state that predicts the next layer's experts (see trace.PREDICTORS); None = off.
+        # The hidden state that predicts the next layer's experts (see arch/lookahead.PREDICTORS);
+        # None: no hints (Placement.lookahead sets it).
         self.lookahead: str | None = None
 
     async def prefill(self, ids: Sequence[int], *, logits: Literal["last", "all"] = "last",
@@ -169,7 +170,7 @@ class Qwen3MoE:
         # aclosing: on an error mid-layer the source still drains its in-flight reads.
         async with aclosing(self.experts.stream(layer, np.unique(ids).tolist())) as stream:
             async for expert, w in stream:
-                if predicted is not None:  # this layer's demand reads are submitted by now
+                if predicted is not None:  # after this layer's demand reads, which went out with the first expert
                     self.experts.hint(layer + 1, predicted)
                     predicted = None
                 rows, ranks = np.nonzero(ids == expert)
@@ -185,9 +186,9 @@ class Qwen3MoE:
                    h: np.ndarray) -> list[int] | None:
         """Layer + 1's likely experts from router layer + 1 on this layer's hidden state.
 
-        One position: its top 2k in router order (the scheduler's predictor
-        decides how many are worth reading). Several (prefill): the union of
-        their top-k, most-voted first. None when lookahead is off or on the last layer.
+        One position: its top 2k in router order (the scheduler policy reads
+        the first k it does not hold). Several (prefill): the union of their
+        top-k, most-voted first. None when lookahead is off or on the last layer.
         """
         if self.lookahead is None or layer + 1 >= self.args.block_count:
             return None

@@ -103,14 +103,15 @@ async def _probe(model: Model, reader: ExpertReader) -> Check:
     done = nbytes = 0
     t0 = time.perf_counter()
 
-    async def one() -> None:
+    async def one(slot: int) -> None:  # each worker reads into its own slot
         nonlocal done, nbytes
         while time.perf_counter() - t0 < PROBE_SECONDS:
-            with await reader.read(rng.choice(locs)) as lease:
-                nbytes += lease.location.nbytes
-                done += 1
+            loc = rng.choice(locs)
+            await reader.start(loc, slot)
+            nbytes += loc.nbytes
+            done += 1
 
-    await asyncio.gather(*(one() for _ in range(PROBE_SLOTS)))
+    await asyncio.gather(*(one(slot) for slot in range(PROBE_SLOTS)))
     dt = time.perf_counter() - t0
     note = "" if model.identity.size > 256 << 20 else " (small file: partly served from the device cache)"
     return Check("read speed", "ok", f"{done} random expert reads in {dt:.2f} s: {nbytes / dt / 1e9:.2f} GB/s, "

@@ -238,11 +238,10 @@ def _plan(args: argparse.Namespace) -> int:
 
     placement = Placement(ram_budget=parse_size(args.ram_budget) if args.ram_budget else None,
                           cache_per_layer=args.cache_per_layer, pin=args.pin, context=args.ctx)
-    placement.check()
     model = load(_model(args) or default_model_path(), resident=False)
     past = HistoryFile.for_model(model).load() if args.history else None
-    plan, _ = plan_for(model, placement, past)
     limits = memory_limits()
+    plan, _ = plan_for(model, placement, past, limits)
     if args.json:
         print(json.dumps({**plan.as_dict(), "model": str(model.path), "ram_total": limits.total,
                           "ram_available": limits.available, "cgroup_limit": limits.cgroup_limit}, indent=1))
@@ -279,7 +278,7 @@ def _plan_table(model, plan, limits) -> str:
 
 
 def _add_iobench(sub: argparse._SubParsersAction) -> None:
-    from colibri_aio.cli.iobench import add_iobench_arguments, run_iobench
+    from colibri_aio.bench.iobench import add_iobench_arguments, run_iobench
 
     p = sub.add_parser("iobench", help="expert-sized read benchmark per I/O backend, paired with fio when present",
                        description="Random or sequential expert-sized reads per backend: GB/s, IOPS, latency "
@@ -495,7 +494,7 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
 def _replay(args: argparse.Namespace) -> int:
     import json
 
-    from colibri_aio.policy.replay import replay_command
+    from colibri_aio.cli.replay import replay_command
 
     doc, text = replay_command(
         [str(t) for t in args.traces], policy=args.policy, cache_per_layer=args.cache_per_layer,

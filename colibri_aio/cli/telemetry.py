@@ -3,8 +3,9 @@ model's device and for the engine, a header that repeats, JSON lines on request,
 and one summary line at the end.
 
 Device columns come from ``/proc/diskstats`` deltas (r/s, rMB/s, rareq-sz,
-r_await, aqu-sz, %util); engine columns from the engine's own counters
-(:class:`EngineStats`), the same numbers the API exposes.
+r_await, aqu-sz, %util), read through the engine's own device monitor;
+engine columns from the engine's own counters (:class:`EngineStats`), the
+same numbers the API exposes.
 
 On a terminal the default is not the table but a :class:`StatusLine`: the few
 figures that matter, redrawn in place on the terminal's last row, which the
@@ -15,12 +16,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
+from colibri_aio.engine.device import Snapshot, between
 from colibri_aio.engine.stats import EngineStats
-from colibri_aio.policy.diskstats import DeviceSample, DiskstatsSampler, read_diskstats
+from colibri_aio.policy.backpressure import DeviceSample
 
 if TYPE_CHECKING:
     from colibri_aio.engine.engine import Engine
@@ -176,15 +177,16 @@ class Telemetry:
     def __init__(self, engine: "Engine", *, interval: float = 1.0, out: IO[str] | None = None,
                  json_out: IO[str] | None = None, status: StatusLine | None = None) -> None:
         self.engine, self.interval, self.out, self.json_out, self.status = engine, interval, out, json_out, status
-        device = engine.device
-        self._disk = DiskstatsSampler(device) if device else None
+        self._device: Snapshot | None = None
         self._lines = 0
         self.intervals: list[Interval] = []
 
     def _device_sample(self) -> DeviceSample | None:
-        if self._disk is None:
+        """The device's load since the previous call (the engine's monitor reads the counters)."""
+        if self.engine.device is None:
             return None
-        return self._disk.sample(read_diskstats(), time.perf_counter())
+        before, self._device = self._device, self.engine.device.read()
+        return between(before, self._device)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Emit one line per interval until ``stop`` is set (then one last partial interval)."""

@@ -31,7 +31,7 @@ from colibri_aio.gguf.model import Model, Progress, load
 from colibri_aio.kernels import backend
 from gguf import GGMLQuantizationType
 from colibri_aio.engine.memory import peak_rss_bytes, rss_bytes
-from colibri_aio.policy.diskstats import DiskstatsSampler, device_of, read_diskstats
+from colibri_aio.engine.device import DeviceMonitor
 from colibri_aio.models import default_model_path
 from colibri_aio.arch.qwen3moe import Qwen3MoE
 from colibri_aio.text.sampling import FinishReason, Sampler, Stopper, check_generation_options, make_sampler
@@ -39,7 +39,7 @@ from colibri_aio.engine.plan import Plan, gb
 from colibri_aio.policy.budget import parse_size
 from colibri_aio.engine.scheduler import CachedExpertSource
 from colibri_aio.engine.history import HistoryFile
-from colibri_aio.engine.placement import DEFAULT_LOOKAHEAD, Placement, open_source
+from colibri_aio.engine.placement import Placement, open_source
 from colibri_aio.engine.stats import EngineStats
 from colibri_aio.text.tokenizer import Tokenizer
 
@@ -85,10 +85,12 @@ class Engine:
         self.model, self.tokenizer, self.source, self.plan, self.placement = model, tokenizer, source, plan, placement
         self.history = history
         self.net = Qwen3MoE(model, source, plan.context)
-        self.net.lookahead = None if placement.prefetch == "off" else DEFAULT_LOOKAHEAD
+        self.net.lookahead = placement.lookahead
         self.prompt_tokens = self.generated_tokens = 0
         self.prefill_s = self.decode_s = 0.0
-        self.device = device_of(model.path)
+        # One sampler of the model's device per engine: it feeds the backpressure controller,
+        # and telemetry reads the same counters.
+        self.device = DeviceMonitor.for_path(model.path, source.policy.on_device)
         self._monitor: asyncio.Task[None] | None = None
         self._turn = asyncio.Lock()  # one caller at a time on the KV cache
         self._holder: asyncio.Task[Any] | None = None  # the task whose turn it is
@@ -118,7 +120,6 @@ class Engine:
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,
                               pin=pin, context=n_ctx)
-        placement.check()
         if kernels is not None:
             if kernels not in backend.NAMES:
                 raise UserError(f"unknown kernels {kernels!r} (choose from {', '.join(backend.NAMES)})")
@@ -139,8 +140,8 @@ class Engine:
             log.warning(note)
         engine = cls(model, tokenizer, source, plan, placement, store)
         log.info(engine.describe(full=True))
-        if engine.device is not None and placement.prefetch == "auto":
-            engine._monitor = asyncio.get_running_loop().create_task(engine._watch_device())
+        if engine.device is not None:
+            engine._monitor = asyncio.get_running_loop().create_task(engine.device.run())
         return engine
 
     def describe(self, *, full: bool = False) -> str:
@@ -149,7 +150,7 @@ class Engine:
         ``full`` adds the whole plan and the reasons the I/O backend and the
         kernels were chosen (a few hundred characters).
         """
-        a, plan, reader, cache = self.model.args, self.plan, self.source.reader, self.source.cache
+        a, plan, reader, cache = self.model.args, self.plan, self.source.reader, self.source.policy.cache
         line = (f"{self.model.path.name}: {a.block_count} layers x {a.expert_count} experts of "
                 f"{gb(plan.expert_nbytes)}; KV {plan.context} ctx; cache {cache.n_slots} slots "
                 f"({len(cache.pinned)} pinned) = {gb(cache.n_slots * plan.slot_nbytes)}; io {reader.backend}; "
@@ -161,31 +162,20 @@ class Engine:
 
     def stats(self) -> EngineStats:
         """The engine's counters now: tokens and their time, cache hits, reads, prefetch state, memory."""
-        src = self.source
-        cache, reader, bp = src.cache.stats, src.reader.stats, src.backpressure
-        score = src.predictor.score
+        src, policy = self.source, self.source.policy
+        cache, reader = policy.cache.stats, src.reader.stats
+        score = policy.predictor.score
         return EngineStats(
             t=time.perf_counter(), prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
             prefill_s=self.prefill_s, decode_s=self.decode_s,
             pinned_hits=cache.pinned_hits, cached_hits=cache.cached_hits, prefetch_hits=cache.prefetch_hits,
             misses=cache.misses, prefetch_reads=cache.prefetch_reads, prefetch_wasted=cache.prefetch_wasted,
             prefetch_wasted_bytes=cache.prefetch_wasted * self.model.expert_nbytes_max,
-            prefetch_on=bp.prefetch_on and self.net.lookahead is not None,
-            prefetch_reason=bp.reason if self.net.lookahead is not None else "lookahead off",
+            prefetch_on=policy.prefetch_on, prefetch_reason=policy.prefetch_reason,
             lookahead_recall=score.recall, lookahead_precision=score.precision,
             bytes_read=reader.bytes, io_bytes=reader.io_bytes, reads_in_flight=src.reader.in_flight,
-            slots_used=len(src.cache), slots_total=src.cache.n_slots, read_busy_s=reader.busy_s,
+            slots_used=len(policy.cache), slots_total=policy.cache.n_slots, read_busy_s=reader.busy_s,
             rss=rss_bytes(), peak_rss=peak_rss_bytes())
-
-    async def _watch_device(self, period: float = 0.25) -> None:
-        """Feed the backpressure controller iostat-style samples of the model's device."""
-        assert self.device is not None
-        sampler = DiskstatsSampler(self.device)
-        while True:
-            sample = sampler.sample(read_diskstats(), time.perf_counter())
-            if sample is not None:
-                self.source.backpressure.device(sample)
-            await asyncio.sleep(period)
 
     async def __aenter__(self) -> "Engine":
         return self
@@ -208,12 +198,12 @@ class Engine:
                 await self._monitor
             self._monitor = None
         await self.source.aclose()
-        if self.history is not None and self.source.usage is not None:
+        if self.history is not None and self.source.policy.usage is not None:
             # A thread: the save may wait (a bounded time) for another run's lock on the folder.
             try:
-                await asyncio.to_thread(self.history.save, self.source.usage)
+                await asyncio.to_thread(self.history.save, self.source.policy.usage)
             except RuntimeError:  # closed at interpreter exit: no new threads then, so on this one
-                self.history.save(self.source.usage)
+                self.history.save(self.source.policy.usage)
 
     def prompt_ids(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
         """Token ids of a prompt: plain text, or chat messages rendered with the model's template."""

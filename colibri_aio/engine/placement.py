@@ -15,10 +15,12 @@ import structlog
 from colibri_aio.errors import UserError
 from colibri_aio.gguf.model import Model, Progress
 from colibri_aio.io.reader import BACKENDS, ExpertReader
-from colibri_aio.engine.memory import memory_limits
+from colibri_aio.engine.memory import MemoryLimits, memory_limits
 from colibri_aio.engine.plan import Plan, make_plan
 from colibri_aio.policy.cache import ExpertCache
 from colibri_aio.policy.backpressure import BackpressureConfig, BackpressureController
+from colibri_aio.policy.predictor import LookaheadPredictor
+from colibri_aio.policy.scheduler import SchedulerPolicy
 from colibri_aio.policy.usage import UsageHistory, model_fingerprint
 from colibri_aio.engine.history import HistoryFile, read_history
 from colibri_aio.engine.scheduler import CachedExpertSource
@@ -53,7 +55,8 @@ class Placement:
     context: int | None = None
     backpressure: BackpressureConfig | None = None  # thresholds of --prefetch auto (None: defaults)
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
+        """Refuse an unknown choice here, once, before any file is opened."""
         if self.io not in IO_CHOICES:
             raise UserError(f"unknown --io {self.io!r} (choose from {', '.join(IO_CHOICES)})")
         if self.prefetch not in PREFETCH_CHOICES:
@@ -62,6 +65,16 @@ class Placement:
             raise UserError(f"--cache-per-layer must be >= 1, got {self.cache_per_layer}")
         if self.context is not None and self.context < 1:
             raise UserError(f"--ctx must be >= 1 position, got {self.context}")
+
+    @property
+    def lookahead(self) -> str | None:
+        """The hidden state the forward pass ranks the next layer's experts from; None: no prefetch hints.
+
+        ``--prefetch off`` asks for no hints at all; ``on`` and ``auto`` hand
+        them to the scheduler, whose backpressure controller decides (``auto``)
+        whether to read them.
+        """
+        return None if self.prefetch == "off" else DEFAULT_LOOKAHEAD
 
 
 # Share of the cache that --pin fills from the usage history; the rest stays LRU
@@ -93,12 +106,14 @@ def pin_history(model: Model, pin: str, past: UsageHistory | None) -> UsageHisto
     return read_history(Path(pin), model_fingerprint(model))
 
 
-def plan_for(model: Model, placement: Placement, past: UsageHistory | None) -> tuple[Plan, UsageHistory | None]:
-    """The plan for ``placement`` (its hit rate from the history pins come from, else ``past``), and that history."""
+def plan_for(model: Model, placement: Placement, past: UsageHistory | None, limits: MemoryLimits | None = None
+             ) -> tuple[Plan, UsageHistory | None]:
+    """The plan for ``placement`` (its hit rate from the history pins come from, else ``past``), and that history;
+    with this machine's memory limits unless ``limits`` are given. ``run``, ``plan`` and the API all go by it."""
     pin_from = pin_history(model, placement.pin, past)
     known = pin_from if pin_from is not None else past
     counts = known.nonzero() if known is not None and known.runs >= 1 else None
-    plan = make_plan(model, memory_limits(), budget=placement.ram_budget, context=placement.context,
+    plan = make_plan(model, limits or memory_limits(), budget=placement.ram_budget, context=placement.context,
                      cache_per_layer=placement.cache_per_layer, usage_counts=counts,
                      pin_share=PIN_SHARE if pin_from is not None else 0.0)
     return plan, pin_from
@@ -122,7 +137,6 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
     records this run's selections into its ``usage``; saving them is the
     caller's business.
     """
-    placement.check()
     past = history.load() if history is not None else None
     plan, pin_from = plan_for(model, placement, past)
     pinned = pins(model, placement, plan, pin_from)
@@ -133,9 +147,14 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
     reader = await ExpertReader.open(model.path, model.expert_nbytes_max, cache.n_slots, backend=placement.io)
     if progress is not None:
         progress("allocate pool", 1, 1)
-    backpressure = BackpressureController(placement.backpressure, mode=placement.prefetch,  # type: ignore[arg-type]
-                                          start=time.perf_counter())
-    source = CachedExpertSource(model, reader, cache, backpressure, usage=past.empty() if past is not None else None)
+    a = model.args
+    policy = SchedulerPolicy(
+        cache, BackpressureController(placement.backpressure, mode=placement.prefetch,  # type: ignore[arg-type]
+                                      start=time.perf_counter()),
+        LookaheadPredictor(a.expert_used_count, a.expert_count),
+        expert_nbytes=lambda key: model.expert(*key).nbytes, prefetch_count=a.expert_used_count,
+        usage=past.empty() if past is not None else None)
+    source = CachedExpertSource(reader, policy, model.expert)
     try:
         await source.fill_pinned(progress)
     except BaseException:

@@ -1,8 +1,8 @@
 """``iobench``: expert-sized reads through each I/O backend, side by side with fio on the same file.
 
 For every block size (one expert's bytes), queue depth (experts in flight)
-and backend it runs a closed loop of ``ExpertReader.read`` calls for a fixed
-time and reports GB/s, IOPS and latency percentiles. When ``fio`` is on the
+and backend it runs a closed loop of ``ExpertReader.start`` calls (one slot
+per worker) for a fixed time and reports GB/s, IOPS and latency percentiles. When ``fio`` is on the
 PATH each measurement is paired with a fio run (io_uring engine, same file,
 block size, depth and O_DIRECT flag), the two run back to back in alternating
 order, and the report gives the median of the per-pair our/fio ratios.
@@ -21,10 +21,7 @@ import itertools
 import json
 import logging
 import os
-import platform
 import shutil
-import socket
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -35,9 +32,11 @@ from typing import Any
 import numpy as np
 import structlog
 
+from colibri_aio.bench import receipt
+from colibri_aio.bench.locations import split_expert
 from colibri_aio.errors import UserError
 from colibri_aio.io.align import RANGES_PER_EXPERT
-from colibri_aio.io.synthetic import split_expert
+from colibri_aio.policy.budget import parse_size
 
 BACKEND_CHOICES = ("uring", "pread", "mmap")
 FIO_RANDOM_SEED = 20260
@@ -45,16 +44,9 @@ FIO_RANDOM_SEED = 20260
 
 # -- arguments ---------------------------------------------------------------
 
-def parse_size(text: str) -> int:
-    """``4096``, ``64K``, ``1M``, ``4G`` (powers of 1024) -> bytes."""
-    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-    text = text.strip().upper().removesuffix("IB").removesuffix("B")
-    scale = units.get(text[-1:], 1)
-    number = text[:-1] if text[-1:] in units else text
-    try:
-        value = int(float(number) * scale)
-    except ValueError:
-        raise UserError(f"not a size: {text!r} (examples: 4096, 1M, 4G)") from None
+def positive_size(text: str) -> int:
+    """A size as ``--ram-budget`` takes it (``4096``, ``64K``, ``1.5M``, ``4GiB``), refusing zero."""
+    value = parse_size(text)
     if value <= 0:
         raise UserError(f"a size must be positive, got {text!r}")
     return value
@@ -81,7 +73,7 @@ def add_iobench_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``iobench`` subcommand's options."""
     parser.add_argument("file", nargs="?", type=Path, default=None,
                         help="file to read (default: a temporary test file in the model cache directory)")
-    parser.add_argument("--bs", type=_csv(parse_size), default=[1 << 20, 4 << 20], metavar="SIZES",
+    parser.add_argument("--bs", type=_csv(positive_size), default=[1 << 20, 4 << 20], metavar="SIZES",
                         help="expert sizes to read, comma-separated (default: 1M,4M)")
     parser.add_argument("--qd", type=_csv(int), default=[1, 8, 32], metavar="DEPTHS",
                         help="experts in flight, comma-separated (default: 1,8,32)")
@@ -90,7 +82,7 @@ def add_iobench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pattern", choices=("rand", "seq"), default="rand", help="offsets (default: %(default)s)")
     parser.add_argument("--runs", type=int, default=5, help="interleaved our/fio pairs per setting (default: %(default)s)")
     parser.add_argument("--seconds", type=float, default=2.0, help="length of each measurement (default: %(default)s)")
-    parser.add_argument("--size", type=parse_size, default=4 << 30,
+    parser.add_argument("--size", type=positive_size, default=4 << 30,
                         help="size of the temporary test file when no FILE is given (default: 4G)")
     parser.add_argument("--no-fio", action="store_true", help="do not run fio even if it is installed")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
@@ -140,8 +132,8 @@ def drop_cached_pages(path: Path) -> None:
 async def measure_ours(path: Path, backend: str, bs: int, qd: int, pattern: str, seconds: float,
                        seed: int) -> dict[str, Any]:
     """``qd`` workers each read one expert of ``bs`` bytes after another for ``seconds``."""
+    from colibri_aio.bench.locations import bench_locations
     from colibri_aio.io import ExpertReader
-    from colibri_aio.io.synthetic import bench_locations
 
     # Workers share one list and one cursor: with ``seq`` the disk sees one stream in order.
     locations = bench_locations(path.stat().st_size, bs, 4096, pattern, np.random.default_rng(seed))
@@ -150,22 +142,21 @@ async def measure_ours(path: Path, backend: str, bs: int, qd: int, pattern: str,
     stop_at = 0.0
     cursor = itertools.count()
 
-    async def worker() -> None:
+    async def worker(slot: int) -> None:  # each worker reads into its own slot
         while True:
             now = time.perf_counter()
             if now >= stop_at:
                 return
-            loc = locations[next(cursor) % len(locations)]
-            (await reader.read(loc)).release()
+            await reader.start(locations[next(cursor) % len(locations)], slot)
             latencies.append(time.perf_counter() - now)
 
     try:
         stop_at = time.perf_counter() + 0.1  # warm-up: first touches of the ring and the slots
-        await asyncio.gather(*(worker() for _ in range(qd)))
+        await asyncio.gather(*(worker(slot) for slot in range(qd)))
         latencies.clear()
         cpu0, t0 = time.process_time(), time.perf_counter()
         stop_at = t0 + seconds
-        await asyncio.gather(*(worker() for _ in range(qd)))
+        await asyncio.gather(*(worker(slot) for slot in range(qd)))
         elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
         info = {"backend": reader.backend, "reason": reader.backend_reason,
                 "registered": reader.registered, "o_direct": reader.direct}
@@ -207,10 +198,6 @@ def measure_fio(path: Path, bs: int, qd: int, pattern: str, seconds: float, dire
 
 
 # -- the whole run -------------------------------------------------------------
-
-def _summary(values: list[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
 
 FIGURES = ("gbps", "iops", "lat_p50_ms", "lat_p99_ms", "cpu_us_per_read")
 
@@ -258,40 +245,15 @@ def summarise(backend: str, bs: int, qd: int, pattern: str, pairs: list[dict[str
     ours = [p["ours"] for p in pairs]
     row: dict[str, Any] = {"backend": backend, "bs": bs, "qd": qd, "pattern": pattern,
                            "ours_backend": ours[0]["backend"], "ours_reason": ours[0]["reason"],
-                           "ours": {k: _summary([s[k] for s in ours]) for k in FIGURES}, "ours_samples": ours}
+                           "ours": {k: receipt.spread([s[k] for s in ours]) for k in FIGURES}, "ours_samples": ours}
     for arm in (a for a in ("fio", "fio_split") if a in pairs[0]):
         runs = [p[arm] for p in pairs]
         ratios = [p["ours"]["gbps"] / p[arm]["gbps"] for p in pairs]
-        row[arm] = {k: _summary([s[k] for s in runs]) for k in FIGURES}
+        row[arm] = {k: receipt.spread([s[k] for s in runs]) for k in FIGURES}
         row[f"{arm}_samples"] = runs
-        row[f"{arm}_ratio"] = _summary(ratios)
+        row[f"{arm}_ratio"] = receipt.spread(ratios)
         row[f"{arm}_ratio_samples"] = ratios
     return row
-
-
-def host_facts() -> dict[str, Any]:
-    """Enough about the machine to read the numbers later."""
-    mem = 0
-    try:
-        with open("/proc/meminfo") as f:
-            mem = int(f.readline().split()[1]) * 1024
-    except OSError:
-        pass
-    return {"hostname": socket.gethostname(), "kernel": platform.release(), "machine": platform.machine(),
-            "cpus": os.cpu_count(), "mem_bytes": mem, "python": platform.python_version(),
-            "loadavg": os.getloadavg()}
-
-
-def git_commit() -> str:
-    here = Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "io", "colibri_aio/cli/iobench.py"],
-                               cwd=here.parent, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    commit = head.stdout.strip() or "unknown"
-    return commit + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def _fmt(s: dict[str, float], digits: int = 2) -> str:
@@ -315,13 +277,10 @@ def render_table(rows: list[dict[str, Any]]) -> str:
 
 
 def write_receipt(directory: Path, document: dict[str, Any]) -> tuple[Path, Path]:
-    directory.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    json_path = directory / f"iobench_{stamp}.json"
-    md_path = directory / f"iobench_{stamp}.md"
-    json_path.write_text(json.dumps(document, indent=1) + "\n")
+    """``iobench_<time>.json`` (every sample) and ``.md`` (the table) in ``directory``."""
+    name = f"iobench_{receipt.stamp()}"
     h = document["host"]
-    md = [f"# iobench {stamp}", "",
+    md = [f"# {name.replace('_', ' ')}", "",
           f"- command: `{document['command']}`",
           f"- commit: `{document['commit']}`",
           f"- host: {h['hostname']}, Linux {h['kernel']}, {h['cpus']} CPUs, {h['mem_bytes'] / 2**30:.1f} GiB RAM; "
@@ -333,8 +292,13 @@ def write_receipt(directory: Path, document: dict[str, Any]) -> tuple[Path, Path
           f"- {document['note']}", "", render_table(document["results"]), ""]
     for r in document["results"]:
         md.append(f"- {r['ours_backend']} {r['bs'] >> 10} KiB QD {r['qd']}: {r['ours_reason']}")
-    md_path.write_text("\n".join(md) + "\n")
-    return json_path, md_path
+    return receipt.write(directory, name, document, "\n".join(md) + "\n")
+
+
+def git_commit() -> str:
+    """HEAD, with ``+dirty`` when the I/O layer or this benchmark has uncommitted changes."""
+    state = receipt.git_state("io", "bench/iobench.py")
+    return state["sha"] + ("+dirty" if state["modified"] else "")
 
 
 def run_iobench(args: argparse.Namespace) -> int:
@@ -380,7 +344,7 @@ def _run_iobench(args: argparse.Namespace) -> int:
             rows = runner.run(bench(path, args, use_fio, progress))
         document = {
             "command": " ".join(sys.orig_argv),
-            "commit": commit, "host": host_facts(), "when_utc": datetime.datetime.now(
+            "commit": commit, "host": receipt.host_facts(), "when_utc": datetime.datetime.now(
                 datetime.timezone.utc).isoformat(timespec="seconds"),
             "file": str(path), "file_bytes": path.stat().st_size, "temporary_file": temporary,
             "pattern": args.pattern, "runs": args.runs, "seconds": args.seconds, "event_loop": loop_name,
@@ -404,7 +368,7 @@ def _run_iobench(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m colibri_aio.cli.iobench", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m colibri_aio.bench.iobench", description=__doc__.splitlines()[0])
     add_iobench_arguments(parser)
     args = parser.parse_args(argv)
     try:

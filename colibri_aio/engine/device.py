@@ -1,7 +1,9 @@
-"""Device load from ``/proc/diskstats``, computed the way iostat does.
+"""The model's block device, watched through ``/proc/diskstats`` the way iostat does: one monitor per engine.
 
-Parsing and the delta between two snapshots are pure functions; only
-:func:`read_diskstats` and :func:`device_of` touch the system. The fields
+:class:`DeviceMonitor` is the only reader of ``/proc/diskstats``: its loop
+hands the scheduler policy one :class:`~colibri_aio.policy.backpressure.DeviceSample`
+per period, and telemetry reads the same monitor at its own interval ends.
+Parsing and the delta between two snapshots are pure functions. The fields
 (Documentation/admin-guide/iostats.rst) after major, minor and name are:
 reads completed, reads merged, sectors read, ms reading, writes completed,
 writes merged, sectors written, ms writing, I/Os in progress, ms doing I/O
@@ -16,10 +18,16 @@ its own measurements.
 """
 from __future__ import annotations
 
+import asyncio
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
+from colibri_aio.policy.backpressure import DeviceSample
+
 SECTOR = 512
+PERIOD = 0.25  # seconds between samples: the backpressure controller's window
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,16 +44,11 @@ class DiskCounters:
 
 
 @dataclass(frozen=True, slots=True)
-class DeviceSample:
-    """A device's load over one interval of ``interval`` seconds ending at ``end``."""
+class Snapshot:
+    """A device's counters read at monotonic time ``t``."""
 
-    end: float
-    interval: float
-    util: float       # fraction of the interval with at least one I/O in flight (0..1)
-    r_await_ms: float  # mean read latency; 0 when there were no reads
-    aqu_sz: float      # mean number of requests queued or in service
-    read_bps: float    # bytes read per second
-    reads: int
+    counters: DiskCounters
+    t: float
 
 
 def parse_diskstats(text: str) -> dict[str, DiskCounters]:
@@ -78,6 +81,13 @@ def device_delta(before: DiskCounters, after: DiskCounters, start: float, end: f
     )
 
 
+def between(before: Snapshot | None, after: Snapshot | None) -> DeviceSample | None:
+    """The load from one snapshot to a later one; None when either is missing or no time passed."""
+    if before is None or after is None or after.t <= before.t:
+        return None
+    return device_delta(before.counters, after.counters, before.t, after.t)
+
+
 def read_diskstats(path: str = "/proc/diskstats") -> str:
     """The current ``/proc/diskstats`` text ('' where the file does not exist)."""
     try:
@@ -104,19 +114,34 @@ def device_of(path: str | os.PathLike[str]) -> str | None:
     return os.path.basename(real)
 
 
-class DiskstatsSampler:
-    """Turns successive ``/proc/diskstats`` texts into samples of one device (no I/O itself)."""
+class DeviceMonitor:
+    """Reads one block device's counters; :meth:`run` feeds ``on_sample`` every ``period`` seconds."""
 
-    def __init__(self, device: str) -> None:
-        self.device = device
-        self._prev: tuple[DiskCounters, float] | None = None
+    def __init__(self, device: str, on_sample: Callable[[DeviceSample], None] | None = None, *,
+                 period: float = PERIOD, source: Callable[[], str] = read_diskstats) -> None:
+        self.device, self.period = device, period
+        self._on_sample = on_sample
+        self._source = source
 
-    def sample(self, text: str, now: float) -> DeviceSample | None:
-        """The load since the previous call; ``None`` on the first call or if the device is absent."""
-        counters = parse_diskstats(text).get(self.device)
-        if counters is None:
-            return None
-        prev, self._prev = self._prev, (counters, now)
-        if prev is None or now <= prev[1]:
-            return None
-        return device_delta(prev[0], counters, prev[1], now)
+    @classmethod
+    def for_path(cls, path: str | os.PathLike[str], on_sample: Callable[[DeviceSample], None] | None = None,
+                 ) -> "DeviceMonitor | None":
+        """A monitor of the disk holding ``path``; None where the file system names no block device."""
+        device = device_of(path)
+        return None if device is None else cls(device, on_sample)
+
+    def read(self) -> Snapshot | None:
+        """The device's counters now (None if the device is absent from ``/proc/diskstats``)."""
+        counters = parse_diskstats(self._source()).get(self.device)
+        return None if counters is None else Snapshot(counters, time.perf_counter())
+
+    async def run(self) -> None:
+        """Sample every ``period`` seconds and hand each interval's load to ``on_sample``, until cancelled."""
+        last = self.read()
+        while True:
+            await asyncio.sleep(self.period)
+            now = self.read()
+            sample = between(last, now)
+            if sample is not None and self._on_sample is not None:
+                self._on_sample(sample)
+            last = now if now is not None else last
