@@ -19,7 +19,8 @@ Plain (no event loop of your own; works inside one too, e.g. in Jupyter)::
 or, for one generation, ``colibri_aio.generate("The list type", max_tokens=32)``.
 
 Importing the package configures nothing global: its events go through
-structlog as the application configured it (structlog's defaults otherwise);
+structlog as the application configured it; with no configuration, warnings
+and errors go to stderr and informational events are dropped.
 ``configure_logging()`` applies the command line's setup (warnings and errors
 to stderr, ``verbose=True`` for informational events).
 """

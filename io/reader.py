@@ -17,8 +17,6 @@ import resource
 import time
 from dataclasses import dataclass
 
-import structlog
-
 from colibri_aio.errors import ExpertReadError, UserError
 from colibri_aio.experts import ExpertLocation, ExpertWeights
 from colibri_aio.io.align import ExpertPlan, plan_expert, slot_nbytes_for
@@ -27,8 +25,9 @@ from colibri_aio.io.modelfile import ModelFile
 from colibri_aio.io.pool import BufferPool
 from colibri_aio.io.uring import DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_RING_ENTRIES, UringReactor
 from colibri_aio.kernels.qtensor import QTensor
+from colibri_aio.logs import get_logger
 
-log = structlog.get_logger("colibri_aio.io")
+log = get_logger("colibri_aio.io")
 
 BACKENDS = ("auto", "uring", "pread", "mmap")
 

@@ -82,7 +82,6 @@ def test_a_second_call_from_the_thread_holding_a_stream_fails_instead_of_hanging
 SCRIPT = """
 import sys
 import colibri_aio
-colibri_aio.configure_logging()  # as an application does: events to stderr, warnings and errors only
 model = sys.argv[1]
 if sys.argv[2] == "abandoned-generator":
     stream = colibri_aio.generate("The list type", model=model, max_tokens=50)
@@ -115,7 +114,6 @@ def test_what_is_left_open_at_exit_is_closed_quietly(tmp_path: Path) -> None:
 CTRL_C = """
 import sys
 import colibri_aio
-colibri_aio.configure_logging()  # as an application does: events to stderr, warnings and errors only
 engine = colibri_aio.SyncEngine.open(None, prefetch="on")
 try:
     for n, piece in enumerate(engine.generate("The list type", max_tokens=240)):

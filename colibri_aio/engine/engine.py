@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import structlog
 
 from colibri_aio.errors import EngineBusyError, UserError
 from colibri_aio.gguf.model import Model, Progress, load
@@ -41,11 +40,12 @@ from colibri_aio.engine.scheduler import CachedExpertSource
 from colibri_aio.engine.history import HistoryFile
 from colibri_aio.engine.placement import Placement, open_source
 from colibri_aio.engine.stats import EngineStats
+from colibri_aio.logs import get_logger
 from colibri_aio.text.tokenizer import Tokenizer
 
 Prompt = str | Sequence[Mapping[str, Any]]
 
-log = structlog.get_logger("colibri_aio.engine")
+log = get_logger("colibri_aio.engine")
 
 
 @dataclass(frozen=True, slots=True)

@@ -34,13 +34,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import structlog
-
 from colibri_aio.errors import UserError
 from colibri_aio.gguf.model import Model
+from colibri_aio.logs import get_logger
 from colibri_aio.policy.usage import UsageHistory, model_fingerprint
 
-log = structlog.get_logger("colibri_aio.history")
+log = get_logger("colibri_aio.history")
 
 LOCK_TIMEOUT = 5.0
 _LOCK_POLL = 0.05

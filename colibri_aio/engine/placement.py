@@ -10,8 +10,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import structlog
-
 from colibri_aio.errors import UserError
 from colibri_aio.gguf.model import Model, Progress
 from colibri_aio.io.reader import BACKENDS, ExpertReader
@@ -24,8 +22,9 @@ from colibri_aio.policy.scheduler import SchedulerPolicy
 from colibri_aio.policy.usage import UsageHistory, model_fingerprint
 from colibri_aio.engine.history import HistoryFile, read_history
 from colibri_aio.engine.scheduler import CachedExpertSource
+from colibri_aio.logs import get_logger
 
-log = structlog.get_logger("colibri_aio.placement")
+log = get_logger("colibri_aio.placement")
 
 IO_CHOICES = BACKENDS
 PREFETCH_CHOICES = ("auto", "on", "off")

@@ -25,13 +25,12 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
-import structlog
-
 from colibri_aio.experts import ExpertLocation, ExpertWeights
 from colibri_aio.io.reader import ExpertReader
+from colibri_aio.logs import get_logger
 from colibri_aio.policy.scheduler import Actions, Failed, Read, Ready, SchedulerPolicy, Wait
 
-log = structlog.get_logger("colibri_aio.engine.scheduler")
+log = get_logger("colibri_aio.engine.scheduler")
 
 
 class CachedExpertSource:
