@@ -141,6 +141,9 @@ class EngineWorker:
             async with aclosing(stream):  # an early exit still drains the reads in flight
                 async for piece in stream:
                     sink(piece)
+                    # A step whose experts are all cached never waits on a read, so the task would not
+                    # suspend: let the loop run here, so that a cancel (and the device watch) gets in.
+                    await asyncio.sleep(0)
 
     def close(self) -> None:
         """Cancel the running job, drain its reads, close the engine and stop the thread."""
