@@ -50,7 +50,7 @@ class _Generation(_Body):
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, ge=0, le=1)
+    top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=-1)           # -1 or 0: off (vLLM and llama.cpp spellings)
     min_p: float | None = Field(None, ge=0, le=1)
     seed: int | None = Field(None, ge=0, lt=2**64)

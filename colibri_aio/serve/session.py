@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import queue
+from contextlib import closing
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -173,10 +174,11 @@ class ChatSession:
         request = self.session.request(ids, max_tokens=self.max_tokens, sampling=self.sampling)
         reply: list[str] = []
         try:
-            for piece in self.session.stream(request):
-                self.last = piece
-                reply.append(piece.text)
-                yield piece.text
+            with closing(self.session.stream(request)) as pieces:  # leaving early cancels and drains at once
+                for piece in pieces:
+                    self.last = piece
+                    reply.append(piece.text)
+                    yield piece.text
         finally:
             self.messages.append({"role": "assistant", "content": "".join(reply)})
 
