@@ -40,12 +40,16 @@ async def test_no_room_to_wait_refuses_at_once() -> None:
     await line.acquire()                      # free again: served without waiting
 
 
-async def test_a_waiter_that_leaves_gives_up_its_place() -> None:
+async def busy_line_with_two_waiters() -> tuple[RequestLine, asyncio.Task[None], asyncio.Task[None]]:
     line = RequestLine(max_waiting=2)
     await line.acquire()
-    leaver = asyncio.create_task(line.acquire())
-    stayer = asyncio.create_task(line.acquire())
+    first, second = asyncio.create_task(line.acquire()), asyncio.create_task(line.acquire())
     await asyncio.sleep(0)
+    return line, first, second
+
+
+async def test_a_waiter_that_leaves_gives_up_its_place() -> None:
+    line, leaver, stayer = await busy_line_with_two_waiters()
     leaver.cancel()
     await asyncio.gather(leaver, return_exceptions=True)
     assert line.waiting == 1
@@ -56,11 +60,7 @@ async def test_a_waiter_that_leaves_gives_up_its_place() -> None:
 
 
 async def test_a_turn_handed_to_a_waiter_as_it_leaves_passes_on() -> None:
-    line = RequestLine(max_waiting=2)
-    await line.acquire()
-    leaver = asyncio.create_task(line.acquire())
-    stayer = asyncio.create_task(line.acquire())
-    await asyncio.sleep(0)
+    line, leaver, stayer = await busy_line_with_two_waiters()
     line.release()                            # the turn goes to the leaver's future ...
     leaver.cancel()                           # ... which is cancelled before it runs
     await asyncio.gather(leaver, return_exceptions=True)

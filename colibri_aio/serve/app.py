@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import structlog
 from pydantic import Field
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
@@ -40,6 +41,7 @@ from colibri_aio.serve.session import AsyncGeneration, ContextFull, GenerationCa
 from colibri_aio.serve.worker import GenerationRequest
 
 T = TypeVar("T")
+log = structlog.get_logger("colibri_aio.serve")
 PUBLIC_PATHS = frozenset({"/health"})
 
 
@@ -191,7 +193,9 @@ async def _sse(service: Service, generation: AsyncGeneration, shape: ChatShape |
         if include_usage:
             yield _data(shape.usage_chunk(last))
         yield {"data": "[DONE]"}
-    except (UserError, ExpertReadError, GenerationCancelled) as exc:
+    except Exception as exc:  # the status line is sent: the error goes in the stream, and the stream ends
+        if not isinstance(exc, (UserError, ExpertReadError, GenerationCancelled)):
+            log.exception("generation failed mid-stream")
         yield _data(_error_for(exc).body())
     finally:
         generation.cancel()

@@ -13,7 +13,8 @@ import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics,
+                               generate_latest)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -32,6 +33,7 @@ class ServerMetrics:
     """The server's metrics registry: request histograms plus the engine and disk read at each scrape."""
 
     def __init__(self, engine: "Engine", line: "RequestLine") -> None:
+        disable_created_metrics()  # the *_created series only repeat the start time
         self.registry = CollectorRegistry(auto_describe=False)
         r = self.registry
         self.requests = Counter("colibri_requests", "Requests answered, by endpoint and HTTP status",
