@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import socket
 import time
 from collections.abc import Iterator
 
@@ -371,6 +372,22 @@ def test_disconnect_cancels_the_generation(server: ServerProcess) -> None:
     assert r.usage.completion_tokens == 3  # the engine serves the next request
 
 
+def test_disconnect_cancels_a_whole_response_too(server: ServerProcess) -> None:
+    _wait_idle(server)
+    before = _metrics(server)["colibri_generated_tokens_total"]
+    host, port = server.url.removeprefix("http://").split(":")
+    body = json.dumps(LONG).encode()
+    with socket.create_connection((host, int(port))) as raw, _http(server) as probe:
+        raw.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode() +
+                    b"\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        deadline = time.monotonic() + 30
+        while not probe.get("/health").json()["busy"]:
+            assert time.monotonic() < deadline
+    _wait_idle(server)  # the socket closed above: the client is gone
+    generated = _metrics(server)["colibri_generated_tokens_total"] - before
+    assert generated < 200, f"{generated} tokens: the generation ran on after the client left"
+
+
 def test_full_line_answers_429_with_retry_after(open_server: ServerProcess) -> None:
     """No room to wait: of requests sent together, one generates and the others get 429 at once."""
     _wait_idle(open_server)
@@ -418,3 +435,28 @@ def test_concurrent_clients_each_get_a_full_answer_or_429(server: ServerProcess)
     assert sum(status == 200 for status, _ in results) >= 3  # one generating and two waiting at least
     with _http(server) as h:
         assert h.get("/health").json() == {"status": "ok", "busy": False, "waiting": 0}
+
+
+# --- user mistakes --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args,message", [
+    (["serve", "--model", "no-such-model.gguf"], "no-such-model.gguf"),
+    (["serve", "--max-queue", "-1"], "--max-queue"),
+    (["serve", "--host", "256.1.1.1"], "cannot listen"),
+    (["chat", "--model", "no-such-model.gguf"], "no-such-model.gguf"),
+    (["chat", "--top-p", "7"], "top-p"),
+])
+def test_a_user_mistake_is_one_line_and_exit_2(args: list[str], message: str) -> None:
+    from support import run_cli
+
+    r = run_cli(*args, "--port", "0") if args[0] == "serve" else run_cli(*args)
+    assert r.returncode == 2, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and message in r.stderr
+
+
+def test_a_port_in_use_is_refused(server: ServerProcess) -> None:
+    from support import run_cli
+
+    port = server.url.rsplit(":", 1)[1]
+    r = run_cli("serve", "--port", port)
+    assert r.returncode == 2 and "cannot listen on 127.0.0.1:" + port in r.stderr
