@@ -3,7 +3,7 @@
 One ``serve`` process on 127.0.0.1. Each sample is a fresh two-turn
 conversation (its own topic): turn 1 (system + user message) streams
 ``--reply`` tokens; turn 2 sends the whole conversation again plus a new user
-message, streamed, and is timed from sending to the first content chunk.
+message, streamed, and is timed from sending to the chunk of its first token.
 The arms differ in one variable, turn 2's ``cache_prompt`` (true: the engine
 keeps the earlier turns in its KV cache and prefills only the new tokens;
 false: it prefills the whole conversation). Arms alternate, the order
@@ -35,9 +35,13 @@ TOPICS = ["list comprehensions", "the with statement", "asyncio task groups", "d
 
 
 def stream_chat(http: httpx.Client, messages: list[dict], max_tokens: int, cache_prompt: bool) -> dict:
-    """One streamed chat completion: its text, time to first content, total time and usage."""
+    """One streamed chat completion: its text, time to the first token, total time and usage.
+
+    With ``logprobs`` every token makes a chunk, even one whose text is held
+    back (part of a UTF-8 character): the first token is the first chunk with one.
+    """
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0.7, "seed": 1, "stream": True,
-            "stream_options": {"include_usage": True}, "cache_prompt": cache_prompt}
+            "stream_options": {"include_usage": True}, "cache_prompt": cache_prompt, "logprobs": True}
     t0 = time.perf_counter()
     ttft, text, usage = None, [], None
     with http.stream("POST", "/v1/chat/completions", json=body) as r:
@@ -49,10 +53,9 @@ def stream_chat(http: httpx.Client, messages: list[dict], max_tokens: int, cache
             if chunk.get("usage"):
                 usage = chunk["usage"]
             for choice in chunk["choices"]:
-                content = choice["delta"].get("content")
-                if content:
-                    ttft = ttft if ttft is not None else time.perf_counter() - t0
-                    text.append(content)
+                if ttft is None and choice["logprobs"] and choice["logprobs"]["content"]:
+                    ttft = time.perf_counter() - t0
+                text.append(choice["delta"].get("content") or "")
     return {"ttft": ttft, "seconds": time.perf_counter() - t0, "text": "".join(text), "usage": usage}
 
 
@@ -105,7 +108,7 @@ def main() -> int:
              f"end {receipt['load_average']}", "", f"Command: `{receipt['command']}`", "",
              f"`serve --ctx {args.ctx}` with its default placement, one process; each sample a fresh two-turn "
              f"conversation (system + question, {args.reply}-token streamed reply, then the conversation + a new "
-             "question), turn 2 timed from sending to its first content chunk. One variable: turn 2's "
+             "question), turn 2 timed from sending to the chunk of its first token. One variable: turn 2's "
              "`cache_prompt`. Arms alternate, order flipped every sample.", "",
              "| arm | turn-2 TTFT s, median [min–max] | prompt tokens | prefilled (prompt − cached) | n |",
              "|---|---|---|---|---|"]
