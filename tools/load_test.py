@@ -73,10 +73,14 @@ async def one_request(http: httpx.AsyncClient, client: int, i: int, max_tokens: 
     topic = TOPICS[(client * 7 + i) % len(TOPICS)]
     common = {"max_tokens": max_tokens, "temperature": 0.7, "seed": client * 100 + i, "stream": stream,
               "logit_bias": NO_END}
+    # Streams ask for logprobs: then every token makes a chunk, also one whose text is held back, and the
+    # first chunk with a token times the first token.
     if chat:
-        path, body = "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": f"Explain {topic}."}]}
+        path, body = "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": f"Explain {topic}."}],
+                                              **({"logprobs": True} if stream else {})}
     else:
-        path, body = "/v1/completions", {**common, "prompt": f"The documentation of {topic}"}
+        path, body = "/v1/completions", {**common, "prompt": f"The documentation of {topic}",
+                                         **({"logprobs": 0} if stream else {})}
     kind = ("chat" if chat else "completion") + (" stream" if stream else "")
     t0 = time.perf_counter()
     try:
@@ -102,7 +106,8 @@ async def one_request(http: httpx.AsyncClient, client: int, i: int, max_tokens: 
                                        f"error in stream: {chunk['error']}")
                     for choice in chunk["choices"]:
                         data += 1
-                        if ttft is None and (choice.get("text") or choice.get("delta", {}).get("content")):
+                        lp = choice.get("logprobs") or {}
+                        if ttft is None and (lp.get("content") or lp.get("tokens")):
                             ttft = time.perf_counter() - t0
                         finish = choice.get("finish_reason") or finish
                 ok = done and finish == "length"
