@@ -45,7 +45,7 @@ class Terminal:
     def type(self, text: str) -> None:
         os.write(self.fd, text.encode())
 
-    def expect(self, pattern: str, timeout: float = 120.0) -> re.Match[str]:
+    def expect(self, pattern: str, timeout: float = 300.0) -> re.Match[str]:
         """Wait until ``pattern`` appears in what was shown since the last match."""
         deadline = time.monotonic() + timeout
         while True:
@@ -77,10 +77,9 @@ class Terminal:
 
 
 def test_ctrl_c_stops_a_reply_not_the_chat() -> None:
-    # Slow placement (one expert slot per layer, NumPy kernels) so that a long reply is still being written
-    # when Ctrl-C arrives; the reply is cut at once, whatever the speed.
-    term = Terminal("chat", "--max-tokens", "250", "--cache-per-layer", "1", "--prefetch", "off", "--io", "pread",
-                    "--kernels", "numpy", *GREEDY)
+    # A long reply (up to the end of the context) is still being written when Ctrl-C arrives, a few
+    # milliseconds after its first characters; should a fast machine finish it first, the test tries again.
+    term = Terminal("chat", "--max-tokens", "250", "--io", "pread", *GREEDY)
     term.expect(r"> ")
     for attempt in range(3):
         term.type(f"What is a list? ({attempt})\r")

@@ -1,5 +1,6 @@
-"""The session machinery shared by the server and the chat: the engine on its worker thread, request
-preparation (template, model defaults, context), streaming to a plain thread, and chat history."""
+"""The session machinery shared by the server and the chat: the engine on its own thread (SyncEngine),
+request preparation (template, model defaults, context), pieces pulled by a thread or pushed to a loop,
+and chat history."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -10,7 +11,7 @@ from gguf.scripts.gguf_new_metadata import MetadataDetails, copy_with_new_metada
 
 from colibri_aio.models import default_model_path
 from colibri_aio.serve.session import ChatSession, ContextFull, Session
-from colibri_aio.serve.worker import EngineWorker
+from colibri_aio.engine.sync import Finished, SyncEngine
 from colibri_aio.text.sampling import LLAMA_CPP_DEFAULTS, SamplingParams
 
 GREEDY = SamplingParams(logit_bias={0: -100.0, 2: -100.0})
@@ -18,9 +19,8 @@ GREEDY = SamplingParams(logit_bias={0: -100.0, 2: -100.0})
 
 @pytest.fixture(scope="module")
 def session():
-    with EngineWorker(None, io="pread") as worker:
-        worker.start()
-        yield Session(worker)
+    with SyncEngine.open(None, io="pread") as engine:
+        yield Session(engine)
 
 
 def test_defaults_are_llama_cpp_s_when_the_model_names_none(session: Session) -> None:
@@ -34,9 +34,8 @@ def test_defaults_come_from_the_models_general_sampling_keys(tmp_path: Path) -> 
     f32, i32 = gguf.GGUFValueType.FLOAT32, gguf.GGUFValueType.INT32
     copy_with_new_metadata(reader, writer, {"general.sampling.temp": MetadataDetails(f32, 0.25),
                                             "general.sampling.top_k": MetadataDetails(i32, 7)}, [])
-    with EngineWorker(out, io="pread") as worker:
-        worker.start()
-        d = Session(worker).defaults
+    with SyncEngine.open(out, io="pread") as engine:
+        d = Session(engine).defaults
     assert d.temperature == pytest.approx(0.25) and d.top_k == 7 and d.top_p == LLAMA_CPP_DEFAULTS.top_p
 
 
@@ -83,3 +82,37 @@ def test_old_turns_are_dropped_to_fit_the_context(session: Session) -> None:
     assert chat.dropped > 0
     assert chat.messages[-2]["content"] == "Question 7: what does the list type do?"
     assert chat.last.prompt_tokens + chat.reply_room <= session.n_ctx
+
+
+def test_submit_pushes_pieces_then_one_finished_and_cancel_ends_early(session: Session) -> None:
+    import queue
+
+    ids = session.text_ids("The list type")
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    session.engine.submit(ids, events.put, max_tokens=5, sampling=GREEDY)
+    got = [events.get(timeout=60) for _ in range(6)]
+    assert [type(e).__name__ for e in got] == ["GenerationPiece"] * 5 + ["Finished"]
+    assert got[-1] == Finished() and got[-2].finish_reason == "length"
+    job = session.engine.submit(ids, events.put, max_tokens=200, sampling=GREEDY)
+    first = events.get(timeout=60)
+    job.cancel()
+    rest = []
+    while not isinstance(event := events.get(timeout=60), Finished):
+        rest.append(event)
+    assert first.generated_tokens == 1 and len(rest) < 199 and event.cancelled
+    assert [p.token for p in session.stream(session.request(ids, max_tokens=5, sampling=GREEDY))] == \
+        [p.token for p in got[:5]]  # the engine serves the next caller
+
+
+def test_closing_the_engine_cancels_a_submitted_generation() -> None:
+    import queue
+
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    engine = SyncEngine.open(None, io="pread")
+    ids = engine.engine.prompt_ids("The list type")
+    engine.submit(ids, events.put, max_tokens=200, logit_bias={0: -100.0, 2: -100.0})
+    events.get(timeout=60)
+    engine.close()
+    while not isinstance(event := events.get(timeout=60), Finished):
+        pass
+    assert event.cancelled

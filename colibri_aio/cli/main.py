@@ -266,7 +266,7 @@ def _serve(args: argparse.Namespace) -> int:
     from colibri_aio.serve.server import serve
 
     return serve(_model(args), host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-                 model_id=args.alias, open_options=_placement(args), run_loop=_run_loop)
+                 model_id=args.alias, open_options=_placement(args))
 
 
 def _add_logits(sub: argparse._SubParsersAction) -> None:

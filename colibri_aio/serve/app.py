@@ -37,8 +37,8 @@ from colibri_aio.serve.metrics import CONTENT_TYPE, ServerMetrics
 from colibri_aio.serve.queue import QueueFull, RequestLine
 from colibri_aio.serve.requests import ChatRequest, CompletionRequest, Message, _Body, _Generation, parse
 from colibri_aio.serve.responses import ChatShape, CompletionShape
-from colibri_aio.serve.session import AsyncGeneration, ContextFull, GenerationCancelled, Session
-from colibri_aio.serve.worker import GenerationRequest
+from colibri_aio.serve.session import (AsyncGeneration, ContextFull, GenerationCancelled, GenerationRequest,
+                                      Session)
 
 T = TypeVar("T")
 log = structlog.get_logger("colibri_aio.serve")
@@ -52,7 +52,7 @@ class Service:
                  model_id: str | None = None) -> None:
         self.session = session
         self.line = RequestLine(max_queue)
-        self.metrics = ServerMetrics(session.engine, self.line)
+        self.metrics = ServerMetrics(session.engine.engine, self.line)
         self.api_key = api_key
         self.model_id = model_id or session.model_name
         self.started = int(time.time())

@@ -13,7 +13,7 @@ from typing import IO, Any
 
 from colibri_aio.errors import UserError
 from colibri_aio.serve.session import ChatSession, Session
-from colibri_aio.serve.worker import EngineWorker
+from colibri_aio.engine.sync import SyncEngine
 
 HELP = "/reset starts a new conversation, /exit quits (or Ctrl-D); Ctrl-C stops a reply"
 
@@ -25,9 +25,8 @@ def chat(model: Any, *, system: str | None, max_tokens: int | None, sampling: di
     interactive = stdin.isatty() and stdout.isatty()
     if interactive:
         importlib.import_module("readline")  # line editing and history for input()
-    with EngineWorker(model, **open_options) as worker:
-        engine = worker.start()
-        session = Session(worker)
+    with SyncEngine.open(model, **open_options) as engine:
+        session = Session(engine)
         params = session.defaults.override(sampling)
         params.check(session.vocab_size)
         conversation = ChatSession(session, system=system, sampling=params, max_tokens=max_tokens)

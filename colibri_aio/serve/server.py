@@ -1,7 +1,7 @@
 """``python -m colibri_aio serve``: open the engine, bind, and run the ASGI app on uvicorn (uvloop, httptools)."""
 from __future__ import annotations
 
-import signal
+import asyncio
 import socket
 import sys
 from typing import Any
@@ -11,7 +11,7 @@ import uvicorn
 from colibri_aio.errors import UserError
 from colibri_aio.serve.app import Service, build_app
 from colibri_aio.serve.session import Session
-from colibri_aio.serve.worker import EngineWorker
+from colibri_aio.engine.sync import SyncEngine, new_loop
 
 # Seconds uvicorn waits for open requests on shutdown before cancelling them (streams end at once).
 GRACEFUL_SHUTDOWN_S = 10
@@ -38,28 +38,30 @@ def url_of(sock: socket.socket) -> str:
 
 
 def serve(model: Any, *, host: str, port: int, api_key: str | None, max_queue: int, model_id: str | None,
-          open_options: dict[str, Any], run_loop: Any) -> int:
-    """Serve until SIGINT or SIGTERM; the engine is closed (reads drained) on the way out."""
+          open_options: dict[str, Any]) -> int:
+    """Serve until SIGINT or SIGTERM; the engine is closed (reads drained, history saved) on the way out."""
     if max_queue < 0:
         raise UserError(f"--max-queue must be >= 0, got {max_queue}")
     sock = bind(host, port)
-    worker = EngineWorker(model, **open_options)
     try:
-        engine = worker.start()
-        service = Service(Session(worker), max_queue=max_queue, api_key=api_key, model_id=model_id)
+        engine = SyncEngine.open(model, **open_options)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        service = Service(Session(engine), max_queue=max_queue, api_key=api_key, model_id=model_id)
         config = uvicorn.Config(build_app(service), lifespan="off", log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         server = uvicorn.Server(config)
         print(f"[{engine.describe()}]", file=sys.stderr)
         print(f"[serving {service.model_id} at {url_of(sock)}/v1 (one stream at a time, {max_queue} may wait"
               f"{'; API key required' if api_key else ''}); Ctrl-C stops]", file=sys.stderr, flush=True)
-        # uvicorn re-raises the signal that stopped it once it is done: let SIGTERM end here quietly.
-        previous = signal.signal(signal.SIGTERM, lambda *_: None)
-        try:
-            run_loop(server.serve(sockets=[sock]))
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        # uvicorn's own signal handlers stop it gracefully (no new connections, streams ended, open
+        # requests given GRACEFUL_SHUTDOWN_S); then it raises the signal again, and the CLI's error path
+        # turns it into its exit status (130 for SIGINT, 143 for SIGTERM) after the engine is closed below.
+        with asyncio.Runner(loop_factory=new_loop) as runner:
+            runner.run(server.serve(sockets=[sock]))
     finally:
-        worker.close()
+        engine.close()  # cancels what still runs, drains the reads, saves the usage history
         sock.close()
     return 0

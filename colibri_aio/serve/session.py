@@ -1,24 +1,26 @@
 """The session machinery the server and the terminal chat share.
 
-A :class:`Session` is an :class:`EngineWorker` plus what turns a prompt into
-a :class:`GenerationRequest`: the chat template, the model's sampling
+A :class:`Session` is a :class:`~colibri_aio.SyncEngine` (the engine on its
+own thread and event loop, so its compute never holds up the server's loop
+or the chat's input) plus what turns a prompt into a
+:class:`GenerationRequest`: the chat template, the model's sampling
 defaults, the context budget. The engine keeps the token ids behind its KV
-cache, so a request that repeats the start of the previous one (the next
-turn of a chat) prefills only what is new. Pieces come back through
+cache, so a request that repeats the start of the previous one (the next turn
+of a chat) prefills only what is new. Pieces come back through
 :meth:`Session.stream` (plain iterator, for the chat) or
-:class:`AsyncGeneration` (an asyncio loop, for the server).
+:class:`AsyncGeneration` (pushed to an asyncio loop, for the server).
 """
 from __future__ import annotations
 
 import asyncio
-import queue
-from contextlib import closing
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import closing
+from dataclasses import dataclass, field
 from typing import Any
 
 from colibri_aio.engine.engine import GenerationPiece
+from colibri_aio.engine.sync import Event, Finished, SyncEngine
 from colibri_aio.errors import UserError
-from colibri_aio.serve.worker import EngineWorker, Event, Finished, GenerationRequest
 from colibri_aio.text.sampling import GGUF_SAMPLING_KEYS, SamplingParams, model_defaults
 
 
@@ -27,31 +29,46 @@ class ContextFull(UserError):
 
 
 class GenerationCancelled(Exception):
-    """The worker stopped the generation (it is closing)."""
+    """The engine stopped the generation (it is closing)."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What to generate: prompt ids, a token budget (None: to the end of the context), how to choose tokens."""
+
+    ids: list[int]
+    max_tokens: int | None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None   # n: each piece carries its log-probability and the n most likely tokens
+    reuse: bool = True            # start from the longest prefix the KV cache holds
+
+    def options(self) -> dict[str, Any]:
+        """:meth:`Engine.generate`'s keywords."""
+        return dict(max_tokens=self.max_tokens, sampling=self.sampling, stop=self.stop, logprobs=self.logprobs,
+                    reuse=self.reuse)
 
 
 class Session:
-    """One engine (on its worker thread) and the rules that prepare its requests."""
+    """One engine (on its own thread) and the rules that prepare its requests."""
 
-    def __init__(self, worker: EngineWorker) -> None:
-        engine = worker.engine
-        if engine is None:
-            raise RuntimeError("start the worker before opening a session")
-        self.worker, self.engine = worker, engine
+    def __init__(self, engine: SyncEngine) -> None:
+        self.engine = engine
+        model = engine.model
         self.tokenizer = engine.tokenizer
-        self.n_ctx = engine.net.n_ctx
-        self.vocab_size = engine.model.args.vocab_size
-        self.model_name = engine.model.path.name
-        fields = engine.model.reader.fields
+        self.n_ctx = engine.engine.net.n_ctx
+        self.vocab_size = model.args.vocab_size
+        self.model_name = model.path.name
+        fields = model.reader.fields
         self.defaults = model_defaults({k: fields[k].contents() for k in GGUF_SAMPLING_KEYS if k in fields})
 
     def chat_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """Prompt ids of chat messages, rendered with the model's chat template."""
-        return self.engine.prompt_ids(list(messages))
+        return self.engine.engine.prompt_ids(list(messages))
 
     def text_ids(self, text: str) -> list[int]:
         """Prompt ids of plain text."""
-        return self.engine.prompt_ids(text)
+        return self.engine.engine.prompt_ids(text)
 
     def request(self, ids: list[int], *, max_tokens: int | None, sampling: SamplingParams,
                 stop: Sequence[str] = (), logprobs: int | None = None, reuse: bool = True) -> GenerationRequest:
@@ -63,31 +80,13 @@ class Session:
                                  logprobs=logprobs, reuse=reuse)
 
     def stream(self, request: GenerationRequest) -> Iterator[GenerationPiece]:
-        """Generate on the worker and yield its pieces here, in the caller's thread.
-
-        Leaving early (``break``, an exception such as KeyboardInterrupt)
-        cancels the generation and returns once the engine is idle again.
-        """
-        events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        job = self.worker.submit(request, events.put)
-        finished = False
-        try:
-            while True:
-                event = events.get()
-                if isinstance(event, Finished):
-                    finished = True
-                    _raise_for(event)
-                    return
-                yield event
-        finally:
-            if not finished:
-                job.cancel()
-                while not isinstance(events.get(), Finished):
-                    pass
+        """Generate and yield the pieces in the caller's thread; leaving early (``break``, Ctrl-C)
+        cancels the generation and returns once the engine is idle again."""
+        return self.engine.generate(request.ids, **request.options())
 
 
 class AsyncGeneration:
-    """A generation seen from an asyncio loop: :meth:`next` piece until None; :meth:`cancel`.
+    """A generation pushed to an asyncio loop: :meth:`next` piece until None; :meth:`cancel`.
 
     ``on_idle`` runs on this loop once the engine is idle again (after the
     last piece, an error or a cancellation): the server hands the engine to
@@ -100,13 +99,13 @@ class AsyncGeneration:
         self._on_idle = on_idle
         self.finished = False
 
-        def deliver(event: Event) -> None:  # on the engine thread
+        def deliver(event: Event) -> None:  # on the engine's thread
             try:
                 loop.call_soon_threadsafe(self._deliver, event)
             except RuntimeError:  # this loop has closed: nobody is listening any more
                 pass
 
-        self._job = session.worker.submit(request, deliver)
+        self._job = session.engine.submit(request.ids, deliver, **request.options())
 
     def _deliver(self, event: Event) -> None:
         if isinstance(event, Finished):
@@ -120,7 +119,10 @@ class AsyncGeneration:
         event = await self._events.get()
         if isinstance(event, Finished):
             self.finished = True
-            _raise_for(event)
+            if event.error is not None:
+                raise event.error
+            if event.cancelled:
+                raise GenerationCancelled("the generation was cancelled")
             return None
         return event
 
@@ -128,13 +130,6 @@ class AsyncGeneration:
         """Stop generating (the engine drains its reads, then ``on_idle`` runs). Safe to call twice."""
         if not self.finished:
             self._job.cancel()
-
-
-def _raise_for(event: Finished) -> None:
-    if event.error is not None:
-        raise event.error
-    if event.cancelled:
-        raise GenerationCancelled("the generation was cancelled")
 
 
 class ChatSession:
