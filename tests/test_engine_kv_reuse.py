@@ -134,3 +134,25 @@ async def test_rewind_refuses_to_go_forward() -> None:
         assert engine.net.ids == [1] and engine.net.n_past == 1
         with pytest.raises(ValueError):
             engine.net.rewind(2)
+
+
+async def test_a_generation_cancelled_mid_step_ends_with_no_read_in_flight() -> None:
+    import asyncio
+
+    async with await Engine.open(None, io="pread", cache_per_layer=2, prefetch="on") as engine:
+        seen = []
+        for _ in range(5):
+            first = asyncio.Event()
+
+            async def consume() -> None:
+                async for _piece in engine.generate("The list type", max_tokens=50, logit_bias=BIAS):
+                    first.set()
+
+            task = asyncio.create_task(consume())
+            await first.wait()
+            await asyncio.sleep(0)   # the next step is under way: demand and prefetch reads in flight
+            seen.append(engine.source.reader.in_flight)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            assert engine.source.reader.in_flight == 0
+        assert any(seen), "no read was in flight when the generation was cancelled: nothing was tested"

@@ -308,9 +308,12 @@ class Engine:
         limit = budget if max_tokens is None else min(max_tokens, budget)
         async with self.turn(wait=wait):
             stream = self._generate(ids, limit, stop, TokenPicker(params, ids), logprobs, reuse)
-            async with contextlib.aclosing(stream):
-                async for piece in stream:
-                    yield piece
+            try:
+                async with contextlib.aclosing(stream):
+                    async for piece in stream:
+                        yield piece
+            finally:
+                await self.source.settle()  # the turn ends with no read in flight, however the stream ended
 
     async def _generate(self, ids: list[int], max_tokens: int, stop: Sequence[str], pick: TokenPicker,
                         logprobs: int | None, reuse: bool) -> AsyncIterator[GenerationPiece]:
