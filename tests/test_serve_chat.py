@@ -92,7 +92,11 @@ def test_ctrl_c_stops_a_reply_not_the_chat() -> None:
             break
     else:
         raise AssertionError("every reply finished before Ctrl-C reached it")
-    term.type("\x03")                         # Ctrl-C at the prompt: a fresh prompt, not the end
+    # Ctrl-C at the prompt: a fresh prompt, not the end. A person types it long after the prompt shows; a
+    # SIGINT in the microseconds between readline printing the prompt and waiting for a key would only be
+    # seen at the next key (CPython's readline has no pselect), so the test waits like a person would.
+    time.sleep(0.5)
+    term.type("\x03")
     term.expect(r"> ")
     term.type("And a tuple?\r")
     m = term.expect(STATUS.pattern)
