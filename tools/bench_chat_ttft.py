@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import httpx
-from receipt import header as receipt_header, spread, write as write_receipt
 
+from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt
 from colibri_aio.serve.launch import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
-from receipt import header as receipt_header, spread, write as write_receipt
 
+from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt
 from colibri_aio.serve.launch import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
