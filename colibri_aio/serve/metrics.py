@@ -9,7 +9,6 @@ counters for Prometheus' own ``rate()``).
 """
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -19,7 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoM
 from prometheus_client.registry import Collector
 
 from colibri_aio.engine.stats import EngineStats
-from colibri_aio.policy.diskstats import DeviceSample, DiskstatsSampler, parse_diskstats, read_diskstats
+from colibri_aio.engine.device import Snapshot, between
+from colibri_aio.policy.backpressure import DeviceSample
 
 if TYPE_CHECKING:
     from colibri_aio.engine.engine import Engine
@@ -64,11 +64,9 @@ class _EngineCollector(Collector):
 
     def __init__(self, engine: "Engine", line: "RequestLine") -> None:
         self.engine, self.line = engine, line
-        self._disk = DiskstatsSampler(engine.device) if engine.device else None
+        self._disk = engine.device  # the engine's DeviceMonitor of the model's disk (None: no block device)
+        self._disk_last: Snapshot | None = self._disk.read() if self._disk is not None else None
         self._disk_sample: DeviceSample | None = None
-        self._disk_at = 0.0
-        if self._disk is not None:
-            self._disk.sample(read_diskstats(), time.perf_counter())
 
     def collect(self) -> Iterator[Metric]:
         yield from self._queue()
@@ -84,11 +82,13 @@ class _EngineCollector(Collector):
 
     def _device(self) -> Iterator[Metric]:
         assert self._disk is not None
-        text, now = read_diskstats(), time.perf_counter()
-        if now - self._disk_at >= self.MIN_DISK_INTERVAL:
-            self._disk_sample = self._disk.sample(text, now) or self._disk_sample
-            self._disk_at = now
-        counters = parse_diskstats(text).get(self._disk.device)
+        now = self._disk.read()
+        if now is None:
+            return
+        if self._disk_last is None or now.t - self._disk_last.t >= self.MIN_DISK_INTERVAL:
+            self._disk_sample = between(self._disk_last, now) or self._disk_sample
+            self._disk_last = now
+        counters = now.counters
         labels = ["device"], [self._disk.device]
         if counters is not None:
             yield _counter("colibri_disk_reads_completed", "Reads the model's device completed", counters.reads, labels)
