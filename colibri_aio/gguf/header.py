@@ -179,7 +179,7 @@ class _Cursor:
             raise ModelFormatError(f"{self.path}: GGUF header is truncated: {what} needs {n} bytes at byte "
                                    f"{self.pos}, the file has {self.size}")
         while self.pos + n > len(self.buf):
-            more = self.f.read(max(_READ_STEP, self.pos + n - len(self.buf)))
+            more = self.f.read(min(max(_READ_STEP, self.pos + n - len(self.buf)), self.size - len(self.buf)))
             if not more:  # the file shrank under us
                 raise ModelFormatError(f"{self.path}: GGUF header is truncated at byte {len(self.buf)}")
             self.buf += more
