@@ -68,3 +68,10 @@ def test_mutants_are_reproducible_from_their_key() -> None:
 ])
 def test_outcomes_are_classified_strictly(status: int, err: str, cls: str) -> None:
     assert classify_cli(status, err)[0] == cls
+
+
+def test_an_action_past_the_timeout_is_a_hang_and_the_worker_is_replaced() -> None:
+    summary = Summary()
+    results = run_campaign([FIXTURES / "tiny_q8_0.gguf"], 2, seed=5, timeout=0.001, report=summary.add)
+    assert summary.hangs == 2 and summary.failed == 2
+    assert all(r.hang == "start" and r.kinds and r.failed for r in results)

@@ -83,8 +83,9 @@ def _reset_peak() -> None:
         pass
 
 
-def worker_main(result_fd: int, kernels: str | None, address_space: int, render_seconds: float | None) -> None:
-    """Serve cases from stdin until it closes; report on ``result_fd``."""
+def worker_main(result_fd: int, work: str, kernels: str | None, address_space: int,
+                render_seconds: float | None) -> None:
+    """Serve cases from stdin until it closes, writing mutants in ``work``; report on ``result_fd``."""
     sys.path[:0] = [str(TOOLS), str(TESTS)]
     import colibri_aio.cli.doctor as doctor
     import colibri_aio.text.chat_template as chat_template
@@ -99,14 +100,13 @@ def worker_main(result_fd: int, kernels: str | None, address_space: int, render_
         resource.setrlimit(resource.RLIMIT_AS, (_status("VmSize") + address_space, resource.RLIM_INFINITY))
     out = os.fdopen(result_fd, "w", buffering=1)
     layouts: dict[str, tuple[bytes, object]] = {}
-    work = Path(tempfile.mkdtemp(prefix="gguf-fuzz-"))
     for line in sys.stdin:
         fixture, key = json.loads(line)
         if fixture not in layouts:
             layouts[fixture] = (Path(fixture).read_bytes(), read_layout(Path(fixture)))
         raw, lay = layouts[fixture]
         mutant = mutate(raw, lay, key)
-        path = work / "mutant.gguf"
+        path = Path(work) / "mutant.gguf"
         path.write_bytes(mutant.data)
         rss_before = _status("VmRSS")
         _reset_peak()
@@ -114,7 +114,7 @@ def worker_main(result_fd: int, kernels: str | None, address_space: int, render_
         def started(action: str) -> None:
             out.write(json.dumps({"event": "start", "action": action}) + "\n")
 
-        outcomes = run_actions(path, work, kernels, started)
+        outcomes = run_actions(path, Path(work), kernels, started)
         out.write(json.dumps({"event": "done", "key": key, "kinds": list(mutant.kinds), "notes": list(mutant.notes),
                               "outcomes": [o.as_dict() for o in outcomes], "peak_rss": _status("VmHWM"),
                               "rss_before": rss_before, "size": len(mutant.data)}) + "\n")
@@ -124,18 +124,25 @@ def worker_main(result_fd: int, kernels: str | None, address_space: int, render_
 # ---------------------------------------------------------------- parent side
 
 class Worker:
-    """One worker process and the pipe it reports on."""
+    """One worker process, the pipe it reports on, and the file its stderr goes to."""
 
-    def __init__(self, kernels: str | None, address_space: int, nice: int, render_seconds: float | None) -> None:
+    def __init__(self, work: Path, kernels: str | None, address_space: int, nice: int,
+                 render_seconds: float | None) -> None:
         read_fd, write_fd = os.pipe()
         code = ("import sys; sys.path.insert(0, %r); from gguf_fuzz.campaign import worker_main; "
-                "worker_main(%d, %r, %d, %r)" % (str(TOOLS), write_fd, kernels, address_space, render_seconds))
-        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL, pass_fds=(write_fd,), text=True, cwd=ROOT,
-                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)
+                "worker_main(%d, %r, %r, %d, %r)" % (str(TOOLS), write_fd, str(work), kernels, address_space,
+                                                    render_seconds))
+        self.stderr_path = work / "worker.err"
+        with open(self.stderr_path, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                                         stdout=subprocess.DEVNULL, stderr=err, pass_fds=(write_fd,), text=True,
+                                         cwd=ROOT, preexec_fn=(lambda: os.nice(nice)) if nice else None)
         os.close(write_fd)
         self.fd = read_fd
         self.buf = b""
+
+    def stderr_tail(self) -> str:
+        return self.stderr_path.read_text(errors="replace")[-500:]
 
     def send(self, fixture: Path, key: str) -> None:
         assert self.proc.stdin is not None
@@ -175,7 +182,7 @@ def run_case(worker: Worker, fixture: Path, key: str, timeout: float) -> tuple[C
             kinds, notes = describe(fixture, key)
             if worker.proc.poll() is None:
                 return CaseResult(key, kinds, notes, hang=action), True
-            crash = f"worker exited with {worker.proc.returncode} during {action}"
+            crash = f"worker exited with {worker.proc.returncode} during {action}: {worker.stderr_tail()}"
             return CaseResult(key, kinds, notes, crash=crash), True
         if ev["event"] == "start":
             action = ev["action"]
@@ -196,10 +203,11 @@ def run_campaign(fixtures: Sequence[Path], cases: int, *, seed: int = 0, first: 
     """
     results: list[CaseResult] = []
     worker: Worker | None = None
+    work = tempfile.TemporaryDirectory(prefix="gguf-fuzz-")
     try:
         for fixture, key in case_keys(fixtures, cases, seed, first):
             if worker is None:
-                worker = Worker(kernels, address_space, nice, render_seconds)
+                worker = Worker(Path(work.name), kernels, address_space, nice, render_seconds)
             result, replace = run_case(worker, fixture, key, timeout)
             if replace:
                 worker.close(kill=True)
@@ -210,4 +218,5 @@ def run_campaign(fixtures: Sequence[Path], cases: int, *, seed: int = 0, first: 
     finally:
         if worker is not None:
             worker.close()
+        work.cleanup()
     return results
