@@ -14,13 +14,12 @@ from gguf_fuzz.campaign import run_campaign  # noqa: E402
 from gguf_fuzz.cases import classify_cli  # noqa: E402
 from gguf_fuzz.layout import read_layout  # noqa: E402
 from gguf_fuzz.mutate import IN_PLACE, RESIZING, mutate  # noqa: E402
-from gguf_fuzz.summary import Summary  # noqa: E402
+from gguf_fuzz.summary import GROWTH_BOUND, Summary  # noqa: E402
 
 FUZZED = [FIXTURES / name for name in (
     "colibri-tiny-q8_0.gguf", "tiny_q8_0.gguf", "tiny_q4_k.gguf", "tiny_f16.gguf", "quant_types/tiny_q5_0.gguf",
     "mixtral_q8_0.gguf", "gptoss_mxfp4.gguf")]
 CASES = 300
-GROWTH_BOUND = 512 << 20  # bytes one case may add to the worker's RSS (fixtures are <= 6 MB)
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +32,7 @@ def campaign() -> Summary:
 def test_every_outcome_is_clean_or_one_line(campaign: Summary) -> None:
     assert campaign.cases == CASES
     assert campaign.failures == [], campaign.failures[:5]
-    assert campaign.hangs == campaign.crashes == campaign.tracebacks == 0
+    assert campaign.hangs == campaign.crashes == campaign.tracebacks == campaign.over_memory == 0
 
 
 def test_the_mutants_reach_every_stage(campaign: Summary) -> None:
@@ -47,7 +46,7 @@ def test_the_mutants_reach_every_stage(campaign: Summary) -> None:
 
 def test_refusals_name_the_file_and_memory_stays_bounded(campaign: Summary) -> None:
     assert campaign.refusals_naming_file >= 0.95 * campaign.refusals_total
-    assert max(campaign.peak_growth) < GROWTH_BOUND
+    assert 0 < max(campaign.peak_growth) < GROWTH_BOUND
 
 
 def test_mutants_are_reproducible_from_their_key() -> None:

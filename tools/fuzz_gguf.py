@@ -47,11 +47,13 @@ def _markdown(receipt: dict, summary: dict) -> str:
         f"**{summary['cases']} mutated files** of {len(receipt['fixtures'])} fixtures, each through "
         f"`plan`, `doctor --verify`, `logits`, `Engine.open` (+ encode/decode) and a chat prompt: "
         f"**{summary['tracebacks']} tracebacks, {summary['hangs']} hangs, {summary['crashes']} crashed workers, "
-        f"{summary['failed_outcomes']} outcomes that were not a clean result or one error line with exit 2**.",
+        f"{summary['over_memory']} cases over the memory bound; {summary['failures']} failures in all** (outcomes "
+        f"that were not a clean result or one error line with exit 2, hangs, crashes, memory).",
         "",
         f"Peak RSS of one case (worker process, reset before each case): max {m['peak_rss_max_mib']} MiB, "
         f"median {m['peak_rss_median_mib']} MiB; the most one case added above the worker's RSS before it: "
-        f"{m['peak_growth_in_one_case_max_mib']} MiB (largest fixture {receipt['largest_fixture_mib']} MiB; "
+        f"{m['peak_growth_in_one_case_max_mib']} MiB, bound {m['growth_bound_mib']} MiB, cases over it: "
+        f"{m['cases_over_the_bound']} (largest fixture {receipt['largest_fixture_mib']} MiB; "
         f"address-space cap {receipt['address_space_gib']} GiB above the worker's start).",
         "",
         "| action | " + " | ".join(sorted({c for v in summary["outcomes_by_action"].values() for c in v})) + " |",
@@ -69,8 +71,8 @@ def _markdown(receipt: dict, summary: dict) -> str:
     lines += ["", f"Refusals naming the file: {summary['refusals_naming_the_file']}. Most frequent refusal "
                   f"messages (path as FILE, numbers as N):", ""]
     lines += [f"- {n} x `{msg}`" for msg, n in list(summary["refusal_messages"].items())[:25]]
-    if summary["failures"]:
-        lines += ["", "Failures:", ""] + [f"- `{f}`" for f in summary["failures"][:20]]
+    if summary["first_failures"]:
+        lines += ["", "Failures:", ""] + [f"- `{f}`" for f in summary["first_failures"][:20]]
     return "\n".join(lines) + "\n"
 
 
@@ -125,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     run_campaign(fixtures, args.cases, seed=args.seed, report=report, **opts)
     doc = summary.as_dict()
     print(f"{summary.cases} cases: {summary.tracebacks} tracebacks, {summary.hangs} hangs, {summary.crashes} crashes, "
-          f"{len(summary.failures)} failed outcomes; peak RSS max {doc['memory']['peak_rss_max_mib']} MiB; "
+          f"{summary.over_memory} over the memory bound, {len(summary.failures)} failures in all; peak RSS max "
+          f"{doc['memory']['peak_rss_max_mib']} MiB; "
           f"{time.monotonic() - t0:.0f} s")
     if not args.no_receipt:
         from receipt import header, stamp, write

@@ -10,6 +10,10 @@ from dataclasses import dataclass, field
 from gguf_fuzz.campaign import CaseResult
 from gguf_fuzz.cases import ACTIONS, GOOD
 
+# What one case may add to its worker's RSS: the fixtures are at most 6 MB, the engine's own start (trunk,
+# pool, KV cache, tokenizer, kernels) takes tens of MB; a case that needs more allocated what it should not.
+GROWTH_BOUND = 512 << 20
+
 _NUMBER = re.compile(r"\d+")
 _PATH = re.compile(r"\S*mutant\.gguf")
 _QUOTED = re.compile(r"'[^']*'|`[^`]*`|\"[^\"]*\"")
@@ -22,9 +26,11 @@ def message_class(line: str) -> str:
 
 @dataclass(slots=True)
 class Summary:
+    growth_bound: int = GROWTH_BOUND
     cases: int = 0
     hangs: int = 0
     crashes: int = 0
+    over_memory: int = 0                 # cases whose peak RSS grew past growth_bound
     tracebacks: int = 0                  # outcomes where an exception escaped
     failures: list[dict] = field(default_factory=list)
     by_action: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
@@ -69,11 +75,16 @@ class Summary:
         self.deepest[_deepest(classes)] += 1
         self.peak_rss.append(r.peak_rss)
         self.rss_before.append(r.rss_before)
-        self.peak_growth.append(max(0, r.peak_rss - r.rss_before))
+        growth = max(0, r.peak_rss - r.rss_before)
+        self.peak_growth.append(growth)
+        if growth > self.growth_bound:
+            self.over_memory += 1
+            self.failures.append({"key": r.key, "kinds": r.kinds, "notes": r.notes, "memory": growth})
 
     @property
     def failed(self) -> int:
-        return self.hangs + self.crashes + sum(1 for f in self.failures if "action" in f)
+        """Cases that hung or crashed, outcomes that were not clean, cases over the memory bound."""
+        return len(self.failures)
 
     def memory(self) -> dict:
         mib = 1 << 20
@@ -83,12 +94,13 @@ class Summary:
             "rss_before_case_min_max_mib": [round(min(self.rss_before, default=0) / mib, 1),
                                             round(max(self.rss_before, default=0) / mib, 1)],
             "peak_growth_in_one_case_max_mib": round(max(self.peak_growth, default=0) / mib, 1),
+            "growth_bound_mib": self.growth_bound // mib, "cases_over_the_bound": self.over_memory,
         }
 
     def as_dict(self) -> dict:
         return {
             "cases": self.cases, "hangs": self.hangs, "crashes": self.crashes, "tracebacks": self.tracebacks,
-            "failed_outcomes": len(self.failures),
+            "over_memory": self.over_memory, "failures": len(self.failures),
             "outcomes_by_action": {a: dict(self.by_action[a]) for a in ACTIONS if a in self.by_action},
             "cases_by_mutation_kind": {k: dict(v) for k, v in sorted(self.by_kind.items())},
             "cases_by_fixture": {k: dict(v) for k, v in sorted(self.by_fixture.items())},
@@ -97,7 +109,7 @@ class Summary:
             "refusal_messages": dict(self.refusals.most_common()),
             "memory": self.memory(),
             "action_seconds_max": {a: round(s, 2) for a, s in self.action_seconds_max.items()},
-            "failures": self.failures[:100],
+            "first_failures": self.failures[:100],
         }
 
 
