@@ -162,3 +162,11 @@ def test_a_hostile_template_in_a_model_file_is_one_line_from_run_chat(tmp_path: 
     assert err.strip().splitlines()[-1] == (f"colibri-aio: error: {path}: the chat template failed: access to "
                                             f"attribute '__class__' of 'str' object is unsafe")
     assert main_in_process("run", str(path), "--max-tokens", "1", "--no-history", "--kernels", "numpy")[0] == 0
+
+
+def test_reading_long_messages_many_times_is_not_counted_as_producing_text() -> None:
+    """A template that looks at every message for every message (quadratic reads) stays within the budget."""
+    messages = [{"role": "user", "content": "x" * 20_000} for _ in range(150)]
+    source = ("{% for m in messages %}{% for n in messages %}{% if n.content and n.role == 'tool' %}!{% endif %}"
+              "{% endfor %}{{ m.role }}{% endfor %}")
+    assert ChatTemplate(source, ORIGIN).render({"messages": messages}) == "user" * 150

@@ -104,12 +104,13 @@ def _length(value: Any) -> int:
     return len(value) if isinstance(value, (str, list, tuple, dict)) else 0
 
 
-def _check_size(value: Any, what: str) -> Any:
-    """A value a template operation produced: refused past the output cap, counted if it is new text."""
+def _check_size(value: Any, what: str, *, made: bool = True) -> Any:
+    """A value a template operation returned: refused past the output cap; counted against the
+    render's budget if the operation ``made`` it (a new string, not one read from a variable)."""
     if _length(value) > MAX_OUTPUT_CHARS:
         raise TemplateLimitError(f"{what} would be larger than {MAX_OUTPUT_CHARS} characters")
     budget = _budget()
-    if budget is not None and isinstance(value, str):
+    if made and budget is not None and isinstance(value, str):
         budget.spend(len(value))
     return value
 
@@ -269,10 +270,10 @@ class ChatTemplateEnvironment(ImmutableSandboxedEnvironment):
     def getattr(self, obj: Any, attribute: str) -> Any:
         if isinstance(obj, str) and attribute in ("format", "format_map"):
             _check_format(obj)
-        return _check_size(super().getattr(obj, attribute), f"attribute {attribute}")
+        return _check_size(super().getattr(obj, attribute), f"attribute {attribute}", made=False)
 
     def getitem(self, obj: Any, argument: Any) -> Any:
-        return _check_size(super().getitem(obj, argument), "an item")
+        return _check_size(super().getitem(obj, argument), "an item", made=False)
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> Any:
         """Refuse at once (Jinja's default is an undefined value that only fails when used further)."""
