@@ -109,6 +109,7 @@ def test_one_step_memory_bombs_are_refused_before_they_allocate(source: str) -> 
     ("{{ 1 / 0 }}", "failed: ZeroDivisionError: division by zero"),
     ("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}", "failed: RecursionError"),
     ("{{ messages[0].content.nope.deeper }}", "failed: 'str object' has no attribute 'nope'"),
+    ("ab{{ '\udcff' }}", "rendered text that is not UTF-8 \\(at character 2\\)"),
 ])
 def test_broken_templates_are_one_line(source: str, match: str) -> None:
     refused(source, match)

@@ -22,6 +22,7 @@ TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))
 
 from gguf_fuzz.campaign import ROOT, CaseResult, run_campaign  # noqa: E402
+from gguf_fuzz.cases import ACTIONS  # noqa: E402
 from gguf_fuzz.summary import Summary  # noqa: E402
 
 FIXTURES = ROOT / "fixtures"
@@ -34,6 +35,14 @@ def default_fixtures() -> list[Path]:
     paths += sorted(p for p in FIXTURES.glob("*.gguf") if not p.is_symlink())
     paths += sorted((FIXTURES / "quant_types").glob("*.gguf"))
     return [p for p in paths if not p.stem.endswith("_bad")]
+
+
+def outcome_code(r: CaseResult) -> str:
+    """One letter per action in ACTIONS order: o ok, r refused, F failed, - not run; or the hang or crash."""
+    if r.hang or r.crash:
+        return f"hang in {r.hang}" if r.hang else "crash"
+    letters = {o["action"]: {"ok": "o", "refused": "r"}.get(o["cls"], "F") for o in r.outcomes}
+    return "".join(letters.get(a, "-") for a in ACTIONS)
 
 
 def _markdown(receipt: dict, summary: dict) -> str:
@@ -113,9 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def report(r: CaseResult) -> None:
         summary.add(r)
-        codes = "hang:" + r.hang if r.hang else ("crash" if r.crash else
-                                                 ",".join(f"{o['action']}={o['cls']}" for o in r.outcomes))
-        rows.append([r.key, "+".join(r.kinds), codes, r.peak_rss >> 10])
+        rows.append([r.key, "+".join(r.kinds), outcome_code(r), r.peak_rss >> 10])
         if args.show_failures and r.failed:
             print("FAILED", r.key, r.kinds, r.notes, r.hang or r.crash or [o for o in r.outcomes
                                                                           if o["cls"] not in ("ok", "refused")],
@@ -138,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
                    "largest_fixture_mib": round(max(f.stat().st_size for f in fixtures) / (1 << 20), 1),
                    "address_space_gib": args.address_space, "timeout_s": args.timeout, "kernels": args.kernels,
                    "render_seconds": args.render_seconds, "summary": doc,
-                   "case_columns": ["key", "mutations", "outcomes", "peak_rss_kib"], "cases": rows}
+                   "case_columns": ["key", "mutations", f"outcomes ({', '.join(ACTIONS)}: o ok, r refused, F failed, "
+                                                        f"- not run)", "peak_rss_kib"], "cases": rows}
         name = f"fuzz_{stamp()}"
         write(args.out, name, receipt, _markdown(receipt, doc))
         print(f"receipt: {args.out / name}.json, .md")

@@ -353,4 +353,10 @@ class ChatTemplate:
         finally:
             sys.settrace(previous)
             _render.budget = before
-        return "".join(chunks)
+        text = "".join(chunks)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # bytes of the file that were not UTF-8, kept as lone surrogates
+            raise UserError(f"{self.origin}the chat template rendered text that is not UTF-8 "
+                            f"(at character {exc.start})") from None
+        return text
