@@ -21,6 +21,7 @@ from pathlib import Path
 TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))
 
+from colibri_aio.bench.receipt import git_state, header, stamp, write  # noqa: E402
 from gguf_fuzz.campaign import ROOT, CaseResult, run_campaign  # noqa: E402
 from gguf_fuzz.cases import ACTIONS  # noqa: E402
 from gguf_fuzz.summary import Summary  # noqa: E402
@@ -138,9 +139,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{doc['memory']['peak_rss_max_mib']} MiB; "
           f"{time.monotonic() - t0:.0f} s")
     if not args.no_receipt:
-        from receipt import header, stamp, write
-
         receipt = {**header("tools/fuzz_gguf.py"), "seconds": time.monotonic() - t0,
+                   "modified": git_state("colibri_aio", "io", "kernels", "tools")["modified"],
                    "fixtures": [str(f.relative_to(ROOT)) for f in fixtures],
                    "largest_fixture_mib": round(max(f.stat().st_size for f in fixtures) / (1 << 20), 1),
                    "address_space_gib": args.address_space, "timeout_s": args.timeout, "kernels": args.kernels,
