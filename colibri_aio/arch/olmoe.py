@@ -1,5 +1,5 @@
-"""olmoe (OLMoE-1B-7B): q/k RMSNorm over the whole projection (before the split into
-heads), NEOX RoPE, softmax top-k without renormalisation.
+"""olmoe (OLMoE-1B-7B): qwen3moe's attention with the q/k RMSNorm over the whole
+projection (before the split into heads), NEOX RoPE, softmax top-k without renormalisation.
 
 Shape legend as in :mod:`colibri_aio.arch.layers`.
 """
@@ -11,8 +11,8 @@ from typing import Self
 import numpy as np
 
 from colibri_aio.arch.base import BaseArgs, Family, Metadata, TensorSpec, attention_tensors, router_tensors, vector
-from colibri_aio.arch.layers import MoETransformer, Rope
-from colibri_aio.kernels.ops import Routing, rms_norm, rope_neox
+from colibri_aio.arch.qwen3moe import Qwen3MoE
+from colibri_aio.kernels.ops import Routing, rms_norm
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -33,20 +33,12 @@ def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
             vector("attn_k_norm", a.head_count_kv * a.key_length), *router_tensors(a)]
 
 
-def _norm_heads(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm of (T, heads, d) over heads * d, the projection before its split."""
-    return rms_norm(x.reshape(x.shape[0], -1), weight, eps).reshape(x.shape)
-
-
-class OLMoE(MoETransformer):
+class OLMoE(Qwen3MoE):
     """An olmoe model bound to an expert source and a KV cache."""
 
-    def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
-        a, blk = self.args, self.model.blocks[layer]
-        q, k, v = self.qkv(blk, h)
-        q = rope_neox(_norm_heads(q, blk.attn_q_norm, a.rms_eps), *rope)
-        k = rope_neox(_norm_heads(k, blk.attn_k_norm, a.rms_eps), *rope)
-        return self.attend(layer, q, k, v, positions)
+    def qk_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """RMSNorm of q or k (T, heads, d) over heads * d: the projection before its split."""
+        return rms_norm(x.reshape(x.shape[0], -1), weight, self.args.rms_eps).reshape(x.shape)
 
 
 FAMILY = Family("olmoe", ModelArgs, block_tensors, OLMoE, checked_against="OlmoeForCausalLM")

@@ -26,21 +26,18 @@ class ModelArgs(BaseArgs):
 
     @classmethod
     def from_gguf(cls, meta: Metadata) -> Self:
-        # llama.cpp: expert width n_ff / k and shared width n_ff when their keys are absent.
+        # llama.cpp: experts n_ff / k wide and the shared expert n_ff wide when their keys are absent.
         ff = meta.get("feed_forward_length")
-        used = int(meta.need("expert_used_count"))
-
-        def width(key: str, default: int | None) -> int:
-            value = meta.get(key, default)
+        expert = meta.get("expert_feed_forward_length",
+                          None if ff is None else int(ff) // int(meta.need("expert_used_count")))
+        shared = meta.get("expert_shared_feed_forward_length", ff)
+        for key, value in (("expert_feed_forward_length", expert), ("expert_shared_feed_forward_length", shared)):
             if value is None:
                 raise ModelFormatError(f"{meta.path}: missing metadata key qwen2moe.{key} "
-                                       f"(and qwen2moe.feed_forward_length to default it from)")
-            return int(value)
-
-        return cls(**cls.common(
-            meta, expert_feed_forward_length=width("expert_feed_forward_length", None if ff is None else int(ff) // used),
-            routing=Routing(normalize=False)),  # llama.cpp's qwen2moe graph never renormalises
-            expert_shared_feed_forward_length=width("expert_shared_feed_forward_length", ff))
+                                       f"(nor qwen2moe.feed_forward_length to default it from)")
+        return cls(**cls.common(meta, expert_feed_forward_length=int(expert),
+                                routing=Routing(normalize=False)),  # llama.cpp's qwen2moe never renormalises
+                   expert_shared_feed_forward_length=int(shared))
 
     def check(self, path: Path) -> None:
         BaseArgs.check(self, path)

@@ -27,11 +27,15 @@ def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
 class Qwen3MoE(MoETransformer):
     """A qwen3moe model bound to an expert source and a KV cache."""
 
+    def qk_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """RMSNorm of q or k (T, heads, d): per head."""
+        return rms_norm(x, weight, self.args.rms_eps)
+
     def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
-        a, blk = self.args, self.model.blocks[layer]
+        blk = self.model.blocks[layer]
         q, k, v = self.qkv(blk, h)
-        q = rope_neox(rms_norm(q, blk.attn_q_norm, a.rms_eps), *rope)
-        k = rope_neox(rms_norm(k, blk.attn_k_norm, a.rms_eps), *rope)
+        q = rope_neox(self.qk_norm(q, blk.attn_q_norm), *rope)
+        k = rope_neox(self.qk_norm(k, blk.attn_k_norm), *rope)
         return self.attend(layer, q, k, v, positions)
 
 
