@@ -49,3 +49,14 @@ def test_run_generates_with_each_family(stem: str) -> None:
     r = run_cli("run", "--model", str(fixture(f"{stem}.gguf")), "--prompt", "def f(x):", "--max-tokens", "4",
                 "--io", "pread", "--cache-per-layer", "2")
     assert r.returncode == 0, r.stderr
+
+
+async def test_a_chat_template_that_writes_bos_gives_one_bos() -> None:
+    """Mixtral's template starts with {{ bos_token }} and the file asks for BOS: the prompt starts with one."""
+    from colibri_aio.engine.engine import Engine
+
+    async with await Engine.open(fixture("mixtral_f32.gguf"), io="pread", cache_per_layer=2) as engine:
+        bos = engine.tokenizer.bos_id
+        chat = engine.prompt_ids([{"role": "user", "content": "Hello!"}])
+        assert chat[0] == bos and chat[1] != bos
+        assert engine.prompt_ids("<s>text")[:2] == [bos, bos]  # plain text is tokenized as written, like llama.cpp

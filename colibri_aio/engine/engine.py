@@ -217,6 +217,9 @@ class Engine:
         except UnicodeEncodeError as exc:  # lone surrogates: bytes from argv or a file that were not UTF-8
             raise UserError(f"the prompt is not valid UTF-8 (at character {exc.start})") from None
         ids = self.tokenizer.encode(text, parse_special=True, add_special=True)
+        bos = self.tokenizer.bos_id
+        if text is not prompt and ids[:2] == [bos, bos]:
+            ids = ids[1:]  # the template wrote BOS itself (Mixtral's, Llama 2's): one is the model's input
         if not ids:
             raise UserError("the prompt is empty")
         return ids
