@@ -11,7 +11,7 @@ pass; a :class:`Family` record ties them together for the registry
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
@@ -151,10 +151,6 @@ class BaseArgs:
     def kv_cache_nbytes(self, context: int) -> int:
         """Bytes of a float32 KV cache for ``context`` positions (families caching otherwise override)."""
         return self.block_count * context * self.head_count_kv * (self.key_length + self.value_length) * 4
-
-    def describe(self) -> dict[str, Any]:
-        """Every field by name (for ``plan --json`` and error reports)."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(frozen=True, slots=True)
