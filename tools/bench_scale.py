@@ -4,10 +4,18 @@ One command measures prefill (pp, 128 ids as one batch) and decode (tg, 64
 ids fed one at a time, teacher-forced so neither engine can fall into a loop)
 for both engines in three conditions:
 
-- ``fits``: an 8-layer cut of Qwen3-30B-A3B (~6 GB) on this machine;
-- ``larger``: the whole 48-layer model (Q8_0, ~32.5 GB), larger than RAM;
+- ``fits``: an 8-layer cut (of Qwen3-30B-A3B: ~6 GB) on this machine;
+- ``larger``: the whole model (Qwen3-30B-A3B Q8_0: ~32.5 GB), larger than RAM;
 - ``limit``: the ``--limit-model`` (default: the 8-layer cut) with a cgroup
   memory limit of ``--limit-share`` (60%) of its size on both engines.
+
+Any family the engine runs: give the files (``--fits-model``,
+``--larger-model``), or name a synthetic shape and type to generate
+(``--shape mixtral-8x7b --type q4_k``). The receipt names each file's
+architecture and description (the synthetic generator writes what it made).
+``--lock PATH`` holds an exclusive flock on PATH around each run and each fio
+reference (not the whole benchmark), so a shared machine is quiet while a run
+is timed and free between runs.
 
 Every run is a fresh process (so peak RSS is the run's own, and the cgroup
 limit applies to all of it) started after the page cache is dropped; the two
@@ -25,10 +33,14 @@ realistic routing) and removed at the end.
 
     python tools/bench_scale.py --runs 5
     python tools/bench_scale.py --runs 5 --fits-model L8.gguf --larger-model L48.gguf --conditions fits,limit,larger
+    python tools/bench_scale.py --runs 5 --conditions larger --larger-model /work/models/mixtral_q4_k.gguf \
+        --pp 32 --tg 16 --lock /work/cpu.lock
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -244,6 +256,34 @@ def one_run(engine: str, cond: Condition, args: argparse.Namespace, cgroup: Memo
     return result
 
 
+@contextlib.contextmanager
+def exclusive(lock: Path | None):
+    """An exclusive flock on ``lock`` for the duration (no-op without one)."""
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def describe_model(path: Path) -> dict:
+    """What a condition's file is: its architecture, name and description (general.* keys)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+
+    def key(name: str) -> str | None:
+        f = fields.get(name)
+        return None if f is None else str(f.contents())
+
+    return {"architecture": key("general.architecture"), "name": key("general.name"),
+            "description": key("general.description")}
+
+
 def fio_reference(model: Path, seconds: int) -> dict | None:
     """The disk's random-read rate on the model file: 4 MiB O_DIRECT reads at QD 8 (an expert is ~5 MB)."""
     if shutil.which("fio") is None:
@@ -303,15 +343,16 @@ def markdown(receipt: dict) -> str:
              f"pp = {receipt['pp']} ids as one batch, tg = {receipt['tg']} ids one at a time (teacher-forced), "
              f"after a warm-up of pp + {WARMUP_TG} on other ids; one fresh process per run, page cache dropped "
              f"before each ({'yes' if receipt['page_cache_dropped'] else 'NOT permitted here'}); engines "
-             "alternate, order flipped every round. Models: synthetic Qwen3-30B-A3B shapes, Q8_0, realistic "
-             "routing mode (tools/make_synthetic_gguf.py).", ""]
+             "alternate, order flipped every round. Models below (synthetic ones: tools/make_synthetic_gguf.py).",
+             ""]
     for cond in receipt["conditions"]:
         c = receipt["conditions"][cond]
         s = receipt["summary"].get(cond, {})
         fio = c.get("fio")
         lines += [f"## {cond}: `{c['model']}` ({c['model_bytes'] / 1e9:.2f} GB)"
                   + (f", cgroup v{c['cgroup_version']} limit {c['limit'] / 2**30:.2f} GiB" if c.get("limit") else ""),
-                  "", "Disk reference (fio, random 4 MiB O_DIRECT reads, QD 8, on the model file): "
+                  "", f"Model: `{c['about']['architecture']}` {c['about']['name']}: {c['about']['description']}", "",
+                  "Disk reference (fio, random 4 MiB O_DIRECT reads, QD 8, on the model file): "
                   + (f"{fio['gb_s']:.2f} GB/s" if fio else "not measured"), "",
                   "| engine | n ok / failed | pp tok/s median [min–max] | tg tok/s median [min–max] | peak RSS GiB "
                   "| cgroup peak GiB | GB read from disk (pp+tg) |", "|---|---|---|---|---|---|---|"]
@@ -354,8 +395,11 @@ def main() -> int:
     p.add_argument("--pp", type=int, default=128)
     p.add_argument("--tg", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fits-model", type=Path, help="8-layer cut (default: generated, then removed)")
-    p.add_argument("--larger-model", type=Path, help="48-layer model (default: generated, then removed)")
+    p.add_argument("--fits-model", type=Path, help="8-layer cut (default: generated from --shape, then removed)")
+    p.add_argument("--larger-model", type=Path, help="the whole model (default: generated from --shape, then removed)")
+    p.add_argument("--shape", default="qwen3-30b-a3b", help="synthetic shape of generated models (make_synthetic_gguf)")
+    p.add_argument("--type", default="q8_0", help="tensor types of generated models (make_synthetic_gguf --type)")
+    p.add_argument("--lock", type=Path, help="hold an exclusive flock on this file around each run")
     p.add_argument("--limit-model", type=Path, help="model of the limit condition (default: the fits model)")
     p.add_argument("--limit-share", type=float, default=0.6, help="cgroup limit as a share of the GGUF size")
     p.add_argument("--fio-seconds", type=int, default=5)
@@ -376,8 +420,8 @@ def main() -> int:
     def model_for(given: Path | None, layers: int | None) -> Path:
         if given is not None:
             return given
-        path = tmp / f"q30b_{'l%d' % layers if layers else '48'}_q8_real.gguf"
-        make_model(path, layers)
+        path = tmp / f"{args.shape}_{'l%d' % layers if layers else 'all'}_{args.type}_real.gguf"
+        make_model(path, layers, args.shape, args.type)
         made.append(path)
         return path
 
@@ -397,15 +441,17 @@ def main() -> int:
             else:
                 raise SystemExit(f"unknown condition {name!r} (fits, limit, larger)")
             cgroup = MemoryCgroup(cond.limit) if cond.limit else None
+            with exclusive(args.lock):
+                fio = fio_reference(cond.model, args.fio_seconds)
             info[name] = {"model": cond.model.name, "model_bytes": cond.model.stat().st_size,
-                          "limit": cgroup.limit if cgroup else None,
-                          "cgroup_version": cgroup.version if cgroup else None,
-                          "fio": fio_reference(cond.model, args.fio_seconds)}
+                          "about": describe_model(cond.model), "limit": cgroup.limit if cgroup else None,
+                          "cgroup_version": cgroup.version if cgroup else None, "fio": fio}
             try:
                 for i in range(args.runs):
                     order = ENGINES if i % 2 == 0 else ENGINES[::-1]
                     for engine in order:
-                        r = one_run(engine, cond, args, cgroup)
+                        with exclusive(args.lock):
+                            r = one_run(engine, cond, args, cgroup)
                         r["run"] = i
                         dropped &= r["page_cache_dropped"]
                         runs.append(r)
