@@ -137,11 +137,33 @@ def worker_ours(model: Path, pp: int, tg: int, seed: int) -> dict:
     return asyncio.run(run())
 
 
-def worker_llama(model: Path, pp: int, tg: int, seed: int) -> dict:
+def _without_repack() -> None:
+    """llama.cpp's --no-repack (model params use_extra_bufts = false), which llama-cpp-python does not expose.
+
+    On AVX-512 llama.cpp copies K-quant weights it can repack out of the mmap
+    into its own buffer at load: for a Q4_K model larger than RAM that buffer
+    cannot be allocated and the load fails; without repacking it computes from
+    the mmap'd bytes.
+    """
+    from llama_cpp import llama_cpp as bindings  # the module Llama reads its defaults from
+
+    defaults = bindings.llama_model_default_params
+
+    def no_repack():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    bindings.llama_model_default_params = no_repack
+
+
+def worker_llama(model: Path, pp: int, tg: int, seed: int, no_repack: bool = False) -> dict:
     from llama_cpp import Llama
 
     from colibri_aio.engine.memory import peak_rss_bytes
 
+    if no_repack:
+        _without_repack()
     t_open = time.perf_counter()
     llm = Llama(model_path=str(model), n_ctx=context(pp, tg), n_threads=2, n_threads_batch=2, n_batch=512,
                 verbose=False)
@@ -235,6 +257,8 @@ def drop_page_cache() -> bool:
 def one_run(engine: str, cond: Condition, args: argparse.Namespace, cgroup: MemoryCgroup | None) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", engine, "--model", str(cond.model),
            "--pp", str(args.pp), "--tg", str(args.tg), "--seed", str(args.seed)]
+    if args.llama_no_repack:
+        cmd.append("--llama-no-repack")
     dropped = drop_page_cache()
     if cgroup is not None:
         cgroup.reset_peak()
@@ -345,6 +369,10 @@ def markdown(receipt: dict) -> str:
              f"before each ({'yes' if receipt['page_cache_dropped'] else 'NOT permitted here'}); engines "
              "alternate, order flipped every round. Models below (synthetic ones: tools/make_synthetic_gguf.py).",
              ""]
+    if receipt.get("llama_no_repack"):
+        lines += ["llama.cpp ran without weight repacking (`--no-repack`): with it, its load allocates a "
+                  "repacked copy of the K-quant weights outside the mmap, which for a model larger than RAM "
+                  "fails (`unable to allocate CPU_REPACK buffer`).", ""]
     for cond in receipt["conditions"]:
         c = receipt["conditions"][cond]
         s = receipt["summary"].get(cond, {})
@@ -400,6 +428,9 @@ def main() -> int:
     p.add_argument("--shape", default="qwen3-30b-a3b", help="synthetic shape of generated models (make_synthetic_gguf)")
     p.add_argument("--type", default="q8_0", help="tensor types of generated models (make_synthetic_gguf --type)")
     p.add_argument("--lock", type=Path, help="hold an exclusive flock on this file around each run")
+    p.add_argument("--llama-no-repack", action="store_true",
+                   help="llama.cpp without weight repacking (its --no-repack): needed where the repacked copy "
+                        "of a K-quant model does not fit in RAM")
     p.add_argument("--limit-model", type=Path, help="model of the limit condition (default: the fits model)")
     p.add_argument("--limit-share", type=float, default=0.6, help="cgroup limit as a share of the GGUF size")
     p.add_argument("--fio-seconds", type=int, default=5)
@@ -410,8 +441,11 @@ def main() -> int:
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        work = worker_ours if args.worker == "ours" else worker_llama
-        print(json.dumps(work(args.model, args.pp, args.tg, args.seed)), flush=True)
+        if args.worker == "ours":
+            result = worker_ours(args.model, args.pp, args.tg, args.seed)
+        else:
+            result = worker_llama(args.model, args.pp, args.tg, args.seed, args.llama_no_repack)
+        print(json.dumps(result), flush=True)
         return 0
     conds = args.conditions.split(",")
     made: list[Path] = []
@@ -469,8 +503,9 @@ def main() -> int:
     receipt = {**receipt_header("tools/bench_scale.py"), "ram_gib": meminfo()["MemTotal"] / 2**30,
                "pp": args.pp, "tg": args.tg, "page_cache_dropped": dropped, "conditions": info,
                "summary": summarise(runs), "runs": runs,
-               "llama_cpp": _llama_version(), "note": "shared 2-vCPU machine; llama-cpp-python built from source, "
-               "n_threads=2, mmap on, mlock off"}
+               "llama_cpp": _llama_version(), "llama_no_repack": args.llama_no_repack,
+               "note": "shared 2-vCPU machine; llama-cpp-python built from source, n_threads=2, mmap on, mlock off"
+               + (", weight repacking off (--no-repack)" if args.llama_no_repack else "")}
     write_receipt(args.out, f"scale_{receipt['date']}", receipt, markdown(receipt))
     print(markdown(receipt))
     return 0
