@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri_aio.kernels.ops import (Routing, attention, rms_norm, rope_cos_sin, rope_neox, rope_norm, route, router_top_k,
-                                     selection_scores, softmax, swiglu)
+from colibri_aio.kernels.ops import (Routing, attention, rms_norm, rope_cos_sin, rope_neox, rope_norm, route,
+                                     router_top_k, selection_scores, softmax, swiglu)
 
 rng = np.random.default_rng(7)
 

@@ -272,7 +272,7 @@ def test_llama_cpp_runs_each_family_shape(family_models, key) -> None:
     assert np.isfinite(logits).all() and 0.3 < logits.std() < 5
 
 
-@pytest.mark.parametrize("shape", sorted(s for s, (arch, _) in FAMILY_TENSORS.items() if arch in SUPPORTED_ARCHITECTURES))
+@pytest.mark.parametrize("shape", sorted(s for s, (a, _) in FAMILY_TENSORS.items() if a in SUPPORTED_ARCHITECTURES))
 def test_engine_runs_the_family_shapes_it_supports(family_models, shape: str) -> None:
     """What the scale benchmarks load: the engine's loader accepts the file, every tensor accounted for."""
     model = load(family_models[shape, "q4_k"])

@@ -143,7 +143,8 @@ class MoETransformer:
         self.cache.k[layer, positions] = k
         self.cache.v[layer, positions] = v
         s = int(positions[-1]) + 1
-        o = attention(q, self.cache.k[layer, :s], self.cache.v[layer, :s], positions, **options)  # type: ignore[arg-type]
+        o = attention(q, self.cache.k[layer, :s], self.cache.v[layer, :s], positions,
+                      **options)  # type: ignore[arg-type]
         out = self.linear(blk.attn_output, o)
         bias = blk.get("attn_output.bias")
         return out if bias is None else out + bias

@@ -73,7 +73,8 @@ class GenerationPiece:
 def _matrix_types(model: Model) -> tuple[GGMLQuantizationType, ...]:
     """The ggml types the forward pass multiplies (to compile or load their kernels up front)."""
     mats = [model.output, *(m for b in model.blocks for m in b.matrices())]
-    return tuple(sorted({m.ggml_type for m in mats} | {r.ggml_type for layer in model.experts for r in layer[0].ranges}))
+    experts = {r.ggml_type for layer in model.experts for r in layer[0].ranges}
+    return tuple(sorted({m.ggml_type for m in mats} | experts))
 
 
 class Engine:
