@@ -30,6 +30,35 @@ def rope_cos_sin(positions: np.ndarray, n_rot: int, freq_base: float) -> tuple[n
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
+def yarn_corr_dims(n_rot: int, freq_base: float, original_context: int, beta_fast: float,
+                   beta_slow: float) -> tuple[float, float]:
+    """YaRN's ramp ends in rotated-pair units, floored and ceiled as llama.cpp does
+    (``ggml_rope_yarn_corr_dims``): pairs below the first keep their frequency, above the second
+    they are interpolated."""
+    def corr(rotations: float) -> float:
+        return n_rot * np.log(original_context / (rotations * 2 * np.pi)) / (2 * np.log(freq_base))
+
+    return max(0.0, float(np.floor(corr(beta_fast)))), min(n_rot - 1.0, float(np.ceil(corr(beta_slow))))
+
+
+def rope_yarn_cos_sin(positions: np.ndarray, n_rot: int, freq_base: float, *, factor: float,
+                      original_context: int, beta_fast: float = 32.0, beta_slow: float = 1.0,
+                      magnitude: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin tables (T, n_rot/2) of YaRN-scaled RoPE, as ggml's ``rope_yarn`` computes them.
+
+    Pair i turns at θ_i/factor (interpolated) and θ_i (extrapolated), mixed by
+    ramp(i) = 1 - clamp((i - low) / max(0.001, high - low), 0, 1); both tables are
+    multiplied by ``magnitude`` (llama.cpp's attention factor times YaRN's 1 + 0.1 ln factor,
+    which the family works out: it cancels for some and not for others).
+    """
+    theta = freq_base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
+    low, high = yarn_corr_dims(n_rot, freq_base, original_context, beta_fast, beta_slow)
+    ramp = 1.0 - np.clip((np.arange(n_rot // 2) - low) / max(0.001, high - low), 0.0, 1.0)
+    inv_freq = theta / factor * (1.0 - ramp) + theta * ramp
+    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    return ((np.cos(angles) * magnitude).astype(np.float32), (np.sin(angles) * magnitude).astype(np.float32))
+
+
 def rope_neox(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
     """Rotate (T, heads, d) by NEOX RoPE: dimension i pairs with i + n_rot/2 (not 2i with 2i+1).
 
@@ -103,6 +132,15 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """silu(gate) * up, with silu(x) = x * sigmoid(x)."""
     with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x << 0; x / inf is the right 0
         return gate / (np.float32(1.0) + np.exp(-gate)) * up
+
+
+def swiglu_oai(gate: np.ndarray, up: np.ndarray, alpha: float = 1.702, limit: float = 7.0) -> np.ndarray:
+    """gpt-oss's clamped SwiGLU (ggml's ``swiglu_oai``): g = min(gate, limit), u = clamp(up, ±limit),
+    g * sigmoid(alpha * g) * (u + 1)."""
+    g = np.minimum(gate, np.float32(limit))
+    u = np.clip(up, np.float32(-limit), np.float32(limit))
+    with np.errstate(over="ignore"):
+        return g / (np.float32(1.0) + np.exp(np.float32(-alpha) * g)) * (u + np.float32(1.0))
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
