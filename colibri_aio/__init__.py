@@ -51,6 +51,7 @@ _EXPORTS = {
     "ExpertReadError": "colibri_aio.errors", "ModelFormatError": "colibri_aio.errors",
     "NonFiniteError": "colibri_aio.errors", "UserError": "colibri_aio.errors",
     "configure_logging": "colibri_aio.cli.logs",
+    "SamplingParams": "colibri_aio.text.sampling",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -43,7 +43,10 @@ def main_in_process(*args: str) -> tuple[int, str, str]:
 
     from colibri_aio.cli.main import main
 
-    out, err = io.StringIO(), io.StringIO()
+    # Encoded as a process's streams are (UTF-8; strict on stdout, escapes on stderr), so text
+    # that could not be printed fails here as it would in a terminal or a pipe.
+    out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="strict", write_through=True)
+    err = io.TextIOWrapper(io.BytesIO(), encoding="utf-8", errors="backslashreplace", write_through=True)
     saved = structlog.get_config()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -53,7 +56,7 @@ def main_in_process(*args: str) -> tuple[int, str, str]:
                 status = exc.code if isinstance(exc.code, int) else 1
     finally:
         structlog.configure(**saved)
-    return status, out.getvalue(), err.getvalue()
+    return status, out.buffer.getvalue().decode(), err.buffer.getvalue().decode()
 
 
 def teacher_forced(net, ids: list[int], *, decode: bool) -> np.ndarray:

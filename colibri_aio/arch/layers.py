@@ -109,6 +109,7 @@ class MoETransformer:
         self.n_ctx = min(n_ctx or a.context_length, a.context_length)
         self.cache = self.make_cache()
         self.n_past = 0
+        self.ids: list[int] = []  # the token ids behind the cache: positions 0..n_past-1
         # The hidden state that predicts the next layer's experts (see arch/lookahead.PREDICTORS);
         # None: no hints (Placement.lookahead sets it).
         self.lookahead: str | None = None
@@ -214,7 +215,18 @@ class MoETransformer:
 
     def reset(self) -> None:
         """Forget the context (the KV cache memory is kept and overwritten)."""
-        self.n_past = 0
+        self.rewind(0)
+
+    def rewind(self, n_past: int) -> None:
+        """Keep the first ``n_past`` positions of the context and forget the rest.
+
+        Attention reads the cache only up to the position it computes, so
+        what lies beyond ``n_past`` is never seen and is overwritten later.
+        """
+        if not 0 <= n_past <= self.n_past:
+            raise ValueError(f"cannot rewind to {n_past}: the context holds {self.n_past} positions")
+        self.n_past = n_past
+        del self.ids[n_past:]
 
     async def forward(self, ids: Sequence[int], *, logits: Literal["last", "all"] = "last",
                       observer: RouteObserver | None = None) -> np.ndarray:
@@ -243,6 +255,7 @@ class MoETransformer:
             ffn = self._moe if a.is_moe(layer) else self._dense
             x = x + await ffn(layer, h, positions, layer_input, x, observer)
         self.n_past += tok.size
+        self.ids.extend(tok.tolist())
         rows = x if logits == "all" else x[-1:]
         out = self.linear(self.model.output, rms_norm(rows, self.model.output_norm, a.rms_eps))
         self._check_finite(out, "the output head (output_norm, output)", positions[-len(rows):])

@@ -1,4 +1,4 @@
-"""``python -m colibri_aio``: run, logits, trace, trace-stats, replay, plan, doctor, iobench.
+"""``python -m colibri_aio``: run, chat, serve, logits, trace, trace-stats, replay, plan, doctor, iobench.
 
 One error path for every command (:func:`main`):
 
@@ -27,12 +27,13 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, NoReturn
 
 from colibri_aio import __version__
-from colibri_aio.errors import ExpertReadError, UserError
+from colibri_aio.errors import ExpertReadError, UserError, one_line
 from colibri_aio.cli.logs import configure as configure_logs
 from colibri_aio.engine.placement import IO_CHOICES, PREFETCH_CHOICES
 
 if TYPE_CHECKING:
     from colibri_aio.cli.telemetry import StatusLine
+    from colibri_aio.text.sampling import SamplingParams
 
 EXIT_USER, EXIT_IO, EXIT_INTERRUPTED, EXIT_PIPE, EXIT_TERMINATED = 2, 1, 130, 141, 143
 
@@ -166,12 +167,7 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
     p.add_argument("--max-tokens", type=int, default=64, metavar="N",
                    help="stop after N new tokens, or earlier when the context is full (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 picks the most likely token (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely tokens; 0 = all (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass; 1 = off (default: %(default)s)")
-    p.add_argument("--min-p", type=float, default=0.0, metavar="P", help="drop tokens below P x the top probability; 0 = off (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed: the same seed gives the same text")
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop when TEXT is produced (repeatable)")
+    _add_sampling(p, "greedy: temperature 0, no filters, no penalties")
     t = p.add_argument_group("telemetry")
     t.add_argument("--stats", action=argparse.BooleanOptionalAction, default=None,
                    help="print an iostat-style table, one line per interval, on stderr (default: off; on a "
@@ -180,6 +176,97 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--stats-json", type=Path, default=None, metavar="FILE", help="write the same samples as JSON lines")
     _add_placement(p)
     p.set_defaults(func=_run)
+
+
+def _add_sampling(p: argparse.ArgumentParser, defaults: str) -> None:
+    """The sampling options of run and chat (the API takes the same ones)."""
+    g = p.add_argument_group("sampling", f"Options left out take their defaults ({defaults}).")
+    g.add_argument("--temperature", type=float, default=None, metavar="T", help="0 picks the most likely token")
+    g.add_argument("--top-k", type=int, default=None, metavar="K", help="sample from the K most likely tokens; 0 = all")
+    g.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling mass; 1 = off")
+    g.add_argument("--min-p", type=float, default=None, metavar="P", help="drop tokens below P x the top probability; 0 = off")
+    g.add_argument("--seed", type=int, default=None, metavar="S", help="random seed: the same seed gives the same text")
+    g.add_argument("--repeat-penalty", type=float, default=None, metavar="R",
+                   help="divide the logit of each recent token by R (llama.cpp); 1 = off")
+    g.add_argument("--presence-penalty", type=float, default=None, metavar="P",
+                   help="subtract P from the logit of each recent token (OpenAI); 0 = off")
+    g.add_argument("--frequency-penalty", type=float, default=None, metavar="F",
+                   help="subtract F x its count from the logit of each recent token (OpenAI); 0 = off")
+    g.add_argument("--repeat-last-n", type=int, default=None, metavar="N",
+                   help="how many recent tokens the penalties see; -1 = the whole context (default: 64)")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS to the logit of token ID (repeatable)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop when TEXT is produced (repeatable)")
+
+
+def _sampling_options(args: argparse.Namespace) -> dict:
+    """The sampling options given on the command line (None: not given), as SamplingParams fields."""
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, penalty_last_n=args.repeat_last_n,
+                logit_bias=_parse_logit_bias(args.logit_bias) or None)
+
+
+def _parse_logit_bias(items: Sequence[str]) -> dict[int, float]:
+    bias = {}
+    for item in items:
+        token, sep, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise UserError(f"--logit-bias takes ID=BIAS, e.g. 42=-5, got {item!r}") from None
+        if not sep:
+            raise UserError(f"--logit-bias takes ID=BIAS, e.g. 42=-5, got {item!r}")
+    return bias
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="talk with a model in the terminal (history, KV-cache reuse, /reset)",
+                       description="An interactive chat: each reply streams to stdout; the KV cache keeps the "
+                                   "conversation, so a turn prefills only the new message. /reset starts over, "
+                                   "/exit or Ctrl-D quits, Ctrl-C stops a reply.")
+    _add_model(p)
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message that starts the conversation")
+    p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="longest reply in tokens (default: %(default)s)")
+    _add_sampling(p, "the model's general.sampling.* keys, else llama.cpp's")
+    _add_placement(p)
+    p.set_defaults(func=_chat)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from colibri_aio.serve.chat import chat
+
+    if args.stop:
+        raise UserError("chat takes no --stop (the model's end-of-turn token ends a reply)")
+    return chat(_model(args), system=args.system, max_tokens=args.max_tokens, sampling=_sampling_options(args),
+                open_options=_placement(args))
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions, SSE streams, /metrics)",
+                       description="Serve a model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions "
+                                   "(streamed with SSE or not), /v1/models, /health, /metrics (Prometheus), "
+                                   "/tokenize, /detokenize. One generation runs at a time; others wait in a bounded "
+                                   "queue (429 beyond it). The KV cache is reused across requests that share a "
+                                   "prefix. Sampling defaults come from the model's general.sampling.* keys, else "
+                                   "llama.cpp's.")
+    _add_model(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("COLIBRI_API_KEY"), metavar="KEY",
+                   help="require Authorization: Bearer KEY (default: $COLIBRI_API_KEY; unset: any key or none)")
+    p.add_argument("--max-queue", type=int, default=16, metavar="N",
+                   help="requests that may wait while one generates; more get 429 (default: %(default)s)")
+    p.add_argument("--alias", default=None, metavar="NAME", help="model id to report (default: the file name)")
+    _add_placement(p)
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from colibri_aio.serve.server import serve
+
+    return serve(_model(args), host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+                 model_id=args.alias, open_options=_placement(args))
 
 
 def _add_logits(sub: argparse._SubParsersAction) -> None:
@@ -331,16 +418,16 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from colibri_aio.text.sampling import check_generation_options
+    from colibri_aio.text.sampling import SamplingParams, check_generation_options
 
     prompt = _prompt(args)
-    check_generation_options(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                             top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+    sampling = SamplingParams().override(_sampling_options(args))
+    check_generation_options(max_tokens=args.max_tokens, sampling=sampling)
     if not args.stats_interval > 0:
         raise UserError(f"--stats-interval must be positive, got {args.stats_interval}")
     with contextlib.ExitStack() as files:
         json_out = files.enter_context(_open_out(args.stats_json, "--stats-json")) if args.stats_json else None
-        return _run_loop(_run_async(args, prompt, json_out))
+        return _run_loop(_run_async(args, prompt, sampling, json_out))
 
 
 def _status_line() -> StatusLine | None:
@@ -356,7 +443,8 @@ def _status_line() -> StatusLine | None:
     return StatusLine(sys.stderr, shares_screen=shares)
 
 
-async def _run_async(args: argparse.Namespace, prompt: str, json_out: IO[str] | None) -> int:
+async def _run_async(args: argparse.Namespace, prompt: str, sampling: SamplingParams,
+                     json_out: IO[str] | None) -> int:
     from colibri_aio.cli.telemetry import Telemetry, summary_line
     from colibri_aio.engine.engine import Engine
 
@@ -374,9 +462,8 @@ async def _run_async(args: argparse.Namespace, prompt: str, json_out: IO[str] | 
                 if args.stats or json_out or status:
                     tg.create_task(telemetry.run(stop))
                 try:
-                    async for last in engine.generate(
-                            prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop):
+                    async for last in engine.generate(prompt, chat=args.chat, max_tokens=args.max_tokens,
+                                                      stop=args.stop, sampling=sampling):
                         sys.stdout.write(last.text)
                         sys.stdout.flush()
                 finally:
@@ -560,7 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine events (backend choice, placement)")
     parser.add_argument("--log-json", action="store_true", help="write logs to stderr as JSON lines")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_run, _add_logits, _add_trace, _add_trace_stats, _add_replay, _add_plan, _add_doctor, _add_iobench):
+    for add in (_add_run, _add_chat, _add_serve, _add_logits, _add_trace, _add_trace_stats, _add_replay, _add_plan,
+                _add_doctor, _add_iobench):
         add(sub)
     return parser
 
@@ -596,14 +684,14 @@ def exit_status(exc: BaseException, err: IO[str]) -> int:
         _silence_stdout()
         return EXIT_PIPE
     if (found := _first(exc, UserError)) is not None:
-        print(f"colibri-aio: error: {found}", file=err)
+        print(f"colibri-aio: error: {one_line(found)}", file=err)
         return EXIT_USER
     if (found := _first(exc, ExpertReadError)) is not None:
-        print(f"colibri-aio: I/O error: {found}", file=err)
+        print(f"colibri-aio: I/O error: {one_line(found)}", file=err)
         return EXIT_IO
     found = _first(exc, OSError)
     if isinstance(found, OSError) and found.filename is not None:  # a file the user named or a place to write
-        print(f"colibri-aio: error: {found.filename}: {found.strerror or found}", file=err)
+        print(f"colibri-aio: error: {one_line(f'{found.filename}: {found.strerror or found}')}", file=err)
         return EXIT_USER
     raise exc
 

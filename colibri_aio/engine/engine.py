@@ -20,7 +20,7 @@ import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,8 @@ from colibri_aio.engine.memory import peak_rss_bytes, rss_bytes
 from colibri_aio.engine.device import DeviceMonitor
 from colibri_aio.models import default_model_path
 from colibri_aio.arch import build_net
-from colibri_aio.text.sampling import FinishReason, Sampler, Stopper, check_generation_options, make_sampler
+from colibri_aio.text.sampling import (FinishReason, SamplingParams, Stopper, TokenPicker, check_generation_options,
+                                      log_softmax, top_logprobs)
 from colibri_aio.engine.plan import Plan, gb
 from colibri_aio.policy.budget import parse_size
 from colibri_aio.engine.scheduler import CachedExpertSource
@@ -43,14 +44,19 @@ from colibri_aio.engine.stats import EngineStats
 from colibri_aio.logs import get_logger
 from colibri_aio.text.tokenizer import Tokenizer
 
-Prompt = str | Sequence[Mapping[str, Any]]
+Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]  # text, chat messages or token ids
 
 log = get_logger("colibri_aio.engine")
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationPiece:
-    """One step of a generation stream: new text, the token that made it, and timing so far."""
+    """One step of a generation stream: new text, the token that made it, and timing so far.
+
+    ``cached_tokens``: leading prompt tokens the KV cache already held (not
+    prefilled again). ``logprob``/``top_logprobs``: with ``logprobs=n``, the
+    token's log-probability and the n most likely (id, log-probability) pairs.
+    """
 
     text: str
     token: int | None
@@ -60,10 +66,15 @@ class GenerationPiece:
     prefill_seconds: float
     decode_seconds: float
     stats: EngineStats
+    cached_tokens: int = 0
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        """Prompt tokens prefilled (the cached ones excluded) per second."""
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -86,7 +97,7 @@ class Engine:
         self.history = history
         self.net = build_net(model, source, plan.context)
         self.net.lookahead = placement.lookahead
-        self.prompt_tokens = self.generated_tokens = 0
+        self.prompt_tokens = self.generated_tokens = self.cached_tokens = 0
         self.prefill_s = self.decode_s = 0.0
         # One sampler of the model's device per engine: it feeds the backpressure controller,
         # and telemetry reads the same counters.
@@ -167,6 +178,7 @@ class Engine:
         score = policy.predictor.score
         return EngineStats(
             t=time.perf_counter(), prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
+            prompt_tokens_cached=self.cached_tokens,
             prefill_s=self.prefill_s, decode_s=self.decode_s,
             pinned_hits=cache.pinned_hits, cached_hits=cache.cached_hits, prefetch_hits=cache.prefetch_hits,
             misses=cache.misses, prefetch_reads=cache.prefetch_reads, prefetch_wasted=cache.prefetch_wasted,
@@ -206,7 +218,12 @@ class Engine:
                 self.history.save(self.source.policy.usage)
 
     def prompt_ids(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
-        """Token ids of a prompt: plain text, or chat messages rendered with the model's template."""
+        """Token ids of a prompt: plain text, chat messages rendered with the model's template, or ids as given."""
+        if not isinstance(prompt, str) and prompt and all(isinstance(t, (int, np.integer)) for t in prompt):
+            ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+            if min(ids) < 0 or max(ids) >= self.model.args.vocab_size:
+                raise UserError(f"token id out of range [0, {self.model.args.vocab_size})")
+            return ids
         if not isinstance(prompt, str):
             text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
         elif chat:
@@ -253,11 +270,30 @@ class Engine:
             self.net.reset()
             return await self.net.prefill(ids, logits="all")
 
-    async def generate(self, prompt: Prompt, *, chat: bool = False, max_tokens: int = 128,
-                       temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                       seed: int | None = None, stop: Sequence[str] = (),
-                       wait: bool = True) -> AsyncIterator[GenerationPiece]:
+    def cached_prefix(self, ids: Sequence[int]) -> int:
+        """How many leading ``ids`` the KV cache already holds, short of the last (its logits start generation)."""
+        n = min(len(ids) - 1, self.net.n_past)
+        if n <= 0:
+            return 0
+        differ = np.flatnonzero(np.asarray(self.net.ids[:n]) != np.asarray(ids[:n]))
+        return int(differ[0]) if differ.size else n
+
+    async def generate(self, prompt: Prompt, *, chat: bool = False, max_tokens: int | None = 128,
+                       stop: Sequence[str] = (), logprobs: int | None = None, reuse: bool = True,
+                       wait: bool = True, sampling: SamplingParams | None = None,
+                       **options: Any) -> AsyncIterator[GenerationPiece]:
         """Stream a continuation of ``prompt`` piece by piece; the last piece carries ``finish_reason``.
+
+        ``prompt``: text, chat messages, or token ids. ``max_tokens``: None runs
+        to the end of the context. Sampling: ``sampling`` and/or its fields as
+        keywords (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``,
+        ``repeat_penalty``, ``presence_penalty``, ``frequency_penalty``,
+        ``penalty_last_n``, ``logit_bias``); the default is greedy.
+        ``logprobs=n``: each piece carries its token's log-probability under
+        the model's logits and the n most likely alternatives. ``reuse``: keep
+        the longest prefix of the prompt the KV cache already holds and prefill
+        only the rest (see ``cached_tokens``): the same bits as running the same
+        forward calls afresh.
 
         ``finish_reason`` is "stop" (an end-of-generation token or a stop
         string) or "length": ``max_tokens`` reached, or the context is full
@@ -265,38 +301,48 @@ class Engine:
         behind each other (see the module's docstring); ``wait=False`` raises
         :class:`~colibri_aio.errors.EngineBusyError` instead of queueing.
         """
-        check_generation_options(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                                 min_p=min_p, seed=seed)
+        params = replace(sampling or SamplingParams(), **options)
+        check_generation_options(max_tokens=max_tokens, sampling=params, vocab_size=self.model.args.vocab_size)
         ids = self.prompt_ids(prompt, chat=chat)
         budget = self.net.n_ctx - len(ids)
         if budget < 1:
             raise UserError(f"the prompt has {len(ids)} tokens; the context holds {self.net.n_ctx} "
                             f"(--ctx / n_ctx, at most the model's {self.model.args.context_length})")
-        sample = make_sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+        limit = budget if max_tokens is None else min(max_tokens, budget)
         async with self.turn(wait=wait):
-            async with contextlib.aclosing(self._generate(ids, max_tokens, budget, stop, sample)) as stream:
-                async for piece in stream:
-                    yield piece
+            stream = self._generate(ids, limit, stop, TokenPicker(params, ids), logprobs, reuse)
+            try:
+                async with contextlib.aclosing(stream):
+                    async for piece in stream:
+                        yield piece
+            finally:
+                await self.source.settle()  # the turn ends with no read in flight, however the stream ended
 
-    async def _generate(self, ids: list[int], max_tokens: int, budget: int, stop: Sequence[str],
-                        sample: Sampler) -> AsyncIterator[GenerationPiece]:
+    async def _generate(self, ids: list[int], max_tokens: int, stop: Sequence[str], pick: TokenPicker,
+                        logprobs: int | None, reuse: bool) -> AsyncIterator[GenerationPiece]:
         stopper = Stopper(self.tokenizer.stream_decoder(skip_special=True), self.tokenizer.is_eog,
-                          max_tokens=min(max_tokens, budget), stop=stop)
+                          max_tokens=max_tokens, stop=stop)
+        cached = self.cached_prefix(ids) if reuse else 0
         t0 = time.perf_counter()
-        self.net.reset()
-        logits = await self.net.prefill(ids)
+        self.net.rewind(cached)
+        logits = await self.net.prefill(ids[cached:])
         t_prefill = time.perf_counter() - t0
-        self.prompt_tokens += len(ids)
+        self.prompt_tokens += len(ids) - cached
+        self.cached_tokens += cached
         self.prefill_s += t_prefill
         t1 = tick = time.perf_counter()
         while True:
-            token = sample(logits)
+            token = pick(logits)
+            lp, alternatives = None, ()
+            if logprobs is not None:
+                dist = log_softmax(logits)
+                lp, alternatives = float(dist[token]), tuple(top_logprobs(dist, logprobs))
             step = stopper.step(token)
             self.generated_tokens += 1
             now = time.perf_counter()
             self.decode_s += now - tick
             yield GenerationPiece(step.text, token, step.finish_reason, len(ids), stopper.n_tokens,
-                                  t_prefill, now - t1, self.stats())
+                                  t_prefill, now - t1, self.stats(), cached, lp, alternatives)
             if step.finish_reason is not None:
                 return
             tick = time.perf_counter()

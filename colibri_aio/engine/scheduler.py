@@ -139,6 +139,12 @@ class CachedExpertSource:
 
     # --- end -------------------------------------------------------------------------------
 
+    async def settle(self) -> None:
+        """Wait until no read is in flight: a stream that ended early (cancelled, left) may have started
+        reads, prefetches above all, that nobody waits for; the next stream then starts from a quiet disk."""
+        while self._reads:
+            await asyncio.wait(list(self._reads.values()))
+
     async def aclose(self) -> None:
         """Start no more reads, wait for every read in flight, forget every slot, close the reader.
 

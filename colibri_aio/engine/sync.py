@@ -11,8 +11,12 @@ queue on the one engine, which computes for one caller at a time).
         for piece in engine.generate("The list type", max_tokens=32):
             print(piece.text, end="", flush=True)
 
-Closing (``with``, :meth:`SyncEngine.close`) drains the reads in flight, saves
-the usage history and stops the thread. An engine still open when the
+A server, whose own loop must never wait on compute, uses
+:meth:`SyncEngine.submit` instead: the generation runs on the engine's loop
+and pushes each piece to a callback, then one :class:`Finished`.
+
+Closing (``with``, :meth:`SyncEngine.close`) cancels submitted generations,
+drains the reads in flight, saves the usage history and stops the thread. An engine still open when the
 interpreter exits is closed then, before Python tears its modules down.
 """
 from __future__ import annotations
@@ -21,9 +25,11 @@ import asyncio
 import atexit
 import contextlib
 import os
+import signal
 import threading
 import weakref
-from collections.abc import AsyncIterator, Coroutine, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import numpy as np
@@ -36,7 +42,8 @@ T = TypeVar("T")
 _open_engines: weakref.WeakSet["SyncEngine"] = weakref.WeakSet()
 
 
-def _new_loop() -> asyncio.AbstractEventLoop:
+def new_loop() -> asyncio.AbstractEventLoop:
+    """A new event loop: uvloop's where it is installed, else asyncio's."""
     try:
         import uvloop
     except ImportError:
@@ -48,9 +55,16 @@ class _LoopThread:
     """An event loop running forever in a daemon thread; coroutines run on it, callers wait for them."""
 
     def __init__(self) -> None:
-        self.loop = _new_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="colibri-aio-engine", daemon=True)
+        self.loop = new_loop()
+        self.thread = threading.Thread(target=self._run, name="colibri-aio-engine", daemon=True)
         self.thread.start()
+
+    def _run(self) -> None:
+        # Ctrl-C and SIGTERM belong to the main thread: delivered here (and to the kernel threads this one
+        # starts, which inherit the mask), they would not wake a main thread blocked in a read (input()).
+        if hasattr(signal, "pthread_sigmask"):
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+        self.loop.run_forever()
 
     def call(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the loop and return its result.
@@ -89,11 +103,48 @@ class _LoopThread:
         self.loop.close()
 
 
+@dataclass(frozen=True)
+class Finished:
+    """The last event of a submitted generation: the engine's turn is over and its reads drained.
+
+    ``error``: what ended it early (None when it ran to its end); ``cancelled``: :meth:`Job.cancel` or close.
+    """
+
+    error: BaseException | None = None
+    cancelled: bool = False
+
+
+Event = GenerationPiece | Finished
+Sink = Callable[[Event], None]
+
+
+class Job:
+    """A generation started by :meth:`SyncEngine.submit`; :meth:`cancel` may be called from any thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._task: asyncio.Task[None] | None = None
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        """Stop the generation: its reads drain, then the sink hears :class:`Finished`. Safe to repeat."""
+        try:
+            self._loop.call_soon_threadsafe(self._cancel)
+        except RuntimeError:  # the engine is closed: nothing runs any more
+            pass
+
+    def _cancel(self) -> None:  # on the engine's loop
+        self._cancelled = True
+        if self._task is not None:
+            self._task.cancel()
+
+
 class SyncEngine:
     """An :class:`~colibri_aio.Engine` for code without an event loop: open once, call from anywhere."""
 
     def __init__(self, engine: Engine, portal: _LoopThread) -> None:
         self.engine, self._portal = engine, portal
+        self._jobs: set[Job] = set()  # submitted and not finished (touched on the engine's loop only)
         self._lock = threading.Lock()
         self._streaming: set[int] = set()  # threads with a stream open: waiting there would never end
         self.closed = False
@@ -156,6 +207,49 @@ class SyncEngine:
             else:
                 self._portal.call(stream.aclose())  # type: ignore[attr-defined]
 
+    def submit(self, prompt: Prompt, sink: Sink, **options: Any) -> Job:
+        """Generate on the engine's loop, pushing each piece to ``sink``, then exactly one :class:`Finished`.
+
+        ``sink`` is called on the engine's thread and must return at once
+        (hand the event over, e.g. with ``loop.call_soon_threadsafe``). The
+        caller never waits: this suits a server, whose own loop must stay
+        free. Generations queue for the engine's turn like :meth:`generate`
+        calls. ``options`` are :meth:`Engine.generate`'s.
+        """
+        if self.closed:
+            raise RuntimeError("the engine is closed")
+        job = Job(self._portal.loop)
+        self._portal.loop.call_soon_threadsafe(self._start, job, prompt, sink, options)
+        return job
+
+    def _start(self, job: Job, prompt: Prompt, sink: Sink, options: dict[str, Any]) -> None:  # on the loop
+        if job._cancelled or self.closed:
+            sink(Finished(cancelled=True))
+            return
+        job._task = self._portal.loop.create_task(self._push(prompt, sink, options))
+        self._jobs.add(job)
+
+        def finished(task: asyncio.Task[None]) -> None:
+            self._jobs.discard(job)
+            sink(Finished(cancelled=True) if task.cancelled() else Finished(error=task.exception()))
+
+        job._task.add_done_callback(finished)
+
+    async def _push(self, prompt: Prompt, sink: Sink, options: dict[str, Any]) -> None:
+        stream: AsyncIterator[GenerationPiece] = self.engine.generate(prompt, **options)
+        async with contextlib.aclosing(stream):  # type: ignore[type-var]  # an early end drains the reads
+            async for piece in stream:
+                sink(piece)
+                # A step whose experts are all cached never waits on a read, so the task would not
+                # suspend: let the loop run here, so that a cancel (and the device watch) gets in.
+                await asyncio.sleep(0)
+
+    async def _cancel_jobs(self) -> None:
+        tasks = [job._task for job in self._jobs if job._task is not None]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def text(self, prompt: Prompt, **options: Any) -> str:
         """The whole continuation as one string."""
         return "".join(piece.text for piece in self.generate(prompt, **options))
@@ -178,6 +272,7 @@ class SyncEngine:
                 return
             self.closed = True
         try:
+            self._portal.call(self._cancel_jobs())
             self._portal.call(self.engine.aclose())
         finally:
             self._portal.stop()

@@ -250,7 +250,10 @@ def load(path: str | os.PathLike[str], *, resident: bool = True, progress: Progr
     p = Path(path)
     reader = _open_reader(p)
     fam = family_of(reader, p)
-    args = read_args(reader, p, fam)
+    try:
+        args = read_args(reader, p, fam)
+    except (TypeError, ValueError, ArithmeticError) as exc:  # the keys' types are checked; their values may still clash
+        raise ModelFormatError(f"{p}: the hyper-parameters in the metadata cannot be used: {exc}") from exc
     ts = _Tensors(reader, p, args, copy=resident)
     vocab, d = args.vocab_size, args.embedding_length
     with ts.file:

@@ -29,23 +29,20 @@ cannot disagree.
 from __future__ import annotations
 
 import codecs
-import json
+import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import gguf
-from jinja2 import TemplateError, nodes
-from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from colibri_aio.gguf.header import GGUFHeader
 from colibri_aio.errors import ModelFormatError, UserError
+from colibri_aio.text.chat_template import ChatTemplate
 
 __all__ = ["Tokenizer", "StreamDecoder", "TokenizerSpec", "PRE_TOKENIZERS", "QWEN2_SPLIT_REGEX"]
 
@@ -207,6 +204,32 @@ def read_spec(reader: gguf.GGUFReader | GGUFHeader) -> TokenizerSpec:
     )
 
 
+def check_vocabulary(spec: TokenizerSpec) -> None:
+    """Refuse what the ``tokenizers`` library would take silently: tokens and merges that are not
+    UTF-8 text (the header keeps such bytes as lone surrogates), and a byte-level vocabulary without a
+    token for each of the 256 bytes (text with a missing byte would lose it: llama.cpp fails on it)."""
+    for key, texts in (("tokenizer.ggml.tokens", spec.tokens), ("tokenizer.ggml.merges", spec.merges)):
+        try:
+            "".join(texts).encode("utf-8")
+        except UnicodeEncodeError:
+            i = next(i for i, t in enumerate(texts) if not _is_utf8(t))
+            raise ModelFormatError(f"{key}[{i}] is not UTF-8 text: {texts[i][:40]!r}") from None
+    if spec.model != "gpt2":
+        return  # sentencepiece-style vocabularies carry bytes as <0xNN> tokens (byte fallback)
+    missing = sorted(set(_gpt2_byte_decoder()) - set(spec.tokens))
+    if missing:
+        raise ModelFormatError(f"tokenizer.ggml.tokens lacks {len(missing)} of the 256 byte-level tokens "
+                               f"(e.g. {missing[0]!r}): text with those bytes could not be tokenized")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _end_is_user_defined(tokens: Sequence[str]) -> bool:
     present = set(tokens)
     return "<|end|>" in present and any(a in present and b in present for a, b in END_IS_NOT_EOG)
@@ -328,7 +351,12 @@ def _byte_level_piece(text: str, table: dict[int, int]) -> bytes:
 def _spm_piece(text: str, ty: int) -> bytes:
     """A llama vocabulary's token: ``<0xNN>`` byte tokens are their byte, ▁ is a space."""
     if ty == _TT.BYTE:
-        return bytes([int(text[3:-1], 16)])
+        if not (len(text) == 6 and text.startswith("<0x") and text.endswith(">")):
+            raise ModelFormatError(f"tokenizer.ggml.tokens: byte token {text[:40]!r} is not of the form <0xNN>")
+        try:
+            return bytes([int(text[3:5], 16)])
+        except ValueError:
+            raise ModelFormatError(f"tokenizer.ggml.tokens: byte token {text!r} is not of the form <0xNN>") from None
     return text.replace("▁", " ").encode("utf-8")
 
 
@@ -357,61 +385,35 @@ def eog_ids(spec: TokenizerSpec) -> frozenset[int]:
     return frozenset(ids)
 
 
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # Jinja's own tojson HTML-escapes; chat templates want the plain JSON text.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-class GenerationTag(Extension):
-    """Accepts ``{% generation %}...{% endgeneration %}`` and renders the body unchanged.
-
-    Templates written for training mark the assistant's text with this tag
-    (Hugging Face uses it to build loss masks); for inference it is a no-op.
-    """
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.Scope(body, lineno=lineno)
-
-
-def make_template_environment() -> ImmutableSandboxedEnvironment:
-    """A sandboxed Jinja environment with the helpers Hugging Face chat templates expect."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols, GenerationTag])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
 class Tokenizer:
     """Tokenizer (byte-level BPE or sentencepiece-style) and chat template of one GGUF model."""
 
-    def __init__(self, spec: TokenizerSpec) -> None:
+    def __init__(self, spec: TokenizerSpec, origin: str = "") -> None:
         self.spec = spec
+        self.origin = origin  # the model file, named in messages
         self._hf = build_hf_tokenizer(spec)
         # encode_special_tokens is a flag on the shared object; flip it under a lock.
         self._lock = threading.Lock()
         self._pieces, self._special = token_bytes_table(spec)
         self._eog = eog_ids(spec)
-        self._template = None
+        self._template: ChatTemplate | None = None
 
     @classmethod
     def from_gguf(cls, reader: gguf.GGUFReader | GGUFHeader) -> Tokenizer:
-        """Build from an open GGUF; raises ModelFormatError for a missing or unsupported tokenizer."""
-        return cls(read_spec(reader))
+        """Build from an open GGUF; a missing, unsupported or broken tokenizer is one
+        ModelFormatError that names the file."""
+        origin = os.fspath(getattr(reader, "path", "") or "")
+        where = f"{origin}: " if origin else ""
+        try:
+            spec = read_spec(reader)
+            check_vocabulary(spec)
+            return cls(spec, origin)
+        except ModelFormatError as exc:
+            raise ModelFormatError(f"{where}{exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception on a bad vocabulary
+            kind = "" if type(exc) is Exception else f"{type(exc).__name__}: "
+            raise ModelFormatError(f"{where}the tokenizer cannot be built from its tokenizer.ggml.* keys: "
+                                   f"{kind}{' '.join(str(exc).split())[:300]}") from exc
 
     @classmethod
     def from_path(cls, path: str | Path) -> Tokenizer:
@@ -484,19 +486,17 @@ class Tokenizer:
 
         ``extra`` reaches the template as variables (e.g. ``enable_thinking``, ``tools``).
         """
+        where = f"{self.origin}: " if self.origin else ""
         if self.spec.chat_template is None:
-            raise UserError("this model has no chat template (tokenizer.chat_template); prompt it without chat")
+            raise UserError(f"{where}this model has no chat template (tokenizer.chat_template); prompt it without chat")
         if self._template is None:
-            self._template = make_template_environment().from_string(self.spec.chat_template)
+            self._template = ChatTemplate(self.spec.chat_template, self.origin)  # refuses one that does not compile
         special = {}
         for name, i in (("bos_token", self.spec.bos_id), ("eos_token", self.spec.eos_id),
                         ("pad_token", self.spec.pad_id)):
             special[name] = self.spec.tokens[i] if i is not None else ""
-        try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         **special, **extra)
-        except TemplateError as e:
-            raise UserError(f"chat template failed: {e}") from None
+        return self._template.render({"messages": list(messages), "add_generation_prompt": add_generation_prompt,
+                                      **special, **extra})
 
 
 class StreamDecoder:
