@@ -12,7 +12,7 @@ from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.gguf.model import load
 from colibri_aio.kernels import backend
-from colibri_aio.kernels.ops import rope_cos_sin, rope_yarn_cos_sin, yarn_corr_dims
+from colibri_aio.kernels.ops import rope_cos_sin, rope_yarn_cos_sin
 
 from support import FIXTURES, ORACLE, main_in_process, rewrite_gguf, teacher_forced
 
@@ -36,8 +36,10 @@ def test_hyper_parameters_come_from_the_file() -> None:
     a = load(F32, resident=False).args
     assert (a.sliding_window, a.sliding) == (8, (True, False))  # llama.cpp: even layers slide
     assert a.routing.gating == "softmax_weight" and not a.routing.normalize
-    assert (a.yarn.factor, a.yarn.original_context, a.yarn.beta_fast, a.yarn.beta_slow) == (32, 4096, 32, 1)
-    assert a.yarn.magnitude == pytest.approx(1 + 0.1 * np.log(32))
+    s = a.rope_scaling
+    assert (s.kind, s.factor, s.original_context, s.beta_fast, s.beta_slow) == ("yarn", 32, 4096, 32, 1)
+    # llama.cpp's attention factor cancels, ggml's YaRN factor stays on cos and sin
+    assert s.rotation_magnitude == pytest.approx(1 + 0.1 * np.log(32))
 
 
 @pytest.mark.parametrize("pattern, sliding", [(0, (True, True)), (1, (False, False)), (3, (True, True))])
@@ -59,7 +61,6 @@ def test_yarn_keeps_fast_pairs_and_interpolates_slow_ones() -> None:
     """gpt-oss-120b's rope (64 dims, base 150000, 4096 trained, factor 32): llama.cpp's ramp runs from
     pair 8 (floor of 8.09) to pair 18 (ceil of 17.40); below it the frequency is RoPE's, above it
     divided by 32, and both tables carry the magnitude."""
-    assert yarn_corr_dims(64, 150000.0, 4096, 32.0, 1.0) == (8.0, 18.0)
     pos = np.array([0, 1, 7, 1000])
     cos, sin = rope_yarn_cos_sin(pos, 64, 150000.0, factor=32.0, original_context=4096, magnitude=2.0)
     plain_c, plain_s = rope_cos_sin(pos, 64, 150000.0)
@@ -82,9 +83,9 @@ REFUSALS = {
                           "missing metadata key gpt-oss.attention.sliding_window"),
     "sliding_pattern_text": (dict(keys={"gpt-oss.attention.sliding_window_pattern": "alternate"}),
                              "sliding_window_pattern must be"),
-    "linear_rope_scaling": (dict(keys={"gpt-oss.rope.scaling.type": "linear"}),
-                            "rope.scaling.type 'linear' is not supported"),
-    "yarn_factor_below_one": (dict(keys={"gpt-oss.rope.scaling.factor": 0.5}), "YaRN needs rope.scaling.factor"),
+    "longrope_scaling": (dict(keys={"gpt-oss.rope.scaling.type": "longrope"}),
+                            "rope.scaling.type 'longrope' is not supported"),
+    "yarn_factor_below_one": (dict(keys={"gpt-oss.rope.scaling.factor": 0.5}), "YaRN scaling of gpt-oss needs rope.scaling.factor"),
     "no_sinks": (dict(tensors=_drop("blk.1.attn_sinks.weight")), "missing tensor blk.1.attn_sinks.weight"),
     "no_expert_bias": (dict(tensors=_drop("blk.0.ffn_down_exps.bias")), "missing tensor blk.0.ffn_down_exps.bias"),
 }

@@ -9,6 +9,7 @@ pass with :func:`build_net`. Modules are imported only when a file needs them.
     qwen2moe       qwen2moe.py  Qwen2MoeForCausalLM
     olmoe          olmoe.py     OlmoeForCausalLM
     llama          llama.py     MixtralForCausalLM (llama files with experts)
+    deepseek2      deepseek2.py DeepseekV3ForCausalLM
     gpt-oss        gptoss.py    GptOssForCausalLM
 
 How to add a family (fixtures/families.md has each one's keys, tensors and
@@ -70,6 +71,7 @@ _MODULES = {
     "qwen2moe": "qwen2moe",
     "olmoe": "olmoe",
     "llama": "llama",
+    "deepseek2": "deepseek2",
     "gpt-oss": "gptoss",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODULES)

@@ -19,7 +19,7 @@ import numpy as np
 
 from colibri_aio.arch.base import BaseArgs, Family, Metadata, TensorSpec, attention_tensors, vector
 from colibri_aio.arch.layers import MoETransformer, Rope
-from colibri_aio.arch.rope import Yarn
+from colibri_aio.arch.deepseek2 import RopeScaling
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.experts import ExpertWeights
 from colibri_aio.kernels.ops import Routing, rope_neox, swiglu_oai
@@ -45,17 +45,18 @@ def sliding_layers(meta: Metadata, block_count: int) -> tuple[bool, ...]:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelArgs(BaseArgs):
-    """gpt-oss's hyper-parameters: the shared set, the sliding window and its layers, YaRN."""
+    """gpt-oss's hyper-parameters: the shared set, the sliding window and its layers, RoPE scaling (YaRN)."""
 
     sliding_window: int
     sliding: tuple[bool, ...]      # per block: attends through the sliding window
-    yarn: Yarn | None
+    rope_scaling: RopeScaling      # read as llama.cpp reads it for every family (deepseek2's module)
 
     @classmethod
     def from_gguf(cls, meta: Metadata) -> Self:
         values = cls.common(meta, routing=Routing(gating="softmax_weight", normalize=False))
         return cls(**values, sliding_window=int(meta.need("attention.sliding_window")),
-                   sliding=sliding_layers(meta, values["block_count"]), yarn=Yarn.from_gguf(meta))
+                   sliding=sliding_layers(meta, values["block_count"]),
+                   rope_scaling=RopeScaling.from_gguf(meta))
 
     def check(self, path: Path) -> None:
         BaseArgs.check(self, path)
@@ -63,6 +64,10 @@ class ModelArgs(BaseArgs):
             raise ModelFormatError(f"{path}: gpt-oss heads rotate and return all their dims: key_length "
                                    f"{self.key_length}, value_length {self.value_length} and rope dims "
                                    f"{self.n_rot} must be equal")
+        s = self.rope_scaling
+        if s.kind == "yarn" and not (s.factor >= 1.0 and s.original_context >= 1):
+            raise ModelFormatError(f"{path}: YaRN scaling of gpt-oss needs rope.scaling.factor >= 1 and "
+                                   f"original_context_length >= 1 (the file says {s.factor}, {s.original_context})")
         if self.sliding_window < 1 and any(self.sliding):
             raise ModelFormatError(f"{path}: attention.sliding_window {self.sliding_window} must be positive")
 
@@ -82,9 +87,7 @@ class GptOss(MoETransformer):
 
     def rope_tables(self, positions: np.ndarray) -> Rope:
         a = self.args
-        if a.yarn is None:
-            return super().rope_tables(positions)
-        return a.yarn.tables(positions, a.n_rot, a.rope_freq_base, a.yarn.magnitude)
+        return a.rope_scaling.tables(positions, a.n_rot, a.rope_freq_base)
 
     def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
         a, blk = self.args, self.model.blocks[layer]

@@ -106,12 +106,16 @@ ARCH_KEY_KINDS: dict[str, Kind] = {
         "expert_shared_count", "expert_group_count", "expert_group_used_count", "expert_gating_func",
         "leading_dense_block_count", "nextn_predict_layers", "attention.head_count", "attention.head_count_kv",
         "attention.key_length", "attention.value_length", "attention.q_lora_rank", "attention.kv_lora_rank",
-        "attention.sliding_window", "rope.dimension_count", "rope.scaling.original_context_length")},
+        "attention.sliding_window", "rope.dimension_count")},
     **{k: NUMBER for k in (
         "rope.freq_base", "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon",
-        "expert_weights_scale", "rope.scaling.factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
-        "rope.scaling.attn_factor")},
+        "expert_weights_scale", "rope.scaling.factor")},
     "expert_weights_norm": FLAG,
+    # deepseek2: MLA head sizes and YaRN
+    **{k: COUNT for k in ("attention.key_length_mla", "attention.value_length_mla",
+                          "rope.scaling.original_context_length")},
+    **{k: NUMBER for k in ("rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+                           "rope.scaling.yarn_log_multiplier", "rope.scaling.attn_factor")},
     "rope.scaling.type": TEXT,
 }
 _TOKEN_ID_KEY = re.compile(r"tokenizer\.ggml\.\w+_token_id")
