@@ -11,6 +11,7 @@ pass with :func:`build_net`. Modules are imported only when a file needs them.
     llama          llama.py     MixtralForCausalLM (llama files with experts)
     deepseek2      deepseek2.py DeepseekV3ForCausalLM
     gpt-oss        gptoss.py    GptOssForCausalLM
+    glm4moe        glm4moe.py   Glm4MoeForCausalLM
 
 How to add a family (fixtures/families.md has each one's keys, tensors and
 math as llama.cpp computes them):
@@ -73,6 +74,7 @@ _MODULES = {
     "llama": "llama",
     "deepseek2": "deepseek2",
     "gpt-oss": "gptoss",
+    "glm4moe": "glm4moe",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODULES)
 
