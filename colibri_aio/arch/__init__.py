@@ -50,10 +50,9 @@ math as llama.cpp computes them):
 2. One line in :data:`_MODULES`; oracle tests as tests/test_arch_families.py
    runs them (``FAMILY_FIXTURES``); the README's "What runs".
 
-What the shared code does not do yet: blocks without routed experts (the
-leading dense blocks of deepseek2 and glm4moe) — the loader, the plan, the
-cache's per-layer quotas and the usage history all assume every block has
-``expert_count`` experts.
+Blocks without routed experts (``leading_dense_block_count``: deepseek2's and
+glm4moe's first blocks) run ``dense_ffn`` and have no expert table; the plan,
+the cache's quotas and the usage history count ``moe_block_count`` blocks.
 """
 from __future__ import annotations
 
