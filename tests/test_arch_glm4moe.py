@@ -10,31 +10,17 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from colibri_aio.arch import build_net
 from colibri_aio.engine.engine import Engine
-from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.engine.plan import kv_cache_nbytes, working_nbytes
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.gguf.model import load
 from colibri_aio.io.align import slot_nbytes_for
-from colibri_aio.kernels import backend
 
-from support import FIXTURES, ORACLE, main_in_process, rewrite_gguf, teacher_forced
+from support import FIXTURES, ORACLE, main_in_process, model_logits, numpy_kernels, rewrite_gguf  # noqa: F401
 
 F32 = FIXTURES / "glm4moe_f32.gguf"
 IDS = json.loads((ORACLE / "family_ids.json").read_text())["sequences"][0]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def numpy_kernels():
-    backend.set_backend("numpy")
-    yield
-    backend.set_backend("auto")
-
-
-def _logits(path) -> np.ndarray:
-    model = load(path)
-    return teacher_forced(build_net(model, MappedExpertSource(model)), IDS, decode=False)
+pytestmark = pytest.mark.usefixtures("numpy_kernels")
 
 
 def _block(name: str) -> int:
@@ -61,7 +47,7 @@ def test_the_nextn_block_is_neither_loaded_nor_computed(tmp_path) -> None:
     """The same model without its NextN block (and without saying it has one) gives the same logits."""
     trunk_only = rewrite_gguf(F32, tmp_path / "trunk.gguf", tensors=_without_nextn,
                               keys={"glm4moe.block_count": 2, "glm4moe.nextn_predict_layers": 0})
-    np.testing.assert_array_equal(_logits(trunk_only), _logits(F32))
+    np.testing.assert_array_equal(model_logits(trunk_only, IDS), model_logits(F32, IDS))
     assert load(trunk_only).trunk_nbytes == load(F32).trunk_nbytes
 
 
@@ -70,7 +56,7 @@ def test_without_qk_norms_as_glm_4_5_air(tmp_path) -> None:
                        else [(n, a)])
     m = load(air)
     assert "attn_q_norm" not in m.blocks[1]
-    assert np.abs(_logits(air) - _logits(F32)).max() > 1e-3  # the norms were applied where present
+    assert np.abs(model_logits(air, IDS) - model_logits(F32, IDS)).max() > 1e-3  # the norms were applied where present
 
 
 def _drop(name: str):

@@ -7,29 +7,15 @@ import json
 import numpy as np
 import pytest
 
-from colibri_aio.arch import build_net
-from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.gguf.model import load
-from colibri_aio.kernels import backend
 from colibri_aio.kernels.ops import rope_cos_sin, rope_yarn_cos_sin
 
-from support import FIXTURES, ORACLE, main_in_process, rewrite_gguf, teacher_forced
+from support import FIXTURES, ORACLE, main_in_process, model_logits, numpy_kernels, rewrite_gguf  # noqa: F401
 
 F32 = FIXTURES / "gptoss_f32.gguf"
 IDS = json.loads((ORACLE / "family_ids.json").read_text())["sequences"][0]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def numpy_kernels():
-    backend.set_backend("numpy")
-    yield
-    backend.set_backend("auto")
-
-
-def _logits(path) -> np.ndarray:
-    model = load(path)
-    return teacher_forced(build_net(model, MappedExpertSource(model)), IDS, decode=False)
+pytestmark = pytest.mark.usefixtures("numpy_kernels")
 
 
 def test_hyper_parameters_come_from_the_file() -> None:
@@ -51,8 +37,8 @@ def test_sliding_window_pattern_key(pattern: int, sliding: tuple[bool, ...], tmp
 def test_the_window_hides_keys_only_where_it_slides(tmp_path) -> None:
     """With a window wider than the sequence, layer 0 sees every key: logits change exactly from
     position 8 on (the fixture's window), so the window is what the oracles saw."""
-    wide = _logits(rewrite_gguf(F32, tmp_path / "wide.gguf", keys={"gpt-oss.attention.sliding_window": 1000}))
-    narrow = _logits(F32)
+    wide = model_logits(rewrite_gguf(F32, tmp_path / "wide.gguf", keys={"gpt-oss.attention.sliding_window": 1000}), IDS)
+    narrow = model_logits(F32, IDS)
     diff = np.abs(wide - narrow).max(axis=-1)
     assert (diff[:8] == 0).all() and (diff[8:] > 1e-3).all()
 
@@ -84,8 +70,9 @@ REFUSALS = {
     "sliding_pattern_text": (dict(keys={"gpt-oss.attention.sliding_window_pattern": "alternate"}),
                              "sliding_window_pattern must be"),
     "longrope_scaling": (dict(keys={"gpt-oss.rope.scaling.type": "longrope"}),
-                            "rope.scaling.type 'longrope' is not supported"),
-    "yarn_factor_below_one": (dict(keys={"gpt-oss.rope.scaling.factor": 0.5}), "YaRN scaling of gpt-oss needs rope.scaling.factor"),
+                         "rope.scaling.type 'longrope' is not supported"),
+    "yarn_factor_below_one": (dict(keys={"gpt-oss.rope.scaling.factor": 0.5}),
+                              "YaRN scaling of gpt-oss needs rope.scaling.factor"),
     "no_sinks": (dict(tensors=_drop("blk.1.attn_sinks.weight")), "missing tensor blk.1.attn_sinks.weight"),
     "no_expert_bias": (dict(tensors=_drop("blk.0.ffn_down_exps.bias")), "missing tensor blk.0.ffn_down_exps.bias"),
 }

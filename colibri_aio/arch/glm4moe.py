@@ -20,7 +20,8 @@ import numpy as np
 from colibri_aio.arch.base import (BaseArgs, Family, Metadata, TensorSpec, attention_tensors, ffn_tensors,
                                    vector)
 from colibri_aio.arch.deepseek2 import RopeScaling
-from colibri_aio.arch.layers import MoETransformer, Rope
+from colibri_aio.arch.layers import Rope
+from colibri_aio.arch.rope import ScaledRope
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels.ops import Routing, rms_norm, rope_neox
 
@@ -81,14 +82,10 @@ def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
             *(shared if a.expert_shared_count else [])]
 
 
-class Glm4MoE(MoETransformer):
+class Glm4MoE(ScaledRope):
     """A glm4moe model bound to an expert source and a KV cache."""
 
     args: ModelArgs
-
-    def rope_tables(self, positions: np.ndarray) -> Rope:
-        a = self.args
-        return a.rope_scaling.tables(positions, a.n_rot, a.rope_freq_base)
 
     def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
         a, blk = self.args, self.model.blocks[layer]

@@ -18,8 +18,9 @@ from typing import Self
 import numpy as np
 
 from colibri_aio.arch.base import BaseArgs, Family, Metadata, TensorSpec, attention_tensors, vector
-from colibri_aio.arch.layers import MoETransformer, Rope
 from colibri_aio.arch.deepseek2 import RopeScaling
+from colibri_aio.arch.layers import Rope
+from colibri_aio.arch.rope import ScaledRope
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.experts import ExpertWeights
 from colibri_aio.kernels.ops import Routing, rope_neox, swiglu_oai
@@ -80,14 +81,10 @@ def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
             vector("ffn_gate_exps.bias", e, f), vector("ffn_up_exps.bias", e, f), vector("ffn_down_exps.bias", e, d)]
 
 
-class GptOss(MoETransformer):
+class GptOss(ScaledRope):
     """A gpt-oss model bound to an expert source and a KV cache."""
 
     args: ModelArgs
-
-    def rope_tables(self, positions: np.ndarray) -> Rope:
-        a = self.args
-        return a.rope_scaling.tables(positions, a.n_rot, a.rope_freq_base)
 
     def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
         a, blk = self.args, self.model.blocks[layer]
