@@ -39,7 +39,8 @@ math as llama.cpp computes them):
      the KV cache and takes ``scale``, ``window`` and ``sinks``, ``rope_neox`` /
      ``rope_norm`` rotate the first n_rot dims). Override ``rope_tables`` for
      scaled RoPE (or mix in ``arch.rope.ScaledRope``: llama.cpp's YaRN from
-     ``rope.scaling.*``), ``shared_expert`` for an always-on expert (plain or gated: ``ffn`` runs ``ffn_{gate,up,down}<suffix>``), ``expert_outputs`` for
+     ``rope.scaling.*``), ``shared_expert`` for an always-on expert (plain or
+     gated: ``ffn`` runs ``ffn_{gate,up,down}<suffix>``), ``expert_outputs`` for
      another expert activation or expert biases, ``make_cache`` for another
      cache layout. Routing (router logits + ``ffn_gate_inp.bias``, selection
      bias ``exp_probs_b.bias``, ``args.routing``), batch-union expert reads, the
