@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
+from colibri_aio.arch import SUPPORTED_ARCHITECTURES
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.gguf.model import load
 

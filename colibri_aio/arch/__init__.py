@@ -25,7 +25,7 @@ math as llama.cpp computes them):
      ``routing`` (:class:`~colibri_aio.kernels.ops.Routing`: softmax, sigmoid
      or softmax-weight gating, renormalisation, scale, expert groups) and
      ``skipped_blocks`` (NextN blocks the file holds but the graph never runs);
-     ``check(path)`` adds its refusals; ``kv_cache_nbytes`` changes when the
+     ``check(path)`` adds its refusals; ``kv_layout`` changes when the
      cache holds something else than H_kv keys and values per position (MLA);
    - ``block_tensors(args, layer)``: the block's resident tensors
      (``matrix``: raw bytes for the kernels; ``vector``: float32 norms, biases,
@@ -52,8 +52,11 @@ math as llama.cpp computes them):
    runs them (``FAMILY_FIXTURES``); the README's "What runs".
 
 Blocks without routed experts (``leading_dense_block_count``: deepseek2's and
-glm4moe's first blocks) run ``dense_ffn`` and have no expert table; the plan,
-the cache's quotas and the usage history count ``moe_block_count`` blocks.
+glm4moe's first blocks) run ``dense_ffn``; the loader keeps no expert table for
+them and the plan, the cache's per-layer quotas and traces count blocks with experts.
+A KV cache holding something else than H_kv keys and values per position
+(MLA's latent) is a :class:`~colibri_aio.arch.base.KVLayout` from
+``ModelArgs.kv_layout``, which both the plan and the allocation read.
 """
 from __future__ import annotations
 

@@ -110,8 +110,7 @@ class ModelArgs(BaseArgs):
     for MLA files the absorbed MQA head, Lkv + dr and Lkv; the per-head sizes
     are ``qk_nope``, ``n_rot`` and ``v_head``. ``split_kv_b``: the file has
     ``attn_k_b``/``attn_v_b`` (current converters, ``key_length_mla`` present),
-    else one ``attn_kv_b`` (older files). ``q_lora_rank`` 0: the lite layout
-    (one ``attn_q``).
+    else one ``attn_kv_b`` (older files).
     """
 
     q_lora_rank: int
@@ -126,8 +125,10 @@ class ModelArgs(BaseArgs):
     @classmethod
     def from_gguf(cls, meta: Metadata) -> Self:
         blocks, vocab = int(meta.need("block_count")), meta.vocab_size()
-        # llama.cpp: lite variants (DeepSeek-V2-Lite & co) are told by their block count and have no q LoRA.
-        lite = blocks in (26, 27) or (blocks == 48 and vocab == 128256)
+        # llama.cpp tells lite variants (DeepSeek-V2-Lite & co: one attn_q, no q LoRA) by their block count.
+        if blocks in (26, 27) or (blocks == 48 and vocab == 128256):
+            raise ModelFormatError(f"{meta.path}: lite deepseek2 files (no q LoRA, block_count {blocks}) are "
+                                   f"not supported")
         gating = int(meta.get("expert_gating_func", 0))
         if gating == 0:  # older DeepSeek-V2 files: softmax; GLM-4.7-Lite written as deepseek2: sigmoid
             gating = 2 if blocks in (47, 48) and vocab == 154880 else 1
@@ -144,7 +145,7 @@ class ModelArgs(BaseArgs):
         head_k = int(k_mla) if split else common["key_length"]
         n_rot = common["rope_dimension_count"] or common["key_length"]
         return cls(**common,
-                   q_lora_rank=0 if lite else int(meta.need("attention.q_lora_rank")),
+                   q_lora_rank=int(meta.need("attention.q_lora_rank")),
                    kv_lora_rank=int(meta.need("attention.kv_lora_rank")),
                    qk_nope=head_k - n_rot,
                    v_head=int(v_mla) if split else common["value_length"],
@@ -155,8 +156,9 @@ class ModelArgs(BaseArgs):
 
     def check(self, path: Path) -> None:
         BaseArgs.check(self, path)
-        if min(self.kv_lora_rank, self.qk_nope, self.v_head) < 1:
-            raise ModelFormatError(f"{path}: MLA sizes must be positive (kv_lora_rank {self.kv_lora_rank}, "
+        if min(self.q_lora_rank, self.kv_lora_rank, self.qk_nope, self.v_head) < 1:
+            raise ModelFormatError(f"{path}: MLA sizes must be positive (q_lora_rank {self.q_lora_rank}, "
+                                   f"kv_lora_rank {self.kv_lora_rank}, "
                                    f"key_length_mla - rope.dimension_count = {self.qk_nope}, value "
                                    f"length {self.v_head})")
         if self.split_kv_b and (self.key_length != self.kv_lora_rank + self.n_rot
@@ -187,11 +189,8 @@ class ModelArgs(BaseArgs):
 
 def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
     d, h, kl = a.embedding_length, a.head_count, a.kv_lora_rank
-    if a.q_lora_rank:
-        query = [matrix("attn_q_a", a.q_lora_rank, d), vector("attn_q_a_norm", a.q_lora_rank),
-                 matrix("attn_q_b", h * a.head_k, a.q_lora_rank)]
-    else:
-        query = [matrix("attn_q", h * a.head_k, d)]
+    query = [matrix("attn_q_a", a.q_lora_rank, d), vector("attn_q_a_norm", a.q_lora_rank),
+             matrix("attn_q_b", h * a.head_k, a.q_lora_rank)]
     # k_b/v_b are used per head (batched products of small matrices): kept as float32.
     if a.split_kv_b:
         lift = [vector("attn_k_b", h, kl, a.qk_nope), vector("attn_v_b", h, a.v_head, kl)]
@@ -223,12 +222,9 @@ class DeepSeek2(MoETransformer):
         return kv_b[:, :a.qk_nope].transpose(0, 2, 1), kv_b[:, a.qk_nope:]
 
     def query(self, layer: int, h: np.ndarray) -> np.ndarray:
-        """q (T, H, dn + dr): through the q LoRA (attn_q_a, its norm, attn_q_b), or attn_q in lite files."""
+        """q (T, H, dn + dr) through the q LoRA: attn_q_b · RMSNorm(attn_q_a · h)."""
         a, blk = self.args, self.model.blocks[layer]
-        if a.q_lora_rank:
-            q = self.linear(blk.attn_q_b, rms_norm(self.linear(blk.attn_q_a, h), blk.attn_q_a_norm, a.rms_eps))
-        else:
-            q = self.linear(blk.attn_q, h)
+        q = self.linear(blk.attn_q_b, rms_norm(self.linear(blk.attn_q_a, h), blk.attn_q_a_norm, a.rms_eps))
         return q.reshape(h.shape[0], a.head_count, a.head_k)
 
     def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:

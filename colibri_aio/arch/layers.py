@@ -49,7 +49,8 @@ class RouteObserver(Protocol):
     def on_route(self, layer: int, positions: np.ndarray, residual: np.ndarray,
                  moe_input: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> None:
         """``residual``: (T, D) post-attention residual; ``moe_input``: (T, D) after the MoE norm;
-        ``ids``/``weights``: (T, k) chosen experts in descending weight. A dense block (no routed
+        ``ids``/``weights``: (T, k) chosen experts in the order chosen (descending weight; descending
+        biased score where the router has a selection bias, exp_probs_b). A dense block (no routed
         experts) reports ``ids``/``weights`` of shape (T, 0) and its FFN input as ``moe_input``."""
 
 

@@ -14,7 +14,8 @@ then one record per (run, position, layer)::
      "layer": 3, "experts": [5, 17], "weights": [0.61, 0.39],
      "predicted": {"moe_input": [..2k ids..], ...}}
 
-``experts`` are in descending weight; a leading dense block (the first
+``experts`` are in the order chosen: descending weight (descending biased score
+where the router has a selection bias, ``exp_probs_b``); a leading dense block (the first
 ``leading_dense_block_count`` layers; absent from the header means 0) routes
 nothing and its records have ``experts`` and ``weights`` ``[]``. ``predicted``
 (absent on the last layer and where layer + 1 is dense) ranks 2k candidate
