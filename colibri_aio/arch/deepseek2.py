@@ -98,8 +98,8 @@ class RopeScaling:
             return rope_yarn_cos_sin(positions, n_rot, freq_base, factor=self.factor,
                                      original_context=self.original_context, beta_fast=self.beta_fast,
                                      beta_slow=self.beta_slow, magnitude=self.rotation_magnitude)
-        cos, sin = rope_cos_sin(positions / self.factor, n_rot, freq_base)
-        return cos * np.float32(self.attn_factor), sin * np.float32(self.attn_factor)
+        cos, sin = rope_cos_sin(positions / self.factor, n_rot, freq_base)   # linear: every angle / factor
+        return cos * np.float32(self.rotation_magnitude), sin * np.float32(self.rotation_magnitude)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
