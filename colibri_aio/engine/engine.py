@@ -84,7 +84,7 @@ class GenerationPiece:
 def _matrix_types(model: Model) -> tuple[GGMLQuantizationType, ...]:
     """The ggml types the forward pass multiplies (to compile or load their kernels up front)."""
     mats = [model.output, *(m for b in model.blocks for m in b.matrices())]
-    experts = {r.ggml_type for layer in model.experts for r in layer[0].ranges}
+    experts = {r.ggml_type for layer in model.experts if layer for r in layer[0].ranges}
     return tuple(sorted({m.ggml_type for m in mats} | experts))
 
 
@@ -162,8 +162,8 @@ class Engine:
         kernels were chosen (a few hundred characters).
         """
         a, plan, reader, cache = self.model.args, self.plan, self.source.reader, self.source.policy.cache
-        line = (f"{self.model.path.name}: {a.block_count} layers x {a.expert_count} experts of "
-                f"{gb(plan.expert_nbytes)}; KV {plan.context} ctx; cache {cache.n_slots} slots "
+        line = (f"{self.model.path.name}: {a.layers_text} x {a.expert_count} experts of "
+                f"{gb(plan.expert_nbytes)}; KV {plan.context} ctx = {gb(plan.kv_cache)}; cache {cache.n_slots} slots "
                 f"({len(cache.pinned)} pinned) = {gb(cache.n_slots * plan.slot_nbytes)}; io {reader.backend}; "
                 f"prefetch {self.placement.prefetch}; kernels {backend.backend_name()}")
         if not full:
