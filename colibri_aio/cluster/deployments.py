@@ -17,6 +17,7 @@ the death to the handle), and new requests go to the replicas that run.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from collections.abc import AsyncIterator, Mapping
@@ -29,10 +30,10 @@ from ray.exceptions import RayError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
-from colibri_aio.cluster.gateway import REPLICA_HEADER, Gateway, ReplicaFailed, build_gateway_app
+from colibri_aio.cluster.gateway import Gateway, ReplicaFailed, build_gateway_app
 from colibri_aio.cluster.board import board
 from colibri_aio.cluster.router import ROUTE_TO, PinnedRouter
-from colibri_aio.cluster.tunnel import Head, HTTPRequest, Part, exchange
+from colibri_aio.cluster.tunnel import HTTPRequest, Part, answer_as
 from colibri_aio.errors import UserError
 
 APP_NAME = "colibri"
@@ -118,10 +119,9 @@ class EngineReplica:
 
     async def exchange(self, request: HTTPRequest, route_to: str | None = None) -> AsyncIterator[Part]:
         """Serve one relayed request (``route_to`` is the router's, not ours)."""
-        async for part in exchange(self.app, request):
-            if isinstance(part, Head):
-                part = Head(part.status, (*part.headers, (REPLICA_HEADER.encode(), self.replica.encode())))
-            yield part
+        async with contextlib.aclosing(answer_as(self.replica, self.app, request)) as parts:
+            async for part in parts:
+                yield part
 
     def describe(self, route_to: str | None = None) -> dict[str, Any]:
         return {"replica": self.replica, "pid": os.getpid(), "host": socket.gethostname(),

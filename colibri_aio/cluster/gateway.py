@@ -41,13 +41,12 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from colibri_aio.cluster.affinity import SESSION_HEADER, NoReplica, NoRoom, ReplicaChooser, conversation_key
-from colibri_aio.cluster.tunnel import Head, HTTPRequest, Part
+from colibri_aio.cluster.tunnel import REPLICA_HEADER, Head, HTTPRequest, Part
 from colibri_aio.serve.app import BearerAuth, ClientGone, CountRequests, sse_frame, until_disconnect
 from colibri_aio.serve.errors import APIError
 from colibri_aio.serve.metrics import CONTENT_TYPE
 
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
-REPLICA_HEADER = "x-colibri-replica"  # on every relayed response: the replica that answered
 METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
 
 

@@ -22,6 +22,7 @@ from starlette.types import ASGIApp, Message
 
 # How long an application gets to wind up after its caller left, before it is cancelled.
 WIND_UP_S = 30.0
+REPLICA_HEADER = "x-colibri-replica"  # on every answer a replica gives: its id
 
 
 @dataclass(frozen=True)
@@ -130,3 +131,12 @@ def _joined(batch: list[Any]) -> list[Any]:
         else:
             out.append(part)
     return out
+
+
+async def answer_as(replica: str, app: ASGIApp, request: HTTPRequest) -> AsyncIterator[Part]:
+    """:func:`exchange`, with the answer's head naming ``replica`` (the :data:`REPLICA_HEADER`)."""
+    async with contextlib.aclosing(exchange(app, request)) as parts:
+        async for part in parts:
+            if isinstance(part, Head):
+                part = Head(part.status, (*part.headers, (REPLICA_HEADER.encode(), replica.encode())))
+            yield part
