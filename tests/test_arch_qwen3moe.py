@@ -24,7 +24,7 @@ from colibri_aio.kernels import backend
 from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.arch.qwen3moe import Qwen3MoE
 
-from support import FIXTURES, ORACLE, fixture, oracle_ids
+from support import FIXTURES, ORACLE, fixture, oracle_ids, teacher_forced
 
 REL_TOL = 1e-4
 # Oracle directories and the prefix that makes their stems fixture names (relative to fixtures/).
@@ -58,18 +58,6 @@ def _oracle(name: str, kind: str) -> list[tuple[str, list[int], np.ndarray]]:
 def _net(name: str) -> Qwen3MoE:
     model = load(fixture(f"{name}.gguf"))
     return Qwen3MoE(model, MappedExpertSource(model))
-
-
-def teacher_forced(net: Qwen3MoE, ids: list[int], *, decode: bool) -> np.ndarray:
-    """All positions at once (prefill, matmul kernels) or one token at a time (decode, matvec kernels)."""
-    net.reset()
-    if not decode:
-        return asyncio.run(net.forward(ids, logits="all"))
-
-    async def one_by_one() -> np.ndarray:
-        return np.stack([await net.forward([t]) for t in ids])
-
-    return asyncio.run(one_by_one())
 
 
 @pytest.fixture(params=["numpy", "auto"])

@@ -32,7 +32,7 @@ from gguf import GGMLQuantizationType
 from colibri_aio.engine.memory import peak_rss_bytes, rss_bytes
 from colibri_aio.engine.device import DeviceMonitor
 from colibri_aio.models import default_model_path
-from colibri_aio.arch.qwen3moe import Qwen3MoE
+from colibri_aio.arch import build_net
 from colibri_aio.text.sampling import (FinishReason, SamplingParams, Stopper, TokenPicker, check_generation_options,
                                       log_softmax, top_logprobs)
 from colibri_aio.engine.plan import Plan, gb
@@ -83,9 +83,9 @@ class GenerationPiece:
 
 def _matrix_types(model: Model) -> tuple[GGMLQuantizationType, ...]:
     """The ggml types the forward pass multiplies (to compile or load their kernels up front)."""
-    b, e = model.blocks[0], model.experts[0][0]
-    mats = [model.output, b.attn_q, b.attn_k, b.attn_v, b.attn_output]
-    return tuple(sorted({m.ggml_type for m in mats} | {r.ggml_type for r in e.ranges}))
+    mats = [model.output, *(m for b in model.blocks for m in b.matrices())]
+    experts = {r.ggml_type for layer in model.experts for r in layer[0].ranges}
+    return tuple(sorted({m.ggml_type for m in mats} | experts))
 
 
 class Engine:
@@ -95,7 +95,7 @@ class Engine:
                  placement: Placement, history: HistoryFile | None = None) -> None:
         self.model, self.tokenizer, self.source, self.plan, self.placement = model, tokenizer, source, plan, placement
         self.history = history
-        self.net = Qwen3MoE(model, source, plan.context)
+        self.net = build_net(model, source, plan.context)
         self.net.lookahead = placement.lookahead
         self.prompt_tokens = self.generated_tokens = self.cached_tokens = 0
         self.prefill_s = self.decode_s = 0.0
@@ -235,6 +235,9 @@ class Engine:
         except UnicodeEncodeError as exc:  # lone surrogates: bytes from argv or a file that were not UTF-8
             raise UserError(f"the prompt is not valid UTF-8 (at character {exc.start})") from None
         ids = self.tokenizer.encode(text, parse_special=True, add_special=True)
+        bos = self.tokenizer.bos_id
+        if text is not prompt and ids[:2] == [bos, bos]:
+            ids = ids[1:]  # the template wrote BOS itself (Mixtral's, Llama 2's): one is the model's input
         if not ids:
             raise UserError("the prompt is empty")
         return ids

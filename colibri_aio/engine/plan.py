@@ -14,7 +14,7 @@ from colibri_aio.gguf.model import Model
 from colibri_aio.io.align import slot_nbytes_for
 from colibri_aio.engine.memory import MemoryLimits
 from colibri_aio.policy.budget import slots_for_budget
-from colibri_aio.arch.qwen3moe import PREFILL_CHUNK
+from colibri_aio.arch.layers import PREFILL_CHUNK
 
 GiB = 1 << 30
 # Python, NumPy, BLAS and the tokenizer before any model memory (peak RSS of an
@@ -88,8 +88,7 @@ def gb(n: int) -> str:
 
 
 def kv_cache_nbytes(model: Model, context: int) -> int:
-    a = model.args
-    return 2 * a.block_count * context * a.head_count_kv * a.key_length * 4
+    return model.args.kv_cache_nbytes(context)
 
 
 def working_nbytes(model: Model, prefill_chunk: int = PREFILL_CHUNK) -> int:
