@@ -25,6 +25,7 @@ from colibri_aio.serve.launch import ServerProcess  # noqa: E402
 KEY = "ray-key-1234"
 NO_END = {"0": -100, "2": -100}
 HELLO = [{"role": "system", "content": "You explain Python."}, {"role": "user", "content": "What is a list?"}]
+CPUS = os.cpu_count() or 1
 LONG = {"prompt": "The list type", "max_tokens": 250, "temperature": 0, "logit_bias": NO_END}
 
 
@@ -191,7 +192,7 @@ def _front_door_counts(text: str) -> Counter:
 
 @pytest.mark.parametrize("args,message", [
     (["--model", "no-such-model.gguf"], "no-such-model.gguf"),
-    (["--replicas", "3"], "need 3 CPUs"),
+    (["--replicas", str(CPUS + 1)], f"need {CPUS + 1} CPUs"),
     (["--replicas", "0"], "--replicas must be >= 1"),
 ])
 def test_a_user_mistake_is_one_line_and_exit_2(args: list[str], message: str) -> None:

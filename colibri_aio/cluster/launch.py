@@ -52,13 +52,15 @@ def serve_on_ray(model: Path | None, *, host: str, port: int, api_key: str | Non
         url = url_of(probe)
         port = probe.getsockname()[1]
     own_cluster = address is None
+    if own_cluster:  # known before Ray starts (10-30 s on two cores): say it now
+        _check_cpus(config, os.cpu_count() or 1)
     sigterm = signal.getsignal(signal.SIGTERM)
     ray.init(address="local" if own_cluster else address, include_dashboard=False, logging_level=logging.WARNING,
              **(dict(num_cpus=os.cpu_count(), object_store_memory=OBJECT_STORE_BYTES,
                      _node_ip_address="127.0.0.1") if own_cluster else {}))
     _restore(signal.SIGTERM, sigterm)  # ray.init installs its own; the CLI's stops us as Ctrl-C does
     try:
-        _check_cpus(ray, config)
+        _check_cpus(config, ray.cluster_resources().get("CPU", 0))
         serve.start(http_options={"host": host, "port": port}, logging_config=LOGGING)
         try:
             serve.run(build(config), name=APP_NAME, route_prefix="/")
@@ -80,8 +82,8 @@ def _restore(signum: int, handler: Any) -> None:
         signal.signal(signum, handler)
 
 
-def _check_cpus(ray: ModuleType, config: Any) -> None:
-    have = ray.cluster_resources().get("CPU", 0)
+def _check_cpus(config: Any, have: float) -> None:
+    """A user error unless the cluster's ``have`` CPUs hold every replica's share."""
     need = config.replicas * config.replica_cpus
     if need > have:
         raise UserError(f"{config.replicas} replica(s) x {config.replica_cpus:g} CPU(s) need {need:g} CPUs; the "
