@@ -17,18 +17,21 @@ work. CPU time is read from ``/proc`` for each replica's process (its pid
 from ``/health``) and for all the server's processes (Ray's gateway, proxy,
 controller, raylet and GCS included), before and after the timed load.
 With ``--lock``, the timed load holds an exclusive flock and the server
-start a shared one.
+start a shared one; ``--gate`` names the writer-preferring gate a shared
+machine puts in front of that lock.
 
-    python tools/bench_replicas.py --runs 5 --lock /work/cpu.lock
+    python tools/bench_replicas.py --runs 5 --lock /work/cpu.lock --gate /work/gate.lock
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import fcntl
 import os
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -99,15 +102,25 @@ async def load(url: str, args: argparse.Namespace) -> tuple[float, list[Any]]:
         return time.perf_counter() - t0, [o for os_ in per_client for o in os_]
 
 
+@contextlib.contextmanager
+def timing_lock(args: argparse.Namespace) -> Iterator[None]:
+    """The exclusive hold of one timed load; with ``--gate``, taken through the gate first, as the shared
+    machine's ``flock`` wrapper does, so shared takers queue behind a waiting benchmark instead of starving it."""
+    with holding(args.gate, fcntl.LOCK_EX), holding(args.lock, fcntl.LOCK_EX):
+        yield
+
+
 def one_run(arm: str, args: argparse.Namespace) -> dict[str, Any]:
     extra, env = ARMS[arm]
     serve_args = ["--max-queue", str(args.max_queue), *extra, *(["--model", args.model] if args.model else [])]
+    with holding(args.gate, fcntl.LOCK_EX):  # wait behind a benchmark that waits, as every shared taker does
+        pass
     with holding(args.lock, fcntl.LOCK_SH):  # starting Ray and the engines is CPU-heavy: not while others time
         server = ServerProcess(*serve_args, host="127.0.0.1", env=env).start()
     try:
         asyncio.run(load(server.url, argparse.Namespace(**{**vars(args), "clients": 2, "requests": 2})))  # warm-up
         pids = replica_pids(server.url, server.pid)
-        with holding(args.lock, fcntl.LOCK_EX):
+        with timing_lock(args):
             procs = tree(server.pid)
             before = {p: cpu_seconds(p) for p in procs}
             wall, outcomes = asyncio.run(load(server.url, args))
@@ -194,6 +207,8 @@ def main() -> int:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--run-deadline", type=float, default=900.0)
     p.add_argument("--lock", type=Path, default=None, help="flock file: exclusive while timing, shared while starting")
+    p.add_argument("--gate", type=Path, default=None,
+                   help="flock file taken exclusively before --lock's exclusive hold (a writer-preferring gate)")
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
     args = p.parse_args()
     arms = args.arms.split(",")
@@ -208,7 +223,8 @@ def main() -> int:
                   f"replica CPU {[round(v, 1) for v in r['cpu_s']['replicas'].values()]} s, other "
                   f"{r['cpu_s']['other_processes']:.1f} s, answered {r['answered']}/{r['requests']}", file=sys.stderr)
     receipt = {**receipt_header("tools/bench_replicas.py"), "args": vars(args) | {"out": str(args.out),
-               "lock": str(args.lock) if args.lock else None}, "summary": summary(runs), "runs": runs}
+               "lock": str(args.lock) if args.lock else None,
+               "gate": str(args.gate) if args.gate else None}, "summary": summary(runs), "runs": runs}
     md = markdown(receipt)
     write_receipt(args.out, f"replicas_{receipt['date']}", receipt, md)
     print(md)
