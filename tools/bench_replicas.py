@@ -17,7 +17,7 @@ work. CPU time is read from ``/proc`` for each replica's process (its pid
 from ``/health``) and for all the server's processes (Ray's gateway, proxy,
 controller, raylet and GCS included), before and after the timed load.
 With ``--lock``, the timed load holds an exclusive flock and the server
-start a shared one; ``--gate`` names the writer-preferring gate a shared
+start a shared one (``--hold round``: one exclusive hold per round of arms); ``--gate`` names the writer-preferring gate a shared
 machine puts in front of that lock.
 
     python tools/bench_replicas.py --runs 5 --lock /work/cpu.lock --gate /work/gate.lock
@@ -110,17 +110,19 @@ def timing_lock(args: argparse.Namespace) -> Iterator[None]:
         yield
 
 
-def one_run(arm: str, args: argparse.Namespace) -> dict[str, Any]:
+def one_run(arm: str, args: argparse.Namespace, locked: bool = False) -> dict[str, Any]:
+    """One arm's run: a fresh server, a warm-up, the timed load; ``locked``: the caller holds the exclusive lock."""
     extra, env = ARMS[arm]
     serve_args = ["--max-queue", str(args.max_queue), *extra, *(["--model", args.model] if args.model else [])]
-    with holding(args.gate, fcntl.LOCK_EX):  # wait behind a benchmark that waits, as every shared taker does
-        pass
-    with holding(args.lock, fcntl.LOCK_SH):  # starting Ray and the engines is CPU-heavy: not while others time
+    if not locked:
+        with holding(args.gate, fcntl.LOCK_EX):  # wait behind a benchmark that waits, as every shared taker does
+            pass
+    with holding(None if locked else args.lock, fcntl.LOCK_SH):  # starting Ray is CPU-heavy: not while others time
         server = ServerProcess(*serve_args, host="127.0.0.1", env=env).start()
     try:
         asyncio.run(load(server.url, argparse.Namespace(**{**vars(args), "clients": 2, "requests": 2})))  # warm-up
         pids = replica_pids(server.url, server.pid)
-        with timing_lock(args):
+        with contextlib.nullcontext() if locked else timing_lock(args):
             procs = tree(server.pid)
             before = {p: cpu_seconds(p) for p in procs}
             wall, outcomes = asyncio.run(load(server.url, args))
@@ -171,7 +173,11 @@ def markdown(receipt: dict[str, Any]) -> str:
              f"Load per run: {a['clients']} concurrent clients x {a['requests']} requests in turn, {a['max_tokens']} "
              f"tokens each (chat and text completions, half streamed), `--max-queue {a['max_queue']}` (no arm "
              f"refuses). A fresh server per run, arms interleaved; {len(receipt['runs'])} runs. "
-             f"{'Timed load under an exclusive lock. ' if a['lock'] else ''}Median [min–max] of the runs.", "",
+             f"{_locking(a)}Median [min–max] of the runs.", "",
+             f"This machine has {receipt['cpus']} CPUs: replicas of one CPU each cannot use more than those, the "
+             f"cores a single engine on {receipt['cpus']} threads uses too, so what a second replica can show here is "
+             "bounded by the machine, not by the serving layer; on more cores (or hosts) each replica brings its own.",
+             "",
              "| arm | requests/s | latency p50 s | p90 s | p99 s | stream TTFT p50 s | CPU share of each replica "
              "| other processes' CPU s | CPU ms per request (all) |", "|---|---|---|---|---|---|---|---|---|"]
     for arm in ARMS:
@@ -191,6 +197,14 @@ def markdown(receipt: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _locking(a: dict[str, Any]) -> str:
+    if not a["lock"]:
+        return ""
+    if a.get("hold") == "round":
+        return "Each round (its servers' starts and timed loads) under one exclusive lock. "
+    return "Timed loads under an exclusive lock, server starts under a shared one. "
+
+
 def _m(d: dict[str, float], digits: int = 2) -> str:
     return f"{d['median']:.{digits}f} [{d['min']:.{digits}f}–{d['max']:.{digits}f}]"
 
@@ -207,6 +221,9 @@ def main() -> int:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--run-deadline", type=float, default=900.0)
     p.add_argument("--lock", type=Path, default=None, help="flock file: exclusive while timing, shared while starting")
+    p.add_argument("--hold", choices=("load", "round"), default="load",
+                   help="what one exclusive hold covers: each timed load (servers start under a shared hold), or "
+                        "a whole round of arms, starts included (one wait per round on a busy machine)")
     p.add_argument("--gate", type=Path, default=None,
                    help="flock file taken exclusively before --lock's exclusive hold (a writer-preferring gate)")
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
@@ -216,12 +233,14 @@ def main() -> int:
         p.error("unknown arm, or more than 2000 requests per run")
     runs = []
     for i in range(args.runs):
-        for arm in arms[i % len(arms):] + arms[:i % len(arms)]:
-            runs.append(one_run(arm, args))
-            r = runs[-1]
-            print(f"round {i} {arm}: {r['requests_per_s']:.2f} req/s, p50 {r['latency_s'].get('p50', 0):.2f} s, "
-                  f"replica CPU {[round(v, 1) for v in r['cpu_s']['replicas'].values()]} s, other "
-                  f"{r['cpu_s']['other_processes']:.1f} s, answered {r['answered']}/{r['requests']}", file=sys.stderr)
+        with timing_lock(args) if args.hold == "round" else contextlib.nullcontext():
+            for arm in arms[i % len(arms):] + arms[:i % len(arms)]:
+                runs.append(one_run(arm, args, locked=args.hold == "round"))
+                r = runs[-1]
+                print(f"round {i} {arm}: {r['requests_per_s']:.2f} req/s, p50 {r['latency_s'].get('p50', 0):.2f} s, "
+                      f"replica CPU {[round(v, 1) for v in r['cpu_s']['replicas'].values()]} s, other "
+                      f"{r['cpu_s']['other_processes']:.1f} s, answered {r['answered']}/{r['requests']}",
+                      file=sys.stderr)
     receipt = {**receipt_header("tools/bench_replicas.py"), "args": vars(args) | {"out": str(args.out),
                "lock": str(args.lock) if args.lock else None,
                "gate": str(args.gate) if args.gate else None}, "summary": summary(runs), "runs": runs}
