@@ -130,6 +130,15 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return gate / (np.float32(1.0) + np.exp(-gate)) * up
 
 
+def swiglu_oai(gate: np.ndarray, up: np.ndarray, alpha: float = 1.702, limit: float = 7.0) -> np.ndarray:
+    """gpt-oss's clamped SwiGLU (ggml's ``swiglu_oai``): g = min(gate, limit), u = clamp(up, ±limit),
+    g * sigmoid(alpha * g) * (u + 1)."""
+    g = np.minimum(gate, np.float32(limit))
+    u = np.clip(up, np.float32(-limit), np.float32(limit))
+    with np.errstate(over="ignore"):
+        return g / (np.float32(1.0) + np.exp(np.float32(-alpha) * g)) * (u + np.float32(1.0))
+
+
 def sigmoid(x: np.ndarray) -> np.ndarray:
     """1 / (1 + exp(-x)) in float32 (exp overflow for x << 0 gives the right 0)."""
     with np.errstate(over="ignore"):

@@ -25,7 +25,7 @@ from support import fixture, oracle_ids
 
 FIXTURES = ["tiny_f32", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0", "quant_types/tiny_mxfp4",
             "quant_types/ktiny_q2_k", "qwen2moe_q8_0", "olmoe_q8_0", "mixtral_q8_0",
-            "deepseek2_q8_0"]  # and one of every other family
+            "deepseek2_q8_0", "glm4moe_q8_0", "gptoss_mxfp4"]  # and one of every other family
 
 
 async def _reference(name: str, ids: list[int]) -> np.ndarray:

@@ -120,6 +120,7 @@ def test_shared_experts_and_their_gate_are_resident_trunk() -> None:
 
 
 def test_unsupported_architecture_lists_the_supported_ones() -> None:
+    assert SUPPORTED_ARCHITECTURES[:4] == ("qwen3moe", "qwen2moe", "olmoe", "llama")
     with pytest.raises(ModelFormatError, match="unsupported architecture 'mamba9' "
                                                rf"\(supported: {', '.join(SUPPORTED_ARCHITECTURES)}\)"):
         load(fixture("arch_bad.gguf"))

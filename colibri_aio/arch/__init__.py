@@ -10,6 +10,8 @@ pass with :func:`build_net`. Modules are imported only when a file needs them.
     olmoe          olmoe.py     OlmoeForCausalLM
     llama          llama.py     MixtralForCausalLM (llama files with experts)
     deepseek2      deepseek2.py DeepseekV3ForCausalLM
+    gpt-oss        gptoss.py    GptOssForCausalLM
+    glm4moe        glm4moe.py   Glm4MoeForCausalLM
 
 How to add a family (fixtures/families.md has each one's keys, tensors and
 math as llama.cpp computes them):
@@ -36,7 +38,8 @@ math as llama.cpp computes them):
      (``qkv`` adds q/k/v biases when the block has them, ``attend`` keeps
      the KV cache and takes ``scale``, ``window`` and ``sinks``, ``rope_neox`` /
      ``rope_norm`` rotate the first n_rot dims). Override ``rope_tables`` for
-     scaled RoPE (YaRN), ``shared_expert`` for an always-on expert (plain or
+     scaled RoPE (or mix in ``arch.rope.ScaledRope``: llama.cpp's YaRN from
+     ``rope.scaling.*``), ``shared_expert`` for an always-on expert (plain or
      gated: ``ffn`` runs ``ffn_{gate,up,down}<suffix>``), ``expert_outputs`` for
      another expert activation or expert biases, ``make_cache`` for another
      cache layout. Routing (router logits + ``ffn_gate_inp.bias``, selection
@@ -48,9 +51,9 @@ math as llama.cpp computes them):
 2. One line in :data:`_MODULES`; oracle tests as tests/test_arch_families.py
    runs them (``FAMILY_FIXTURES``); the README's "What runs".
 
-Blocks without routed experts (``leading_dense_block_count``: deepseek2's
-first blocks) run ``dense_ffn``; the loader keeps no expert table for them and
-the plan, the cache's per-layer quotas and traces count blocks with experts.
+Blocks without routed experts (``leading_dense_block_count``: deepseek2's and
+glm4moe's first blocks) run ``dense_ffn``; the loader keeps no expert table for
+them and the plan, the cache's per-layer quotas and traces count blocks with experts.
 A KV cache holding something else than H_kv keys and values per position
 (MLA's latent) is a :class:`~colibri_aio.arch.base.KVLayout` from
 ``ModelArgs.kv_layout``, which both the plan and the allocation read.
@@ -73,6 +76,8 @@ _MODULES = {
     "olmoe": "olmoe",
     "llama": "llama",
     "deepseek2": "deepseek2",
+    "gpt-oss": "gptoss",
+    "glm4moe": "glm4moe",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODULES)
 
