@@ -19,16 +19,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-import os as _os
-
-# The quantised kernels split rows over their own two threads; OpenBLAS threads
-# inside them oversubscribe the cores (evidence/kernels_20261129T181438Z.md:
-# f32 GEMV 2.83 vs 0.24 G weights/s median with OPENBLAS_NUM_THREADS=1 vs the
-# default, same run). Only effective if NumPy is not imported yet; an explicit
-# setting by the user wins.
-_os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
-
-from colibri_aio.cli.logs import configure_default as _configure_logs  # noqa: E402
+from colibri_aio.cli.logs import configure_default as _configure_logs
 
 _configure_logs()
 

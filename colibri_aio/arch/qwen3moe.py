@@ -16,11 +16,11 @@ from typing import Literal, Protocol
 import numpy as np
 
 from colibri_aio.errors import UserError
-from colibri_aio.experts import ExpertSource, ExpertWeights
+from colibri_aio.experts import ExpertSource
 from colibri_aio.gguf.model import Model
-from colibri_aio.kernels.ops import attention, rms_norm, rope_cos_sin, rope_neox, router_top_k, swiglu
+from colibri_aio.kernels.backend import Kernels, NumpyKernels
+from colibri_aio.kernels.ops import attention, rms_norm, rope_cos_sin, rope_neox, router_top_k
 from colibri_aio.kernels.qtensor import QTensor
-from colibri_aio.kernels.backend import dequantize, matmul, matvec
 from colibri_aio.arch.lookahead import predictor_state, rank_experts
 
 
@@ -36,23 +36,11 @@ class RouteObserver(Protocol):
         ``ids``/``weights``: (T, k) chosen experts in descending weight."""
 
 
-def linear(w: QTensor, x: np.ndarray) -> np.ndarray:
-    """x (T, cols) -> (T, rows); one position takes the matvec kernel, more the matmul one."""
-    if x.shape[0] == 1:
-        return matvec(w, x[0])[None, :]
-    return matmul(w, x)
-
-
-def embed_rows(token_embd: QTensor, ids: np.ndarray) -> np.ndarray:
+def embed_rows(kernels: Kernels, token_embd: QTensor, ids: np.ndarray) -> np.ndarray:
     """Rows of the token embedding for ``ids``, dequantised: (T, D)."""
     table = token_embd.data.reshape(token_embd.rows, -1)        # (V, bytes per row)
     rows = np.ascontiguousarray(table[ids]).reshape(-1)
-    return dequantize(QTensor(rows, token_embd.ggml_type, (len(ids), token_embd.cols)))
-
-
-def expert_ffn(w: ExpertWeights, x: np.ndarray) -> np.ndarray:
-    """One routed expert on the positions routed to it: down(silu(gate x) * up x); (n, D) -> (n, D)."""
-    return linear(w.down, swiglu(linear(w.gate, x), linear(w.up, x)))
+    return kernels.dequantize(QTensor(rows, token_embd.ggml_type, (len(ids), token_embd.cols)))
 
 
 # Positions per forward step of a long prompt: bounds activation memory (and the
@@ -74,11 +62,16 @@ class KVCache:
 
 
 class Qwen3MoE:
-    """A qwen3moe model bound to an expert source and a KV cache."""
+    """A qwen3moe model bound to an expert source, a kernel backend and a KV cache.
 
-    def __init__(self, model: Model, experts: ExpertSource, n_ctx: int | None = None) -> None:
+    ``kernels`` runs every product (default: the NumPy reference kernels).
+    """
+
+    def __init__(self, model: Model, experts: ExpertSource, n_ctx: int | None = None,
+                 kernels: Kernels | None = None) -> None:
         a = model.args
         self.model, self.args, self.experts = model, a, experts
+        self.kernels: Kernels = kernels if kernels is not None else NumpyKernels()
         self.n_ctx = min(n_ctx or a.context_length, a.context_length)
         self.cache = KVCache(a.block_count, self.n_ctx, a.head_count_kv, a.key_length)
         self.n_past = 0
@@ -112,7 +105,7 @@ class Qwen3MoE:
         self.experts.step(tok.size)
         positions = np.arange(self.n_past, self.n_past + tok.size)
         cos, sin = rope_cos_sin(positions, a.key_length, a.rope_freq_base)
-        x = embed_rows(self.model.token_embd, tok)                                # (T, D)
+        x = embed_rows(self.kernels, self.model.token_embd, tok)                  # (T, D)
         for layer in range(a.block_count):
             if observer is not None:
                 observer.on_layer_input(layer, x)
@@ -123,30 +116,33 @@ class Qwen3MoE:
             x = x + await self._moe(layer, h, positions, layer_input, x, observer)
         self.n_past += tok.size
         rows = x if logits == "all" else x[-1:]
-        out = linear(self.model.output, rms_norm(rows, self.model.output_norm, a.rms_eps))
+        out = self.kernels.linear(self.model.output, rms_norm(rows, self.model.output_norm, a.rms_eps))
         return out if logits == "all" else out[0]
 
     def _attention(self, layer: int, h: np.ndarray, positions: np.ndarray,
                    cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
         a, blk, t = self.args, self.model.blocks[layer], h.shape[0]
-        q = linear(blk.attn_q, h).reshape(t, a.head_count, a.key_length)
-        k = linear(blk.attn_k, h).reshape(t, a.head_count_kv, a.key_length)
-        v = linear(blk.attn_v, h).reshape(t, a.head_count_kv, a.value_length)
+        q, k, v = self.kernels.linears((blk.attn_q, blk.attn_k, blk.attn_v), h)
+        q = q.reshape(t, a.head_count, a.key_length)
+        k = k.reshape(t, a.head_count_kv, a.key_length)
+        v = v.reshape(t, a.head_count_kv, a.value_length)
         q = rope_neox(rms_norm(q, blk.attn_q_norm, a.rms_eps), cos, sin)
         k = rope_neox(rms_norm(k, blk.attn_k_norm, a.rms_eps), cos, sin)
         self.cache.k[layer, positions] = k
         self.cache.v[layer, positions] = v
         s = int(positions[-1]) + 1
         o = attention(q, self.cache.k[layer, :s], self.cache.v[layer, :s], positions)
-        return linear(blk.attn_output, o)
+        return self.kernels.linear(blk.attn_output, o)
 
     async def _moe(self, layer: int, h: np.ndarray, positions: np.ndarray, layer_input: np.ndarray,
                    residual: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
         """Route, fetch each unique expert once (batch-union), and sum in routing order.
 
-        Experts arrive in whatever order the source delivers them; each one's
-        weighted output lands in its (position, rank) cell and the cells are
-        summed in rank order afterwards, so arrival order never changes a bit.
+        Experts arrive in batches, in whatever order the source delivers them
+        (the cached ones first, then misses as their reads land); a batch is
+        computed by one kernel call. Each expert's weighted output lands in its
+        (position, rank) cell and the cells are summed in rank order afterwards,
+        so neither arrival order nor batching changes a bit.
         """
         a = self.args
         ids, weights = router_top_k(h @ self.model.blocks[layer].ffn_gate_inp.T, a.expert_used_count)
@@ -156,12 +152,15 @@ class Qwen3MoE:
         contrib = np.zeros((h.shape[0], a.expert_used_count, a.embedding_length), np.float32)  # (T, k, D)
         # aclosing: on an error mid-layer the source still drains its in-flight reads.
         async with aclosing(self.experts.stream(layer, np.unique(ids).tolist())) as stream:
-            async for expert, w in stream:
+            async for batch in stream:
                 if predicted is not None:  # this layer's demand reads are submitted by now
                     self.experts.hint(layer + 1, predicted)
                     predicted = None
-                rows, ranks = np.nonzero(ids == expert)
-                contrib[rows, ranks] = expert_ffn(w, h[rows]) * weights[rows, ranks][:, None]
+                cells = [np.nonzero(ids == expert) for expert, _ in batch]
+                xs = [h if h.shape[0] == 1 else h[rows] for rows, _ in cells]
+                outs = self.kernels.expert_ffns([w for _, w in batch], xs)
+                for (rows, ranks), y in zip(cells, outs):
+                    contrib[rows, ranks] = y * weights[rows, ranks][:, None]
         return contrib.sum(axis=1)
 
     def _lookahead(self, layer: int, layer_input: np.ndarray, residual: np.ndarray,

@@ -20,6 +20,7 @@ from colibri_aio.gguf.model import Model, load
 from colibri_aio.io.modelfile import ModelFile
 from colibri_aio.io.reader import ExpertReader
 from colibri_aio.engine.memory import memory_limits
+from colibri_aio.kernels.backend import open_kernels
 from colibri_aio.engine.plan import gb
 
 Verdict = Literal["ok", "warn", "fail"]
@@ -73,6 +74,28 @@ def check_o_direct(path: Path) -> Check:
         f.close()
 
 
+def _matrix_types(model: Model) -> set:
+    """The types of every matrix the kernels multiply (trunk products and each layer's experts)."""
+    mats = [model.token_embd, model.output]
+    mats += [w for b in model.blocks for w in (b.attn_q, b.attn_k, b.attn_v, b.attn_output)]
+    return {m.ggml_type for m in mats} | {r.ggml_type for layer in model.experts for r in layer[0].ranges}
+
+
+def check_kernels(model: Model | None) -> Check:
+    """Which kernels ``--kernels auto`` picks and why (NumPy is slow: a warning), and whether they
+    multiply every type in the model."""
+    kernels = open_kernels("auto")
+    try:
+        detail = f"--kernels auto picks {kernels.name}: {kernels.reason}"
+        if model is not None:
+            missing = sorted({t.name for t in _matrix_types(model)} - {t.name for t in kernels.types})
+            if missing:
+                return Check("kernels", "fail", f"{detail}; no kernel for {', '.join(missing)}")
+        return Check("kernels", "ok" if kernels.name == "ggml" else "warn", detail)
+    finally:
+        kernels.close()
+
+
 async def check_backend(model: Model) -> tuple[Check, Check]:
     """Which backend ``--io auto`` picks and why, and a short read-speed probe with it."""
     reader = await ExpertReader.open(model.path, model.expert_nbytes_max, PROBE_SLOTS, backend="auto")
@@ -107,7 +130,7 @@ async def _probe(model: Model, reader: ExpertReader) -> Check:
 
 def run_checks(path: Path | None, emit: Callable[[Check], None]) -> int:
     """Run every check, emitting each as it finishes; returns 2 if any failed, else 0."""
-    checks: list[Check] = [check_memory(), check_memlock()]
+    checks: list[Check] = [check_memory(), check_memlock()] + ([check_kernels(None)] if path is None else [])
     for c in checks:
         emit(c)
     failed = False
@@ -116,6 +139,7 @@ def run_checks(path: Path | None, emit: Callable[[Check], None]) -> int:
         emit(gguf)
         failed = gguf.verdict == "fail"
         if model is not None:
+            emit(check_kernels(model))
             emit(check_o_direct(path))
             for c in asyncio.run(check_backend(model)):
                 emit(c)

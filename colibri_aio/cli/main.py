@@ -18,6 +18,7 @@ from colibri_aio import __version__
 from colibri_aio.errors import ExpertReadError, UserError
 from colibri_aio.cli.logs import configure as configure_logs
 from colibri_aio.engine.placement import IO_CHOICES, PREFETCH_CHOICES
+from colibri_aio.kernels.backend import NAMES as KERNEL_NAMES
 
 
 def _add_placement(p: argparse.ArgumentParser) -> None:
@@ -36,8 +37,9 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
     g.add_argument("--pin", default="off", metavar="auto|off|FILE",
                    help="keep the most used experts (from a usage history) resident (default: %(default)s)")
-    g.add_argument("--kernels", choices=("auto", "numpy", "numba"), default=None,
-                   help="matrix kernels: compiled (numba) where they pay, else NumPy "
+    g.add_argument("--kernels", choices=KERNEL_NAMES, default=None,
+                   help="matrix kernels: ggml (llama.cpp's CPU kernels, activations rounded to 8 bits as "
+                        "llama.cpp does) or numpy (the float32 reference); auto picks ggml when it loads "
                         "(default: $COLIBRI_KERNELS or auto)")
     g.add_argument("--ctx", type=int, default=None, metavar="N",
                    help="context positions to allocate in the KV cache (default: the model's context_length)")

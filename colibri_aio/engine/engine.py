@@ -18,8 +18,8 @@ import numpy as np
 
 from colibri_aio.errors import UserError
 from colibri_aio.gguf.model import Model, Progress, load
-from colibri_aio.kernels import backend
-from gguf import GGMLQuantizationType
+from colibri_aio.kernels.backend import NAMES as KERNEL_NAMES, Kernels, KernelsUnavailable, open_kernels
+from colibri_aio.kernels.threads import limit_blas_threads
 from colibri_aio.engine.memory import peak_rss_bytes, rss_bytes
 from colibri_aio.policy.diskstats import DiskstatsSampler, device_of, read_diskstats
 from colibri_aio.models import default_model_path
@@ -57,20 +57,31 @@ class GenerationPiece:
         return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def _matrix_types(model: Model) -> tuple[GGMLQuantizationType, ...]:
-    """The ggml types the forward pass multiplies (to compile or load their kernels up front)."""
-    b, e = model.blocks[0], model.experts[0][0]
-    mats = [model.output, b.attn_q, b.attn_k, b.attn_v, b.attn_output]
-    return tuple(sorted({m.ggml_type for m in mats} | {r.ggml_type for r in e.ranges}))
+def _open_kernels(name: str | None) -> Kernels:
+    """The engine's own kernel backend (``name``, else $COLIBRI_KERNELS, else auto); a backend
+    asked for by name that cannot run here is a user error."""
+    name = name if name is not None else os.environ.get("COLIBRI_KERNELS", "auto")
+    if name not in KERNEL_NAMES:
+        raise UserError(f"unknown kernels {name!r} (choose from {', '.join(KERNEL_NAMES)})")
+    try:
+        kernels = open_kernels(name)
+    except KernelsUnavailable as e:
+        raise UserError(f"--kernels {name}: {e}") from None
+    # The kernels use the cores themselves; OpenBLAS threads inside NumPy calls would
+    # oversubscribe them (evidence/kernels_20261129T181438Z.md: f32 GEMV 2.83 vs 0.24
+    # G weights/s median with one OpenBLAS thread vs its default, same run).
+    limit_blas_threads(1)
+    return kernels
 
 
 class Engine:
     """A model ready to generate. Open with :meth:`open`; close with ``async with`` or :meth:`aclose`."""
 
     def __init__(self, model: Model, tokenizer: Tokenizer, source: CachedExpertSource, plan: Plan,
-                 placement: Placement) -> None:
+                 placement: Placement, kernels: Kernels) -> None:
         self.model, self.tokenizer, self.source, self.plan, self.placement = model, tokenizer, source, plan, placement
-        self.net = Qwen3MoE(model, source, plan.context)
+        self.kernels = kernels
+        self.net = Qwen3MoE(model, source, plan.context, kernels)
         self.net.lookahead = None if placement.prefetch == "off" else DEFAULT_LOOKAHEAD
         self.prompt_tokens = self.generated_tokens = 0
         self.prefill_s = self.decode_s = 0.0
@@ -88,32 +99,28 @@ class Engine:
         size such as "12G"; default: a share of usable RAM), ``cache_per_layer``
         (expert slots per layer instead of a budget), ``prefetch``
         (auto|on|off), ``pin`` (auto|off|FILE), ``n_ctx`` (KV-cache positions).
-        Placement changes speed, never tokens. ``kernels`` (auto|numpy|numba;
-        default: $COLIBRI_KERNELS or auto) picks the matrix kernels for the
-        process; backends differ in the last bits, so compare runs within one.
+        Placement changes speed, never tokens. ``kernels`` (auto|ggml|numpy;
+        default: $COLIBRI_KERNELS or auto) picks this engine's matrix kernels;
+        backends differ in their rounding, so compare runs within one.
         ``progress(step, done, total)`` hears about the long steps (loading the
-        trunk, compiling or loading kernels, the pool, pinning).
+        trunk, the pool, pinning).
         """
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,
                               pin=pin, context=n_ctx)
         placement.check()
-        if kernels is not None:
-            if kernels not in backend.NAMES:
-                raise UserError(f"unknown kernels {kernels!r} (choose from {', '.join(backend.NAMES)})")
-            backend.set_backend(kernels)
-        model = load(path if path is not None else default_model_path(), progress=progress)
-        if progress is not None:
-            progress("load kernels", 0, 1)
-        # Compiled kernels come from numba's on-disk cache (~1 s); only a cold cache compiles.
-        backend.warm_up(_matrix_types(model))
-        if progress is not None:
-            progress("load kernels", 1, 1)
-        tokenizer = Tokenizer.from_gguf(model.reader)
-        if tokenizer.vocab_size != model.args.vocab_size:
-            raise UserError(f"{model.path}: tokenizer has {tokenizer.vocab_size} tokens, model {model.args.vocab_size}")
-        source, plan = await open_source(model, placement, progress)
-        engine = cls(model, tokenizer, source, plan, placement)
+        kernels = _open_kernels(kernels)
+        try:
+            model = load(path if path is not None else default_model_path(), progress=progress)
+            tokenizer = Tokenizer.from_gguf(model.reader)
+            if tokenizer.vocab_size != model.args.vocab_size:
+                raise UserError(f"{model.path}: tokenizer has {tokenizer.vocab_size} tokens, "
+                                f"model {model.args.vocab_size}")
+            source, plan = await open_source(model, placement, progress)
+        except BaseException:
+            kernels.close()
+            raise
+        engine = cls(model, tokenizer, source, plan, placement, kernels)
         if engine.device is not None and placement.prefetch == "auto":
             engine._monitor = asyncio.get_running_loop().create_task(engine._watch_device())
         return engine
@@ -123,7 +130,7 @@ class Engine:
         reader, cache = self.source.reader, self.source.cache
         return (f"{self.model.path.name}: {self.plan.one_line()}; cache {cache.n_slots} slots {cache.scope} "
                 f"{cache.policy} ({len(cache.pinned)} pinned); io {reader.backend} ({reader.backend_reason}); "
-                f"prefetch {self.placement.prefetch}; kernels {backend.backend_name()} ({backend.backend_reason()})")
+                f"prefetch {self.placement.prefetch}; kernels {self.kernels.name} ({self.kernels.reason})")
 
     def stats(self) -> EngineStats:
         """The engine's counters now: tokens and their time, cache hits, reads, prefetch state, memory."""
@@ -160,13 +167,16 @@ class Engine:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop the device watch, drain every read in flight, release the pool."""
+        """Stop the device watch, drain every read in flight, release the pool and the kernels."""
         if self._monitor is not None:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._monitor
             self._monitor = None
-        await self.source.aclose()
+        try:
+            await self.source.aclose()
+        finally:
+            self.kernels.close()
 
     def prompt_ids(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
         """Token ids of a prompt: plain text, or chat messages rendered with the model's template."""

@@ -5,10 +5,11 @@ The policy objects (:class:`~colibri_aio.policy.cache.ExpertCache`, the
 backpressure controller) decide; this module only carries their decisions
 out with the :class:`~colibri_aio.io.reader.ExpertReader`:
 
-- ``stream(layer, experts)``: cached experts are yielded at once; every miss
-  is reserved and submitted together; each missed expert is yielded as its
-  read lands. An expert being yielded is held (``acquire``) so no read can
-  evict it, and is released when the consumer advances.
+- ``stream(layer, experts)``: cached experts are yielded at once, as one
+  batch; every miss is reserved and submitted together; missed experts are
+  yielded as their reads land, every read that has landed by the time the
+  consumer asks in one batch. An expert being yielded is held (``acquire``)
+  so no read can evict it, and is released when the consumer advances.
 - ``hint(layer, ranked)``: the lookahead's ranking for the next layer. The
   predictor decides how many candidates are worth reading; while the
   backpressure controller allows (prefetch on, in-flight cap not reached),
@@ -35,7 +36,7 @@ from typing import Literal
 
 import structlog
 
-from colibri_aio.experts import ExpertWeights
+from colibri_aio.experts import ExpertBatch
 from colibri_aio.gguf.model import Model
 from colibri_aio.io.reader import ExpertReader, SlotLease
 from colibri_aio.policy.backpressure import BackpressureController
@@ -109,8 +110,8 @@ class CachedExpertSource:
 
     # --- demand path -------------------------------------------------------------
 
-    async def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[tuple[int, ExpertWeights]]:
-        """Yield ``(expert, weights)`` for each of ``experts``: cached ones first, misses as they land.
+    async def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[ExpertBatch]:
+        """Yield batches of ``(expert, weights)`` for ``experts``: cached ones first, misses as they land.
 
         Every slot this layer uses is held (acquired) from lookup or
         reservation until the consumer is done with it, so neither a later
@@ -142,11 +143,13 @@ class CachedExpertSource:
                 if not ready:
                     await self._wait_for(layer, ready, waiting, todo)
                     continue
-                e, slot = ready.popleft()
+                batch = list(ready)
+                ready.clear()
                 try:
-                    yield e, self._leases[slot].weights
+                    yield [(e, self._leases[slot].weights) for e, slot in batch]
                 finally:
-                    self.cache.release(slot)
+                    for _, slot in batch:
+                        self.cache.release(slot)
                 self._reserve_misses(layer, todo, waiting)
         finally:
             for _, slot in ready:
