@@ -36,6 +36,7 @@ import numpy as np
 from colibri_aio.gguf.model import Model, load
 from colibri_aio.engine.memory import peak_rss_bytes
 from colibri_aio.arch.qwen3moe import Qwen3MoE
+from colibri_aio.kernels.backend import open_kernels
 from colibri_aio.policy.backpressure import BackpressureConfig
 from colibri_aio.engine.placement import DEFAULT_LOOKAHEAD, Placement, open_source
 from receipt import header as receipt_header, write as write_receipt
@@ -73,8 +74,9 @@ async def one_run(model: Model, args: argparse.Namespace, arm: str, ids: list[in
             source._started = False
 
         source._kick = no_kick  # type: ignore[method-assign]
+    kernels = open_kernels("auto")  # the engine's default kernels
     try:
-        net = Qwen3MoE(model, source, len(ids) + 1)
+        net = Qwen3MoE(model, source, len(ids) + 1, kernels)
         net.lookahead = None if prefetch == "off" else DEFAULT_LOOKAHEAD
         await net.forward(ids[: args.prefill])
         c0, r0, w0 = _cache(source), source.reader.stats.io_bytes, source.stats.demand_wait_s
@@ -106,6 +108,7 @@ async def one_run(model: Model, args: argparse.Namespace, arm: str, ids: list[in
             "final_reason": bp.reason,
         }
     finally:
+        kernels.close()
         await source.aclose()
 
 
