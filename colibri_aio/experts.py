@@ -76,6 +76,16 @@ class ExpertSource(Protocol):
 
     def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[ExpertBatch]: ...
 
+    def ready(self, layer: int, experts: Sequence[int]) -> ExpertBatch | None:
+        """All of ``experts`` in one batch if every one is in memory now, else ``None`` (then
+        :meth:`stream` them). A batch counts as the layer's request, as ``stream`` would, and its
+        views stay valid until :meth:`release`. The decode step's fast path: no task, no await."""
+        ...
+
+    def release(self) -> None:
+        """Let go of the batch the last :meth:`ready` returned."""
+        ...
+
     def hint(self, layer: int, experts: Sequence[int]) -> None:
         """A prediction that ``layer`` will soon ask for ``experts`` (may be ignored)."""
         ...

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import aclosing
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
 from colibri_aio.errors import UserError
-from colibri_aio.experts import ExpertSource
+from colibri_aio.experts import ExpertBatch, ExpertSource
 from colibri_aio.gguf.model import Model
 from colibri_aio.kernels.backend import Kernels, NumpyKernels
-from colibri_aio.kernels.ops import attention, rms_norm, rope_cos_sin, rope_neox, router_top_k
+from colibri_aio.kernels.blocks import AttentionSpec, BlockInput, Routed
 from colibri_aio.kernels.qtensor import QTensor
 from colibri_aio.arch.lookahead import predictor_state, rank_experts
 
@@ -48,6 +48,19 @@ def embed_rows(kernels: Kernels, token_embd: QTensor, ids: np.ndarray) -> np.nda
 PREFILL_CHUNK = 256
 
 
+def _cells(ids: np.ndarray) -> dict[int, Any]:
+    """Where each routed expert's outputs go: expert -> its rank (one position), or expert ->
+    (positions, ranks) arrays (several): ``ids`` (T, k) is the router's choice per position."""
+    t, k = ids.shape
+    if t == 1:
+        return {e: r for r, e in enumerate(ids[0].tolist())}
+    flat = ids.ravel()
+    order = np.argsort(flat, kind="stable")
+    experts, starts = np.unique(flat[order], return_index=True)
+    ends = [*starts[1:].tolist(), flat.size]
+    return {e: (order[s:b] // k, order[s:b] % k) for e, s, b in zip(experts.tolist(), starts.tolist(), ends)}
+
+
 class KVCache:
     """Keys and values of every layer for up to ``n_ctx`` positions, allocated once."""
 
@@ -72,6 +85,9 @@ class Qwen3MoE:
         a = model.args
         self.model, self.args, self.experts = model, a, experts
         self.kernels: Kernels = kernels if kernels is not None else NumpyKernels()
+        self.spec = AttentionSpec(n_head=a.head_count, n_head_kv=a.head_count_kv, head_dim=a.key_length,
+                                  rms_eps=a.rms_eps, rope_base=a.rope_freq_base, qk_norm=True,
+                                  n_expert=a.expert_count, top_k=a.expert_used_count)
         self.n_ctx = min(n_ctx or a.context_length, a.context_length)
         self.cache = KVCache(a.block_count, self.n_ctx, a.head_count_kv, a.key_length)
         self.n_past = 0
@@ -103,65 +119,73 @@ class Qwen3MoE:
         if self.n_past + tok.size > self.n_ctx:
             raise UserError(f"context full: {self.n_past} + {tok.size} tokens > n_ctx {self.n_ctx}")
         self.experts.step(tok.size)
-        positions = np.arange(self.n_past, self.n_past + tok.size)
-        cos, sin = rope_cos_sin(positions, a.key_length, a.rope_freq_base)
-        x = embed_rows(self.kernels, self.model.token_embd, tok)                  # (T, D)
-        for layer in range(a.block_count):
-            if observer is not None:
-                observer.on_layer_input(layer, x)
-            layer_input = x
-            x = x + self._attention(layer, rms_norm(x, self.model.blocks[layer].attn_norm, a.rms_eps),
-                                    positions, cos, sin)
-            h = rms_norm(x, self.model.blocks[layer].ffn_norm, a.rms_eps)
-            x = x + await self._moe(layer, h, positions, layer_input, x, observer)
+        positions = np.arange(self.n_past, self.n_past + tok.size, dtype=np.int32)
+        x: BlockInput = embed_rows(self.kernels, self.model.token_embd, tok)       # (T, D)
+        pending = None  # the previous block's experts, all in memory, left for the next kernel call to run
+        try:
+            for layer in range(a.block_count):
+                routed = self.kernels.attention_router(self.spec, self.model.blocks[layer], x, positions,
+                                                       self.cache, layer, pending)
+                pending = self._release(pending)
+                pending = await self._moe(layer, routed, positions, observer)
+                x = routed
+            out = self.kernels.logits(self.model.output_norm, self.model.output, x, a.rms_eps, logits, pending)
+        finally:
+            self._release(pending)
         self.n_past += tok.size
-        rows = x if logits == "all" else x[-1:]
-        out = self.kernels.linear(self.model.output, rms_norm(rows, self.model.output_norm, a.rms_eps))
-        return out if logits == "all" else out[0]
+        return out
 
-    def _attention(self, layer: int, h: np.ndarray, positions: np.ndarray,
-                   cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        a, blk, t = self.args, self.model.blocks[layer], h.shape[0]
-        q, k, v = self.kernels.linears((blk.attn_q, blk.attn_k, blk.attn_v), h)
-        q = q.reshape(t, a.head_count, a.key_length)
-        k = k.reshape(t, a.head_count_kv, a.key_length)
-        v = v.reshape(t, a.head_count_kv, a.value_length)
-        q = rope_neox(rms_norm(q, blk.attn_q_norm, a.rms_eps), cos, sin)
-        k = rope_neox(rms_norm(k, blk.attn_k_norm, a.rms_eps), cos, sin)
-        self.cache.k[layer, positions] = k
-        self.cache.v[layer, positions] = v
-        s = int(positions[-1]) + 1
-        o = attention(q, self.cache.k[layer, :s], self.cache.v[layer, :s], positions)
-        return self.kernels.linear(blk.attn_output, o)
+    def _release(self, pending: tuple | None) -> None:
+        if pending is not None:
+            self.experts.release()
 
-    async def _moe(self, layer: int, h: np.ndarray, positions: np.ndarray, layer_input: np.ndarray,
-                   residual: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
-        """Route, fetch each unique expert once (batch-union), and sum in routing order.
+    async def _moe(self, layer: int, routed: Routed, positions: np.ndarray,
+                   observer: RouteObserver | None) -> tuple | None:
+        """Fetch each routed expert once (batch-union) and run it into ``routed.contrib``.
 
         Experts arrive in batches, in whatever order the source delivers them
         (the cached ones first, then misses as their reads land); a batch is
-        computed by one kernel call. Each expert's weighted output lands in its
-        (position, rank) cell and the cells are summed in rank order afterwards,
+        computed by one kernel call, each expert's outputs landing in their
+        (position, rank) cells. The next block sums the cells in rank order,
         so neither arrival order nor batching changes a bit.
+
+        Decode with every expert in memory: nothing is computed here; returns
+        ``(experts, ranks)``, held by the source, for the next kernel call to
+        run first (one graph call per block instead of two).
         """
-        a = self.args
-        ids, weights = router_top_k(h @ self.model.blocks[layer].ffn_gate_inp.T, a.expert_used_count)
+        h = routed.moe_input
         if observer is not None:
-            observer.on_route(layer, positions, residual, h, ids, weights)
-        predicted = self._lookahead(layer, layer_input, residual, h)
-        contrib = np.zeros((h.shape[0], a.expert_used_count, a.embedding_length), np.float32)  # (T, k, D)
+            observer.on_layer_input(layer, routed.x)
+            observer.on_route(layer, positions, routed.residual, h, routed.ids, routed.weights)
+        predicted = self._lookahead(layer, routed.x, routed.residual, h)
+        cells = _cells(routed.ids)
+        experts = sorted(cells)
+        batch = self.experts.ready(layer, experts)
+        if batch is not None:  # every expert in memory: one batch, no task switch
+            if predicted is not None:
+                self.experts.hint(layer + 1, predicted)
+            if h.shape[0] == 1:
+                return [w for _, w in batch], [cells[e] for e, _ in batch]
+            try:
+                self._run_experts(batch, cells, routed)
+            finally:
+                self.experts.release()
+            return None
         # aclosing: on an error mid-layer the source still drains its in-flight reads.
-        async with aclosing(self.experts.stream(layer, np.unique(ids).tolist())) as stream:
+        async with aclosing(self.experts.stream(layer, experts)) as stream:
             async for batch in stream:
                 if predicted is not None:  # this layer's demand reads are submitted by now
                     self.experts.hint(layer + 1, predicted)
                     predicted = None
-                cells = [np.nonzero(ids == expert) for expert, _ in batch]
-                xs = [h if h.shape[0] == 1 else h[rows] for rows, _ in cells]
-                outs = self.kernels.expert_ffns([w for _, w in batch], xs)
-                for (rows, ranks), y in zip(cells, outs):
-                    contrib[rows, ranks] = y * weights[rows, ranks][:, None]
-        return contrib.sum(axis=1)
+                self._run_experts(batch, cells, routed)
+        return None
+
+    def _run_experts(self, batch: ExpertBatch, cells: dict[int, Any], routed: Routed) -> None:
+        """One kernel call for a batch of experts, each output into its (position, rank) cells."""
+        where = [cells[e] for e, _ in batch]
+        h = routed.moe_input
+        rows = None if h.shape[0] == 1 else [r for r, _ in where]
+        self.kernels.expert_ffns([w for _, w in batch], h, rows, into=(routed.contrib, where))
 
     def _lookahead(self, layer: int, layer_input: np.ndarray, residual: np.ndarray,
                    h: np.ndarray) -> list[int] | None:

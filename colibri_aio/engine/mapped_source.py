@@ -30,14 +30,21 @@ class MappedExpertSource:
         self.bytes_served = 0
 
     async def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[ExpertBatch]:
-        """Every expert in one batch: mapped bytes are always "ready" (the page cache faults them in)."""
+        """Every expert in one batch, as :meth:`ready` gives it."""
+        yield self.ready(layer, experts)
+
+    def ready(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
+        """Every expert at once: mapped bytes are always "ready" (the page cache faults them in)."""
         assert self._map is not None, "source is closed"
         batch = []
         for expert in experts:
             loc = self.model.experts[layer][expert]
             self.bytes_served += loc.nbytes
             batch.append((expert, weights_from(self._map, loc)))
-        yield batch
+        return batch
+
+    def release(self) -> None:
+        """Nothing is held."""
 
     def hint(self, layer: int, experts: Sequence[int]) -> None:
         """The page cache does its own read-ahead; a hint changes nothing here."""

@@ -91,6 +91,7 @@ class CachedExpertSource:
         self._current_layer = -1
         self._started = False  # reads started and not yet kicked to the kernel
         self._prefetched: dict[int, set[int]] = {}  # layer -> experts prefetched for its next use
+        self._held: list[int] = []                  # slots of the batch ``ready`` handed out
         self._closed = False
 
     # --- start -----------------------------------------------------------------
@@ -117,12 +118,7 @@ class CachedExpertSource:
         reservation until the consumer is done with it, so neither a later
         miss nor a prefetch can evict it in between.
         """
-        self._current_layer = layer
-        self.predictor.observed(layer, experts)
-        for e in self._prefetched.pop(layer, set()).difference(experts):
-            self.cache.demote((layer, e))  # a wrong guess: evict it first, before anything useful
-        if self.usage is not None:
-            self.usage.record(layer, experts)
+        self._begin(layer, experts)
         ready: deque[tuple[int, int]] = deque()     # (expert, slot): bytes in place
         waiting: dict[int, int] = {}                # slot -> expert: read in flight
         todo: deque[int] = deque()                  # misses without a slot yet
@@ -156,6 +152,38 @@ class CachedExpertSource:
                 self.cache.release(slot)
             for slot in waiting:
                 self._let_go(slot)
+
+    def ready(self, layer: int, experts: Sequence[int]) -> ExpertBatch | None:
+        """All of ``experts`` at once if every one is cached and ready (held until :meth:`release`),
+        else ``None`` and nothing changed: the caller streams them instead. The same bookkeeping as
+        :meth:`stream` (hits, predictor score, usage), without a task or an await."""
+        cache, slots = self.cache, []
+        for e in experts:
+            slot = cache.slot_of((layer, e))
+            if slot is None or cache.state(slot) is not SlotState.READY:
+                return None
+            slots.append(slot)
+        self._begin(layer, experts)
+        for e, slot in zip(experts, slots):
+            cache.lookup((layer, e))
+            cache.acquire(slot)
+        self._held = slots
+        return [(e, self._leases[s].weights) for e, s in zip(experts, slots)]
+
+    def release(self) -> None:
+        """Let go of the batch :meth:`ready` returned."""
+        held, self._held = self._held, []
+        for slot in held:
+            self.cache.release(slot)
+
+    def _begin(self, layer: int, experts: Sequence[int]) -> None:
+        """A layer asks for ``experts``: score the lookahead's guess, demote its wrong prefetches, count usage."""
+        self._current_layer = layer
+        self.predictor.observed(layer, experts)
+        for e in self._prefetched.pop(layer, set()).difference(experts):
+            self.cache.demote((layer, e))  # a wrong guess: evict it first, before anything useful
+        if self.usage is not None:
+            self.usage.record(layer, experts)
 
     async def _kick(self) -> None:
         """Let reads started since the last kick reach the kernel before compute takes the thread.
