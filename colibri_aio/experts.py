@@ -57,34 +57,19 @@ class ExpertWeights:
     down: QTensor
 
 
-ExpertBatch = list[tuple[int, ExpertWeights]]
-
-
 class ExpertSource(Protocol):
     """Delivers routed experts' bytes to the MoE layer.
 
-    ``stream(layer, experts)`` yields batches of ``(expert, weights)``: every
-    expert whose bytes are ready when the consumer asks (cached ones first,
-    then misses as their reads land), each requested expert exactly once. A
-    batch is never empty; how experts are grouped depends on placement and
-    timing. The views in a batch stay valid only until the iterator is
-    advanced again or closed: the consumer finishes with them before asking
-    for the next batch. Compute must therefore depend neither on arrival
-    order nor on batching (the MoE layer computes each expert on its own and
-    sums expert outputs in routing order, so placement never changes the result).
+    ``stream(layer, experts)`` yields ``(expert, weights)`` for each requested
+    expert exactly once, in whatever order the bytes become ready (cached ones
+    first). The views in ``weights`` stay valid only until the iterator is
+    advanced again or closed: the consumer finishes with them before asking for
+    the next one. Compute must therefore not depend on arrival order (the MoE
+    layer sums expert outputs in routing order, so placement never changes
+    the result).
     """
 
-    def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[ExpertBatch]: ...
-
-    def ready(self, layer: int, experts: Sequence[int]) -> ExpertBatch | None:
-        """All of ``experts`` in one batch if every one is in memory now, else ``None`` (then
-        :meth:`stream` them). A batch counts as the layer's request, as ``stream`` would, and its
-        views stay valid until :meth:`release`. The decode step's fast path: no task, no await."""
-        ...
-
-    def release(self) -> None:
-        """Let go of the batch the last :meth:`ready` returned."""
-        ...
+    def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[tuple[int, ExpertWeights]]: ...
 
     def hint(self, layer: int, experts: Sequence[int]) -> None:
         """A prediction that ``layer`` will soon ask for ``experts`` (may be ignored)."""

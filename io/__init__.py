@@ -1,18 +1,17 @@
 """The I/O layer: io_uring reactor, registered buffer pool, fallback readers.
 
 ``ExpertReader.open(path, slot_nbytes_max, n_slots, backend)`` opens a model
-file for expert reads; ``await reader.read(location)`` returns a
-:class:`SlotLease` whose ``weights`` are zero-copy views of the expert's bytes.
-:class:`StreamingExpertSource` adapts a reader to the engine's ExpertSource.
+file for expert reads; ``reader.start(location, slot)`` submits one expert's
+reads into pool slot ``slot`` and returns a future of zero-copy views of its
+bytes. Which slot a read may use is the expert cache's decision (one
+allocator); the reader only refuses a slot the kernel still owns.
 """
 from colibri_aio.io.align import ALIGN, plan_expert, slot_nbytes_for
 from colibri_aio.io.modelfile import ModelFileChangedError
-from colibri_aio.io.pool import BufferPool, SlotState
-from colibri_aio.io.reader import BACKENDS, ExpertReader, ReaderClosedError, ReaderStats, SlotLease
-from colibri_aio.io.source import ExpertStream, StreamingExpertSource
+from colibri_aio.io.pool import BufferPool
+from colibri_aio.io.reader import BACKENDS, ExpertReader, ReaderClosedError, ReaderStats
 
 __all__ = [
-    "ALIGN", "BACKENDS", "BufferPool", "ExpertReader", "ExpertStream", "ModelFileChangedError",
-    "ReaderClosedError", "ReaderStats", "SlotLease", "SlotState", "StreamingExpertSource",
+    "ALIGN", "BACKENDS", "BufferPool", "ExpertReader", "ModelFileChangedError", "ReaderClosedError", "ReaderStats",
     "plan_expert", "slot_nbytes_for",
 ]

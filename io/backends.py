@@ -6,11 +6,12 @@
   faulted in from a worker thread. The page cache decides what stays, as in
   llama.cpp.
 
-``start`` calls ``on_done`` on the event loop exactly once, when every
-range's read is over (the kernel or the worker thread no longer touches the
-slot), with the three uint8 views of the expert's tensors or with an
-ExpertReadError. It cannot be called off: a reader whose waiter went away
-still waits for ``on_done`` before the slot can be reused.
+``start`` hands the reads to the kernel (or queues them for a worker) before
+it returns, and calls ``on_done`` exactly once, when every range's read is
+over (the kernel or the worker thread no longer touches the slot), with the
+three uint8 views of the expert's tensors or with an ExpertReadError. It
+cannot be called off: a reader whose waiter went away still waits for
+``on_done`` before the slot can be reused.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from colibri_aio.experts import PROJECTIONS, ExpertLocation
 from colibri_aio.io.align import ExpertPlan, RangeRead, align_down
 from colibri_aio.io.modelfile import ModelFile
 from colibri_aio.io.pool import Slot
-from colibri_aio.io.uring import UringReactor
+from colibri_aio.io.uring import RingRead, UringReactor
 
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
 OnDone = Callable[["ExpertBytes | ExpertReadError"], None]
@@ -114,9 +115,9 @@ class UringBackend:
     def start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None, on_done: OnDone) -> None:
         assert slot is not None
         op = ExpertRead(self.file.path, loc, plan, slot_views(plan, slot), on_done)
-        for index, rr in enumerate(plan.reads):
-            self.reactor.submit(self.file.fd, slot.address + rr.dest_offset, rr.read_nbytes, rr.file_offset,
-                                slot.arena, lambda res, i=index: op.range_done(i, res))
+        self.reactor.submit(*(RingRead(self.file.fd, slot.address + rr.dest_offset, rr.read_nbytes, rr.file_offset,
+                                       slot.arena, lambda res, i=index: op.range_done(i, res))
+                              for index, rr in enumerate(plan.reads)))
 
     async def aclose(self) -> None:
         await self.reactor.aclose()

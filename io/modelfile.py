@@ -12,12 +12,11 @@ import os
 import stat
 from dataclasses import dataclass
 
-import structlog
-
 from colibri_aio.errors import ModelFormatError, UserError
 from colibri_aio.io.align import ALIGN
+from colibri_aio.logs import get_logger
 
-log = structlog.get_logger("colibri_aio.io")
+log = get_logger("colibri_aio.io")
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 

@@ -1,10 +1,12 @@
-"""ExpertReader: ``await reader.read(location)`` gives a lease on one expert's bytes.
+"""ExpertReader: ``reader.start(location, slot)`` reads one expert into one pool slot.
 
 The reader owns the model file, the buffer pool and one backend (io_uring,
-thread-pool pread or mmap) and keeps the pool's ownership rule: a slot is the
-kernel's from submission until its completion is reaped, even when the task
-that asked for it was cancelled; ``aclose`` drains every in-flight read
-before the memory is released.
+thread-pool pread or mmap). It does not choose slots: the caller's allocator
+(the expert cache) does, and the reader keeps the ownership rule: a slot is
+the kernel's from submission until its completion is reaped, even when the
+future that wanted its bytes was cancelled; :meth:`ExpertReader.start`
+refuses a slot whose read is not over, and ``aclose`` drains every in-flight
+read before the memory is released.
 """
 from __future__ import annotations
 
@@ -13,21 +15,19 @@ import errno
 import os
 import resource
 import time
-import warnings
 from dataclasses import dataclass
-
-import structlog
 
 from colibri_aio.errors import ExpertReadError, UserError
 from colibri_aio.experts import ExpertLocation, ExpertWeights
 from colibri_aio.io.align import ExpertPlan, plan_expert, slot_nbytes_for
 from colibri_aio.io.backends import ExpertBytes, MmapBackend, PreadBackend, ReadBackend, UringBackend
 from colibri_aio.io.modelfile import ModelFile
-from colibri_aio.io.pool import BufferPool, PoolClosedError, Slot, SlotState
+from colibri_aio.io.pool import BufferPool
 from colibri_aio.io.uring import DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_RING_ENTRIES, UringReactor
 from colibri_aio.kernels.qtensor import QTensor
+from colibri_aio.logs import get_logger
 
-log = structlog.get_logger("colibri_aio.io")
+log = get_logger("colibri_aio.io")
 
 BACKENDS = ("auto", "uring", "pread", "mmap")
 
@@ -45,57 +45,17 @@ class ReaderStats:
     io_bytes: int = 0       # bytes asked of the disk (aligned supersets)
     errors: int = 0
     busy_s: float = 0.0     # wall time with at least one read in flight
-    slot_wait_s: float = 0.0  # time readers waited for a free slot
-
-
-class SlotLease:
-    """One expert's weights, valid until :meth:`release` (or the end of a ``with`` block).
-
-    The weights are views into a pool slot (or the file mapping, with mmap);
-    after release the slot may be refilled with another expert's bytes.
-    """
-
-    __slots__ = ("location", "weights", "slot", "_pool", "_released")
-
-    def __init__(self, location: ExpertLocation, weights: ExpertWeights, slot: Slot | None,
-                 pool: BufferPool | None) -> None:
-        self.location = location
-        self.weights = weights
-        self.slot = slot
-        self._pool = pool
-        self._released = False
-
-    @property
-    def released(self) -> bool:
-        return self._released
-
-    def release(self) -> None:
-        """Give the slot back to the pool; releasing twice is harmless."""
-        if self._released:
-            return
-        self._released = True
-        if self.slot is not None and self._pool is not None:
-            self._pool.release(self.slot)
-
-    def __enter__(self) -> "SlotLease":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-    def __del__(self) -> None:
-        if not self._released and self.slot is not None:
-            warnings.warn(f"lease on layer {self.location.layer} expert {self.location.expert} was never released",
-                          ResourceWarning, stacklevel=1)
-            self.release()
 
 
 class ExpertReader:
     """Reads routed experts' byte ranges from one GGUF file through the chosen backend."""
 
-    def __init__(self, file: ModelFile, pool: BufferPool | None, backend: ReadBackend, reason: str) -> None:
+    def __init__(self, file: ModelFile, pool: BufferPool | None, backend: ReadBackend, reason: str,
+                 n_slots: int) -> None:
         self.file = file
         self.pool = pool
+        self.n_slots = n_slots
+        self._kernel: set[int] = set()  # slots a read is still writing into
         self._backend = backend
         self.backend: str = backend.name
         self.backend_reason = reason
@@ -122,6 +82,10 @@ class ExpertReader:
         """Reads whose slot the kernel (or a worker thread) still owns."""
         return self._in_flight
 
+    def in_kernel(self, slot: int) -> bool:
+        """Whether a read into ``slot`` is still in flight (its memory is not the caller's yet)."""
+        return slot in self._kernel
+
     @classmethod
     async def open(cls, path: str | os.PathLike[str], slot_nbytes_max: int, n_slots: int, backend: str = "auto", *,
                    ring_entries: int = DEFAULT_RING_ENTRIES, max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
@@ -130,7 +94,8 @@ class ExpertReader:
 
         ``slot_nbytes_max`` is the size of the largest expert (its three ranges
         together); the pool adds the O_DIRECT alignment slack. ``n_slots`` is
-        how many experts can be in flight or leased at once. ``backend`` is
+        how many experts can be in flight or held at once (slots 0..n_slots-1;
+        with mmap they are only names, the bytes stay in the mapping). ``backend`` is
         one of ``auto|uring|pread|mmap``; ``auto`` tries io_uring with
         registered buffers, then io_uring without them, then pread.
         ``ring_entries`` and ``max_inflight_bytes`` bound the reads io_uring
@@ -142,7 +107,8 @@ class ExpertReader:
         file = ModelFile.open(path, direct=direct and backend != "mmap")
         try:
             if backend == "mmap":
-                reader = cls(file, None, MmapBackend(file), "mmap requested: the page cache decides what stays")
+                reader = cls(file, None, MmapBackend(file), "mmap requested: the page cache decides what stays",
+                             n_slots)
             else:
                 pool = BufferPool(slot_nbytes_for(slot_nbytes_max), n_slots)
                 try:
@@ -150,7 +116,7 @@ class ExpertReader:
                 except BaseException:
                     pool.close()
                     raise
-                reader = cls(file, pool, chosen, reason)
+                reader = cls(file, pool, chosen, reason, n_slots)
         except BaseException:
             file.close()
             raise
@@ -161,99 +127,85 @@ class ExpertReader:
                  pool_nbytes=pool.nbytes if pool else 0)
         return reader
 
-    async def read(self, loc: ExpertLocation) -> SlotLease:
-        """Read one expert; the lease's weights are views of its bytes (release it when done)."""
+    def start(self, loc: ExpertLocation, slot: int) -> asyncio.Future[ExpertWeights]:
+        """Read ``loc`` into pool slot ``slot``; the future gives views of its bytes (valid until the slot is reused).
+
+        When this returns the reads are in the kernel's hands (io_uring) or
+        queued for a worker (pread, mmap), so compute that follows without
+        yielding to the loop overlaps them. Cancelling the future stops
+        nothing: the slot stays the kernel's until the read is over
+        (:meth:`in_kernel`), and ``start`` refuses such a slot.
+        """
         if self._closed:
             raise ReaderClosedError("the expert reader is closed")
+        if not 0 <= slot < self.n_slots:
+            raise ValueError(f"slot {slot} is not one of this reader's {self.n_slots} slots")
+        if slot in self._kernel:
+            raise RuntimeError(f"slot {slot} still has a read in flight; its memory is not free yet")
         plan = plan_expert(loc)
-        slot = None
+        pool_slot = None
         if self.pool is not None:
             if plan.span > self.pool.slot_nbytes:
                 raise ValueError(f"layer {loc.layer} expert {loc.expert} needs {plan.span} slot bytes; "
                                  f"slots hold {self.pool.slot_nbytes} (slot_nbytes_max too small)")
-            slot = self.pool.try_acquire() or await self._wait_for_slot()
-        waiter = self._start(loc, plan, slot)
+            pool_slot = self.pool.slots[slot]
+        future: asyncio.Future[ExpertWeights] = self._loop.create_future()
+        self._begin(slot)
+        over = False
+
+        def on_done(outcome: ExpertBytes | ExpertReadError) -> None:
+            nonlocal over
+            over = True
+            self._read_over(future, loc, plan, slot, outcome)
+
         try:
-            views = await waiter
-        except asyncio.CancelledError:
-            # Cancelled after the read was over but before we resumed: the slot is ours to give back.
-            # Otherwise _read_over gives it back once the kernel is done with it.
-            if waiter.done() and not waiter.cancelled():
-                waiter.exception()
-                self._give_back(slot)
-            raise
-        except ExpertReadError:
-            self.stats.errors += 1
-            self._give_back(slot)
-            self.file.check_unchanged()  # a truncated file reads short: name the real cause
-            raise
-        try:
-            if self._closed:  # closed while we waited: the pool is going away
-                raise ReaderClosedError("the expert reader closed while this read was in flight")
-            # One fstat per read, after it: bytes read from a file that changed
-            # before or during the read never reach compute.
-            self.file.check_unchanged()
+            self._backend.start(loc, plan, pool_slot, on_done)
         except BaseException:
-            self._give_back(slot)
+            if not over:  # nothing reached the kernel
+                self._end(slot)
             raise
-        self.stats.reads += 1
-        self.stats.bytes += loc.nbytes
-        self.stats.io_bytes += plan.read_nbytes if slot is not None else loc.nbytes
-        gate, up, down = views
-        weights = ExpertWeights(QTensor(gate, loc.gate.ggml_type, loc.gate.shape),
-                                QTensor(up, loc.up.ggml_type, loc.up.shape),
-                                QTensor(down, loc.down.ggml_type, loc.down.shape))
-        return SlotLease(loc, weights, slot, self.pool)
+        return future
 
-    async def _wait_for_slot(self) -> Slot:
-        waited = time.perf_counter()
-        try:
-            slot = await self.pool.acquire()
-        except PoolClosedError:
-            raise ReaderClosedError("the expert reader closed while this read waited for a slot") from None
-        self.stats.slot_wait_s += time.perf_counter() - waited
-        if self._closed:
-            self.pool.release(slot)
-            raise ReaderClosedError("the expert reader is closed")
-        return slot
-
-    def _give_back(self, slot: Slot | None) -> None:
-        if slot is not None:
-            self.pool.release(slot)
-
-    def _start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None) -> asyncio.Future[ExpertBytes]:
-        """Hand the slot to the backend; the returned future is the waiter's, cancelling it stops nothing."""
-        waiter: asyncio.Future[ExpertBytes] = self._loop.create_future()
-        if slot is not None:
-            slot.state = SlotState.KERNEL
-        try:
-            self._backend.start(loc, plan, slot, lambda outcome: self._read_over(waiter, slot, outcome))
-        except BaseException:
-            if slot is not None:
-                slot.state = SlotState.RESERVED
-                self.pool.release(slot)
-            raise
+    def _begin(self, slot: int) -> None:
+        self._kernel.add(slot)
         if not self._in_flight:
             self._busy_since = time.perf_counter()
             self._idle.clear()
         self._in_flight += 1
-        return waiter
 
-    def _read_over(self, waiter: asyncio.Future[ExpertBytes], slot: Slot | None,
-                   outcome: ExpertBytes | ExpertReadError) -> None:
-        """The kernel (or worker) is done with the slot: it now holds the bytes, or garbage to discard."""
-        if slot is not None:
-            slot.state = SlotState.LEASED
+    def _end(self, slot: int) -> None:
+        self._kernel.discard(slot)
         self._in_flight -= 1
         if not self._in_flight:
             self.stats.busy_s += time.perf_counter() - self._busy_since
             self._idle.set()
-        if waiter.cancelled():  # the waiter went away while the kernel still owned the slot
-            self._give_back(slot)
-        elif isinstance(outcome, ExpertReadError):
-            waiter.set_exception(outcome)
-        else:
-            waiter.set_result(outcome)
+
+    def _read_over(self, future: asyncio.Future[ExpertWeights], loc: ExpertLocation, plan: ExpertPlan, slot: int,
+                   outcome: ExpertBytes | ExpertReadError) -> None:
+        """The kernel (or worker) is done with the slot: hand its bytes, or the reason there are none, to the future."""
+        self._end(slot)
+        if isinstance(outcome, ExpertReadError):
+            self.stats.errors += 1
+        if future.cancelled():  # nobody wants the bytes; the slot is free again
+            return
+        try:
+            if self._closed:  # the pool is going away
+                raise ReaderClosedError("the expert reader closed while this read was in flight")
+            # One fstat per read, after it: bytes read from a file that changed before or during
+            # the read never reach compute, and a truncated file that read short is named as such.
+            self.file.check_unchanged()
+            if isinstance(outcome, ExpertReadError):
+                raise outcome
+        except Exception as exc:  # the waiter's to raise, never lost in a loop callback
+            future.set_exception(exc)
+            return
+        self.stats.reads += 1
+        self.stats.bytes += loc.nbytes
+        self.stats.io_bytes += plan.read_nbytes if self.pool is not None else loc.nbytes
+        gate, up, down = outcome
+        future.set_result(ExpertWeights(QTensor(gate, loc.gate.ggml_type, loc.gate.shape),
+                                        QTensor(up, loc.up.ggml_type, loc.up.shape),
+                                        QTensor(down, loc.down.ggml_type, loc.down.shape)))
 
     async def drained(self) -> None:
         """Wait until no read is in flight."""
@@ -265,6 +217,7 @@ class ExpertReader:
             return
         self._closed = True
         await self.drained()
+        assert not self._kernel, f"slots {sorted(self._kernel)} still in the kernel's hands after the drain"
         await self._backend.aclose()
         if self.pool is not None:
             self.pool.close()

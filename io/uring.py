@@ -6,9 +6,11 @@ writes through (it must outlive the read) and the bytes it accounts for. The eve
 with the ring and watched with ``loop.add_reader``; eventfd wake-ups coalesce,
 so every wake-up drains the completion queue until it is empty.
 
-In-flight reads are bounded by the ring size and by bytes; reads over the
-bound wait in a FIFO and are submitted as completions free room. Submissions
-made in one loop iteration go to the kernel in one ``io_uring_submit``.
+:meth:`UringReactor.submit` hands its reads to the kernel before it returns
+(one ``io_uring_submit`` for the reads of one call), so a caller that goes on
+computing without yielding to the loop still overlaps them. In-flight reads
+are bounded by the ring size and by bytes; reads over the bound wait in a FIFO
+and are submitted as completions free room.
 """
 from __future__ import annotations
 
@@ -36,7 +38,9 @@ class ReactorClosedError(RuntimeError):
 
 
 @dataclass(eq=False, slots=True)
-class _Request:
+class RingRead:
+    """One read for the ring: ``nbytes`` at ``offset`` of ``fd`` into ``address``."""
+
     fd: int
     address: int            # where the bytes go
     nbytes: int
@@ -64,11 +68,10 @@ class UringReactor:
         self._loop = loop
         self.max_inflight_bytes = max_inflight_bytes
         self.registered = False
-        self._table: dict[int, _Request] = {}
-        self._pending: deque[_Request] = deque()
+        self._table: dict[int, RingRead] = {}
+        self._pending: deque[RingRead] = deque()
         self._next_token = 1
         self._inflight_bytes = 0
-        self._flush_scheduled = False
         self._resubmit = False    # SQEs left in the ring by a submit the kernel refused for now
         self._registered_iovec: object | None = None
         self._closing = False
@@ -129,25 +132,24 @@ class UringReactor:
         """Reads waiting for room in the ring or under the byte bound."""
         return len(self._pending)
 
-    def submit(self, fd: int, address: int, nbytes: int, offset: int, buf_index: int | None,
-               on_complete: Callable[[int], None]) -> None:
-        """Read ``nbytes`` at ``offset`` of ``fd`` to ``address`` (inside registered buffer ``buf_index``).
+    def submit(self, *reads: RingRead) -> None:
+        """Hand ``reads`` to the kernel now (those the bounds admit; the rest queue in order).
 
-        ``on_complete(res)`` runs on the loop once the completion is reaped;
-        until then the caller keeps the destination mapped and unused.
+        Each read's ``on_complete(res)`` runs on the loop once its completion
+        is reaped; until then the caller keeps the destination mapped and unused.
         """
         if self._broken is not None:
             raise ReactorClosedError(f"the io_uring reactor failed: {self._broken}")
         if self._closing:
             raise ReactorClosedError("the io_uring reactor is closing")
-        request = _Request(fd, address, nbytes, offset, buf_index if self.registered else None, on_complete)
-        self._pending.append(request)
+        for read in reads:
+            if not self.registered:
+                read.buf_index = None
+            self._pending.append(read)
         self._idle.clear()
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._loop.call_soon(self._flush)
+        self._flush()
 
-    def _has_room(self, request: _Request) -> bool:
+    def _has_room(self, request: RingRead) -> bool:
         if len(self._table) >= self.entries:
             return False
         # One read larger than the byte bound still goes alone, or it would never go.
@@ -155,7 +157,6 @@ class UringReactor:
 
     def _flush(self) -> None:
         """Move queued reads into the ring, as many as the bounds allow, and submit them together."""
-        self._flush_scheduled = False
         if self._broken is not None:
             return
         prepared = 0
@@ -169,7 +170,7 @@ class UringReactor:
         if prepared:
             self._submit()
 
-    def _prepare(self, sqe: object, request: _Request) -> None:
+    def _prepare(self, sqe: object, request: RingRead) -> None:
         token = self._next_token
         self._next_token += 1
         request.iovec = self._iovecs.pop()
@@ -241,7 +242,7 @@ class UringReactor:
             if self._resubmit:
                 self._resubmit = False
                 self._submit()
-            if self._pending and not self._flush_scheduled:
+            if self._pending:
                 self._flush()
             self._wake_idle()
         return total

@@ -4,13 +4,10 @@ An engine owns one :class:`Kernels` object, made by :func:`open_kernels`
 when it starts; the forward pass calls only the operations below, which
 know nothing of any model family:
 
-    attention_router(spec, w, x, positions, cache, layer)  a block's dense part (kernels/blocks.py):
-                               combine the previous block's experts, attention, router -> Routed
-    expert_ffns(es, x, rows, into=)  down(act(gate x_i, up x_i)) for a batch of routed experts
-    logits(norm, output, x, eps, rows)  final norm and output head
-    linear(w, x)               x (T, cols) -> (T, rows)                one product
-    linears(ws, x)             [x @ W.T for W in ws]                   several products on one input
-    dequantize(w)              (rows, cols) float32                    e.g. embedding rows
+    linear(w, x)             x (T, cols) -> (T, rows)              one product
+    linears(ws, x)           [x @ W.T for W in ws]                 several products on one input
+    expert_ffns(es, xs, act) [down(act(gate x, up x)) per expert]  a batch of routed expert FFNs
+    dequantize(w)            (rows, cols) float32                  e.g. embedding rows
 
 Backends (``--kernels``):
 
@@ -35,14 +32,12 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from typing import Literal, Protocol
+from typing import Protocol
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
 from colibri_aio.kernels import quant
-from colibri_aio.kernels.blocks import (AttentionSpec, BlockInput, DenseWeights, RopeTables, Routed,
-                                        numpy_attention_router, numpy_logits, scatter)
 from colibri_aio.kernels.ops import swiglu
 from colibri_aio.kernels.qtensor import QTensor
 from colibri_aio.kernels.threads import get_num_threads
@@ -84,23 +79,8 @@ class Kernels(Protocol):
 
     def linears(self, ws: Sequence[QTensor], x: np.ndarray) -> list[np.ndarray]: ...
 
-    def expert_ffns(self, experts: Sequence[FFNWeights], x: np.ndarray, rows: Sequence[np.ndarray] | None = None,
-                    activation: str = "swiglu", into: tuple[np.ndarray, list] | None = None) -> np.ndarray | None:
-        """x (T, D); expert i takes all positions (``rows`` None) or ``x[rows[i]]``; returns the
-        outputs stacked in batch order, (sum of positions, D), or writes them into ``into=(contrib,
-        cells)`` (see blocks.scatter)."""
-
-    def attention_router(self, spec: AttentionSpec, w: DenseWeights, x: BlockInput, positions: np.ndarray,
-                         cache, layer: int, pending: tuple | None = None) -> Routed:
-        """A block's attention and routing (kernels/blocks.py); ``cache`` has ``k``/``v`` arrays
-        (n_layer, n_ctx, Hkv, d) written at ``positions`` of ``layer``. ``pending=(experts, ranks)``:
-        the previous block's experts for its one position, to run into ``x.contrib`` first (a
-        backend may fuse them with this block)."""
-
-    def logits(self, norm: np.ndarray, output: QTensor, x: BlockInput, eps: float,
-               rows: Literal["last", "all"], pending: tuple | None = None) -> np.ndarray:
-        """Final norm and output head: (V,) for the last position or (T, V) for all; a fresh array.
-        ``pending`` as in attention_router."""
+    def expert_ffns(self, experts: Sequence[FFNWeights], xs: Sequence[np.ndarray],
+                    activation: str = "swiglu") -> list[np.ndarray]: ...
 
     def dequantize(self, w: QTensor) -> np.ndarray: ...
 
@@ -117,7 +97,6 @@ class NumpyKernels:
 
     def __init__(self, reason: str = "NumPy kernels requested") -> None:
         self.reason = reason
-        self._rope = RopeTables()
 
     @property
     def types(self) -> frozenset[GGMLQuantizationType]:
@@ -132,31 +111,10 @@ class NumpyKernels:
     def linears(self, ws: Sequence[QTensor], x: np.ndarray) -> list[np.ndarray]:
         return [self.linear(w, x) for w in ws]
 
-    def expert_ffns(self, experts: Sequence[FFNWeights], x: np.ndarray, rows: Sequence[np.ndarray] | None = None,
-                    activation: str = "swiglu", into: tuple[np.ndarray, list] | None = None) -> np.ndarray | None:
+    def expert_ffns(self, experts: Sequence[FFNWeights], xs: Sequence[np.ndarray],
+                    activation: str = "swiglu") -> list[np.ndarray]:
         act = _ACTIVATIONS[activation]
-        xs = [x] * len(experts) if rows is None else [x[r] for r in rows]
-        out = np.concatenate([self.linear(e.down, act(self.linear(e.gate, xi), self.linear(e.up, xi)))
-                              for e, xi in zip(experts, xs, strict=True)])
-        if into is None:
-            return out
-        scatter(into[0], into[1], out, x.shape[0])
-        return None
-
-    def attention_router(self, spec: AttentionSpec, w: DenseWeights, x: BlockInput, positions: np.ndarray,
-                         cache, layer: int, pending: tuple | None = None) -> Routed:
-        self._run_pending(pending, x)
-        return numpy_attention_router(self, spec, w, x, positions, cache.k[layer], cache.v[layer], self._rope)
-
-    def logits(self, norm: np.ndarray, output: QTensor, x: BlockInput, eps: float,
-               rows: Literal["last", "all"], pending: tuple | None = None) -> np.ndarray:
-        self._run_pending(pending, x)
-        return numpy_logits(self, norm, output, x, eps, rows)
-
-    def _run_pending(self, pending: tuple | None, x: BlockInput) -> None:
-        if pending is not None:
-            experts, ranks = pending
-            self.expert_ffns(experts, x.moe_input, None, into=(x.contrib, ranks))
+        return [self.linear(e.down, act(self.linear(e.gate, x), self.linear(e.up, x))) for e, x in zip(experts, xs)]
 
     def dequantize(self, w: QTensor) -> np.ndarray:
         return quant.dequantize(w)

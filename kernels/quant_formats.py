@@ -5,11 +5,12 @@ permutation of the row's columns chosen per type so that NumPy works on long
 contiguous runs instead of 16- or 32-element pieces):
 
 * ``decode(raw, scratch)`` -> the integer quant values, ``(rows, cols)`` int8
-  or uint8 (or float32 for the float types, which have no scales);
+  or uint8 -- for IQ4_NL, IQ4_XS and MXFP4 the small integers their 4-bit
+  codes stand for -- (or float32 for the float types, which have no scales);
 * ``prepare(raw, index)`` -> :class:`Scales`, one value per sub-block of
   ``sub`` consecutive layout columns, ``(rows, sub_blocks)`` float32: the
-  factor ``mul`` and, for Q4_K/Q5_K, the additive ``bias`` (``-dmin * m``),
-  so that ``weight = q * mul + bias``. ``index`` (from :func:`scale_index`)
+  factor ``mul`` and, for Q4_1/Q5_1 (``m``) and Q2_K/Q4_K/Q5_K
+  (``-dmin * m``), the additive ``bias``, so that ``weight = q * mul + bias``. ``index`` (from :func:`scale_index`)
   names, per layout sub-block, the block and the natural scale it uses; the
   small integer scales are gathered into layout order before any float work,
   so every pass runs over whole rows.
@@ -19,8 +20,10 @@ GGUF bytes; nibbles and high bits are unpacked eight at a time on uint64 words.
 ``column_order(cols)`` gives, for each layout position, the natural column it
 holds (``None`` when layout order is natural order).
 
-Byte layouts follow ggml's ``block_q8_0``, ``block_q4_0``, ``block_q4_K``,
-``block_q5_K`` and ``block_q6_K``.
+Byte layouts follow ggml's ``block_<type>`` structs (``block_q8_0`` ...
+``block_iq4_xs``, ``block_mxfp4``); each is drawn beside its decoder.
+``gguf.quants.dequantize`` is the reference: ``dequantize`` reproduces it bit
+for bit, since ``q * mul + bias`` is the same float32 arithmetic.
 """
 from __future__ import annotations
 
@@ -139,10 +142,16 @@ def _decode_bf16(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
 
 _LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
 _TOP_BITS = np.uint64(0x8080808080808080)
+_PLANES = np.arange(2).reshape(2, 1)  # picks [mul | bias] planes out of (R, blocks, 2) scale pairs
 
 
 def _bytes_x8(c: int) -> np.uint64:
     return np.uint64(int.from_bytes(bytes([c]) * 8, "little"))
+
+
+_ONE_EACH = _bytes_x8(1)
+_TWO_BITS = _bytes_x8(3)
+_PAIR_SHIFTS = (np.arange(4, dtype=np.uint64) * 2).reshape(4, 1)  # the four 2-bit fields of a byte
 
 
 def _words(a: np.ndarray) -> np.ndarray:
@@ -177,7 +186,7 @@ def _contiguous_bytes(raw: np.ndarray, start: int, stop: int, name: str, scratch
 # --- Q8_0: d (f16) + 32 x int8. Natural layout; the int8 values are read in place. ---
 
 def _prepare_q8_0(raw: np.ndarray, index: ScaleIndex) -> Scales:
-    """mul = d per sub-block (Q8_0 and Q4_0 share the leading f16 d)."""
+    """mul = d per sub-block, for every type whose block opens with its one f16 scale d."""
     d = _f16_field(raw, 0)                                                  # (R, nb)
     return Scales(d if index.scale.size == 0 else d[:, index.block], None)  # empty scale: natural order
 
@@ -186,21 +195,124 @@ def _decode_q8_0(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
     return raw[..., 2:].view(np.int8)                                      # (R, nb, 32), strided
 
 
-# --- Q4_0: d (f16) + 16 bytes; weight l is the low nibble of byte l, weight 16 + l the high one;
-# minus 8. Layout (h, b, l): all low-nibble halves of the row, then all high ones. ---
+# --- 4-bit types with 32-weight blocks (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, MXFP4) share one nibble layout:
+# 16 bytes qs[l] hold weight l in the low nibble and weight 16 + l in the high one. Layout (h, b, l):
+# all low-nibble halves of the row, then all high ones, so a sub-block of 16 layout columns is one
+# half of one block and every pass runs over whole rows. ---
 
-def _decode_q4_0(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+def _nibble_words(raw: np.ndarray, start: int, scratch: Scratch) -> np.ndarray:
+    """The 16 packed bytes at ``start`` of every block, one nibble per byte in layout (h, b, l).
+
+    Returns uint64 words ``(rows, 2, blocks * 2)`` in scratch (eight nibbles to a word).
+    """
     r, nb, _ = raw.shape
-    qs = _words(_contiguous_bytes(raw, 2, 18, "q_bytes", scratch)).reshape(r, nb * 2)
+    qs = _words(_contiguous_bytes(raw, start, start + 16, "q_bytes", scratch)).reshape(r, nb * 2)
     q = scratch.get("q", (r, 2, nb * 2), np.uint64)
     _nibbles(qs, q[:, 0], q[:, 1])
+    return q
+
+
+def _as_row(q: np.ndarray, dtype: type) -> np.ndarray:
+    """Decoded words (rows, ...) as one value per byte, (rows, cols)."""
+    return q.view(dtype).reshape(q.shape[0], -1)
+
+
+# Q4_0 (18 bytes):  | d f16 | qs[16] |                  weight = d * (nibble - 8)
+
+def _decode_q4_0(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    q = _nibble_words(raw, 2, scratch)
     _subtract_each_byte(q, 8)
-    return q.view(np.int8).reshape(r, nb * 32)
+    return _as_row(q, np.int8)
 
 
 @functools.lru_cache(maxsize=64)
 def _order_q4_0(cols: int) -> np.ndarray:
     return _grid_order((2, cols // 32, 16), lambda h, b, l: b * 32 + h * 16 + l)
+
+
+# Q4_1 (20 bytes):  | d f16 | m f16 | qs[16] |          weight = d * nibble + m
+
+def _prepare_d_m(raw: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = d and bias = m per sub-block, from the two f16 that open a Q4_1/Q5_1 block."""
+    r, nb, _ = raw.shape
+    d_m = f16_to_f32(raw[..., 0:4].view(np.uint16), np.empty((r, nb, 2), np.float32), thread_scratch())
+    f = d_m[:, index.block, _PLANES]                                        # (R, 2, S): [d | m]
+    return Scales(f[:, 0], f[:, 1])
+
+
+def _decode_q4_1(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    return _as_row(_nibble_words(raw, 4, scratch), np.uint8)
+
+
+# Q5_0 (22 bytes):  | d f16 | qh u32 | qs[16] |         weight j = d * (q5_j - 16)
+# Q5_1 (24 bytes):  | d f16 | m f16 | qh u32 | qs[16] | weight j = d * q5_j + m
+# where q5_j = nibble j | (bit j of qh) << 4 (qh little-endian: byte k holds weights 8k..8k+7).
+# In layout (h, b, l) the word of l = 8g..8g+7 takes its fifth bits from qh byte 2h + g, bit i to byte i.
+
+_BIT_I_OF_BYTE_I = np.uint64(0x8040201008040201)
+
+
+def _or_fifth_bits(raw: np.ndarray, start: int, q: np.ndarray, scratch: Scratch) -> None:
+    """OR 16 into every byte of ``q`` (from :func:`_nibble_words`) whose bit in the qh at ``start`` is set."""
+    r, nb, _ = raw.shape
+    high = scratch.get("q_high", (r, 2, nb, 2), np.uint64)                  # [h, b, g]
+    np.copyto(high, raw[..., start:start + 4].reshape(r, nb, 2, 2).transpose(0, 2, 1, 3))
+    np.multiply(high, _ONE_EACH, out=high)             # the qh byte in all eight bytes
+    np.bitwise_and(high, _BIT_I_OF_BYTE_I, out=high)   # byte i keeps only its bit i ...
+    np.add(high, _bytes_x8(0x7F), out=high)            # ... which sets its top bit (no carry: <= 0xFF)
+    np.bitwise_and(high, _TOP_BITS, out=high)
+    np.right_shift(high, np.uint64(3), out=high)       # 0x80 -> 0x10
+    np.bitwise_or(q, high.reshape(q.shape), out=q)
+
+
+def _decode_q5_0(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    q = _nibble_words(raw, 6, scratch)
+    _or_fifth_bits(raw, 2, q, scratch)
+    _subtract_each_byte(q, 16)
+    return _as_row(q, np.int8)
+
+
+def _decode_q5_1(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    q = _nibble_words(raw, 8, scratch)
+    _or_fifth_bits(raw, 4, q, scratch)
+    return _as_row(q, np.uint8)
+
+
+# Non-linear 4-bit types: each nibble indexes a 16-entry table of small integers.
+# IQ4_NL (18 bytes): | d f16 | qs[16] |                 weight = d * IQ4_VALUES[nibble]
+# MXFP4  (17 bytes): | e u8 | qs[16] |                  weight = 2^(e - 128) * MXFP4_VALUES[nibble]
+# MXFP4's values are twice the FP4 (E2M1) ones and its scale half the E8M0 2^(e - 127), as in ggml.
+
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def _look_up(table: np.ndarray, q: np.ndarray, scratch: Scratch) -> np.ndarray:
+    """Decoded nibble words -> the table's int8 value for each, (rows, cols) in scratch."""
+    nibbles = _as_row(q, np.uint8)
+    out = scratch.get("q_values", nibbles.shape, np.int8)
+    np.take(table, nibbles, out=out, mode="clip")  # indices are 0..15; "clip" writes out= unbuffered
+    return out
+
+
+def _decode_iq4_nl(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    return _look_up(IQ4_VALUES, _nibble_words(raw, 2, scratch), scratch)
+
+
+def _decode_mxfp4(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    return _look_up(MXFP4_VALUES, _nibble_words(raw, 1, scratch), scratch)
+
+
+def e8m0_half_to_f32(e: np.ndarray) -> np.ndarray:
+    """E8M0 exponents (uint8) -> 2^(e - 128) as float32, exactly (subnormal for e < 2)."""
+    e32 = e.astype(np.uint32)
+    bits = np.where(e32 < 2, np.uint32(0x00200000) << e32, (e32 - np.uint32(1)) << np.uint32(23))
+    return bits.astype(np.uint32).view(np.float32)
+
+
+def _prepare_mxfp4(raw: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = the block's halved E8M0 scale per sub-block."""
+    return Scales(e8m0_half_to_f32(raw[..., 0])[:, index.block], None)
 
 
 def _grid_order(shape: tuple[int, ...], natural: Callable[..., np.ndarray]) -> np.ndarray:
@@ -235,17 +347,23 @@ def unpack_k4_scales(raw: np.ndarray) -> np.ndarray:
     return out.view(np.uint8).reshape(r, nb, 2, 8)
 
 
-_PLANES = np.arange(2).reshape(2, 1)
+def _mul_bias(d_dmin: np.ndarray, sc_m: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = d * sc and bias = -dmin * m per layout sub-block.
+
+    ``d_dmin`` (R, nb, 2) float32 [d | dmin]; ``sc_m`` (R, nb, 2, n) the small integer
+    scales [sc | m] of each block. The integers are gathered before any float work.
+    """
+    np.negative(d_dmin[..., 1], out=d_dmin[..., 1])
+    f = d_dmin[:, index.block, _PLANES]                                    # (R, 2, S): [d | -dmin]
+    np.multiply(f, sc_m[:, index.block, _PLANES, index.scale], out=f)
+    return Scales(f[:, 0], f[:, 1])
 
 
 def _prepare_k4(raw: np.ndarray, index: ScaleIndex) -> Scales:
     """mul = d * sc and bias = -dmin * m per layout sub-block."""
     r, nb, _ = raw.shape
     d_dmin = f16_to_f32(raw[..., 0:4].view(np.uint16), np.empty((r, nb, 2), np.float32), thread_scratch())
-    np.negative(d_dmin[..., 1], out=d_dmin[..., 1])
-    f = d_dmin[:, index.block, _PLANES]                                    # (R, 2, S): [d | -dmin]
-    np.multiply(f, unpack_k4_scales(raw)[:, index.block, _PLANES, index.scale], out=f)
-    return Scales(f[:, 0], f[:, 1])
+    return _mul_bias(d_dmin, unpack_k4_scales(raw), index)
 
 
 # Q4_K layout (h, b, g, l): the low nibbles of every qs byte of the row, then the high ones.
@@ -266,7 +384,6 @@ def _order_q4_k(cols: int) -> np.ndarray:
 # Q5_K layout (j, b, l), j = 2g + h the sub-block: bit j of qh[l] is the fifth bit of weight (j, l).
 
 _Q5_BITS = np.arange(8, dtype=np.uint64).reshape(8, 1)
-_ONE_EACH = _bytes_x8(1)
 
 
 def _decode_q5_k(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
@@ -294,15 +411,16 @@ def _order_q5_k(cols: int) -> np.ndarray:
 # ql[64h + 32(k % 2) + l] and bits 2k..2k+1 of qh[32h + l]; minus 32; one scale per 16 weights.
 # Layout (k, b, h, l) with k = 2 * nibble + part. ---
 
-_Q6_SHIFTS = (np.arange(4, dtype=np.uint64) * 2).reshape(4, 1)
-_TWO_BITS = _bytes_x8(3)
+def _d_times(d: np.ndarray, scales: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = d * scale per layout sub-block; d (R, nb) float32, scales (R, nb, n) signed integers."""
+    mul = d[:, index.block]
+    np.multiply(mul, scales[:, index.block, index.scale], out=mul)
+    return Scales(mul, None)
 
 
 def _prepare_q6_k(raw: np.ndarray, index: ScaleIndex) -> Scales:
     """mul = d * sc per layout sub-block of 16."""
-    mul = _f16_field(raw, 208)[:, index.block]
-    np.multiply(mul, raw[..., 192:208].view(np.int8)[:, index.block, index.scale], out=mul)
-    return Scales(mul, None)
+    return _d_times(_f16_field(raw, 208), raw[..., 192:208].view(np.int8), index)
 
 
 def _decode_q6_k(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
@@ -313,7 +431,7 @@ def _decode_q6_k(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
     q = scratch.get("q", (r, 2, 2, nb * 8), np.uint64)                     # [nibble, part, (b, h, l)]
     _nibbles(_words(ql).reshape(r, 2, nb * 8), q[:, 0], q[:, 1])
     high = scratch.get("q_high", (r, 4, nb * 8), np.uint64)
-    np.right_shift(qh, _Q6_SHIFTS, out=high)
+    np.right_shift(qh, _PAIR_SHIFTS, out=high)
     np.bitwise_and(high, _TWO_BITS, out=high)
     np.left_shift(high, np.uint64(4), out=high)
     q4 = _split(q, (r, 4, nb * 8))
@@ -325,6 +443,140 @@ def _decode_q6_k(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
 @functools.lru_cache(maxsize=64)
 def _order_q6_k(cols: int) -> np.ndarray:
     return _grid_order((4, cols // 256, 2, 32), lambda k, b, h, l: b * 256 + h * 128 + k * 32 + l)
+
+def _split_bytes(packed: np.ndarray, low: np.ndarray, high: np.ndarray) -> None:
+    """Bytes -> their low and high nibbles (small arrays of packed scales; any strides)."""
+    np.bitwise_and(packed, 0x0F, out=low)
+    np.right_shift(packed, 4, out=high)
+
+
+def _six_bits_minus_32(low: np.ndarray, high: np.ndarray) -> np.ndarray:
+    """6-bit scales from their low nibbles and (unmasked) top two bits, minus 32, as int8 in ``low``."""
+    np.bitwise_and(high, 0x03, out=high)
+    np.left_shift(high, 4, out=high)
+    np.bitwise_or(low, high, out=low)
+    np.subtract(low, 32, out=low)  # wraps: read as int8 it is the scale - 32
+    return low.view(np.int8)
+
+
+# --- Q2_K (84 bytes, 256 weights, 16 sub-blocks of 16):
+#
+#     | scales[16] | qs[64] | d f16 | dmin f16 |
+#
+# scales[j]: low nibble the scale, high nibble the min of sub-block j. Weight 128 h + 32 s + l
+# (h < 2, s < 4, l < 32) is bits 2s..2s+1 of qs[32 h + l]; it belongs to sub-block 8 h + 2 s + l // 16.
+# weight = d * sc * q - dmin * m. Layout (s, b, j): for each pair of bits s, all qs bytes j of the row. ---
+
+def _crumbs(qs: np.ndarray, out: np.ndarray) -> None:
+    """uint64 words of packed 2-bit values -> (4, words): pair s of every byte, one per byte."""
+    np.right_shift(qs, _PAIR_SHIFTS, out=out)
+    np.bitwise_and(out, _TWO_BITS, out=out)
+
+
+def _prepare_q2_k(raw: np.ndarray, index: ScaleIndex) -> Scales:
+    r, nb, _ = raw.shape
+    d_dmin = f16_to_f32(raw[..., 80:84].view(np.uint16), np.empty((r, nb, 2), np.float32), thread_scratch())
+    sc_m = np.empty((r, nb, 2, 16), np.uint8)
+    _split_bytes(raw[..., 0:16], sc_m[:, :, 0], sc_m[:, :, 1])
+    return _mul_bias(d_dmin, sc_m, index)
+
+
+def _decode_q2_k(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    r, nb, _ = raw.shape
+    qs = _words(_contiguous_bytes(raw, 16, 80, "q_bytes", scratch)).reshape(r, 1, nb * 8)
+    q = scratch.get("q", (r, 4, nb * 8), np.uint64)
+    _crumbs(qs, q)
+    return _as_row(q, np.uint8)
+
+
+@functools.lru_cache(maxsize=64)
+def _order_q2_k(cols: int) -> np.ndarray:
+    return _grid_order((4, cols // 256, 2, 32), lambda s, b, h, l: b * 256 + h * 128 + s * 32 + l)
+
+
+# --- Q3_K (110 bytes, 256 weights, 16 sub-blocks of 16):
+#
+#     | hmask[32] | qs[64] | scales[12] | d f16 |
+#
+# Weight 128 h + 32 s + l: low two bits from qs[32 h + l] as in Q2_K, third bit = bit 4 h + s of
+# hmask[l]; q = low + 4 * bit - 4 (the bit *clear* means minus 4). Sub-block j's 6-bit scale:
+# low nibble = nibble j // 8 of scales[j % 8], top two bits = bits 2 (j // 4)..+1 of scales[8 + j % 4];
+# weight = d * (scale - 32) * q. Layout (s, b, h, l), as Q2_K. ---
+
+_Q3_HMASK_SHIFTS = (4 * np.arange(2, dtype=np.uint64).reshape(1, 2, 1) +
+                    np.arange(4, dtype=np.uint64).reshape(4, 1, 1)).reshape(4, 1, 2, 1)   # [s, 1, h, 1]
+_Q3_HIGH_SHIFTS = (np.arange(4, dtype=np.uint8) * 2).reshape(4, 1)
+
+
+def unpack_q3_k_scales(raw: np.ndarray) -> np.ndarray:
+    """Q3_K blocks (R, nb, 110) -> the 16 signed sub-block scales (6-bit value - 32), (R, nb, 16) int8."""
+    r, nb, _ = raw.shape
+    packed = raw[..., 96:108]
+    low = np.empty((r, nb, 2, 8), np.uint8)                                # [nibble, byte]: j = 8 nibble + byte
+    _split_bytes(packed[..., :8], low[:, :, 0], low[:, :, 1])
+    high = np.empty((r, nb, 4, 4), np.uint8)                               # [pair, byte]: j = 4 pair + byte
+    np.right_shift(packed[..., None, 8:12], _Q3_HIGH_SHIFTS, out=high)
+    return _six_bits_minus_32(_split(low, (r, nb, 16)), _split(high, (r, nb, 16)))
+
+
+def _prepare_q3_k(raw: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = d * (scale - 32) per layout sub-block of 16."""
+    return _d_times(_f16_field(raw, 108), unpack_q3_k_scales(raw), index)
+
+
+def _decode_q3_k(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    r, nb, _ = raw.shape
+    qs = _words(_contiguous_bytes(raw, 32, 96, "q_bytes", scratch)).reshape(r, 1, nb * 8)
+    q = scratch.get("q", (r, 4, nb * 8), np.uint64)                        # [s, (b, h, l)]
+    _crumbs(qs, q)
+    hmask = _words(_contiguous_bytes(raw, 0, 32, "qh_bytes", scratch)).reshape(r, 1, nb, 1, 4)
+    high = scratch.get("q_high", (r, 4, nb, 2, 4), np.uint64)              # [s, b, h, l // 8]
+    np.right_shift(hmask, _Q3_HMASK_SHIFTS, out=high)
+    np.bitwise_and(high, _ONE_EACH, out=high)
+    np.left_shift(high, np.uint64(2), out=high)
+    np.bitwise_or(q, _split(high, q.shape), out=q)
+    _subtract_each_byte(q, 4)
+    return _as_row(q, np.int8)
+
+
+# --- IQ4_XS (136 bytes, 256 weights, 8 sub-blocks of 32):
+#
+#     | d f16 | scales_h u16 | scales_l[4] | qs[128] |
+#
+# Sub-block k's 6-bit scale: low nibble = nibble k % 2 of scales_l[k // 2], top two bits = bits
+# 2k..2k+1 of scales_h. Weight 32 k + 16 h + l is nibble h of qs[16 k + l];
+# weight = d * (scale - 32) * IQ4_VALUES[nibble]. Layout (h, b, k, l): every low nibble of the row,
+# then every high one (a sub-block of 16 layout columns is one half of one k). ---
+
+_IQ4_XS_HIGH_SHIFTS = np.arange(0, 16, 2, dtype=np.uint16)
+
+
+def unpack_iq4_xs_scales(raw: np.ndarray) -> np.ndarray:
+    """IQ4_XS blocks (R, nb, 136) -> the 8 signed sub-block scales (6-bit value - 32), (R, nb, 8) int8."""
+    r, nb, _ = raw.shape
+    low = np.empty((r, nb, 4, 2), np.uint8)                                # [byte, nibble]: k = 2 byte + nibble
+    _split_bytes(raw[..., 4:8], low[..., 0], low[..., 1])
+    high = np.empty((r, nb, 8), np.uint8)
+    np.right_shift(raw[..., 2:4].view(np.uint16)[..., 0:1], _IQ4_XS_HIGH_SHIFTS, out=high, casting="unsafe")
+    return _six_bits_minus_32(_split(low, (r, nb, 8)), high)
+
+
+def _prepare_iq4_xs(raw: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = d * (scale - 32) per layout sub-block of 16."""
+    return _d_times(_f16_field(raw, 0), unpack_iq4_xs_scales(raw), index)
+
+
+def _decode_iq4_xs(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    r, nb, _ = raw.shape
+    qs = _words(_contiguous_bytes(raw, 8, 136, "q_bytes", scratch)).reshape(r, nb * 16)
+    q = scratch.get("q", (r, 2, nb * 16), np.uint64)
+    _nibbles(qs, q[:, 0], q[:, 1])
+    return _look_up(IQ4_VALUES, q, scratch)
+
+
+@functools.lru_cache(maxsize=64)
+def _order_iq4_xs(cols: int) -> np.ndarray:
+    return _grid_order((2, cols // 256, 8, 16), lambda h, b, k, l: b * 256 + k * 32 + h * 16 + l)
 
 
 def _format(t: T, sub: int, prepare: Callable, decode: Callable, order: Callable = _natural,
@@ -338,10 +590,18 @@ FORMATS: dict[T, Format] = {f.ggml_type: f for f in (
     _format(T.F16, 0, _no_scales, _decode_f16),
     _format(T.BF16, 0, _no_scales, _decode_bf16),
     _format(T.Q8_0, 32, _prepare_q8_0, _decode_q8_0),
-    _format(T.Q4_0, 16, _prepare_q8_0, _decode_q4_0, _order_q4_0),   # d is read exactly as in Q8_0
+    _format(T.Q4_0, 16, _prepare_q8_0, _decode_q4_0, _order_q4_0),   # d opens the block, as in Q8_0
     _format(T.Q4_K, 32, _prepare_k4, _decode_q4_k, _order_q4_k, has_bias=True),
     _format(T.Q5_K, 32, _prepare_k4, _decode_q5_k, _order_q5_k, has_bias=True),
     _format(T.Q6_K, 16, _prepare_q6_k, _decode_q6_k, _order_q6_k),
+    _format(T.Q4_1, 16, _prepare_d_m, _decode_q4_1, _order_q4_0, has_bias=True),
+    _format(T.Q5_0, 16, _prepare_q8_0, _decode_q5_0, _order_q4_0),
+    _format(T.Q5_1, 16, _prepare_d_m, _decode_q5_1, _order_q4_0, has_bias=True),
+    _format(T.IQ4_NL, 16, _prepare_q8_0, _decode_iq4_nl, _order_q4_0),
+    _format(T.MXFP4, 16, _prepare_mxfp4, _decode_mxfp4, _order_q4_0),
+    _format(T.Q2_K, 16, _prepare_q2_k, _decode_q2_k, _order_q2_k, has_bias=True),
+    _format(T.Q3_K, 16, _prepare_q3_k, _decode_q3_k, _order_q2_k),
+    _format(T.IQ4_XS, 16, _prepare_iq4_xs, _decode_iq4_xs, _order_iq4_xs),
 )}
 
 
@@ -362,4 +622,5 @@ def scale_index(t: T, cols: int) -> ScaleIndex:
 
 
 # Weights sharing one stored scale, per type (Q4_0's d covers its whole block of 32).
-SCALE_GROUP = {T.Q8_0: 32, T.Q4_0: 32, T.Q4_K: 32, T.Q5_K: 32, T.Q6_K: 16}
+SCALE_GROUP = {T.Q8_0: 32, T.Q4_0: 32, T.Q4_K: 32, T.Q5_K: 32, T.Q6_K: 16, T.Q4_1: 32, T.Q5_0: 32, T.Q5_1: 32,
+               T.IQ4_NL: 32, T.MXFP4: 32, T.Q2_K: 16, T.Q3_K: 16, T.IQ4_XS: 32}

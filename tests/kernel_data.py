@@ -7,25 +7,39 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
 
 from colibri_aio.kernels.qtensor import QTensor
 
-K_TYPES = {T.Q4_K, T.Q5_K, T.Q6_K}
-# Byte offset of each block's f16 scale(s) in the K-quant layouts.
-K_SCALE_BYTES = {T.Q4_K: slice(0, 4), T.Q5_K: slice(0, 4), T.Q6_K: slice(208, 210)}
+# Types gguf.quants cannot quantise, made as random raw blocks instead: the byte ranges of each
+# block's f16 scales, which are set small and finite (random bits there could be inf or NaN).
+RANDOM_BLOCK_SCALES = {
+    T.Q4_K: slice(0, 4), T.Q5_K: slice(0, 4), T.Q6_K: slice(208, 210),
+    T.Q2_K: slice(80, 84), T.Q3_K: slice(108, 110), T.IQ4_NL: slice(0, 2), T.IQ4_XS: slice(0, 2),
+}
+
+
+def cols_for(t: T, blocks: int) -> int:
+    """Row length of ``blocks`` blocks (float types count 32 weights as a block)."""
+    return max(GGML_QUANT_SIZES[t][0], 32) * blocks
 
 
 def make_weights(t: T, shape: tuple[int, ...], seed: int = 0) -> QTensor:
-    """A valid tensor of type ``t``: quantised random data, or random K-quant blocks with small finite scales
-    (gguf.quants cannot quantise K-types)."""
+    """A valid tensor of type ``t``: quantised random data, or random blocks with small finite scales
+    for the types gguf.quants cannot quantise."""
     rng = np.random.default_rng(seed)
-    if t in K_TYPES:
+    if t in RANDOM_BLOCK_SCALES:
         block, type_size = GGML_QUANT_SIZES[t]
         blocks = rng.integers(0, 256, (int(np.prod(shape)) // block, type_size), dtype=np.uint8)
-        sl = K_SCALE_BYTES[t]
+        sl = RANDOM_BLOCK_SCALES[t]
         scales = (rng.uniform(-1, 1, (blocks.shape[0], (sl.stop - sl.start) // 2)) * 2e-3).astype(np.float16)
         blocks[:, sl] = scales.view(np.uint8)
         raw = blocks.reshape(-1)
     else:
         raw = quants.quantize(rng.standard_normal(shape).astype(np.float32), t).view(np.uint8).reshape(-1)
     return QTensor(np.ascontiguousarray(raw), t, shape)
+
+
+def random_bytes(t: T, shape: tuple[int, ...], seed: int = 0) -> QTensor:
+    """A tensor of type ``t`` whose bytes are all random: every bit pattern, non-finite scales included."""
+    raw = np.random.default_rng(seed).integers(0, 256, QTensor.nbytes_for(t, shape), dtype=np.uint8)
+    return QTensor(raw, t, shape)
 
 
 def reference(w: QTensor) -> np.ndarray:

@@ -114,18 +114,18 @@ def test_telemetry_read_rate_agrees_with_the_device(tmp_path) -> None:
     """
     import time
 
-    from colibri_aio.policy.diskstats import DiskstatsSampler, device_of, read_diskstats
+    from colibri_aio.engine.device import DeviceMonitor, between
 
     model = fixture("colibri-tiny-q8_0.gguf")
-    device = device_of(model)
-    if device is None:
+    monitor = DeviceMonitor.for_path(model)
+    if monitor is None:
         pytest.skip("the model's file system names no block device (overlay, tmpfs): no diskstats to compare")
-    sampler = DiskstatsSampler(device)
-    sampler.sample(read_diskstats(), time.perf_counter())
+    before = monitor.read()
     time.sleep(1.0)
-    idle = sampler.sample(read_diskstats(), time.perf_counter())
+    idle = between(before, monitor.read())
     if idle is not None and idle.read_bps > 2e6:
-        pytest.skip(f"{device} is busy with other readers ({idle.read_bps / 1e6:.0f} MB/s): nothing to compare")
+        pytest.skip(f"{monitor.device} is busy with other readers ({idle.read_bps / 1e6:.0f} MB/s): "
+                    "nothing to compare")
     out = tmp_path / "stats.jsonl"
     r = run_cli("run", "--model", str(model), "--max-tokens", "64", "--stats-json", str(out), "--stats-interval",
                 "0.05", "--cache-per-layer", "4", "--io", "uring", "--prefetch", "off")

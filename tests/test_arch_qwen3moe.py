@@ -1,21 +1,21 @@
 """The forward pass against oracles we did not write (transformers, llama.cpp).
 
-NumPy kernels (the reference): the transformers oracle runs on the same
-dequantised weights (gguf.quants.dequantize), so every fixture, quantised or
-not, must agree to 1e-4 x max|logit|. llama.cpp also quantises activations to
-Q8_0 before each product on quantised weights, so against it we check argmax
-agreement wherever its own top-2 margin is clear, and closeness only on F32
-fixtures (for F16/BF16 weights it rounds activations to half precision).
+Tolerance: the transformers oracle runs on the same dequantised weights
+(gguf.quants.dequantize), so every fixture, quantised or not, must agree to
+1e-4 x max|logit|. The fixtures of fixtures/quant_types/ (the tensor types
+beyond the first eight) store oracles for fewer positions: each test runs the
+ids each oracle file holds. llama.cpp also quantises activations to Q8_0 before each
+product on quantised weights, so against it we check argmax agreement wherever
+its own top-2 margin is clear, and closeness only on F32 fixtures (for F16/BF16
+weights it rounds activations to half precision). These run the NumPy
+kernels, the reference.
 
 ggml kernels: they round activations as llama.cpp does, so they are held to
 llama.cpp's logits: within 3e-2 x max|logit| everywhere, argmax equal where
-llama.cpp's margin is clear, and within 1e-3 on the Q8_0 fixtures (measured:
-0 on tiny_q8_0, 3e-4 on the trained model). Against transformers they differ
-as llama.cpp does (measured max/median over positions: Q8_0 0.17/0.08,
-Q4_0 0.89/0.10, Q4_K 0.20/0.08, Q5_K 0.07/0.06, BF16 0.33/0.02, F16 2e-3,
-F32 3e-6, trained Q8_0 model 0.024/0.009 x max|logit|: on these tiny random
-models rounding an activation often flips a near-tied routing choice); the
-check there is the same as for F32 weights only.
+llama.cpp's margin is clear, and within 1e-3 on the Q8_0 fixtures. Against
+transformers they differ as llama.cpp does (on these tiny random models
+rounding an activation often flips a near-tied routing choice); the close
+check there is for F32 weights only, which ggml does not round.
 """
 from __future__ import annotations
 
@@ -24,37 +24,49 @@ import json
 
 import numpy as np
 import pytest
+from gguf import GGUFReader
 
 from colibri_aio.gguf.model import load
 from colibri_aio.kernels.backend import Kernels, NumpyKernels, open_kernels
 from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.arch.qwen3moe import Qwen3MoE
 
-from support import ORACLE, fixture, oracle_ids
+from support import FIXTURES, ORACLE, fixture, oracle_ids, teacher_forced
 
 REL_TOL = 1e-4
 GGML_VS_LLAMACPP = 3e-2      # x max|logit|, every fixture
 GGML_VS_LLAMACPP_Q8 = 1e-3   # the Q8_0 fixtures
-TRANSFORMERS_FIXTURES = sorted(p.name.split(".")[0] for p in ORACLE.glob("*.transformers.npz"))
-LLAMACPP_FIXTURES = sorted(p.name.split(".")[0] for p in ORACLE.glob("*.llamacpp.npz"))
+# Oracle directories and the prefix that makes their stems fixture names (relative to fixtures/).
+ORACLE_DIRS = {ORACLE: "", FIXTURES / "quant_types" / "oracle": "quant_types/"}
+QUANT_TYPE_FIXTURES = {f"quant_types/{s}" for s in (
+    "tiny_q4_1", "tiny_q5_0", "tiny_q5_1", "tiny_iq4_nl", "tiny_mxfp4", "ktiny_q2_k", "ktiny_iq4_xs")}
+
+
+def _with_oracle(kind: str) -> list[str]:
+    """qwen3moe fixtures with a ``<stem>.<kind>.npz`` oracle (the other families' share fixtures/oracle/)."""
+    stems = sorted(prefix + p.name.split(".")[0] for d, prefix in ORACLE_DIRS.items() for p in d.glob(f"*.{kind}.npz"))
+    return [s for s in stems
+            if GGUFReader(FIXTURES / f"{s}.gguf").fields["general.architecture"].contents() == "qwen3moe"]
+
+
+TRANSFORMERS_FIXTURES = _with_oracle("transformers")
+LLAMACPP_FIXTURES = _with_oracle("llamacpp")
 F32_FIXTURES = {"tiny_f32", "tiny_f32_tied"}
+
+
+def _oracle(name: str, kind: str) -> list[tuple[str, list[int], np.ndarray]]:
+    """(sequence key, ids, logits) for every sequence the oracle file of ``name`` holds.
+
+    A file may hold fewer sequences, or fewer positions, than fixtures/oracle/ids.json.
+    """
+    folder, _, stem = name.rpartition("/")
+    ref, ids = np.load(FIXTURES / folder / "oracle" / f"{stem}.{kind}.npz"), oracle_ids()
+    return [(key, ids[int(key[3:])][: ref[key].shape[0]], ref[key]) for key in sorted(ref.files)]
 
 
 def _net(name: str, kernels: Kernels | None = None) -> Qwen3MoE:
     model = load(fixture(f"{name}.gguf"))
     return Qwen3MoE(model, MappedExpertSource(model), kernels=kernels)
-
-
-def teacher_forced(net: Qwen3MoE, ids: list[int], *, decode: bool) -> np.ndarray:
-    """All positions at once (prefill, matmul kernels) or one token at a time (decode, matvec kernels)."""
-    net.reset()
-    if not decode:
-        return asyncio.run(net.forward(ids, logits="all"))
-
-    async def one_by_one() -> np.ndarray:
-        return np.stack([await net.forward([t]) for t in ids])
-
-    return asyncio.run(one_by_one())
 
 
 @pytest.fixture(scope="module")
@@ -70,17 +82,17 @@ def ggml() -> Kernels:
 def test_oracles_are_present() -> None:
     assert {"tiny_f32", "tiny_f32_tied", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0"} <= set(TRANSFORMERS_FIXTURES)
     assert {"tiny_f32", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0"} <= set(LLAMACPP_FIXTURES)
+    assert QUANT_TYPE_FIXTURES <= set(TRANSFORMERS_FIXTURES) and QUANT_TYPE_FIXTURES <= set(LLAMACPP_FIXTURES)
 
 
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
 @pytest.mark.parametrize("name", TRANSFORMERS_FIXTURES)
 def test_logits_match_transformers(name: str, decode: bool) -> None:
-    net, ref = _net(name, NumpyKernels()), np.load(ORACLE / f"{name}.transformers.npz")
-    for i, ids in enumerate(oracle_ids()):
-        want = ref[f"seq{i}"]
+    net = _net(name, NumpyKernels())
+    for key, ids, want in _oracle(name, "transformers"):
         got = teacher_forced(net, ids, decode=decode)
         tol = REL_TOL * float(np.abs(want).max())
-        assert float(np.abs(got - want).max()) <= tol, f"{name} seq{i}"
+        assert float(np.abs(got - want).max()) <= tol, f"{name} {key}"
         top2 = np.sort(want, axis=-1)[:, -2:]
         clear = (top2[:, 1] - top2[:, 0]) > tol
         np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
@@ -88,17 +100,16 @@ def test_logits_match_transformers(name: str, decode: bool) -> None:
 
 @pytest.mark.parametrize("name", LLAMACPP_FIXTURES)
 def test_argmax_matches_llamacpp(name: str) -> None:
-    net, ref = _net(name), np.load(ORACLE / f"{name}.llamacpp.npz")
+    net = _net(name)
     f32_weights = name in F32_FIXTURES
-    for i, ids in enumerate(oracle_ids()):
-        want = ref[f"seq{i}"]
+    for key, ids, want in _oracle(name, "llamacpp"):
         got = teacher_forced(net, ids, decode=False)
         scale = float(np.abs(want).max())
         # F32 weights: only the summation order differs. Otherwise llama.cpp rounds the
         # activations too (to F16/BF16 for half-precision weights, Q8_0 for quantised ones).
         tol = (REL_TOL if f32_weights else 0.05) * scale
         if f32_weights:
-            assert float(np.abs(got - want).max()) <= tol, f"{name} seq{i}"
+            assert float(np.abs(got - want).max()) <= tol, f"{name} {key}"
         top2 = np.sort(want, axis=-1)[:, -2:]
         clear = (top2[:, 1] - top2[:, 0]) > 2 * tol
         np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
@@ -107,13 +118,12 @@ def test_argmax_matches_llamacpp(name: str) -> None:
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
 @pytest.mark.parametrize("name", LLAMACPP_FIXTURES)
 def test_ggml_logits_match_llamacpp(name: str, decode: bool, ggml: Kernels) -> None:
-    net, ref = _net(name, ggml), np.load(ORACLE / f"{name}.llamacpp.npz")
-    for i, ids in enumerate(oracle_ids()):
-        want = ref[f"seq{i}"]
+    net = _net(name, ggml)
+    for key, ids, want in _oracle(name, "llamacpp"):
         got = teacher_forced(net, ids, decode=decode)
         scale = float(np.abs(want).max())
         tol = (GGML_VS_LLAMACPP_Q8 if "q8_0" in name else GGML_VS_LLAMACPP) * scale
-        assert float(np.abs(got - want).max()) <= tol, f"{name} seq{i}"
+        assert float(np.abs(got - want).max()) <= tol, f"{name} {key}"
         top2 = np.sort(want, axis=-1)[:, -2:]
         clear = (top2[:, 1] - top2[:, 0]) > 2 * tol
         np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
@@ -122,10 +132,10 @@ def test_ggml_logits_match_llamacpp(name: str, decode: bool, ggml: Kernels) -> N
 @pytest.mark.parametrize("name", sorted(F32_FIXTURES))
 def test_ggml_on_f32_weights_matches_transformers(name: str, ggml: Kernels) -> None:
     """F32 weights: ggml rounds nothing, so it is held to the reference's tolerance."""
-    net, ref = _net(name, ggml), np.load(ORACLE / f"{name}.transformers.npz")
-    for i, ids in enumerate(oracle_ids()):
-        want = ref[f"seq{i}"]
-        assert float(np.abs(teacher_forced(net, ids, decode=True) - want).max()) <= REL_TOL * np.abs(want).max()
+    net = _net(name, ggml)
+    for key, ids, want in _oracle(name, "transformers"):
+        got = teacher_forced(net, ids, decode=True)
+        assert float(np.abs(got - want).max()) <= REL_TOL * np.abs(want).max(), f"{name} {key}"
 
 
 @pytest.mark.parametrize("backend", ["numpy", "ggml"])

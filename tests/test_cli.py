@@ -2,11 +2,15 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 
-from support import ORACLE, fixture, oracle_ids, run_cli
+from support import FIXTURES, ORACLE, fixture, oracle_ids, run_cli
 
 
 def test_help_explains_every_command() -> None:
@@ -27,6 +31,17 @@ def test_logits_writes_teacher_forced_rows(tmp_path) -> None:
     got, want = np.load(out), np.load(ORACLE / "tiny_f32.transformers.npz")["seq1"]
     assert got.dtype == np.float32 and got.shape == (len(ids), 2048)
     assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
+
+
+@pytest.mark.parametrize("kernels", ["numba", "auto"])
+def test_logits_of_types_without_compiled_kernels(kernels: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q2_K/Q3_K file opens under every backend (none compiles those types) and runs on NumPy's kernels."""
+    monkeypatch.setenv("COLIBRI_KERNELS", kernels)
+    want = np.load(FIXTURES / "quant_types" / "oracle" / "ktiny_q2_k.transformers.npz")["seq0"]
+    ids, out = oracle_ids()[0][: len(want)], tmp_path / "l.npy"
+    r = run_cli("logits", str(fixture("quant_types/ktiny_q2_k.gguf")), "--ids", ",".join(map(str, ids)), "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert float(np.abs(np.load(out) - want).max()) <= 1e-4 * float(np.abs(want).max())
 
 
 @pytest.mark.parametrize("ids", ["1,x,3", "", "5,99999"])
@@ -94,3 +109,51 @@ def test_trace_and_stats(tmp_path) -> None:
     stats = json.loads(r.stdout)
     assert stats["positions"] == len(routes) // 2 and len(stats["layers"]) == 2
     assert {p["predictor"] for p in stats["predictors"]} == set(header["predictors"])
+
+
+def _popen_run(tmp_path, *args: str, **kw) -> subprocess.Popen[bytes]:
+    """The shipped model decodes ~60 tokens/s here: 240 tokens leave seconds to interrupt it mid-way."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            cwd=FIXTURES.parent, **kw)
+
+
+def _history_runs(cache) -> int:
+    paths = list((cache / "colibri_aio" / "usage").glob("*.json"))
+    return json.loads(paths[0].read_text())["runs"] if paths else 0
+
+
+@pytest.mark.parametrize("sig,status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_sigterm_cleans_up_like_ctrl_c(tmp_path, sig: signal.Signals, status: int) -> None:
+    """Stopped mid-generation by either signal: quiet exit with its status, reads drained, history saved."""
+    p = _popen_run(tmp_path, "-m", "colibri_aio", "run", "--max-tokens", "240", "--prefetch", "on")
+    assert p.stdout is not None and p.stdout.read(1)          # the first token is out: generation is running
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == status, err.decode()
+    assert b"Traceback" not in err and b"decode 240 tok" not in err
+    assert _history_runs(tmp_path) == 1                        # saved after the reads were drained
+
+
+def test_a_closed_pipe_ends_the_run_quietly(tmp_path) -> None:
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path)}
+    r = subprocess.run(["bash", "-c", f"'{sys.executable}' -m colibri_aio run --max-tokens 240 | head -c 5;"
+                        " echo \" status=${PIPESTATUS[0]}\""], capture_output=True, text=True, env=env,
+                       cwd=FIXTURES.parent, timeout=120)
+    assert r.stdout.endswith(" status=141\n"), r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "Broken" not in r.stderr and "Exception ignored" not in r.stderr
+    assert r.stderr.count("\n") == 1 and r.stderr.startswith("[")   # the start line only
+    assert _history_runs(tmp_path) == 1
+
+
+def test_ctrl_c_while_importing_is_quiet(tmp_path) -> None:
+    """-X importtime reports each import as it ends: interrupt once NumPy is in, while the engine still loads."""
+    p = _popen_run(tmp_path, "-X", "importtime", "-m", "colibri_aio", "run", "--max-tokens", "2")
+    assert p.stderr is not None
+    for line in p.stderr:
+        if line.split(b"|")[-1].strip() == b"numpy":
+            p.send_signal(signal.SIGINT)
+            break
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and b"Traceback" not in err and b"KeyboardInterrupt" not in err, err.decode()[-800:]
+    assert out == b""

@@ -18,21 +18,25 @@ from colibri_aio.io.reader import ReaderClosedError
 from colibri_aio.kernels.backend import open_kernels
 from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.policy.backpressure import BackpressureConfig
+from colibri_aio.arch import build_net
 from colibri_aio.arch.qwen3moe import Qwen3MoE
 from colibri_aio.engine.placement import DEFAULT_LOOKAHEAD, Placement, open_source
 
 from support import fixture, oracle_ids
 
-FIXTURES = ["tiny_f32", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0"]
+FIXTURES = ["tiny_f32", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0", "quant_types/tiny_mxfp4",
+            "quant_types/ktiny_q2_k", "qwen2moe_q8_0", "olmoe_q8_0", "mixtral_q8_0"]  # and one of every other family
 
 
 async def _reference(name: str, ids: list[int], kernels: str = "numpy") -> np.ndarray:
     model = load(fixture(f"{name}.gguf"))
     backend = open_kernels(kernels)
-    net = Qwen3MoE(model, MappedExpertSource(model), kernels=backend)
-    prefill = await net.forward(ids[:12], logits="all")
-    decode = [await net.forward([t]) for t in ids[12:]]
-    backend.close()
+    try:
+        net = build_net(model, MappedExpertSource(model), kernels=backend)
+        prefill = await net.forward(ids[:12], logits="all")
+        decode = [await net.forward([t]) for t in ids[12:]]
+    finally:
+        backend.close()
     return np.concatenate([prefill, np.stack(decode)])
 
 
@@ -49,17 +53,17 @@ async def _engine_logits(name: str, ids: list[int], kernels: str = "numpy", **pl
 @pytest.mark.parametrize("name", FIXTURES)
 async def test_logits_are_bit_identical_across_placements(name: str, kernels: str) -> None:
     """Every kernel backend: placement (and with it how experts are batched) never changes a bit."""
-    ids = oracle_ids()[2]
+    a = load(fixture(f"{name}.gguf")).args
+    ids = [t % a.vocab_size for t in oracle_ids()[2]]
     want = await _reference(name, ids, kernels)
-    k, e = load(fixture(f"{name}.gguf")).args.expert_used_count, load(fixture(f"{name}.gguf")).args.expert_count
+    k, e = a.expert_used_count, a.expert_count
     # Every backend with the smallest and the full cache; every prefetch mode; one size in between.
     combos = [(io, per_layer, "on") for io, per_layer in itertools.product(("uring", "pread", "mmap"), (1, k, e))]
     combos += [("uring", k, "off"), ("uring", 1, "auto"), ("pread", k + 1, "auto")]
     for io, per_layer, prefetch in combos:
-        got, _ = await _engine_logits(name, ids, io=io, cache_per_layer=per_layer, prefetch=prefetch,
-                                      kernels=kernels)
+        got, _ = await _engine_logits(name, ids, kernels, io=io, cache_per_layer=per_layer, prefetch=prefetch)
         assert np.array_equal(got, want), (io, per_layer, prefetch)
-    got, _ = await _engine_logits(name, ids, ram_budget="600M", kernels=kernels)  # global cache sized by the plan
+    got, _ = await _engine_logits(name, ids, kernels, ram_budget="600M")  # global cache sized by the plan
     assert np.array_equal(got, want)
 
 
@@ -68,7 +72,7 @@ async def test_cache_that_holds_everything_reads_each_expert_once() -> None:
     model = load(fixture("tiny_q8_0.gguf"))
     got, engine = await _engine_logits("tiny_q8_0", ids + ids, io="pread", cache_per_layer=model.args.expert_count,
                                        prefetch="off")
-    stats = engine.source.cache.stats
+    stats = engine.source.policy.cache.stats
     assert stats.misses == engine.source.reader.stats.reads <= model.args.block_count * model.args.expert_count
     assert stats.hit_rate > 0.5 and stats.prefetch_reads == 0
 
@@ -76,7 +80,7 @@ async def test_cache_that_holds_everything_reads_each_expert_once() -> None:
 async def test_small_cache_evicts_and_prefetch_is_counted() -> None:
     ids = oracle_ids()[1]
     _, engine = await _engine_logits("tiny_f32", ids, io="pread", cache_per_layer=2, prefetch="on")
-    s, c = engine.source.stats, engine.source.cache.stats
+    s, c = engine.source.policy.stats, engine.source.policy.cache.stats
     assert c.evictions > 0
     assert s.prefetch_reads == c.prefetch_reads > 0
     assert c.prefetch_hits + c.prefetch_wasted <= c.prefetch_reads
@@ -98,7 +102,7 @@ async def test_decode_steps_reach_the_backpressure_trial_and_never_change_logits
     finally:
         await source.aclose()
     assert np.array_equal(np.concatenate([prefill, np.stack(decode)]), want)
-    c = source.backpressure.counters
+    c = source.policy.backpressure.counters
     assert c.decode_steps == len(ids) - 12 - 1     # the first follows the prefill, the last never ends
     assert c.trials >= 2 and c.trial_verdict_on + c.trial_verdict_off >= 1
 
@@ -118,20 +122,24 @@ async def test_cancelled_generation_drains_reads_and_closes() -> None:
     await engine.aclose()
     assert engine.source.reader.in_flight == 0
     with pytest.raises(ReaderClosedError):
-        await engine.source.reader.read(engine.model.expert(0, 0))
+        engine.source.reader.start(engine.model.expert(0, 0), 0)
 
 
 async def test_read_error_names_the_expert(monkeypatch) -> None:
     engine = await Engine.open(fixture("tiny_q8_0.gguf"), io="pread", cache_per_layer=2, prefetch="off")
     reader = engine.source.reader
-    real = reader.read
+    real = reader.start
 
-    async def failing(loc):
-        if (loc.layer, loc.expert) == (1, 3):
-            raise ExpertReadError(reader.file.path, loc.gate.offset, loc.nbytes, loc.layer, loc.expert, "injected")
-        return await real(loc)
+    def failing(loc, slot):
+        future = real(loc, slot)
+        if (loc.layer, loc.expert) != (1, 3):
+            return future
+        error = ExpertReadError(reader.file.path, loc.gate.offset, loc.nbytes, loc.layer, loc.expert, "injected")
+        broken = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda _: broken.set_exception(error))  # fails once the kernel is done
+        return broken
 
-    monkeypatch.setattr(reader, "read", failing)
+    monkeypatch.setattr(reader, "start", failing)
     try:
         with pytest.raises(ExpertReadError, match="layer 1 expert 3"):
             for ids in oracle_ids():
@@ -153,15 +161,20 @@ async def test_pinning_from_usage_history_keeps_logits_and_hits() -> None:
     await _engine_logits("tiny_q8_0", ids, io="pread", cache_per_layer=k + 2)  # records the usage history
     got, engine = await _engine_logits("tiny_q8_0", ids, io="pread", cache_per_layer=k + 2, pin="auto")
     assert np.array_equal(got, want)
-    assert engine.source.cache.pinned and engine.source.cache.stats.pinned_hits > 0
+    assert engine.source.policy.cache.pinned and engine.source.policy.cache.stats.pinned_hits > 0
 
 
-async def test_usage_history_of_another_model_is_refused(tmp_path) -> None:
-    from colibri_aio.policy.usage import default_usage_path, model_fingerprint
+async def test_usage_history_of_another_model_is_never_used(tmp_path) -> None:
+    """At the default place it is set aside (a cache); named with --pin FILE it is refused."""
+    from colibri_aio.engine.history import default_usage_path
+    from colibri_aio.policy.usage import model_fingerprint
 
     await _engine_logits("tiny_q8_0", oracle_ids()[0][:13], io="pread")
     theirs = default_usage_path(model_fingerprint(load(fixture("tiny_q8_0.gguf"))))
     ours = default_usage_path(model_fingerprint(load(fixture("tiny_f32.gguf"))))
     ours.write_bytes(theirs.read_bytes())
+    engine = await Engine.open(fixture("tiny_f32.gguf"), pin="auto")
+    await engine.aclose()
+    assert not engine.source.policy.cache.pinned and ours.with_name(ours.name + ".bad").exists()
     with pytest.raises(UserError, match="another model"):
-        await Engine.open(fixture("tiny_f32.gguf"), pin="auto")
+        await Engine.open(fixture("tiny_f32.gguf"), pin=str(theirs))

@@ -22,20 +22,26 @@ QWEN3_30B = SimpleNamespace(
 )
 SLOT = -(-3 * 768 * 2048 * 34 // 32 // 4096) * 4096 + 6 * 4096  # aligned up + O_DIRECT slack
 LIMITS = MemoryLimits(total=24 * GiB, available=22 * GiB, cgroup_limit=None, cgroup_source="none")
+BIG = MemoryLimits(total=64 * GiB, available=60 * GiB, cgroup_limit=None, cgroup_source="none")
 
 
 def _reserved(context: int) -> int:
     return QWEN3_30B.trunk_nbytes + kv_cache_nbytes(QWEN3_30B, context) + working_nbytes(QWEN3_30B)
 
 
+def _per_layer(slots: int) -> int:
+    """The cache gives all 48 layers the same quota: slots that do not divide are not allocated."""
+    return slots // 48 * 48
+
+
 @pytest.mark.parametrize("budget,context,slots,bottleneck", [
-    (4 * GiB, 4096, (4 * GiB - _reserved(4096)) // SLOT, "disk"),     # 285 of 6144 experts
-    (12 * GiB, 4096, (12 * GiB - _reserved(4096)) // SLOT, "disk"),   # 1990: a third of the experts
-    (12 * GiB, 32768, (12 * GiB - _reserved(32768)) // SLOT, "disk"),  # a longer context costs slots
-    (40 * GiB, 4096, 6144, "compute"),                                 # every expert fits
+    (4 * GiB, 4096, _per_layer((4 * GiB - _reserved(4096)) // SLOT), "disk"),     # 240 of 6144 experts
+    (12 * GiB, 4096, _per_layer((12 * GiB - _reserved(4096)) // SLOT), "disk"),   # 1968: a third of them
+    (12 * GiB, 32768, _per_layer((12 * GiB - _reserved(32768)) // SLOT), "disk"),  # a longer context costs slots
+    (40 * GiB, 4096, 6144, "compute"),                                             # every expert fits
 ])
 def test_budget_matrix(budget: int, context: int, slots: int, bottleneck: str) -> None:
-    plan = make_plan(QWEN3_30B, LIMITS, budget=budget, context=context)
+    plan = make_plan(QWEN3_30B, BIG, budget=budget, context=context)
     assert plan.slot_nbytes == SLOT
     assert plan.slots == slots and plan.bottleneck == bottleneck
     assert plan.kv_cache == 2 * 48 * context * 4 * 128 * 4
@@ -46,8 +52,8 @@ def test_budget_matrix(budget: int, context: int, slots: int, bottleneck: str) -
 def test_expected_matrix_values_are_the_ones_written_down() -> None:
     """The first rows above, spelled out, so a change of the arithmetic shows."""
     assert SLOT == 5_038_080
-    assert make_plan(QWEN3_30B, LIMITS, budget=4 * GiB, context=4096).slots == 285
-    assert make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, context=4096).slots == 1990
+    assert make_plan(QWEN3_30B, LIMITS, budget=4 * GiB, context=4096).slots == 240    # 285 fit, 5 per layer
+    assert make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, context=4096).slots == 1968  # 1990 fit, 41 per layer
 
 
 def test_default_budget_follows_the_cgroup_limit() -> None:
@@ -61,7 +67,8 @@ def test_usage_history_gives_an_expected_hit_rate() -> None:
     plan = make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, context=4096, usage_counts=counts, pin_share=0.5)
     hot = 48 * 16 * 100.0
     assert plan.expected_hit_rate == pytest.approx((hot + (plan.slots - 48 * 16)) / (hot + 48 * 112))
-    assert plan.pinned_slots == plan.slots // 2
+    fit = (12 * GiB - _reserved(4096)) // SLOT
+    assert plan.pinned_slots == fit // 2 and (plan.slots - plan.pinned_slots) % 48 == 0
 
 
 def test_planted_over_budget_is_refused() -> None:
@@ -78,3 +85,37 @@ def test_plan_cli(tmp_path) -> None:
     assert r.returncode == 2 and "too small" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     r = run_cli("plan", str(fixture("tiny_q8_0.gguf")))
     assert r.returncode == 0 and "expert pool" in r.stdout and "bound by" in r.stdout
+
+
+def test_cache_per_layer_is_what_the_plan_counts() -> None:
+    """--cache-per-layer 8 on 48 layers is 384 slots, pins on top of each layer's quota: the plan says so."""
+    plan = make_plan(QWEN3_30B, LIMITS, budget=8 * GiB, context=4096, cache_per_layer=8)
+    assert plan.slots == 384 and plan.pinned_slots == 0 and "pool 384 slots" in plan.one_line()
+    counts = {(0, 0): 1.0}
+    pinned = make_plan(QWEN3_30B, LIMITS, budget=8 * GiB, context=4096, cache_per_layer=8, usage_counts=counts,
+                       pin_share=0.5)
+    assert (pinned.slots, pinned.pinned_slots) == (384 + 4 * 48, 4 * 48)
+    with pytest.raises(UserError, match="--cache-per-layer"):
+        make_plan(QWEN3_30B, LIMITS, budget=4 * GiB, context=4096, cache_per_layer=128)
+
+
+def test_a_budget_above_the_machine_is_refused_naming_both_figures() -> None:
+    with pytest.raises(UserError, match=r"--ram-budget 30.00 GiB is more than this machine's RAM 24.00 GiB"):
+        make_plan(QWEN3_30B, LIMITS, budget=30 * GiB, context=4096)
+    limited = MemoryLimits(total=24 * GiB, available=22 * GiB, cgroup_limit=8 * GiB, cgroup_source="memory.max")
+    with pytest.raises(UserError, match=r"10.00 GiB is more than the cgroup memory limit 8.00 GiB \(memory.max\)"):
+        make_plan(QWEN3_30B, limited, budget=10 * GiB, context=4096)
+    busy = MemoryLimits(total=24 * GiB, available=6 * GiB, cgroup_limit=None, cgroup_source="none")
+    plan = make_plan(QWEN3_30B, busy, budget=8 * GiB, context=4096)
+    assert any("8.00 GiB is more than the 6.00 GiB available now" in n for n in plan.notes)
+
+
+def test_context_default_clamp_and_refusal() -> None:
+    default = make_plan(QWEN3_30B, LIMITS, budget=12 * GiB)
+    assert default.context == 4096 and "default" in default.context_source     # not the model's 40960
+    clamped = make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, context=100_000)
+    assert clamped.context == 40960 and clamped.notes == (
+        "--ctx 100000 is more than the model's context_length 40960: using 40960",)
+    for bad in (0, -5):
+        with pytest.raises(UserError, match="--ctx must be >= 1"):
+            make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, context=bad)

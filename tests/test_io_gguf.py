@@ -9,7 +9,7 @@ import pytest
 from gguf import GGUFReader
 
 from colibri_aio.gguf.model import load
-from colibri_aio.io import ExpertReader, StreamingExpertSource
+from colibri_aio.io import ExpertReader
 
 pytest.importorskip("liburing")
 
@@ -38,20 +38,20 @@ async def test_every_expert_matches_the_gguf_reader(name: str, backend: str) -> 
         pytest.skip(f"fixture {name} not built")
     model = load(path, resident=False)
     want = stacked_expert_bytes(path)
-    table = {(loc.layer, loc.expert): loc for layer in model.experts for loc in layer}
     reader = await ExpertReader.open(path, model.expert_nbytes_max, n_slots=3, backend=backend)
-    source = StreamingExpertSource(reader, table)
+
+    async def worker(slot: int, locs: list) -> None:  # one slot each, all three busy at once
+        for loc in locs:
+            weights = await reader.start(loc, slot)
+            for proj in ("gate", "up", "down"):
+                tensor = getattr(weights, proj)
+                assert tensor.shape == getattr(loc, proj).shape
+                assert tensor.data.tobytes() == want[(loc.layer, loc.expert, proj)], (loc.layer, loc.expert, proj)
+
+    every = [loc for layer in model.experts for loc in layer]
     try:
         async with asyncio.timeout(30):
-            for layer in range(model.args.block_count):
-                seen = set()
-                async with source.stream(layer, range(model.args.expert_count)) as stream:
-                    async for expert, weights in stream:
-                        seen.add(expert)
-                        for proj in ("gate", "up", "down"):
-                            tensor = getattr(weights, proj)
-                            assert tensor.shape == getattr(table[(layer, expert)], proj).shape
-                            assert tensor.data.tobytes() == want[(layer, expert, proj)], (layer, expert, proj)
-                assert seen == set(range(model.args.expert_count))
+            await asyncio.gather(*(worker(slot, every[slot::3]) for slot in range(3)))
+        assert reader.stats.reads == model.args.block_count * model.args.expert_count == len(every)
     finally:
-        await source.aclose()
+        await reader.aclose()

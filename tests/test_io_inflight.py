@@ -1,4 +1,4 @@
-"""Reads in flight: cancellation, close, the streaming ExpertSource, and event-loop responsiveness."""
+"""Reads in flight: cancellation, close, synchronous submission, and event-loop responsiveness."""
 from __future__ import annotations
 
 import asyncio
@@ -9,11 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from colibri_aio.errors import ExpertReadError
 from colibri_aio.experts import ExpertLocation
-from colibri_aio.io import ExpertReader, ReaderClosedError, SlotState, StreamingExpertSource
+from colibri_aio.io import ExpertReader, ReaderClosedError
 from colibri_aio.io.pool import BufferPool
-from colibri_aio.io.synthetic import bench_locations, byte_range
+from colibri_aio.bench.locations import bench_locations
 
 pytest.importorskip("liburing")
 
@@ -38,26 +37,6 @@ def exact(path: Path, loc: ExpertLocation, weights) -> bool:
                    for t, r in zip((weights.gate, weights.up, weights.down), loc.ranges))
 
 
-def watch_slot_releases(monkeypatch: pytest.MonkeyPatch, reader: ExpertReader) -> list[str]:
-    """Record every release of a slot the kernel may still be writing into."""
-    violations: list[str] = []
-    release = BufferPool.release
-
-    def checked_release(pool: BufferPool, slot) -> None:
-        if slot.state is SlotState.KERNEL:
-            violations.append(f"slot {slot.index} released in the kernel's hands")
-        backend = reader._backend
-        reactor = getattr(backend, "reactor", None)
-        if reactor is not None:
-            for request in reactor._table.values():
-                if slot.address <= request.address < slot.address + slot.nbytes:
-                    violations.append(f"slot {slot.index} released with a read still in the ring")
-        release(pool, slot)
-
-    monkeypatch.setattr(BufferPool, "release", checked_release)
-    return violations
-
-
 async def collect_loop_errors() -> list[dict]:
     """Errors raised in loop callbacks (a slot released too early would show up here)."""
     errors: list[dict] = []
@@ -66,125 +45,60 @@ async def collect_loop_errors() -> list[dict]:
 
 
 @pytest.mark.parametrize("backend", ["uring", "pread"])
-async def test_cancelled_reads_keep_their_slots_until_the_kernel_is_done(
-        model_file: Path, backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_cancelled_reads_keep_their_slots_until_the_kernel_is_done(model_file: Path, backend: str) -> None:
     errors = await collect_loop_errors()
     reader = await ExpertReader.open(model_file, EXPERT_NBYTES, n_slots=4, backend=backend)
-    violations = watch_slot_releases(monkeypatch, reader)
     try:
-        tasks = [asyncio.create_task(reader.read(loc)) for loc in locations(6, seed=1)]
-        await asyncio.sleep(0)   # the tasks take slots and queue their reads
-        await asyncio.sleep(0)   # the reads are submitted
-        in_flight_at_cancel = reader.in_flight
-        for task in tasks:
-            task.cancel()
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        assert all(isinstance(r, asyncio.CancelledError) for r in results)
-        assert in_flight_at_cancel > 0, "no read was in flight when cancelled: the test proved nothing"
-        # Cancelled, yet the slots of unfinished reads are still the kernel's.
-        kernel_held = reader.pool.count(SlotState.KERNEL)
-        assert reader.pool.available + kernel_held == reader.pool.n_slots
-        assert kernel_held == reader.in_flight
+        futures = [reader.start(loc, slot) for slot, loc in enumerate(locations(4, seed=1))]
+        in_flight_at_cancel = reader.in_flight   # submitted when start() returned: no loop turn needed
+        for future in futures:
+            future.cancel()
+        assert in_flight_at_cancel == 4, "the reads were not in flight when cancelled: the test proved nothing"
+        # Cancelled, yet the slots of unfinished reads are still the kernel's, and refused.
+        busy = [s for s in range(4) if reader.in_kernel(s)]
+        assert len(busy) == reader.in_flight > 0
+        with pytest.raises(RuntimeError, match="in flight"):
+            reader.start(locations(1, seed=2)[0], busy[0])
         await reader.drained()
-        assert reader.pool.available == reader.pool.n_slots
-        # Late completions wrote nothing into slots now serving other experts.
-        fresh = locations(8, seed=2)
-        leases = await asyncio.gather(*(reader.read(loc) for loc in fresh[:4]))
-        for loc, lease in zip(fresh, leases):
-            assert exact(model_file, loc, lease.weights)
-            lease.release()
+        assert not any(reader.in_kernel(s) for s in range(4))
+        # Late completions wrote nothing into the slots now serving other experts.
+        fresh = locations(4, seed=2)
+        got = await asyncio.gather(*(reader.start(loc, slot) for slot, loc in enumerate(fresh)))
+        for loc, weights in zip(fresh, got):
+            assert exact(model_file, loc, weights)
     finally:
         await reader.aclose()
-    assert violations == [] and errors == []
+    assert errors == []
 
 
 @pytest.mark.parametrize("backend", ["uring", "pread", "mmap"])
 async def test_close_drains_reads_in_flight(model_file: Path, backend: str) -> None:
     errors = await collect_loop_errors()
     reader = await ExpertReader.open(model_file, EXPERT_NBYTES, n_slots=6, backend=backend)
-    locs = locations(8, seed=3)  # more reads than slots: two wait for a slot
-    tasks = [asyncio.create_task(reader.read(loc)) for loc in locs]
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
+    futures = [reader.start(loc, slot) for slot, loc in enumerate(locations(6, seed=3))]
+    waiters = [asyncio.ensure_future(f) for f in futures]
     await reader.aclose()
-    assert reader.in_flight == 0
-    if reader.pool is not None:
-        assert reader.pool.count(SlotState.KERNEL) == 0
+    assert reader.in_flight == 0 and not any(reader.in_kernel(s) for s in range(6))
     # Every waiter hears that the reader closed; none is handed bytes from a closed pool.
-    results = await asyncio.gather(*tasks, return_exceptions=True)
+    results = await asyncio.gather(*waiters, return_exceptions=True)
     assert all(isinstance(r, ReaderClosedError) for r in results), results
     assert errors == []
 
 
-async def test_stream_yields_every_expert_once_and_returns_every_slot(model_file: Path) -> None:
-    locs = locations(8, seed=4)
-    table = {(0, loc.expert): loc for loc in locs}
-    reader = await ExpertReader.open(model_file, EXPERT_NBYTES, n_slots=3)
-    source = StreamingExpertSource(reader, table)
+async def test_reads_reach_the_kernel_before_start_returns(model_file: Path) -> None:
+    """Compute that follows start() without yielding to the loop overlaps the reads: they are already submitted."""
+    reader = await ExpertReader.open(model_file, EXPERT_NBYTES, n_slots=8, backend="uring")
     try:
-        seen = []
-        async with source.stream(0, [7, 2, 5, 0, 1]) as stream:
-            async for expert, weights in stream:
-                assert exact(model_file, table[(0, expert)], weights)
-                assert reader.pool.available + reader.pool.count(SlotState.KERNEL) <= 2  # one is ours
-                seen.append(expert)
-        assert sorted(seen) == [0, 1, 2, 5, 7]
-        assert reader.pool.available == 3
+        reactor = reader._backend.reactor
+        submits = reactor.submits
+        futures = [reader.start(loc, slot) for slot, loc in enumerate(locations(8, seed=4))]
+        assert reactor.in_flight == 3 * 8 and reactor.queued == 0   # three ranges per expert, all in the ring
+        assert reactor.submits == submits + 8                         # one io_uring_submit per expert
+        time.sleep(0.2)  # "compute": the loop does not run, the disk does
+        async with asyncio.timeout(10):
+            await asyncio.gather(*futures)
     finally:
-        await source.aclose()
-
-
-async def test_stream_stopped_early_or_cancelled_leaks_nothing(model_file: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    errors = await collect_loop_errors()
-    locs = locations(8, seed=5)
-    table = {(1, loc.expert): loc for loc in locs}
-    reader = await ExpertReader.open(model_file, EXPERT_NBYTES, n_slots=8)
-    violations = watch_slot_releases(monkeypatch, reader)
-    source = StreamingExpertSource(reader, table)
-    try:
-        async with source.stream(1, range(8)) as stream:
-            async for _expert, _weights in stream:
-                break  # the rest are still in flight or unconsumed
-        await reader.drained()
-        assert reader.pool.available == 8
-
-        started = asyncio.Event()
-
-        async def consumer() -> None:
-            async for _expert, _weights in source.stream(1, range(8)):
-                started.set()
-                await asyncio.sleep(3600)  # stuck in compute; then cancelled
-
-        task = asyncio.create_task(consumer())
-        await started.wait()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        await reader.drained()
-        await asyncio.sleep(0)
-        assert reader.pool.available == 8
-    finally:
-        await source.aclose()
-    assert violations == [] and errors == []
-
-
-async def test_stream_surfaces_a_read_error_and_releases_the_rest(model_file: Path) -> None:
-    locs = locations(4, seed=6)
-    broken = ExpertLocation(2, 99, byte_range(0, 4096), byte_range(FILE_NBYTES - 100, 4096), byte_range(8192, 4096))
-    table = {(2, loc.expert): loc for loc in locs} | {(2, 99): broken}
-    reader = await ExpertReader.open(model_file, EXPERT_NBYTES, n_slots=5)
-    source = StreamingExpertSource(reader, table)
-    try:
-        with pytest.raises(ExpertReadError, match="expert 99"):
-            async with source.stream(2, [0, 1, 99, 2, 3]) as stream:
-                async for _expert, _weights in stream:
-                    pass
-        await reader.drained()
-        await asyncio.sleep(0)
-        assert reader.pool.available == 5
-    finally:
-        await source.aclose()
+        await reader.aclose()
 
 
 def ticker_lag(loop_factory, model_file: Path) -> tuple[float, float, int]:
@@ -209,18 +123,13 @@ def ticker_lag(loop_factory, model_file: Path) -> tuple[float, float, int]:
                 lags.append(time.perf_counter() - wall - 0.010)
                 busy.append(time.thread_time() - cpu)
 
-        async def one(loc: ExpertLocation) -> None:
-            (await reader.read(loc)).release()
-
         try:
             tick = asyncio.create_task(ticker())
             deadline = time.perf_counter() + 1.0
             while time.perf_counter() < deadline:
-                round_ = asyncio.gather(*(one(loc) for loc in locs))
-                await asyncio.sleep(0)
-                await asyncio.sleep(0)
+                round_ = [reader.start(loc, slot) for slot, loc in enumerate(locs)]
                 peak = max(peak, reader.in_flight)
-                await round_
+                await asyncio.gather(*round_)
             stop.set()
             await tick
         finally:
@@ -269,10 +178,9 @@ async def test_in_flight_reads_are_bounded_by_ring_size_and_bytes(model_file: Pa
     reader = await ExpertReader.open(model_file, EXPERT_NBYTES, n_slots=12, backend="uring",
                                      ring_entries=8, max_inflight_bytes=1 << 20)
     try:
-        leases = await asyncio.gather(*(reader.read(loc) for loc in locs))
-        for loc, lease in zip(locs, leases):
-            assert exact(model_file, loc, lease.weights)
-            lease.release()
+        got = await asyncio.gather(*(reader.start(loc, slot) for slot, loc in enumerate(locs)))
+        for loc, weights in zip(locs, got):
+            assert exact(model_file, loc, weights)
     finally:
         await reader.aclose()
     assert 2 <= peaks["reads"] <= 8
@@ -281,7 +189,7 @@ async def test_in_flight_reads_are_bounded_by_ring_size_and_bytes(model_file: Pa
 
 async def test_reactor_reaps_every_completion_behind_coalesced_wakeups(model_file: Path) -> None:
     """Many completions, few eventfd wake-ups: each wake-up must drain the whole queue or reads hang."""
-    from colibri_aio.io.uring import UringReactor
+    from colibri_aio.io.uring import RingRead, UringReactor
 
     pool = BufferPool(4096, 64)
     reactor = UringReactor.create(entries=64)
@@ -299,10 +207,8 @@ async def test_reactor_reaps_every_completion_behind_coalesced_wakeups(model_fil
     loop.remove_reader(reactor._eventfd)
     loop.add_reader(reactor._eventfd, counted_wake)
     try:
-        for slot in pool.slots:
-            reactor.submit(fd, slot.address, 4096, slot.index * 8192, None,
-                           lambda res, i=slot.index: results.__setitem__(i, res))
-        await asyncio.sleep(0)  # the batch goes to the kernel
+        reactor.submit(*(RingRead(fd, slot.address, 4096, slot.index * 8192, None,
+                                  lambda res, i=slot.index: results.__setitem__(i, res)) for slot in pool.slots))
         time.sleep(0.3)  # the loop looks away while all 64 complete: their wake-ups coalesce
         async with asyncio.timeout(10):
             await reactor.drained()
@@ -313,6 +219,4 @@ async def test_reactor_reaps_every_completion_behind_coalesced_wakeups(model_fil
     finally:
         await reactor.aclose()
         os.close(fd)
-        for slot in pool.slots:
-            slot.state = SlotState.LEASED
         pool.close()

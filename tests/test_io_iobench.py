@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 
 from colibri_aio.errors import UserError
-from colibri_aio.cli.iobench import add_iobench_arguments, parse_size, run_iobench, write_receipt
+from colibri_aio.bench.iobench import add_iobench_arguments, positive_size, run_iobench, write_receipt
 
 pytest.importorskip("liburing")
 
 
-def test_sizes_parse() -> None:
-    assert [parse_size(t) for t in ("4096", "64K", "1M", "1.5M", "4G", "4GiB")] == [
+def test_sizes_parse_as_ram_budgets_do_but_must_be_positive() -> None:
+    assert [positive_size(t) for t in ("4096", "64K", "1M", "1.5M", "4G", "4GiB")] == [
         4096, 64 << 10, 1 << 20, 3 << 19, 4 << 30, 4 << 30]
-    for bad in ("", "M", "-1M", "lots"):
+    for bad in ("", "M", "-1M", "lots", "0", "0K"):
         with pytest.raises(UserError):
-            parse_size(bad)
+            positive_size(bad)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:

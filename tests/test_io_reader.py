@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType
 from colibri_aio.errors import ExpertReadError, ModelFormatError, UserError
 from colibri_aio.experts import ExpertLocation
 from colibri_aio.io import ExpertReader, ModelFileChangedError, ReaderClosedError
-from colibri_aio.io.synthetic import byte_range, random_locations
+from colibri_aio.bench.locations import byte_range, random_locations
 from colibri_aio.io.uring import UringReactor
 
 L = pytest.importorskip("liburing")
@@ -44,10 +44,10 @@ def mixed_locations(size: int, count: int, seed: int = 0) -> list[ExpertLocation
     return locs
 
 
-def assert_exact(path: Path, loc: ExpertLocation, lease) -> None:
+def assert_exact(path: Path, loc: ExpertLocation, weights) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
-        for tensor, rng in zip((lease.weights.gate, lease.weights.up, lease.weights.down), loc.ranges):
+        for tensor, rng in zip((weights.gate, weights.up, weights.down), loc.ranges):
             assert tensor.ggml_type == rng.ggml_type and tensor.shape == rng.shape
             assert tensor.data.tobytes() == os.pread(fd, rng.nbytes, rng.offset)
     finally:
@@ -55,11 +55,13 @@ def assert_exact(path: Path, loc: ExpertLocation, lease) -> None:
 
 
 async def read_all_and_check(reader: ExpertReader, path: Path, locs: list[ExpertLocation]) -> None:
-    async def one(loc: ExpertLocation) -> None:
-        with await reader.read(loc) as lease:
-            assert_exact(path, loc, lease)
+    """Every slot busy at once: one worker per slot reads its share of ``locs`` into it."""
+    async def worker(slot: int) -> None:
+        for loc in locs[slot::reader.n_slots]:
+            assert_exact(path, loc, await reader.start(loc, slot))
     async with asyncio.timeout(30):
-        await asyncio.gather(*(one(loc) for loc in locs))
+        await asyncio.gather(*(worker(slot) for slot in range(reader.n_slots)))
+    assert reader.in_flight == 0 and not any(reader.in_kernel(s) for s in range(reader.n_slots))
 
 
 def largest(locs: list[ExpertLocation]) -> int:
@@ -76,8 +78,6 @@ async def test_reads_are_byte_exact(model_file: Path, backend: str) -> None:
         await read_all_and_check(reader, model_file, locs)
         assert reader.stats.reads == len(locs)
         assert reader.stats.bytes == sum(loc.nbytes for loc in locs)
-        if reader.pool is not None:
-            assert reader.pool.available == reader.pool.n_slots
     finally:
         await reader.aclose()
 
@@ -152,16 +152,16 @@ _NO_IPC_LOCK_SCRIPT = """
 import asyncio, os, sys
 import numpy as np
 from colibri_aio.io import ExpertReader
-from colibri_aio.io.synthetic import random_locations
+from colibri_aio.bench.locations import random_locations
 path = sys.argv[1]
 async def main():
     locs = random_locations(os.path.getsize(path), 16, np.random.default_rng(5), shape=(64, 256))
     reader = await ExpertReader.open(path, max(l.nbytes for l in locs), n_slots=64)
     fd = os.open(path, os.O_RDONLY)
     for loc in locs:
-        with await reader.read(loc) as lease:
-            for t, r in zip((lease.weights.gate, lease.weights.up, lease.weights.down), loc.ranges):
-                assert t.data.tobytes() == os.pread(fd, r.nbytes, r.offset)
+        weights = await reader.start(loc, 0)
+        for t, r in zip((weights.gate, weights.up, weights.down), loc.ranges):
+            assert t.data.tobytes() == os.pread(fd, r.nbytes, r.offset)
     print(reader.backend, reader.registered)
     await reader.aclose()
 asyncio.run(main())
@@ -241,11 +241,11 @@ async def test_io_error_names_file_offset_and_expert(model_file: Path, backend: 
     reader = await ExpertReader.open(model_file, 1 << 20, n_slots=3, backend=backend)
     try:
         with pytest.raises(ExpertReadError) as caught:
-            await reader.read(bad)
+            await reader.start(bad, 1)
         err = caught.value
         assert (err.path, err.offset, err.length, err.layer, err.expert) == (str(model_file), 65536, 4096, 7, 42)
         assert "EIO" in str(err) and str(model_file) in str(err) and "expert 42" in str(err)
-        assert reader.pool.available == 3  # the failed read's slot came back
+        assert not reader.in_kernel(1) and reader.stats.errors == 1  # the failed read's slot is free again
         await read_all_and_check(reader, model_file, good)  # and the reader still works
     finally:
         await reader.aclose()
@@ -258,10 +258,9 @@ async def test_short_read_is_named(model_file: Path, backend: str) -> None:
     reader = await ExpertReader.open(model_file, 1 << 20, n_slots=2, backend=backend)
     try:
         with pytest.raises(ExpertReadError, match="short read") as caught:
-            await reader.read(past_end)
+            await reader.start(past_end, 1)
         assert (caught.value.offset, caught.value.layer, caught.value.expert) == (size - 500, 3, 9)
-        if reader.pool is not None:
-            assert reader.pool.available == 2
+        assert reader.in_flight == 0 and not reader.in_kernel(1)
     finally:
         await reader.aclose()
 
@@ -274,7 +273,7 @@ async def test_file_changed_after_open_is_refused(model_file: Path, backend: str
         await read_all_and_check(reader, model_file, locs)
         os.truncate(model_file, FILE_NBYTES // 2)
         with pytest.raises(ModelFileChangedError) as caught:
-            await reader.read(locs[0])
+            await reader.start(locs[0], 0)
         assert isinstance(caught.value, ModelFormatError)
         message = str(caught.value)
         assert "\n" not in message and "changed since it was opened" in message and str(model_file) in message
@@ -288,7 +287,7 @@ async def test_rewritten_file_same_size_is_refused(model_file: Path) -> None:
         st = model_file.stat()
         os.utime(model_file, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
         with pytest.raises(ModelFileChangedError, match="mtime"):
-            await reader.read(mixed_locations(FILE_NBYTES, 1)[0])
+            await reader.start(mixed_locations(FILE_NBYTES, 1)[0], 0)
     finally:
         await reader.aclose()
 
@@ -297,5 +296,23 @@ async def test_reads_after_close_are_refused(model_file: Path) -> None:
     reader = await ExpertReader.open(model_file, 1 << 20, n_slots=1)
     await reader.aclose()
     with pytest.raises(ReaderClosedError):
-        await reader.read(mixed_locations(FILE_NBYTES, 1)[0])
+        reader.start(mixed_locations(FILE_NBYTES, 1)[0], 0)
     await reader.aclose()  # closing twice is harmless
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+async def test_a_slot_is_refused_while_its_read_is_in_flight(model_file: Path, backend: str) -> None:
+    loc, other = mixed_locations(FILE_NBYTES, 2)
+    reader = await ExpertReader.open(model_file, 1 << 20, n_slots=2, backend=backend)
+    try:
+        first = reader.start(loc, 0)
+        assert reader.in_kernel(0) and reader.in_flight == 1
+        with pytest.raises(RuntimeError, match="slot 0 still has a read in flight"):
+            reader.start(other, 0)
+        with pytest.raises(ValueError, match="slot 2 is not one of"):
+            reader.start(other, 2)
+        assert_exact(model_file, loc, await first)
+        assert not reader.in_kernel(0)
+        assert_exact(model_file, other, await reader.start(other, 0))  # the slot is free again
+    finally:
+        await reader.aclose()

@@ -8,6 +8,8 @@ the many cases below cost little beyond the first.
 """
 from __future__ import annotations
 
+import importlib
+import sys
 
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 pytest.importorskip("numba", reason="numba is not installed: the compiled kernels are optional")
 
-from colibri_aio.kernels import jit  # noqa: E402
+from colibri_aio.kernels import backend, jit, quant  # noqa: E402
 from colibri_aio.kernels.qtensor import QTensor  # noqa: E402
 
 from kernel_data import make_weights, mapped, placed, reference, rel_err  # noqa: E402
@@ -58,6 +60,14 @@ def matmul_path(request: pytest.FixtureRequest, restore_jit) -> str:
     """Run a test with each matmul path."""
     jit.set_matmul(request.param)
     return request.param
+
+
+@pytest.fixture
+def restore_backend():
+    """Put the dispatcher's choice back after a test changes it."""
+    state = (backend._requested, backend._jit, backend._reason)
+    yield
+    backend._use(*state)
 
 
 # --- agreement with the reference ---
@@ -253,3 +263,87 @@ def test_warm_up_reports_its_time() -> None:
 
 
 # --- the dispatcher ---
+
+def test_backend_names_and_routing(restore_backend) -> None:
+    w, f = make_weights(T.Q8_0, (9, 64), seed=1), make_weights(T.F32, (9, 64), seed=1)
+    x = np.random.default_rng(2).standard_normal(64).astype(np.float32)
+    backend.set_backend("numpy")
+    assert backend.backend_name() == "numpy" and "NumPy" in backend.backend_reason()
+    assert np.array_equal(backend.matvec(w, x), quant.matvec(w, x))
+    backend.set_backend("numba")
+    assert backend.backend_name() == "numba" and "numba" in backend.backend_reason()
+    assert np.array_equal(backend.matvec(w, x), jit.matvec(w, x))
+    backend.set_backend("auto")
+    assert backend.backend_name() == "numba"
+    for op, args in (("matvec", (x,)), ("matmul", (x[None].repeat(3, 0),)), ("dequantize", ())):
+        for t in (w, f):
+            chosen = jit if t.ggml_type in backend.NUMBA_FASTER[op] else quant
+            assert np.array_equal(getattr(backend, op)(t, *args), getattr(chosen, op)(t, *args))
+    with pytest.raises(ValueError, match="auto, numpy, numba"):
+        backend.set_backend("fast")
+
+
+def test_backend_types_without_a_compiled_kernel_use_numpy(restore_backend) -> None:
+    backend.set_backend("numba")
+    q2 = make_weights(T.Q2_K, (4, 256), seed=3)
+    x = np.random.default_rng(4).standard_normal(256).astype(np.float32)
+    assert np.array_equal(backend.matvec(q2, x), quant.matvec(q2, x))
+    assert backend.warm_up((T.Q2_K, T.MXFP4)) == 0.0  # nothing compiled for them, nothing raised
+    assert backend.warm_up((T.Q2_K, T.Q8_0)) >= 0.0
+
+
+def test_backend_falls_back_to_numpy_without_numba(restore_backend, monkeypatch) -> None:
+    """numba missing: the import of the compiled kernels fails, NumPy is chosen, the reason says so."""
+    monkeypatch.setitem(sys.modules, "numba", None)
+    monkeypatch.setitem(sys.modules, "colibri_aio.kernels.jit", None)
+    for name in ("auto", "numba"):
+        backend.set_backend(name)
+        assert backend.backend_name() == "numpy"
+        assert "numba unavailable" in backend.backend_reason()
+    w = make_weights(T.Q8_0, (5, 64))
+    x = np.ones(64, np.float32)
+    assert np.array_equal(backend.matvec(w, x), quant.matvec(w, x))
+    assert backend.warm_up() == 0.0
+
+
+def test_backend_module_imports_without_numba(monkeypatch) -> None:
+    """A fresh import of the dispatcher with numba unimportable does not raise."""
+    monkeypatch.setitem(sys.modules, "numba", None)
+    monkeypatch.setitem(sys.modules, "colibri_aio.kernels.jit", None)
+    monkeypatch.delitem(sys.modules, "colibri_aio.kernels.backend")
+    fresh = importlib.import_module("colibri_aio.kernels.backend")
+    assert fresh is not backend
+    assert fresh.backend_name() == "numpy" and "numba unavailable" in fresh.backend_reason()
+
+
+def test_backend_falls_back_when_a_kernel_fails_to_compile(restore_backend, monkeypatch) -> None:
+    import numba.core.errors
+
+    def broken(w, x):
+        raise numba.core.errors.TypingError("simulated compile failure")
+
+    backend.set_backend("numba")
+    monkeypatch.setattr(jit, "matvec", broken)
+    w = make_weights(T.Q8_0, (5, 64))
+    x = np.ones(64, np.float32)
+    assert np.array_equal(backend.matvec(w, x), quant.matvec(w, x))
+    assert backend.backend_name() == "numpy"
+    assert "failed to compile" in backend.backend_reason()
+
+
+def test_bad_environment_name_is_noted_not_raised(restore_backend, monkeypatch) -> None:
+    monkeypatch.setenv("COLIBRI_KERNELS", "turbo")
+    backend._initial()
+    assert "turbo" in backend.backend_reason()
+    assert backend.backend_name() in ("numpy", "numba")
+
+
+def test_auto_choices_cite_a_receipt_that_exists() -> None:
+    from pathlib import Path
+
+    receipt = Path(__file__).resolve().parents[1] / backend.RECEIPT
+    assert receipt.is_file(), f"{backend.RECEIPT} is cited by the auto backend but missing"
+    text = receipt.read_text()
+    for op, types in backend.NUMBA_FASTER.items():
+        for t in types:
+            assert f"| {t.name} | {op} |" in text, f"{t.name} {op} is adopted without a measurement"

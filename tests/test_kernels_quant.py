@@ -1,12 +1,15 @@
 """Quantised kernels against gguf-py's reference dequantisation, and placement invariance.
 
 Test tensors are made by quantising random data with ``gguf.quants.quantize``
-where it can (floats, Q8_0, Q4_0); K-quants, which it cannot quantise, are
-random but valid raw blocks (finite f16 scales, random quant bits). The
-reference is always ``gguf.quants.dequantize(raw) @ x`` in float64.
+where it can (floats, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4); the K-quants and
+IQ4_NL/IQ4_XS, which it cannot quantise, are random but valid raw blocks
+(finite f16 scales, random quant bits). The reference is always
+``gguf.quants.dequantize(raw) @ x`` in float64; ggml's own ``to_float`` (through
+ggml-python, where installed) checks that reference in turn.
 """
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 
 import numpy as np
@@ -19,15 +22,10 @@ from colibri_aio.kernels.qtensor import QTensor
 from colibri_aio.kernels.quant_formats import f16_to_f32
 from colibri_aio.kernels.scratch import Scratch
 
-from kernel_data import K_TYPES, make_weights, mapped, placed, reference, rel_err
+from kernel_data import cols_for, make_weights, mapped, placed, random_bytes, reference, rel_err
 
 TYPES = sorted(quant.SUPPORTED_TYPES, key=lambda t: t.name)
-
-
-
-
-
-
+QUANTISED = [t for t in TYPES if t not in (T.F32, T.F16, T.BF16)]
 
 
 @pytest.fixture
@@ -49,15 +47,10 @@ def threads():
 SHAPES = [(1, 1), (3, 1), (17, 3), (97, 2)]  # (rows, blocks per row)
 
 
-def _cols(t: T, blocks: int) -> int:
-    """Row length of ``blocks`` blocks (float types count 32 weights as a block)."""
-    return max(GGML_QUANT_SIZES[t][0], 32) * blocks
-
-
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 @pytest.mark.parametrize("rows,blocks", SHAPES)
 def test_matvec_matches_reference(t: T, rows: int, blocks: int, small_chunks: None) -> None:
-    w = make_weights(t, (rows, _cols(t, blocks)), seed=rows)
+    w = make_weights(t, (rows, cols_for(t, blocks)), seed=rows)
     x = np.random.default_rng(1).standard_normal(w.cols).astype(np.float32)
     y = quant.matvec(w, x)
     assert y.dtype == np.float32 and y.shape == (rows,)
@@ -68,7 +61,7 @@ def test_matvec_matches_reference(t: T, rows: int, blocks: int, small_chunks: No
 @pytest.mark.parametrize("rows,blocks", SHAPES)
 @pytest.mark.parametrize("n_pos", [1, 3, 8, 11])
 def test_matmul_matches_reference(t: T, rows: int, blocks: int, n_pos: int, small_chunks: None) -> None:
-    w = make_weights(t, (rows, _cols(t, blocks)), seed=rows)
+    w = make_weights(t, (rows, cols_for(t, blocks)), seed=rows)
     x = np.random.default_rng(n_pos).standard_normal((n_pos, w.cols)).astype(np.float32)
     y = quant.matmul(w, x)
     assert y.dtype == np.float32 and y.shape == (n_pos, rows)
@@ -78,7 +71,7 @@ def test_matmul_matches_reference(t: T, rows: int, blocks: int, n_pos: int, smal
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_positive_activations(t: T, small_chunks: None) -> None:
     """All-positive x (as after SwiGLU) makes the -dmin * m term of Q4_K/Q5_K largest: still accurate."""
-    w = make_weights(t, (33, _cols(t, 2)), seed=11)
+    w = make_weights(t, (33, cols_for(t, 2)), seed=11)
     rng = np.random.default_rng(12)
     x, xs = np.abs(rng.standard_normal(w.cols)).astype(np.float32), np.abs(rng.standard_normal((4, w.cols))).astype(np.float32)
     assert rel_err(quant.matvec(w, x), reference(w) @ x) <= 1e-5
@@ -98,19 +91,46 @@ def test_default_chunking_on_an_expert_sized_matrix(t: T) -> None:
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_dequantize_equals_gguf_reference(t: T, small_chunks: None) -> None:
-    w = make_weights(t, (2, 3, 2 * GGML_QUANT_SIZES[t][0] if t in K_TYPES else 64), seed=5)
+    w = make_weights(t, (2, 3, cols_for(t, 2)), seed=5)
     out = quant.dequantize(w)
     assert out.dtype == np.float32 and out.shape == w.shape
     np.testing.assert_array_equal(out.reshape(w.rows, w.cols), reference(w).astype(np.float32))
 
 
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value):RuntimeWarning")  # inf and NaN, on purpose
+def test_dequantize_of_every_bit_pattern_equals_gguf(t: T, small_chunks: None) -> None:
+    """Random bytes everywhere, scales included: subnormal, huge, infinite and NaN scales decode as gguf's."""
+    w = random_bytes(t, (41, cols_for(t, 3)), seed=13)
+    np.testing.assert_array_equal(quant.dequantize(w), reference(w).astype(np.float32))
 
 
+@pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning")  # 2^127 * 12 is inf, in gguf's too
+def test_mxfp4_scales_cover_every_exponent() -> None:
+    """One block per E8M0 exponent 0..255 (subnormal halves at 0 and 1, 2^127 at 255), every nibble."""
+    block, type_size = GGML_QUANT_SIZES[T.MXFP4]
+    raw = np.empty((256, type_size), np.uint8)
+    raw[:, 0] = np.arange(256)
+    raw[:, 1:] = np.arange(16, dtype=np.uint8) * 17  # nibble pairs (0,0), (1,1) ... (15,15)
+    w = QTensor(raw.reshape(-1), T.MXFP4, (8, 32 * block))
+    np.testing.assert_array_equal(quant.dequantize(w), reference(w).astype(np.float32))
+
+
+@pytest.mark.parametrize("t", QUANTISED, ids=lambda t: t.name)
+def test_gguf_reference_agrees_with_ggml(t: T) -> None:
+    """The reference itself, against ggml's C dequantisation (``to_float`` of its type traits)."""
+    ggml = pytest.importorskip("ggml", reason="ggml-python checks the gguf-py reference against ggml's C code")
+    w = make_weights(t, (7, cols_for(t, 2)), seed=14)
+    out = np.empty(w.rows * w.cols, np.float32)
+    traits = ggml.ggml_get_type_traits(int(t)).contents
+    traits.to_float(w.data.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
+                    out.size)
+    np.testing.assert_array_equal(out.reshape(w.rows, w.cols), reference(w).astype(np.float32))
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_results_do_not_depend_on_where_the_bytes_live(t: T, tmp_path, small_chunks: None) -> None:
-    w = make_weights(t, (37, 2 * GGML_QUANT_SIZES[t][0] if t in K_TYPES else 96), seed=6)
+    w = make_weights(t, (37, cols_for(t, 3)), seed=6)
     rng = np.random.default_rng(7)
     x, xs = rng.standard_normal(w.cols).astype(np.float32), rng.standard_normal((8, w.cols)).astype(np.float32)
     places = [placed(w, off) for off in (0, 32, 64 + 32, 4096 + 96)] + [mapped(w, tmp_path / "w.bin")]
@@ -125,7 +145,21 @@ def test_results_do_not_depend_on_where_the_bytes_live(t: T, tmp_path, small_chu
         assert np.array_equal(quant.dequantize(p), want_d)
 
 
-@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_K, T.Q6_K, T.F32], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_every_byte_offset_gives_the_same_bits(t: T, small_chunks: None) -> None:
+    """An expert slice may start at any byte of a slot (blocks of 17, 22 or 110 bytes put fields anywhere)."""
+    w = make_weights(t, (9, cols_for(t, 2)), seed=15)
+    rng = np.random.default_rng(16)
+    x, xs = rng.standard_normal(w.cols).astype(np.float32), rng.standard_normal((3, w.cols)).astype(np.float32)
+    want_v, want_m, want_d = quant.matvec(w, x), quant.matmul(w, xs), quant.dequantize(w)
+    for off in range(1, 33):
+        p = placed(w, off)
+        assert np.array_equal(quant.matvec(p, x), want_v), off
+        assert np.array_equal(quant.matmul(p, xs), want_m), off
+        assert np.array_equal(quant.dequantize(p), want_d), off
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_results_do_not_depend_on_thread_count_or_repetition(t: T, threads, small_chunks: None) -> None:
     w = make_weights(t, (61, 512), seed=8)
     rng = np.random.default_rng(9)
@@ -148,11 +182,11 @@ def test_f16_decoding_is_exact_for_every_bit_pattern() -> None:
 
 
 def test_unsupported_type_is_a_model_format_error() -> None:
-    block, type_size = GGML_QUANT_SIZES[T.Q2_K]
-    w = QTensor(np.zeros(4 * type_size, np.uint8), T.Q2_K, (4, block))
+    block, type_size = GGML_QUANT_SIZES[T.IQ2_XXS]
+    w = QTensor(np.zeros(4 * type_size, np.uint8), T.IQ2_XXS, (4, block))
     for call in (lambda: quant.dequantize(w), lambda: quant.matvec(w, np.zeros(block, np.float32)),
                  lambda: quant.matmul(w, np.zeros((2, block), np.float32))):
-        with pytest.raises(ModelFormatError, match="Q2_K"):
+        with pytest.raises(ModelFormatError, match="IQ2_XXS"):
             call()
 
 

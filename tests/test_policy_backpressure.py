@@ -1,6 +1,6 @@
 """BackpressureController against a fake disk: idle, slow, saturated, recovery, contention,
 out-of-order completions, cancellation; the prefetch cap; trials on a fake clock of decode
-steps; stale-prefetch triage; diskstats."""
+steps."""
 from __future__ import annotations
 
 import heapq
@@ -9,14 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import pytest
 
-from colibri_aio.policy.backpressure import (
-    BackpressureConfig,
-    BackpressureController,
-    PendingPrefetch,
-    _Trial,
-    triage_prefetches,
-)
-from colibri_aio.policy.diskstats import DeviceSample, DiskstatsSampler, device_delta, parse_diskstats
+from colibri_aio.policy.backpressure import BackpressureConfig, BackpressureController, DeviceSample, _Trial
 
 MB = 1 << 20
 
@@ -49,25 +42,11 @@ class Engine:
     ctl: BackpressureController
     disk: FakeDisk
     nbytes: int = 1 * MB
-    posthoc: bool = False   # report each read once it is over, through on_read/allows_prefetch
     log: list[tuple[float, bool]] = field(default_factory=list)
 
     def submit(self, kind: str, t: float, events: list, order: int) -> None:
         done = self.disk.complete_time(t, self.nbytes)
-        ticket = (kind, t) if self.posthoc else self.ctl.submitted(kind, self.nbytes, t)
-        heapq.heappush(events, (done, order, ticket))
-
-    def complete(self, ticket, done: float, in_flight: int) -> None:
-        if self.posthoc:
-            kind, submitted = ticket
-            self.ctl.on_read(kind, self.nbytes, submitted, done, in_flight)
-        else:
-            self.ctl.completed(ticket, done)
-
-    def allowed(self, t: float) -> bool:
-        if self.posthoc:   # the scheduler applies its own cap in this mode
-            return self.ctl.allows_prefetch(t)
-        return self.ctl.may_prefetch(self.nbytes, t)
+        heapq.heappush(events, (done, order, self.ctl.submitted(kind, self.nbytes, t)))
 
     def run(self, until: float, period: float, demand_at: "callable", prefetch_per_period: int = 2,
             start: float = 0.0) -> None:
@@ -76,18 +55,18 @@ class Engine:
         while t < until:
             while events and events[0][0] <= t:
                 done, _, ticket = heapq.heappop(events)
-                self.complete(ticket, done, len(events))
+                self.ctl.completed(ticket, done)
             for _ in range(demand_at(t)):
                 self.submit("demand", t, events, order)
                 order += 1
             for _ in range(prefetch_per_period):
-                if self.allowed(t):
+                if self.ctl.may_prefetch(self.nbytes, t):
                     self.submit("prefetch", t, events, order)
                     order += 1
             self.log.append((t, self.ctl.prefetch_on))
             t = round(t + period, 9)
         for done, _, ticket in sorted(events):
-            self.complete(ticket, done, 0)
+            self.ctl.completed(ticket, done)
 
     def switches(self) -> int:
         return sum(a[1] != b[1] for a, b in zip(self.log, self.log[1:]))
@@ -126,10 +105,9 @@ def test_slow_disk_with_room_keeps_prefetch_on() -> None:
     assert all(on for _, on in eng.log) and eng.ctl.counters.turned_off == 0
 
 
-@pytest.mark.parametrize("posthoc", [False, True], ids=["tickets", "on_read"])
-def test_same_load_on_a_slower_disk_saturates_with_demand_reads(posthoc: bool) -> None:
+def test_same_load_on_a_slower_disk_saturates_with_demand_reads() -> None:
     # 2 MB every 100 ms on a 15 MB/s disk: demand alone needs 133% of the time.
-    eng = Engine(BackpressureController(NO_TRIAL), FakeDisk(bandwidth=15 * MB), posthoc=posthoc)
+    eng = Engine(BackpressureController(NO_TRIAL), FakeDisk(bandwidth=15 * MB))
     eng.run(until=3.0, period=0.1, demand_at=lambda t: 2)
     assert not eng.ctl.prefetch_on
     assert eng.ctl.reason.startswith("demand-busy")
@@ -138,10 +116,9 @@ def test_same_load_on_a_slower_disk_saturates_with_demand_reads(posthoc: bool) -
     assert off_at is not None and off_at <= 0.5
 
 
-@pytest.mark.parametrize("posthoc", [False, True], ids=["tickets", "on_read"])
-def test_recovery_after_hysteresis_without_flapping(posthoc: bool) -> None:
+def test_recovery_after_hysteresis_without_flapping() -> None:
     # Demand alone keeps the disk 100% busy for 2 s, then 10%: off once, on once, dwell respected.
-    eng = Engine(BackpressureController(NO_TRIAL), FakeDisk(bandwidth=100 * MB), posthoc=posthoc)
+    eng = Engine(BackpressureController(NO_TRIAL), FakeDisk(bandwidth=100 * MB))
     eng.run(until=5.0, period=0.01, demand_at=lambda t: 1 if t < 2.0 or round(t * 100) % 10 == 0 else 0,
             prefetch_per_period=0)
     c = eng.ctl.counters
@@ -169,12 +146,11 @@ def test_load_between_the_thresholds_keeps_the_state() -> None:
     assert 0.7 < eng.ctl.last.demand_busy < 0.9
 
 
-@pytest.mark.parametrize("posthoc", [False, True], ids=["tickets", "on_read"])
-def test_contention_from_another_reader_slows_reads_and_stops_prefetch(posthoc: bool) -> None:
+def test_contention_from_another_reader_slows_reads_and_stops_prefetch() -> None:
     # Demand keeps the disk 15% busy; from t=3 to t=6 another process takes 75% of the
     # bandwidth: our reads take 4x as long per byte, yet demand alone stays under busy_high.
     disk = FakeDisk(bandwidth=100 * MB, contention=[(3.0, 6.0, 0.25)])
-    eng = Engine(BackpressureController(NO_TRIAL), disk, nbytes=150_000, posthoc=posthoc)
+    eng = Engine(BackpressureController(NO_TRIAL), disk, nbytes=150_000)
     eng.run(until=9.0, period=0.01, demand_at=lambda t: 1, prefetch_per_period=0)
     assert eng.ctl.last.demand_busy < CFG.busy_low
     assert eng.ctl.counters.reasons.get("slow-reads") == 1
@@ -269,11 +245,11 @@ class Decode:
     t: float = 0.0
     log: list[tuple[float, bool, bool]] = field(default_factory=list)  # (start, prefetch_on, may_prefetch)
 
-    def run(self, steps: int, precision: float | None = None) -> None:
+    def run(self, steps: int) -> None:
         for _ in range(steps):
             self.ctl.step(self.t, 1)
             on = self.ctl.prefetch_on
-            self.log.append((self.t, on, self.ctl.may_prefetch(MB, self.t, precision)))
+            self.log.append((self.t, on, self.ctl.may_prefetch(MB, self.t)))
             self.elapse(self.seconds(on))
 
     def prefill(self, seconds: float) -> None:
@@ -370,12 +346,10 @@ def test_headroom_during_a_trial_ends_it_without_a_verdict() -> None:
 
 
 def test_arms_alternate_step_by_step_and_the_gate_follows_them() -> None:
-    # Precise predictions may keep prefetch going while it is off for saturation, but not in a
-    # trial's off-steps: those measure prefetch off.
-    d = Decode(BackpressureController(replace(TRIAL, keep_on_precision=0.6), start=0.0), steps_taking(0.20, 0.25))
-    d.run(1 + 8, precision=0.9)
+    d = Decode(BackpressureController(TRIAL, start=0.0), steps_taking(0.20, 0.25))
+    d.run(1 + 8)
     assert [(on, may) for _, on, may in d.log[1:9]] == [(False, False), (True, True)] * 4
-    assert d.ctl.counters.refused_by_state == 4 and d.ctl.counters.kept_by_precision == 0
+    assert d.ctl.counters.refused_by_state == 4
 
 
 def test_cap_still_applies_on_a_trial_on_step() -> None:
@@ -434,46 +408,6 @@ def test_forced_modes_ignore_steps(mode: str) -> None:
 def test_trial_settings_must_not_be_negative() -> None:
     with pytest.raises(ValueError):
         BackpressureConfig(hold_steps=-1)
-
-
-def test_triage_of_prefetches_against_the_current_layer() -> None:
-    pending = [PendingPrefetch(3, 1, 10, submitted=False), PendingPrefetch(3, 1, 11, submitted=True),
-               PendingPrefetch(3, 2, 12, submitted=False), PendingPrefetch(3, 2, 13, submitted=True),
-               PendingPrefetch(3, 3, 14, submitted=False), PendingPrefetch(2, 5, 15, submitted=False)]
-    t = triage_prefetches(3, 2, pending)
-    assert [p.expert for p in t.cancel] == [10, 15]
-    assert [p.expert for p in t.demote] == [11]
-    assert [p.expert for p in t.promote] == [12]
-    assert [p.expert for p in t.keep] == [13, 14]
-
-
-DISKSTATS_BEFORE = """ 254       0 vda 1000 10 200000 500 20 0 80 4 0 800 900 0 0 0 0 0 0
- 254       1 vda1 990 10 199000 490 20 0 80 4 0 790 890
-   7       0 loop0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0 0
-"""
-DISKSTATS_AFTER = """ 254       0 vda 1100 10 204096 800 20 0 80 4 3 1250 2900 0 0 0 0 0 0
-"""
-
-
-def test_diskstats_parse_and_iostat_delta() -> None:
-    before, after = parse_diskstats(DISKSTATS_BEFORE), parse_diskstats(DISKSTATS_AFTER)
-    assert set(before) == {"vda", "vda1", "loop0"} and before["vda1"].reads == 990
-    s = device_delta(before["vda"], after["vda"], 10.0, 10.5)
-    assert s.util == pytest.approx(0.9)              # 450 ms busy of 500
-    assert s.r_await_ms == pytest.approx(3.0)        # 300 ms over 100 reads
-    assert s.aqu_sz == pytest.approx(4.0)            # 2000 ms queue time over 500 ms
-    assert s.read_bps == pytest.approx(4096 * 512 / 0.5)
-    assert s.reads == 100 and after["vda"].in_flight == 3
-    with pytest.raises(ValueError):
-        device_delta(before["vda"], after["vda"], 1.0, 1.0)
-
-
-def test_sampler_yields_deltas_of_its_device() -> None:
-    sampler = DiskstatsSampler("vda")
-    assert sampler.sample(DISKSTATS_BEFORE, 10.0) is None         # nothing to compare with yet
-    s = sampler.sample(DISKSTATS_AFTER, 10.5)
-    assert s is not None and s.util == pytest.approx(0.9) and s.end == 10.5
-    assert DiskstatsSampler("nvme0n1").sample(DISKSTATS_AFTER, 11.0) is None
 
 
 def test_telemetry_names_state_and_reason() -> None:

@@ -5,7 +5,7 @@ import pytest
 
 from colibri_aio.errors import UserError
 from colibri_aio.policy.budget import parse_size, slots_for_budget
-from colibri_aio.policy.cache import ExpertCache, SlotState
+from colibri_aio.policy.cache import ExpertCache, EntryState
 
 
 def demand(cache: ExpertCache, key: tuple[int, int]) -> tuple[bool, tuple[int, int] | None]:
@@ -66,7 +66,7 @@ def test_every_slot_busy_refuses_instead_of_evicting() -> None:
     c.acquire(c.slot_of((0, 1)))
     assert c.reserve((0, 3)) is None
     assert c.stats.busy_refusals == 1
-    assert c.state(res.slot) is SlotState.FILLING and (0, 1) in c
+    assert c.state(res.slot) is EntryState.FILLING and (0, 1) in c
     c.release(c.slot_of((0, 1)))           # compute is done: now the idle entry can go
     assert c.reserve((0, 3)).evicted == (0, 1)
 
@@ -76,7 +76,7 @@ def test_filling_slot_is_not_evicted_even_when_least_recent() -> None:
     first = c.reserve((0, 1))              # oldest, never filled
     demand(c, (0, 2))
     assert c.reserve((0, 3)).evicted == (0, 2)
-    assert c.state(first.slot) is SlotState.FILLING
+    assert c.state(first.slot) is EntryState.FILLING
 
 
 def test_failed_fill_leaves_no_entry_and_frees_the_slot() -> None:
@@ -105,7 +105,7 @@ def test_reserving_a_present_key_is_an_error() -> None:
 def test_pinned_keys_occupy_slots_and_are_never_evicted() -> None:
     c = ExpertCache(3, pinned=[(0, 7)])
     (slot,) = c.pinned.values()
-    assert c.state(slot) is SlotState.FILLING   # the caller fills pins at start
+    assert c.state(slot) is EntryState.FILLING   # the caller fills pins at start
     c.mark_filled(slot)
     for e in range(10):
         demand(c, (0, e))

@@ -1,7 +1,6 @@
-"""UsageHistory: decay, hottest keys, the versioned file tied to the model's fingerprint."""
+"""UsageHistory: counts folded per run with decay, hottest keys, the versioned document and its checks."""
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
@@ -10,12 +9,7 @@ import pytest
 
 from colibri_aio.errors import UserError
 from colibri_aio.gguf.model import load
-from colibri_aio.policy.usage import (
-    UsageHistory,
-    default_usage_path,
-    model_fingerprint,
-    pins_for,
-)
+from colibri_aio.policy.usage import UsageHistory, model_fingerprint
 from support import fixture
 
 
@@ -24,15 +18,24 @@ def model():
     return load(fixture("tiny_f32.gguf"))
 
 
-def test_counts_decay_per_run() -> None:
-    u = UsageHistory("fp", 2, 4, decay=0.5)
-    u.begin_run()
-    u.record(0, [1, 2])
-    u.record(0, [1])
-    u.begin_run()
-    u.record(1, [3])
-    assert u.runs == 2
-    np.testing.assert_allclose(u.counts, [[0, 1.0, 0.5, 0], [0, 0, 0, 1.0]])
+def test_runs_fold_in_with_decay() -> None:
+    past = UsageHistory("fp", 2, 4, decay=0.5)
+    run = past.empty()
+    run.record(0, [1, 2])
+    run.record(0, [1])
+    after_one = past.with_run(run)
+    second = past.empty()
+    second.record(1, [3])
+    after_two = after_one.with_run(second)
+    assert (after_one.runs, after_two.runs) == (1, 2)
+    np.testing.assert_allclose(after_two.counts, [[0, 1.0, 0.5, 0], [0, 0, 0, 1.0]])
+    assert past.runs == 0 and not past.counts.any()   # folding makes a new history
+    assert after_two.nonzero() == {(0, 1): 1.0, (0, 2): 0.5, (1, 3): 1.0}
+
+
+def test_a_run_of_another_model_does_not_fold_in() -> None:
+    with pytest.raises(ValueError):
+        UsageHistory("a", 2, 4).with_run(UsageHistory("b", 2, 4))
 
 
 def test_hottest_within_budget_and_per_layer_cap() -> None:
@@ -50,50 +53,40 @@ def test_fingerprint_ignores_the_path_but_not_the_content(model, tmp_path: Path)
     assert model_fingerprint(other) != model_fingerprint(model)
 
 
-def test_save_load_roundtrip(model, tmp_path: Path) -> None:
+def test_document_roundtrip(model) -> None:
     u = UsageHistory.for_model(model, decay=0.8)
-    u.begin_run()
-    u.record(1, [0, 3])
-    path = tmp_path / "sub" / "usage.json"
-    u.save(path)
-    back = UsageHistory.load(path, model_fingerprint(model))
+    run = u.empty()
+    run.record(1, [0, 3])
+    u = u.with_run(run)
+    back = UsageHistory.from_json(u.to_json(), model_fingerprint(model), "mem")
     np.testing.assert_allclose(back.counts, u.counts)
     assert (back.decay, back.runs) == (0.8, 1)
-    assert [p.name for p in path.parent.iterdir()] == ["usage.json"]   # no temporary left behind
 
 
-def test_history_of_another_model_is_refused(model, tmp_path: Path) -> None:
-    path = tmp_path / "usage.json"
-    UsageHistory("0" * 32, model.args.block_count, model.args.expert_count).save(path)
-    with pytest.raises(UserError, match="another model"):
-        UsageHistory.load(path, model_fingerprint(model))
-    with pytest.raises(UserError, match="another model"):
-        pins_for(str(path), model, 4)
+@pytest.mark.parametrize("change,phrase", [
+    ({"version": 2}, "version 2"),
+    ({"format": "x"}, "not a colibri-aio-usage"),
+    ({"fingerprint": "0" * 32}, "another model"),
+    ({"counts": [[1]]}, "damaged"),
+    ({"counts": "lots"}, "damaged"),
+    ({"runs": -1}, "damaged"),
+    ({"runs": 1.5}, "damaged"),
+    ({"decay": 0}, "damaged"),
+    ({"decay": "nan"}, "damaged"),
+])
+def test_documents_that_are_refused(model, change: dict, phrase: str) -> None:
+    fp = model_fingerprint(model)
+    doc = {**UsageHistory(fp, model.args.block_count, model.args.expert_count).to_json(), **change}
+    with pytest.raises(UserError, match=phrase):
+        UsageHistory.from_json(doc, fp, "f.json")
 
 
-def test_other_version_and_garbage_are_refused(model, tmp_path: Path) -> None:
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
+def test_counts_must_be_finite_and_not_negative(model, bad: float) -> None:
     fp = model_fingerprint(model)
     doc = UsageHistory(fp, model.args.block_count, model.args.expert_count).to_json()
-    cases = {"v2.json": json.dumps({**doc, "version": 2}), "bad.json": "{not json",
-             "fmt.json": json.dumps({**doc, "format": "x"}), "cut.json": json.dumps({**doc, "counts": [[1]]})}
-    for name, text in cases.items():
-        (tmp_path / name).write_text(text)
-        with pytest.raises(UserError):
-            UsageHistory.load(tmp_path / name, fp)
-    with pytest.raises(UserError, match="version 2"):
-        UsageHistory.load(tmp_path / "v2.json", fp)
+    doc["counts"][1][2] = bad
+    with pytest.raises(UserError, match="damaged"):
+        UsageHistory.from_json(doc, fp, "f.json")
     with pytest.raises(UserError):
-        UsageHistory.load(tmp_path / "missing.json", fp)
-
-
-def test_pin_specs(model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    fp = model_fingerprint(model)
-    assert default_usage_path(fp) == tmp_path / "cache" / "colibri_aio" / "usage" / f"{fp}.json"
-    assert pins_for("auto", model, 4) == []             # no history yet: nothing pinned
-    u = UsageHistory.for_model(model)
-    u.record(0, [2, 2, 5])
-    u.save(default_usage_path(fp))
-    assert pins_for("auto", model, 4) == [(0, 2), (0, 5)]
-    assert pins_for("off", model, 4) == []
-    assert pins_for(str(default_usage_path(fp)), model, 1) == [(0, 2)]
+        UsageHistory.from_json(["not", "a", "dict"], fp, "f.json")

@@ -15,6 +15,7 @@ from gguf.quants import dequantize
 
 from colibri_aio.gguf.model import load
 from colibri_aio.engine.mapped_source import MappedExpertSource
+from colibri_aio.arch import SUPPORTED_ARCHITECTURES, build_net
 from colibri_aio.arch.qwen3moe import Qwen3MoE
 from colibri_aio.cli.route_stats import compute
 from colibri_aio.text.tokenizer import Tokenizer
@@ -166,4 +167,116 @@ def test_llama_cpp_evaluates_finite_logits(models, qtype: str) -> None:
     llm.eval(ids)
     logits = np.asarray(llm.scores[: len(ids)])
     assert llm.n_vocab() == TINY.vocab_size
+    assert np.isfinite(logits).all() and 0.3 < logits.std() < 5
+
+
+# ---------------------------------------------------------------------------
+# the other families' shapes (fixtures/families.md): tiny versions written and run by llama.cpp
+# ---------------------------------------------------------------------------
+
+# tensors each family's block 1 (an MoE block) must hold beyond the common ones, as llama.cpp loads them
+FAMILY_TENSORS = {
+    "tiny-mixtral": ("llama", {"attn_q", "ffn_norm", "ffn_gate_inp", "ffn_gate_exps"}),
+    "tiny-olmoe": ("olmoe", {"attn_q_norm", "attn_k_norm", "ffn_norm", "ffn_down_exps"}),
+    "tiny-qwen2moe": ("qwen2moe", {"attn_q.bias", "ffn_gate_inp_shexp", "ffn_gate_shexp", "ffn_down_shexp"}),
+    "tiny-deepseek2": ("deepseek2", {"attn_q_a", "attn_q_a_norm", "attn_q_b", "attn_kv_a_mqa", "attn_kv_a_norm",
+                                     "attn_k_b", "attn_v_b", "exp_probs_b.bias", "ffn_up_shexp"}),
+    "tiny-glm4moe": ("glm4moe", {"attn_q.bias", "attn_q_norm", "post_attention_norm", "exp_probs_b.bias",
+                                 "ffn_gate_shexp"}),
+    "tiny-gptoss": ("gpt-oss", {"attn_sinks", "attn_output.bias", "ffn_gate_inp.bias", "ffn_up_exps.bias",
+                                "post_attention_norm"}),
+}
+
+
+FAMILY_FILES = sorted((s, q) for s in FAMILY_TENSORS for q in (("q4_k", "mxfp4") if s == "tiny-gptoss" else ("q4_k",)))
+
+
+def _block_names(path: Path, block: int) -> set[str]:
+    prefix = f"blk.{block}."
+    return {t.name[len(prefix):].removesuffix(".weight") for t in GGUFReader(path).tensors
+            if t.name.startswith(prefix)}
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    """Each tiny family shape in Q4_K (gpt-oss also MXFP4), uniform routing (~4-7 MB each)."""
+    root = tmp_path_factory.mktemp("families")
+    out = {}
+    for shape, qtype in FAMILY_FILES:
+        path = root / f"{shape}_{qtype}.gguf"
+        msg.main(["--shape", shape, "--type", qtype, "--out", str(path), "--quiet"])
+        out[shape, qtype] = path
+    return out
+
+
+@pytest.mark.parametrize("shape", sorted(FAMILY_TENSORS))
+def test_family_shape_has_its_architecture_keys_and_tensors(family_models, shape: str) -> None:
+    arch, extra = FAMILY_TENSORS[shape]
+    s = SHAPES[shape]
+    path = family_models[shape, "q4_k"]
+    fields = GGUFReader(path).fields
+    assert fields["general.architecture"].contents() == arch
+    assert fields[f"{arch}.block_count"].contents() == s.total_blocks
+    assert fields[f"{arch}.expert_count"].contents() == s.expert_count
+    # routers are fitted by the engine's forward pass, for the families it runs
+    assert ("not fitted" in fields["general.description"].contents()) == (arch not in SUPPORTED_ARCHITECTURES)
+    assert extra <= _block_names(path, 1), extra - _block_names(path, 1)
+    if s.dense_lead:
+        assert {"ffn_gate", "ffn_up", "ffn_down"} <= _block_names(path, 0)
+        assert "ffn_gate_inp" not in _block_names(path, 0)
+    if s.nextn:
+        assert {"nextn.eh_proj", "nextn.enorm", "nextn.hnorm"} <= _block_names(path, s.block_count)
+
+
+def test_mxfp4_experts_and_q5_0_fallback_dequantise_to_the_intended_std(family_models) -> None:
+    s = SHAPES["tiny-gptoss"]
+    ts = tensors(family_models["tiny-gptoss", "mxfp4"])
+    up = ts["blk.0.ffn_up_exps.weight"]
+    assert up.tensor_type == T.MXFP4 and ts["blk.0.attn_q.weight"].tensor_type == T.Q8_0
+    w = dequantize(up.data, up.tensor_type)
+    assert not w[..., :CODE_CHANNELS].any()  # blind to the code channels, as every expert
+    assert w[..., CODE_CHANNELS:].std() == pytest.approx(1 / math.sqrt(s.embedding_length), rel=0.05)
+    # DeepSeek's attn_k_b rows (qk_nope = 64) are not whole Q4_K super-blocks: Q5_0, as llama.cpp falls back
+    kb = tensors(family_models["tiny-deepseek2", "q4_k"])["blk.1.attn_k_b.weight"]
+    assert kb.tensor_type == T.Q5_0
+    assert dequantize(kb.data, kb.tensor_type).std() == pytest.approx(1 / math.sqrt(64), rel=0.05)
+
+
+# published total parameter counts (billions), without MTP layers except GLM-4.5-Air's NextN block
+PUBLISHED_PARAMS = {"qwen3-30b-a3b": 30.5, "mixtral-8x7b": 46.7, "olmoe-1b-7b": 6.9, "qwen2-57b-a14b": 57.4,
+                    "deepseek-v3": 671.0, "glm-4.5-air": 109.2, "gpt-oss-120b": 116.8}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_full_shapes_have_the_published_parameter_counts(name: str) -> None:
+    """The tensor plan of each real shape (no file written) counts its model's parameters."""
+    from synthetic.tensors import plan_tensors
+
+    s = SHAPES[name]
+    routers = [np.zeros((s.expert_count, s.embedding_length), np.float32)] * s.total_blocks
+    plans = plan_tensors(s, T.Q4_K, T.Q4_K, T.Q6_K, routers, 0)
+    assert sum(math.prod(p.shape) for p in plans) / 1e9 == pytest.approx(PUBLISHED_PARAMS[name], rel=0.005)
+
+
+@pytest.mark.parametrize("key", FAMILY_FILES, ids=["-".join(k) for k in FAMILY_FILES])
+def test_llama_cpp_runs_each_family_shape(family_models, key) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(model_path=str(family_models[key]), n_threads=2, n_ctx=64, logits_all=True, verbose=False)
+    try:
+        ids = llm.tokenize(b"Lists are mutable sequences, typically used to store collections", add_bos=False)
+        llm.eval(ids)
+        logits = np.asarray(llm.scores[: len(ids)])
+    finally:
+        llm.close()
+    assert llm.n_vocab() == SHAPES[key[0]].vocab_size
+    assert np.isfinite(logits).all() and 0.3 < logits.std() < 5
+
+
+@pytest.mark.parametrize("shape", sorted(s for s, (a, _) in FAMILY_TENSORS.items() if a in SUPPORTED_ARCHITECTURES))
+def test_engine_runs_the_family_shapes_it_supports(family_models, shape: str) -> None:
+    """What the scale benchmarks load: the engine's loader accepts the file, every tensor accounted for."""
+    model = load(family_models[shape, "q4_k"])
+    assert model.args.architecture == FAMILY_TENSORS[shape][0]
+    net = build_net(model, MappedExpertSource(model), n_ctx=8)
+    logits = asyncio.run(net.forward([1, 2, 3, 4], logits="all"))
     assert np.isfinite(logits).all() and 0.3 < logits.std() < 5

@@ -1,4 +1,5 @@
-"""Samplers (greedy, temperature, top-k, top-p, min-p, seeds) and stopping (stop strings, eog, max tokens)."""
+"""Samplers (greedy, temperature, top-k, top-p, min-p, seeds, logit bias, penalties, logprobs, model defaults)
+and stopping (stop strings, eog, max tokens)."""
 from __future__ import annotations
 
 import numpy as np
@@ -6,7 +7,8 @@ import pytest
 
 from colibri_aio.errors import UserError
 from colibri_aio.text.sampling import (
-    StopStrings, Stopper, keep_min_p, keep_top_k, keep_top_p, make_sampler, softmax,
+    LLAMA_CPP_DEFAULTS, SamplingParams, StopStrings, Stopper, TokenPicker, apply_logit_bias, apply_penalties,
+    keep_min_p, keep_top_k, keep_top_p, log_softmax, make_sampler, model_defaults, softmax, top_logprobs,
 )
 
 VOCAB = 2048
@@ -247,3 +249,89 @@ def test_sampler_refuses_a_batch_of_logits() -> None:
     sample = make_sampler(temperature=1.0, seed=0)
     with pytest.raises(ValueError, match="shape"):
         sample(random_logits(0).reshape(2, -1))
+
+
+# --- logit bias, penalties, logprobs, defaults ------------------------------------------------------------------
+
+
+def test_logit_bias_adds_to_the_named_tokens_only() -> None:
+    logits = random_logits(1)
+    out = apply_logit_bias(logits, {3: 5.0, 7: -100.0})
+    assert out[3] == logits[3] + np.float32(5.0) and out[7] == logits[7] + np.float32(-100.0)
+    keep = np.ones(VOCAB, bool)
+    keep[[3, 7]] = False
+    assert np.array_equal(out[keep], logits[keep]) and out.dtype == logits.dtype
+    assert apply_logit_bias(logits, {}) is logits
+
+
+def test_penalties_follow_llama_cpp() -> None:
+    logits = np.array([2.0, -1.0, 0.5, 3.0, 0.0], np.float32)
+    recent = [0, 0, 1, 4]  # token 0 twice, 1 and 4 once, 2 and 3 never
+    out = apply_penalties(logits, recent, repeat=2.0, frequency=0.5, presence=0.25)
+    # positive logits are divided by the repeat penalty, the others multiplied; then count x frequency + presence
+    expected = np.array([2.0 / 2 - 2 * 0.5 - 0.25, -1.0 * 2 - 0.5 - 0.25, 0.5, 3.0, 0.0 * 2 - 0.5 - 0.25])
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    assert apply_penalties(logits, recent) is logits and apply_penalties(logits, [], repeat=2.0) is logits
+
+
+def test_log_softmax_and_top_logprobs() -> None:
+    logits = random_logits(2)
+    lp = log_softmax(logits)
+    np.testing.assert_allclose(np.exp(lp), softmax(logits.astype(np.float64)), rtol=1e-9)
+    top = top_logprobs(lp, 5)
+    assert [i for i, _ in top] == list(np.argsort(-lp, kind="stable")[:5])
+    assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+    assert top_logprobs(lp, 0) == []
+    tie = top_logprobs(np.zeros(4), 2)
+    assert [i for i, _ in tie] == [0, 1]  # lower id first on ties
+
+
+def test_picker_greedy_sees_bias_and_penalties() -> None:
+    logits = np.array([1.0, 3.0, 2.0], np.float32)
+    assert TokenPicker(SamplingParams())(logits) == 1
+    assert TokenPicker(SamplingParams(logit_bias={1: -5.0}))(logits) == 2
+    # token 1 was just said: a presence penalty of 1.5 makes 2 the best
+    assert TokenPicker(SamplingParams(presence_penalty=1.5), context=[1])(logits) == 2
+    # ... unless it lies outside the window the penalties see
+    assert TokenPicker(SamplingParams(presence_penalty=1.5, penalty_last_n=1), context=[1, 0])(logits) == 1
+
+
+def test_picker_counts_its_own_tokens_in_the_window() -> None:
+    pick = TokenPicker(SamplingParams(frequency_penalty=1.5), context=[])
+    logits = np.array([1.0, 3.0, 2.0], np.float32)
+    assert [pick(logits) for _ in range(3)] == [1, 2, 1]  # 1, then 1 is penalised 1.5 < 2's lead, ...
+
+
+def test_picker_with_a_seed_is_reproducible() -> None:
+    logits = random_logits(3)
+    params = SamplingParams(temperature=1.0, seed=11, repeat_penalty=1.3)
+    a, b = TokenPicker(params, [1, 2]), TokenPicker(params, [1, 2])
+    assert [a(logits) for _ in range(20)] == [b(logits) for _ in range(20)]
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(seed=-1), SamplingParams(repeat_penalty=0.0), SamplingParams(presence_penalty=float("inf")),
+    SamplingParams(penalty_last_n=-2), SamplingParams(logit_bias={5: float("nan")}), SamplingParams(top_k=-1),
+])
+def test_meaningless_params_are_user_errors(params: SamplingParams) -> None:
+    with pytest.raises(UserError):
+        params.check()
+
+
+def test_logit_bias_outside_the_vocabulary_is_refused() -> None:
+    with pytest.raises(UserError, match="token id 99"):
+        SamplingParams(logit_bias={99: 1.0}).check(vocab_size=10)
+
+
+def test_model_defaults_come_from_general_sampling_keys_else_llama_cpp() -> None:
+    assert model_defaults({}) == LLAMA_CPP_DEFAULTS
+    got = model_defaults({"general.sampling.temp": 0.6, "general.sampling.top_k": 20, "general.sampling.top_p": 0.9,
+                          "general.sampling.penalty_last_n": 32, "general.other": 1})
+    assert (got.temperature, got.top_k, got.top_p, got.penalty_last_n) == (pytest.approx(0.6), 20, 0.9, 32)
+    assert got.min_p == LLAMA_CPP_DEFAULTS.min_p == 0.05
+    assert isinstance(got.top_k, int)
+
+
+def test_override_keeps_what_is_not_given() -> None:
+    p = LLAMA_CPP_DEFAULTS.override({"temperature": 0.0, "top_k": None})
+    assert p.temperature == 0.0 and p.top_k == 40

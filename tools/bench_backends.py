@@ -20,7 +20,7 @@ Each sample sweeps distinct copies of the weights, more than ``--cold-mb`` in
 all (far above the 32 MiB last-level cache), as experts streamed from the pool
 are: nothing is measured from a warm cache by accident.
 
-    python tools/bench_backends.py --runs 5
+    python tools/bench_backends.py --runs 5 --lock /work/cpu.lock
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from bench_kernels import _copies, _tensor as _valid_tensor
-from receipt import header, spread, write
+from colibri_aio.bench.receipt import header, spread, write
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERT, ATTN, HEAD = "768x2048,2048x768", "4096x2048,512x2048,2048x4096", "151936x2048"
@@ -147,6 +147,8 @@ def _child(args, arm: str, seed: int) -> list[dict]:
     argv = [sys.executable, __file__, "--child", "--arm", arm, "--seed", str(seed), "--threads", str(args.threads),
             "--types", ",".join(args.types), "--shapes", ",".join(f"{r}x{c}" for r, c in args.shapes),
             "--positions", ",".join(map(str, args.positions)), "--cold-mb", str(args.cold_mb)]
+    if args.lock:  # the machine is shared: an exclusive hold per child run, not for the whole benchmark
+        argv = ["flock", "-x", str(args.lock), *argv]
     out = subprocess.run(argv, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"child {arm} failed:\n{out.stderr}")
@@ -213,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cold-mb", type=float, default=256.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
+    p.add_argument("--lock", type=Path, default=None, help="hold this lock file exclusively during each run "
+                   "(e.g. /work/cpu.lock on a shared machine)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--arm", help=argparse.SUPPRESS)
     args = p.parse_args(argv)

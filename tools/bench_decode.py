@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from receipt import header as receipt_header, spread, write as write_receipt
+from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -27,7 +27,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import subprocess
 import sys
 import time
@@ -35,10 +34,11 @@ from pathlib import Path
 
 import numpy as np
 
-from receipt import spread
+from colibri_aio.bench.receipt import git_state, host_facts, spread, write
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL_TYPES = ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "BF16", "F16", "F32"]
+ALL_TYPES = ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K",
+             "IQ4_XS", "BF16", "F16", "F32"]
 TUNING_PREFIX = "COLIBRI_QUANT_"  # an arm may set a module constant of quant, e.g. COLIBRI_QUANT_MATVEC_CHUNK_WEIGHTS
 TARGETS = {("Q8_0", "matvec"): 3.0, ("Q4_K", "matvec"): 1.5}  # G weights/s, 2 threads
 
@@ -46,12 +46,14 @@ TARGETS = {("Q8_0", "matvec"): 3.0, ("Q4_K", "matvec"): 1.5}  # G weights/s, 2 t
 # --- child: one run of every measurement ---
 
 def _tensor(type_name: str, shape: tuple[int, int], rng: np.random.Generator):
-    """A valid weight tensor: quantised random data, or random K-quant blocks with finite scales."""
+    """A valid weight tensor: quantised random data, or (types gguf cannot quantise) random blocks
+    with finite scales."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
     from colibri_aio.kernels.qtensor import QTensor
 
     t = GGMLQuantizationType[type_name]
-    k_scale_bytes = {"Q4_K": slice(0, 4), "Q5_K": slice(0, 4), "Q6_K": slice(208, 210)}
+    k_scale_bytes = {"Q4_K": slice(0, 4), "Q5_K": slice(0, 4), "Q6_K": slice(208, 210), "Q2_K": slice(80, 84),
+                     "Q3_K": slice(108, 110), "IQ4_NL": slice(0, 2), "IQ4_XS": slice(0, 2)}
     if type_name in k_scale_bytes:
         block, type_size = GGML_QUANT_SIZES[t]
         blocks = rng.integers(0, 256, (shape[0] * shape[1] // block, type_size), dtype=np.uint8)
@@ -146,22 +148,9 @@ def _arm_env(arm: str) -> dict[str, str]:
     return env
 
 
-def _host() -> dict:
-    cpu = ""
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"hostname": platform.node(), "kernel": platform.release(), "machine": platform.machine(),
-            "cpu": cpu, "cpus": os.cpu_count(), "python": platform.python_version(),
-            "mem_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
-
-
 def _commit() -> dict:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = git("status", "--porcelain", "--", "kernels", "tools/bench_kernels.py")
-    return {"sha": git("rev-parse", "HEAD"), "kernel_files_modified": bool(dirty)}
+    state = git_state("kernels", "tools/bench_kernels.py")
+    return {"sha": state["sha"], "kernel_files_modified": bool(state["modified"])}
 
 
 def _blas_config() -> dict:
@@ -192,8 +181,6 @@ def _fmt(s: dict | None) -> str:
 
 def write_receipt(out_dir: Path, meta: dict, samples: list[dict]) -> tuple[Path, Path]:
     stamp = meta["when_utc"].replace("-", "").replace(":", "")[:15] + "Z"
-    json_path, md_path = out_dir / f"kernels_{stamp}.json", out_dir / f"kernels_{stamp}.md"
-    json_path.write_text(json.dumps({**meta, "samples": samples}, indent=1) + "\n")
     lines = [f"# kernels {stamp}", "",
              f"- command: `{meta['command']}`",
              f"- commit: `{meta['commit']['sha']}`" + (" (kernel files modified)" if meta['commit']['kernel_files_modified'] else ""),
@@ -232,8 +219,7 @@ def write_receipt(out_dir: Path, meta: dict, samples: list[dict]) -> tuple[Path,
                 verdict = "met" if min(meds) >= target else "missed"
                 lines.append(f"- target {t} {op} >= {target} G weights/s: {verdict} (medians {', '.join(f'{m:.2f}' for m in meds)})")
         lines.append("")
-    md_path.write_text("\n".join(lines) + "\n")
-    return json_path, md_path
+    return write(out_dir, f"kernels_{stamp}", {**meta, "samples": samples}, "\n".join(lines) + "\n")
 
 
 def _shape(text: str) -> tuple[int, int]:
@@ -264,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.runs < 5:
         p.error("--runs must be >= 5")
     arms = args.arms.split(",")
-    meta = {"command": " ".join([sys.executable, *sys.argv]), "commit": _commit(), "host": _host(),
+    meta = {"command": " ".join([sys.executable, *sys.argv]), "commit": _commit(), "host": host_facts(),
             "when_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "numpy": np.__version__, "blas": _blas_config(),
             "openblas_env": {k: v for k, v in os.environ.items() if k.startswith("OPENBLAS")},

@@ -27,7 +27,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -38,7 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from bench_kernels import _copies, _tensor as _valid_tensor
-from receipt import spread
+from colibri_aio.bench.receipt import git_state, host_facts, spread, write
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERT_SHAPES = "768x2048,2048x768"
@@ -212,7 +211,7 @@ def child_decode(args) -> dict:
     the page cache and the kernels), with the forward pass's kernels taken from the dispatcher."""
     import asyncio
 
-    from colibri_aio.arch import qwen3moe
+    from colibri_aio.arch import build_net, layers
     from colibri_aio.gguf.model import load
     from colibri_aio.kernels import backend
     from colibri_aio.engine.mapped_source import MappedExpertSource
@@ -220,10 +219,10 @@ def child_decode(args) -> dict:
     backend.set_backend(args.arm)
     backend.set_num_threads(args.threads)
     for name in ("matvec", "matmul", "dequantize"):  # route the forward pass through the dispatcher
-        setattr(qwen3moe, name, getattr(backend, name))
+        setattr(layers, name, getattr(backend, name))
     warm = backend.warm_up()
     model = load(args.decode_model)
-    net = qwen3moe.Qwen3MoE(model, MappedExpertSource(model))
+    net = build_net(model, MappedExpertSource(model))
     ids = [int(i) for i in np.random.default_rng(args.seed).integers(0, model.args.vocab_size, args.decode_tokens)]
 
     async def feed() -> list[float]:
@@ -276,22 +275,9 @@ def decode_main(args, meta: dict) -> int:
 
 # --- parent ---
 
-def _host() -> dict:
-    cpu = ""
-    try:
-        cpu = next(l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {"hostname": platform.node(), "kernel": platform.release(), "cpu": cpu, "cpus": os.cpu_count(),
-            "python": platform.python_version(),
-            "mem_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")}
-
-
 def _commit() -> dict:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    dirty = git("status", "--porcelain", "--", "kernels", "tools/bench_kernels_jit.py")
-    return {"sha": git("rev-parse", "HEAD"), "kernel_files_modified": dirty.splitlines()}
+    state = git_state("kernels", "tools/bench_kernels_jit.py")
+    return {"sha": state["sha"], "kernel_files_modified": state["modified"]}
 
 
 def _child(args, mode: str, env: dict | None = None, extra: list[str] | None = None):
@@ -317,8 +303,6 @@ ALL_ARMS = [*ARMS, "roofline", "f32 BLAS"]
 
 def write_receipt(out_dir: Path, meta: dict, samples: list[dict]) -> tuple[Path, Path]:
     stamp = meta["when_utc"].replace("-", "").replace(":", "")[:15] + "Z"
-    json_path, md_path = out_dir / f"kernels_jit_{stamp}.json", out_dir / f"kernels_jit_{stamp}.md"
-    json_path.write_text(json.dumps({**meta, "samples": samples}, indent=1) + "\n")
     c = meta["compile"]
     lines = [f"# kernels_jit {stamp}", "",
              f"- command: `{meta['command']}`",
@@ -390,8 +374,7 @@ def write_receipt(out_dir: Path, meta: dict, samples: list[dict]) -> tuple[Path,
               f"warm_up {_fmt(spread([r['warm_up_s'] for r in c['warm']]))} s (n={len(c['warm'])})"]
     lines += ["", "## Accuracy: relative error vs gguf dequantize(raw) @ x in float64, 768x2048", ""]
     lines += [f"- {k}: {v:.2e}" for k, v in meta["accuracy"].items()]
-    md_path.write_text("\n".join(lines) + "\n")
-    return json_path, md_path
+    return write(out_dir, f"kernels_jit_{stamp}", {**meta, "samples": samples}, "\n".join(lines) + "\n")
 
 
 def _plan(args) -> list[tuple[list[int], list[str]]]:
@@ -448,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     # OpenBLAS before NumPy loads it, but the children import NumPy first, so say it here.
     os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     plan = _plan(args) if not args.decode_model else []
-    meta = {"command": " ".join([sys.executable, *sys.argv]), "arms": args.arms, "commit": _commit(), "host": _host(),
+    meta = {"command": " ".join([sys.executable, *sys.argv]), "arms": args.arms, "commit": _commit(), "host": host_facts(),
             "when_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "numpy": np.__version__, "numba": numba.__version__, "threads": args.threads,
             "openblas_num_threads": os.environ["OPENBLAS_NUM_THREADS"],

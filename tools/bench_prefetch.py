@@ -36,50 +36,41 @@ import numpy as np
 from colibri_aio.gguf.model import Model, load
 from colibri_aio.engine.memory import peak_rss_bytes
 from colibri_aio.arch.qwen3moe import Qwen3MoE
-from colibri_aio.kernels.backend import open_kernels
 from colibri_aio.policy.backpressure import BackpressureConfig
-from colibri_aio.engine.placement import DEFAULT_LOOKAHEAD, Placement, open_source
-from receipt import header as receipt_header, write as write_receipt
+from colibri_aio.engine.placement import Placement, open_source
+from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ARMS = "off,on,auto"
 
 
-def arm_placement(arm: str) -> tuple[str, BackpressureConfig | None, bool]:
+def arm_placement(arm: str) -> tuple[str, BackpressureConfig | None]:
     """An arm is a prefetch mode, optionally with a backpressure window ("auto@1.0"), optionally
-    "+nokick": reads are left to start when the decode loop next waits (the scheduler before it
-    kicked new reads to the kernel ahead of compute), "+precision": predictions at least 0.6
-    precise keep prefetch going on a saturated disk, or "+notrial": saturation turns prefetch off
-    without a trial of off against on (auto before trials); each for an A/B of that change."""
+    "+notrial": saturation turns prefetch off without a trial of off against on (auto before
+    trials), for an A/B of that change."""
     arm, _, flag = arm.partition("+")
     mode, _, window = arm.partition("@")
     settings: dict = {}
     if window:
         settings["window"] = float(window)
-    if flag == "precision":  # precise predictions (>= 0.6) keep prefetch going on a saturated disk
-        settings["keep_on_precision"] = 0.6
     if flag == "notrial":
         settings["trial_steps"] = 0
-    return mode, BackpressureConfig(**settings) if settings else None, flag == "nokick"
+    elif flag:
+        raise SystemExit(f"unknown arm flag +{flag} (known: +notrial)")
+    return mode, BackpressureConfig(**settings) if settings else None
 
 
 async def one_run(model: Model, args: argparse.Namespace, arm: str, ids: list[int]) -> dict:
     """One teacher-forced decode from an empty cache; figures over the decode part only."""
-    prefetch, config, nokick = arm_placement(arm)
+    prefetch, config = arm_placement(arm)
     placement = Placement(io=args.io, cache_per_layer=args.cache_per_layer, prefetch=prefetch,
                           context=len(ids) + 1, backpressure=config)
     source, _plan = await open_source(model, placement)
-    if nokick:
-        async def no_kick() -> None:
-            source._started = False
-
-        source._kick = no_kick  # type: ignore[method-assign]
-    kernels = open_kernels("auto")  # the engine's default kernels
     try:
-        net = Qwen3MoE(model, source, len(ids) + 1, kernels)
-        net.lookahead = None if prefetch == "off" else DEFAULT_LOOKAHEAD
+        net = Qwen3MoE(model, source, len(ids) + 1)
+        net.lookahead = placement.lookahead
         await net.forward(ids[: args.prefill])
-        c0, r0, w0 = _cache(source), source.reader.stats.io_bytes, source.stats.demand_wait_s
+        c0, r0, w0 = _cache(source), source.reader.stats.io_bytes, source.demand_wait_s
         busy0 = source.reader.stats.busy_s
         t0 = time.perf_counter()
         for token in ids[args.prefill:]:
@@ -89,9 +80,9 @@ async def one_run(model: Model, args: argparse.Namespace, arm: str, ids: list[in
         lookups = sum(c1[k] - c0[k] for k in ("pinned_hits", "cached_hits", "prefetch_hits", "misses"))
         hits = lookups - (c1["misses"] - c0["misses"])
         read_busy = source.reader.stats.busy_s - busy0
-        compute_busy = wall - (source.stats.demand_wait_s - w0)
-        bp = source.backpressure
-        score = source.predictor.score
+        compute_busy = wall - (source.demand_wait_s - w0)
+        bp = source.policy.backpressure
+        score = source.policy.predictor.score
         return {
             "prefetch": arm, "tokens": len(ids) - args.prefill, "seconds": wall,
             "tok_s": (len(ids) - args.prefill) / wall, "hit_rate": hits / lookups if lookups else 0.0,
@@ -108,12 +99,11 @@ async def one_run(model: Model, args: argparse.Namespace, arm: str, ids: list[in
             "final_reason": bp.reason,
         }
     finally:
-        kernels.close()
         await source.aclose()
 
 
 def _cache(source) -> dict:
-    s = source.cache.stats
+    s = source.policy.cache.stats
     return {k: getattr(s, k) for k in ("pinned_hits", "cached_hits", "prefetch_hits", "misses",
                                        "prefetch_reads", "prefetch_wasted")}
 
@@ -128,11 +118,12 @@ def start_saturation(path: Path, size_gb: int) -> subprocess.Popen:
          "--output=/dev/null"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def make_model(out: Path, layers: int | None) -> None:
-    """A synthetic Qwen3-30B-A3B Q8_0 GGUF with realistic routing: its first ``layers`` blocks (None: all 48)."""
+def make_model(out: Path, layers: int | None, shape: str = "qwen3-30b-a3b", qtype: str = "q8_0") -> None:
+    """A synthetic GGUF of ``shape`` (default Qwen3-30B-A3B, Q8_0) with realistic routing: its first
+    ``layers`` blocks (None: all)."""
     cut = ["--layers", str(layers)] if layers else []
-    subprocess.run([sys.executable, str(ROOT / "tools" / "make_synthetic_gguf.py"), "--shape", "qwen3-30b-a3b",
-                    *cut, "--type", "q8_0", "--routing", "realistic", "--out", str(out), "--force", "--quiet"],
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_synthetic_gguf.py"), "--shape", shape,
+                    *cut, "--type", qtype, "--routing", "realistic", "--out", str(out), "--force", "--quiet"],
                    check=True)
 
 
@@ -231,7 +222,7 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--arms", default=DEFAULT_ARMS,
                    help="prefetch modes to interleave; auto@W sets the backpressure window to W s, "
-                        "+notrial/+precision/+nokick an A/B flag (see arm_placement) (default: %(default)s)")
+                        "+notrial an A/B flag (see arm_placement) (default: %(default)s)")
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
     args = p.parse_args()
     os.environ.setdefault("XDG_CACHE_HOME", tempfile.mkdtemp(prefix="bench-cache-"))  # no pins from old runs

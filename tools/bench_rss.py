@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from colibri_aio.policy.budget import parse_size
-from receipt import header as receipt_header, spread, write as write_receipt
+from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1.10

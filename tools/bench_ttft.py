@@ -18,7 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from receipt import header as receipt_header, write as write_receipt
+from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,8 +1,15 @@
-"""Write a random but valid qwen3moe GGUF with a real model's shapes (for benchmarks).
+"""Write a random but valid MoE GGUF with a real model's shapes (for benchmarks).
 
     python tools/make_synthetic_gguf.py --shape qwen3-30b-a3b --type q8_0 --out /work/artifacts/q30b_q8_0.gguf
     python tools/make_synthetic_gguf.py --shape qwen3-30b-a3b --layers 8 --type q4_k \\
         --routing realistic --out /work/artifacts/q30b_8l_q4_k_real.gguf
+    python tools/make_synthetic_gguf.py --shape deepseek-v3 --layers 8 --type q4_k --out /work/models/dsv3_8l.gguf
+
+Shapes (tools/synthetic/shapes.py): qwen3-30b-a3b (qwen3moe), mixtral-8x7b (llama),
+olmoe-1b-7b, qwen2-57b-a14b (qwen2moe), deepseek-v3 (deepseek2, MLA, 3 dense
+blocks), glm-4.5-air (glm4moe, with its NextN block), gpt-oss-120b (gpt-oss),
+and tiny-* versions of each for tests. Tensors and keys per family are those
+of fixtures/families.md.
 
 Weights are random bytes turned into valid Q8_0 / Q4_K / Q6_K blocks with a
 chosen standard deviation (tools/synthetic/blocks.py): no float weights exist
@@ -12,14 +19,20 @@ Type census:
     --type q8_0   matrices, token_embd and output Q8_0            (llama.cpp's MOSTLY_Q8_0)
     --type q4_k   matrices and token_embd Q4_K, output Q6_K        (Q4_K_M's output head; Q4_K_M
                   would also move some attn_v/ffn_down to Q6_K — here every expert has one size)
-    both          norms and routers (ffn_gate_inp) F32, as llama.cpp keeps them
+    --type mxfp4  routed experts MXFP4, everything else Q8_0      (llama.cpp's MOSTLY_MXFP4_MOE, gpt-oss)
+    all           norms, biases and routers (ffn_gate_inp) F32, as llama.cpp keeps them; a matrix
+                  whose rows do not fill the type's blocks (DeepSeek's attn_k_b, GLM-4.5-Air's
+                  1408-wide experts, gpt-oss's 2880) takes llama.cpp's fallback: Q5_0 for Q4_K, else Q8_0
 
 Routing (tools/synthetic/routing.py): ``uniform`` independent random routers,
 or ``realistic`` popularity-biased, layer-correlated routers. In both modes a
 short forward pass of our engine on the written file then fits the routers
 (tools/synthetic/calibrate.py): their random part is made blind to the mean
 hidden state of their layer (a fixed per-expert offset otherwise) and the
-realistic bias is scaled to its design; --calibration-passes 0 skips it. The mode, seed and
+realistic bias is scaled to its design; --calibration-passes 0 skips it. Only
+files of the families the engine runs are fitted (the fitting runs its forward
+pass: qwen3moe, llama, olmoe, qwen2moe); the others keep their routers as
+drawn, which the description says. The mode, seed and
 targets are in general.description and in ``synthetic.*`` keys.
 
 The tokenizer is the shared 2048-token one padded with unused placeholders to
@@ -39,14 +52,17 @@ import resource
 import shutil
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import gguf
 from gguf import GGMLQuantizationType as T
 
+from colibri_aio.arch import SUPPORTED_ARCHITECTURES
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic.routing import MODES, RouterSet, RoutingTargets, make_routers  # noqa: E402
+from synthetic.keys import add_shape_keys  # noqa: E402
 from synthetic.shapes import SHAPES, Shape, resolve  # noqa: E402
 from synthetic.tensors import CODE_CHANNELS, TensorPlan, plan_tensors  # noqa: E402
 from synthetic.vocab import add_padded_tokenizer  # noqa: E402
@@ -56,7 +72,10 @@ from synthetic.writer import write_gguf  # noqa: E402
 TYPE_MIXES: dict[str, tuple[T, T, T, gguf.LlamaFileType]] = {
     "q8_0": (T.Q8_0, T.Q8_0, T.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
     "q4_k": (T.Q4_K, T.Q4_K, T.Q6_K, gguf.LlamaFileType.MOSTLY_Q4_K_M),
+    "mxfp4": (T.Q8_0, T.Q8_0, T.Q8_0, gguf.LlamaFileType.MOSTLY_MXFP4_MOE),
 }
+EXPERT_TYPES: dict[str, T] = {"mxfp4": T.MXFP4}  # routed experts' type where it is not the matrices' one
+CALIBRATED_FAMILIES = SUPPORTED_ARCHITECTURES  # families the engine's forward pass (calibrate.py) runs
 FREE_SPACE_MARGIN = 1 << 30  # leave at least this much free on the target disk
 
 
@@ -82,7 +101,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def description(shape: Shape, full: Shape, qtype: str, routers: RouterSet, seed: int) -> str:
+def description(shape: Shape, full: Shape, qtype: str, routers: RouterSet, seed: int, fitted: bool = True) -> str:
     """general.description: what this file is, including the routing mode, in one sentence or two."""
     cut = f" cut to {shape.block_count} of {full.block_count} layers" if shape.block_count != full.block_count else ""
     routing = f"routing={routers.mode}"
@@ -90,34 +109,24 @@ def description(shape: Shape, full: Shape, qtype: str, routers: RouterSet, seed:
         t = routers.targets
         routing += (f" (popularity-biased routers: target expert-use entropy {t.entropy:.2f}, "
                     f"popularity correlation {t.bias_corr} and router correlation {t.router_corr} "
-                    f"between consecutive layers, fitted by a forward pass)")
-    else:
+                    f"between consecutive layers, {'fitted by a forward pass' if fitted else 'not fitted'})")
+    elif fitted:
         routing += (" (independent Gaussian routers, made orthogonal to each layer's mean state by a "
                     "forward pass: near-uniform expert use)")
-    return (f"Synthetic random-weight qwen3moe with the shape of {full.name}{cut}, {qtype.upper()}, "
+    else:
+        routing += " (independent Gaussian routers, not fitted)"
+    return (f"Synthetic random-weight {full.family} with the shape of {full.name}{cut}, {qtype.upper()}, "
             f"{routing}, seed {seed}. Not a trained model: its output is noise.")
 
 
-def metadata_adder(shape: Shape, full: Shape, qtype: str, routers: RouterSet, seed: int):
-    """A callback adding the qwen3moe keys, the tokenizer and the synthetic.* provenance keys."""
+def metadata_adder(shape: Shape, full: Shape, qtype: str, routers: RouterSet, seed: int, fitted: bool = True):
+    """A callback adding the family's keys, the tokenizer and the synthetic.* provenance keys."""
     def add(w: gguf.GGUFWriter) -> None:
         w.add_name(f"synthetic-{full.name}-{shape.block_count}l-{qtype}-{routers.mode}")
-        w.add_description(description(shape, full, qtype, routers, seed))
+        w.add_description(description(shape, full, qtype, routers, seed, fitted))
         w.add_file_type(TYPE_MIXES[qtype][3])
         w.add_quantization_version(gguf.GGML_QUANT_VERSION)
-        w.add_context_length(shape.context_length)
-        w.add_embedding_length(shape.embedding_length)
-        w.add_block_count(shape.block_count)
-        w.add_feed_forward_length(shape.expert_feed_forward_length)
-        w.add_expert_feed_forward_length(shape.expert_feed_forward_length)
-        w.add_head_count(shape.head_count)
-        w.add_head_count_kv(shape.head_count_kv)
-        w.add_key_length(shape.head_dim)
-        w.add_value_length(shape.head_dim)
-        w.add_rope_freq_base(shape.rope_freq_base)
-        w.add_layer_norm_rms_eps(shape.rms_eps)
-        w.add_expert_count(shape.expert_count)
-        w.add_expert_used_count(shape.expert_used_count)
+        add_shape_keys(w, shape)
         add_padded_tokenizer(w, shape.vocab_size)
         w.add_string("synthetic.shape", full.name)
         w.add_string("synthetic.routing", routers.mode)
@@ -166,17 +175,21 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"make_synthetic_gguf: {exc}") from None
     matrix, embd, output, _ = TYPE_MIXES[args.type]
     targets = RoutingTargets(entropy=args.target_entropy)
-    routers = make_routers(shape, args.routing, targets, args.seed)
-    plans: list[TensorPlan] = plan_tensors(shape, matrix, embd, output, routers.routers, args.seed)
+    # one router per block, NextN blocks included (layer i's depends only on layers <= i)
+    routers = make_routers(replace(shape, block_count=shape.total_blocks), args.routing, targets, args.seed)
+    plans: list[TensorPlan] = plan_tensors(shape, matrix, embd, output, routers.routers, args.seed,
+                                           expert=EXPERT_TYPES.get(args.type))
+    fitted = args.calibration_passes > 0 and shape.family in CALIBRATED_FAMILIES
     data_bytes = sum(p.nbytes for p in plans)
     check_destination(args.out, args.force, data_bytes)
     partial = args.out.with_name(args.out.name + ".partial")
     try:
-        stats = write_gguf(partial, metadata_adder(shape, full, args.type, routers, args.seed), plans, args.seed,
-                           chunk_bytes=args.chunk_mb << 20, progress=_progress(args.quiet, data_bytes))
+        stats = write_gguf(partial, metadata_adder(shape, full, args.type, routers, args.seed, fitted), plans,
+                           args.seed, chunk_bytes=args.chunk_mb << 20, progress=_progress(args.quiet, data_bytes),
+                           arch=shape.family)
         write_rss = peak_rss_bytes()  # before calibration maps (and counts) the file's pages
         calibration, cal_seconds = None, 0.0
-        if args.calibration_passes > 0:
+        if fitted:
             from synthetic.calibrate import calibrate
 
             t0 = time.perf_counter()

@@ -2,15 +2,16 @@
 
 Teacher-forced decode of fixed ids on a model held in RAM (every expert
 cached), after one warm-up pass; n runs, median and min–max per category,
-for one kernel backend. Timers wrap:
+per kernel backend. Timers wrap:
 
-* the engine's kernel backend, per operation (``attention_router``: a
-  block's attention and routing; ``expert_ffns``; ``logits``: final norm and
-  output head; ``dequantize``: embedding rows); for ggml also the native
-  graph computation alone (``ggml_graph_compute``, threads included), so a
-  call's wrapper (graph lookup, re-pointing) shows as its own line;
-* the MoE step without its kernel calls (the expert source's bookkeeping,
-  where each expert's output goes).
+* the engine's kernel backend, per operation (``linears`` = q/k/v, ``linear``
+  split into attention output and output head, ``expert_ffns``, ``dequantize``);
+  for ggml also the native graph computation alone (``ggml_graph_compute``,
+  threads included), so a call's wrapper (graph lookup, re-pointing, output
+  arrays) shows as its own line;
+* the forward pass's NumPy trunk ops (RMSNorm, RoPE, attention, router top-k);
+* the MoE step without its kernel calls (router product, the expert source's
+  bookkeeping, scattering outputs).
 
 **Python overhead** = wall time − native kernel time: for ggml the time inside
 ``ggml_graph_compute``, for NumPy the time inside kernel calls (NumPy's own
@@ -33,9 +34,10 @@ import numpy as np
 
 from colibri_aio.arch import qwen3moe
 from colibri_aio.engine.engine import Engine
-from receipt import header as receipt_header, write as write_receipt
+from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
+NUMPY_OPS = ("rms_norm", "rope_neox", "rope_cos_sin", "attention", "router_top_k")
 
 
 class Timers:
@@ -59,20 +61,26 @@ class Timers:
         return wrapper
 
     def install(self, engine: Engine) -> None:
-        k = engine.kernels
-        for op in ("attention_router", "expert_ffns", "logits", "dequantize"):
-            setattr(k, op, self.timed(f"kernel: {op}", getattr(k, op)))
+        k, model = engine.kernels, engine.model
+        head = id(model.output.data)
+        k.linears = self.timed("kernel: q/k/v (linears)", k.linears)
+        k.linear = self.timed(lambda w, x: "kernel: output head" if id(w.data) == head
+                              else "kernel: attention output", k.linear)
+        k.expert_ffns = self.timed("kernel: expert FFNs", k.expert_ffns)
+        k.dequantize = self.timed("kernel: embedding rows", k.dequantize)
         if k.name == "ggml":
             from colibri_aio.kernels import ggml_cpu
             ggml_cpu._Graph.run = self.timed("native: ggml_graph_compute", ggml_cpu._Graph.run)
+        for name in NUMPY_OPS:
+            setattr(qwen3moe, name, self.timed(f"numpy: {name}", getattr(qwen3moe, name)))
         moe, timers = qwen3moe.Qwen3MoE._moe, self
 
         async def moe_step(net, *a, **kw):
-            t0, inner = time.perf_counter(), timers.t["kernel: expert_ffns"]
-            pending = await moe(net, *a, **kw)
-            timers.t["moe step without expert_ffns"] += time.perf_counter() - t0 - (timers.t["kernel: expert_ffns"]
-                                                                                  - inner)
-            return pending
+            t0, inner = time.perf_counter(), timers.t["kernel: expert FFNs"] + timers.t["numpy: router_top_k"]
+            out = await moe(net, *a, **kw)
+            inner = timers.t["kernel: expert FFNs"] + timers.t["numpy: router_top_k"] - inner
+            timers.t["moe step without kernels and top-k"] += time.perf_counter() - t0 - inner
+            return out
 
         qwen3moe.Qwen3MoE._moe = moe_step
 
@@ -93,8 +101,10 @@ async def one_run(engine: Engine, timers: Timers, ids: list[int]) -> dict[str, f
     t = timers.take()
     kernel_calls = sum(v for k, v in t.items() if k.startswith("kernel:"))
     native = t.get("native: ggml_graph_compute", kernel_calls)
-    t["kernel call wrappers"] = kernel_calls - native
-    t["other (forward pass)"] = wall - kernel_calls - t.get("moe step without expert_ffns", 0.0)
+    t["kernel call wrappers"] = kernel_calls - native if "native: ggml_graph_compute" in t else 0.0
+    t["other (forward pass, embedding, residuals)"] = (
+        wall - kernel_calls - sum(v for k, v in t.items() if k.startswith("numpy:"))
+        - t.get("moe step without kernels and top-k", 0.0))
     t["python overhead"] = wall - native
     n = len(ids) - 1
     out = {k: v / n * 1e3 for k, v in t.items()}

@@ -19,8 +19,6 @@ import argparse
 import json
 import math
 import os
-import platform
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -39,6 +37,7 @@ from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM  # noqa: E402
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "fixtures"))
 import corpus  # noqa: E402  (fixtures/ is a script folder, not a package)
+from colibri_aio.bench.receipt import git_state, host_facts  # noqa: E402
 
 TOKENIZER = REPO / "fixtures" / "tokenizer.json"
 EOT_ID = 0  # <|endoftext|>: documents are joined with it, as the GGUF's eos says
@@ -183,14 +182,6 @@ def expert_use(model: Qwen3MoeForCausalLM, x: torch.Tensor, top_k: int) -> list[
     return shares
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True,
-                              text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="checkpoint and log folder")
@@ -282,11 +273,11 @@ def train(args: argparse.Namespace) -> dict:
         "expert_share_heldout": shares,
         "threads": args.threads,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "host": platform.node(),
-        "cpu": platform.processor() or platform.machine(),
+        "host": host_facts()["hostname"],
+        "cpu": host_facts()["cpu"] or host_facts()["machine"],
         "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
-        "commit": git_commit(),
+        "commit": git_state()["sha"],
         "finished_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
     (args.out / "metrics.json").write_text(json.dumps(metrics, indent=1))

@@ -30,6 +30,8 @@ from llama_cpp import Llama
 from tokenizers import Tokenizer
 from transformers import Qwen3MoeForCausalLM
 
+from colibri_aio.bench.receipt import write
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tools"))
 from train_tiny_moe import TOKENIZER, tokenize  # noqa: E402
@@ -150,9 +152,7 @@ def main() -> None:
                "export_commands": [f"python tools/export_gguf.py {a.checkpoint} {a.f32} --type f32",
                                    f"python tools/export_gguf.py {a.checkpoint} {a.q8} --type q8_0"],
                "verify_command": "python " + shlex.join(sys.argv), "note": a.note}
-    a.evidence.parent.mkdir(parents=True, exist_ok=True)
-    a.evidence.with_suffix(".json").write_text(json.dumps(receipt, indent=1) + "\n")
-    a.evidence.with_suffix(".md").write_text(render_md(receipt))
+    write(a.evidence.parent, a.evidence.stem, receipt, render_md(receipt))
     print(json.dumps({k: {x: v[x] for x in ("max_abs_logit_diff", "argmax_agreement", "heldout_ppl_llama_cpp")}
                       for k, v in checks.items()}, indent=1))
 

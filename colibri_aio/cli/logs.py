@@ -1,4 +1,8 @@
-"""Event logging with structlog: to stderr, so stdout carries only generated text."""
+"""Event logging with structlog: to stderr, so stdout carries only generated text.
+
+The command line calls :func:`configure` once, at start; importing the
+package never does (a library must not change its host's logging).
+"""
 from __future__ import annotations
 
 import logging
@@ -8,7 +12,7 @@ import structlog
 
 
 def configure(*, verbose: bool = False, json: bool = False) -> None:
-    """Warnings and errors by default, info with ``verbose``; JSON lines with ``json``."""
+    """Events to stderr: warnings and errors by default, info with ``verbose``; JSON lines with ``json``."""
     renderer = structlog.processors.JSONRenderer() if json else structlog.dev.ConsoleRenderer(colors=False)
     structlog.configure(
         processors=[structlog.processors.add_log_level, structlog.processors.TimeStamper(fmt="iso"), renderer],
@@ -18,11 +22,4 @@ def configure(*, verbose: bool = False, json: bool = False) -> None:
     )
 
 
-def configure_default() -> None:
-    """Unless the application configured structlog itself: warnings and errors to stderr.
-
-    structlog's own default prints every level to stdout, which would mix
-    engine events into the text a script prints.
-    """
-    if not structlog.is_configured():
-        configure()
+configure_logging = configure  # the name ``colibri_aio`` exports it under

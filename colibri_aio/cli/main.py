@@ -1,53 +1,108 @@
-"""``python -m colibri_aio``: run, logits, iobench.
+"""``python -m colibri_aio``: run, chat, serve, logits, trace, trace-stats, replay, plan, doctor, iobench.
 
-A user mistake or a broken file is one line on stderr and exit status 2; an
-I/O fault is one line naming file, offset and expert, exit status 1.
+One error path for every command (:func:`main`):
+
+- a user mistake or a broken input (:class:`UserError`, an output file that
+  cannot be written) is one line on stderr and exit status 2, whichever task
+  raised it (exception groups are unwrapped); so is a mistake argparse finds;
+- an I/O fault while streaming an expert is one line naming file, offset and
+  expert, exit status 1;
+- Ctrl-C (SIGINT) and SIGTERM both stop the work the same way: reads in
+  flight are drained and the usage history is saved; exit 130 and 143;
+- a reader that goes away (``run ... | head``) ends the run quietly (141).
+
+Options mean the same in every command: the model is a positional argument
+or ``--model``; the context is ``--ctx`` or ``--context``.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import contextlib
+import os
+import signal
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-
-import numpy as np
+from typing import IO, TYPE_CHECKING, NoReturn
 
 from colibri_aio import __version__
-from colibri_aio.errors import ExpertReadError, UserError
+from colibri_aio.errors import ExpertReadError, UserError, one_line
 from colibri_aio.cli.logs import configure as configure_logs
 from colibri_aio.engine.placement import IO_CHOICES, PREFETCH_CHOICES
 from colibri_aio.kernels.backend import NAMES as KERNEL_NAMES
 
+if TYPE_CHECKING:
+    from colibri_aio.cli.telemetry import StatusLine
+    from colibri_aio.text.sampling import SamplingParams
+
+EXIT_USER, EXIT_IO, EXIT_INTERRUPTED, EXIT_PIPE, EXIT_TERMINATED = 2, 1, 130, 141, 143
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: stop like Ctrl-C does (a BaseException so that nothing swallows it)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its mistakes reported as one line, like every other mistake."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USER, f"colibri-aio: error: {self.prog.removeprefix('python -m colibri_aio ')}: {message} "
+                             f"(see {self.prog} --help)\n")
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", type=Path, nargs="?", default=None,
+                   help="GGUF file, here or as --model (default: the small model shipped in the package)")
+    p.add_argument("--model", dest="model_option", type=Path, default=None, metavar="MODEL",
+                   help="the same as the positional MODEL")
+
+
+def _model(args: argparse.Namespace) -> Path | None:
+    """The model named positionally or with --model (None: the shipped one)."""
+    if args.model is not None and args.model_option is not None and args.model != args.model_option:
+        raise UserError(f"two models given ({args.model} and --model {args.model_option}): give one")
+    return args.model if args.model is not None else args.model_option
+
+
+def _add_memory(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    g = p.add_argument_group("placement (changes speed, never tokens)")
+    g.add_argument("--ram-budget", default=None, metavar="SIZE",
+                   help="memory for trunk + KV cache + expert cache, e.g. 512M, 12G, 1.5GiB "
+                        "(default: 85%% of usable RAM, cgroup limit included; more than RAM or the cgroup "
+                        "limit is refused)")
+    g.add_argument("--cache-per-layer", type=int, default=None, metavar="N",
+                   help="hold N experts per layer instead of sizing the cache from the budget")
+    g.add_argument("--pin", default="off", metavar="auto|off|FILE",
+                   help="keep the most used experts (from a usage history) resident (default: %(default)s)")
+    g.add_argument("--ctx", "--context", dest="ctx", type=int, default=None, metavar="N",
+                   help="context positions to allocate in the KV cache (default: the model's context_length, "
+                        "at most 4096; more than the model's is clamped, with a warning)")
+    g.add_argument("--history", action=argparse.BooleanOptionalAction, default=True,
+                   help="read and update this model's usage history, a cache file under "
+                        "$XDG_CACHE_HOME/colibri_aio/usage (default: on)")
+    return g
+
 
 def _add_placement(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("placement (changes speed, never tokens)")
+    g = _add_memory(p)
     g.add_argument("--io", choices=IO_CHOICES, default="auto",
                    help="how expert bytes are read: io_uring with O_DIRECT, a thread-pool pread, or mmap "
                         "(auto: io_uring, else pread; default: %(default)s)")
-    g.add_argument("--ram-budget", default=None, metavar="SIZE",
-                   help="memory for trunk + KV cache + expert cache, e.g. 512M, 12G, 1.5GiB "
-                        "(default: 85%% of usable RAM, cgroup limit included)")
-    g.add_argument("--cache-per-layer", type=int, default=None, metavar="N",
-                   help="hold N experts per layer instead of sizing the cache from the budget")
     g.add_argument("--prefetch", choices=PREFETCH_CHOICES, default="auto",
                    help="read the experts router lookahead predicts for the next layer; auto keeps it on "
                         "unless the disk is saturated and decode steps measure faster with it off "
                         "(default: %(default)s)")
-    g.add_argument("--pin", default="off", metavar="auto|off|FILE",
-                   help="keep the most used experts (from a usage history) resident (default: %(default)s)")
     g.add_argument("--kernels", choices=KERNEL_NAMES, default=None,
                    help="matrix kernels: ggml (llama.cpp's CPU kernels, activations rounded to 8 bits as "
                         "llama.cpp does) or numpy (the float32 reference); auto picks ggml when it loads "
                         "(default: $COLIBRI_KERNELS or auto)")
-    g.add_argument("--ctx", type=int, default=None, metavar="N",
-                   help="context positions to allocate in the KV cache (default: the model's context_length)")
 
 
 def _placement(args: argparse.Namespace) -> dict:
+    """Engine.open's keyword arguments from the placement options."""
     return dict(io=args.io, ram_budget=args.ram_budget, cache_per_layer=args.cache_per_layer,
-                prefetch=args.prefetch, pin=args.pin, kernels=args.kernels,
+                prefetch=args.prefetch, pin=args.pin, kernels=args.kernels, n_ctx=args.ctx, history=args.history,
                 progress=_progress if sys.stderr.isatty() else None)
 
 
@@ -57,32 +112,169 @@ def _progress(step: str, done: int, total: int) -> None:
     sys.stderr.flush()
 
 
+def _add_prompt(p: argparse.ArgumentParser, default: str | None) -> None:
+    src = p.add_mutually_exclusive_group(required=default is None)
+    src.add_argument("--prompt", default=default,
+                     help="prompt text" + (f" (default: {default!r})" if default is not None else ""))
+    src.add_argument("--prompt-file", type=Path, default=None, metavar="FILE",
+                     help="read the prompt from a UTF-8 file (- reads standard input)")
+
+
+def _prompt(args: argparse.Namespace) -> str:
+    """The prompt text from --prompt or --prompt-file, checked to be UTF-8."""
+    if args.prompt_file is None:
+        text, where = args.prompt, "--prompt"
+    else:
+        where = f"--prompt-file {args.prompt_file}"
+        try:
+            data = sys.stdin.buffer.read() if str(args.prompt_file) == "-" else args.prompt_file.read_bytes()
+            text = data.decode("utf-8")
+        except OSError as exc:
+            raise UserError(f"{where}: cannot read ({exc.strerror or exc})") from None
+        except UnicodeDecodeError as exc:
+            raise UserError(f"{where}: not UTF-8 text (byte {exc.start})") from None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:  # argv bytes that were not UTF-8 arrive as lone surrogates
+        raise UserError(f"{where}: not UTF-8 text (at character {exc.start})") from None
+    if not text:
+        raise UserError(f"{where}: the prompt is empty")
+    return text
+
+
+def _check_writable(path: Path, option: str) -> None:
+    """Refuse an output path before any work is done, rather than after it."""
+    folder = path.parent
+    if path.is_dir():
+        raise UserError(f"{option} {path}: is a folder")
+    if not folder.is_dir():
+        raise UserError(f"{option} {path}: no such folder {folder}")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UserError(f"{option} {path}: cannot write there (permission denied)")
+
+
+def _open_out(path: Path, option: str) -> IO[str]:
+    _check_writable(path, option)
+    try:
+        return open(path, "w", encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"{option} {path}: cannot write ({exc.strerror})") from None
+
+
 def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="generate text, streamed to stdout as it is produced",
                        description="Generate a continuation of a prompt and stream it to stdout.")
-    p.add_argument("--model", type=Path, default=None, help="GGUF file (default: the small model shipped in the package)")
-    p.add_argument("--prompt", default="The list type", help="prompt text (default: %(default)r)")
+    _add_model(p)
+    _add_prompt(p, "The list type")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=64, metavar="N", help="stop after N new tokens (default: %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 picks the most likely token (default: %(default)s)")
-    p.add_argument("--top-k", type=int, default=0, metavar="K", help="sample from the K most likely tokens; 0 = all (default: %(default)s)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling mass; 1 = off (default: %(default)s)")
-    p.add_argument("--min-p", type=float, default=0.0, metavar="P", help="drop tokens below P x the top probability; 0 = off (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed: the same seed gives the same text")
-    p.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop when TEXT is produced (repeatable)")
+    p.add_argument("--max-tokens", type=int, default=64, metavar="N",
+                   help="stop after N new tokens, or earlier when the context is full (default: %(default)s)")
+    _add_sampling(p, "greedy: temperature 0, no filters, no penalties")
     t = p.add_argument_group("telemetry")
     t.add_argument("--stats", action=argparse.BooleanOptionalAction, default=None,
-                   help="print an iostat-style line per interval on stderr (default: on when stderr is a terminal)")
+                   help="print an iostat-style table, one line per interval, on stderr (default: off; on a "
+                        "terminal a one-line status is kept on the last row instead, --no-stats hides it)")
     t.add_argument("--stats-interval", type=float, default=1.0, metavar="S", help="seconds per line (default: %(default)s)")
     t.add_argument("--stats-json", type=Path, default=None, metavar="FILE", help="write the same samples as JSON lines")
     _add_placement(p)
     p.set_defaults(func=_run)
 
 
+def _add_sampling(p: argparse.ArgumentParser, defaults: str) -> None:
+    """The sampling options of run and chat (the API takes the same ones)."""
+    g = p.add_argument_group("sampling", f"Options left out take their defaults ({defaults}).")
+    g.add_argument("--temperature", type=float, default=None, metavar="T", help="0 picks the most likely token")
+    g.add_argument("--top-k", type=int, default=None, metavar="K", help="sample from the K most likely tokens; 0 = all")
+    g.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling mass; 1 = off")
+    g.add_argument("--min-p", type=float, default=None, metavar="P", help="drop tokens below P x the top probability; 0 = off")
+    g.add_argument("--seed", type=int, default=None, metavar="S", help="random seed: the same seed gives the same text")
+    g.add_argument("--repeat-penalty", type=float, default=None, metavar="R",
+                   help="divide the logit of each recent token by R (llama.cpp); 1 = off")
+    g.add_argument("--presence-penalty", type=float, default=None, metavar="P",
+                   help="subtract P from the logit of each recent token (OpenAI); 0 = off")
+    g.add_argument("--frequency-penalty", type=float, default=None, metavar="F",
+                   help="subtract F x its count from the logit of each recent token (OpenAI); 0 = off")
+    g.add_argument("--repeat-last-n", type=int, default=None, metavar="N",
+                   help="how many recent tokens the penalties see; -1 = the whole context (default: 64)")
+    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
+                   help="add BIAS to the logit of token ID (repeatable)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop when TEXT is produced (repeatable)")
+
+
+def _sampling_options(args: argparse.Namespace) -> dict:
+    """The sampling options given on the command line (None: not given), as SamplingParams fields."""
+    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+                repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
+                frequency_penalty=args.frequency_penalty, penalty_last_n=args.repeat_last_n,
+                logit_bias=_parse_logit_bias(args.logit_bias) or None)
+
+
+def _parse_logit_bias(items: Sequence[str]) -> dict[int, float]:
+    bias = {}
+    for item in items:
+        token, sep, value = item.partition("=")
+        try:
+            bias[int(token)] = float(value)
+        except ValueError:
+            raise UserError(f"--logit-bias takes ID=BIAS, e.g. 42=-5, got {item!r}") from None
+        if not sep:
+            raise UserError(f"--logit-bias takes ID=BIAS, e.g. 42=-5, got {item!r}")
+    return bias
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="talk with a model in the terminal (history, KV-cache reuse, /reset)",
+                       description="An interactive chat: each reply streams to stdout; the KV cache keeps the "
+                                   "conversation, so a turn prefills only the new message. /reset starts over, "
+                                   "/exit or Ctrl-D quits, Ctrl-C stops a reply.")
+    _add_model(p)
+    p.add_argument("--system", default=None, metavar="TEXT", help="a system message that starts the conversation")
+    p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="longest reply in tokens (default: %(default)s)")
+    _add_sampling(p, "the model's general.sampling.* keys, else llama.cpp's")
+    _add_placement(p)
+    p.set_defaults(func=_chat)
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from colibri_aio.serve.chat import chat
+
+    if args.stop:
+        raise UserError("chat takes no --stop (the model's end-of-turn token ends a reply)")
+    return chat(_model(args), system=args.system, max_tokens=args.max_tokens, sampling=_sampling_options(args),
+                open_options=_placement(args))
+
+
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions, SSE streams, /metrics)",
+                       description="Serve a model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions "
+                                   "(streamed with SSE or not), /v1/models, /health, /metrics (Prometheus), "
+                                   "/tokenize, /detokenize. One generation runs at a time; others wait in a bounded "
+                                   "queue (429 beyond it). The KV cache is reused across requests that share a "
+                                   "prefix. Sampling defaults come from the model's general.sampling.* keys, else "
+                                   "llama.cpp's.")
+    _add_model(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("COLIBRI_API_KEY"), metavar="KEY",
+                   help="require Authorization: Bearer KEY (default: $COLIBRI_API_KEY; unset: any key or none)")
+    p.add_argument("--max-queue", type=int, default=16, metavar="N",
+                   help="requests that may wait while one generates; more get 429 (default: %(default)s)")
+    p.add_argument("--alias", default=None, metavar="NAME", help="model id to report (default: the file name)")
+    _add_placement(p)
+    p.set_defaults(func=_serve)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from colibri_aio.serve.server import serve
+
+    return serve(_model(args), host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+                 model_id=args.alias, open_options=_placement(args))
+
+
 def _add_logits(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("logits", help="write teacher-forced logits of token ids to a .npy file",
                        description="Write float32 logits of shape (len(ids), vocab); row i follows ids[0..i].")
-    p.add_argument("model", type=Path, help="GGUF file")
+    _add_model(p)
     p.add_argument("--ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--out", required=True, type=Path, help="output .npy file")
     _add_placement(p)
@@ -93,10 +285,8 @@ def _add_trace(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="record routing (experts, weights, lookahead predictions) to JSONL",
                        description="Prefill a prompt and decode, writing every layer's routing at every position "
                                    "as JSON lines (format in the README).")
-    p.add_argument("model", type=Path, help="GGUF file")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", type=Path, help="read the prompt from a UTF-8 file")
+    _add_model(p)
+    _add_prompt(p, None)
     p.add_argument("--max-tokens", type=int, default=32, metavar="N", help="decode N tokens after the prompt (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature for decode (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
@@ -119,10 +309,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                        description="Print the placement for MODEL: trunk, KV cache, expert pool, pins, expected "
                                    "hit rate and bottleneck, from the GGUF's sizes, available RAM and the cgroup "
                                    "memory limit. Exit status 2 when the budget cannot hold it.")
-    p.add_argument("model", type=Path, help="GGUF file")
-    p.add_argument("--ram-budget", default=None, metavar="SIZE", help="e.g. 12G (default: 85%% of usable RAM)")
-    p.add_argument("--context", type=int, default=None, metavar="N", help="KV-cache positions (default: context_length)")
-    p.add_argument("--pin", default="off", metavar="auto|off|FILE", help="plan pins from a usage history")
+    _add_model(p)
+    _add_memory(p)
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.set_defaults(func=_plan)
 
@@ -130,18 +318,19 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from colibri_aio.gguf.model import load
+    from colibri_aio.engine.history import HistoryFile
     from colibri_aio.engine.memory import memory_limits
-    from colibri_aio.engine.plan import make_plan
+    from colibri_aio.engine.placement import Placement, plan_for
+    from colibri_aio.gguf.model import load
+    from colibri_aio.models import default_model_path
     from colibri_aio.policy.budget import parse_size
-    from colibri_aio.engine.placement import PIN_SHARE, usage_history
 
-    model = load(args.model, resident=False)
-    history = usage_history(model)
-    counts = {(l, e): float(c) for (l, e), c in np.ndenumerate(history.counts) if c > 0} or None
+    placement = Placement(ram_budget=parse_size(args.ram_budget) if args.ram_budget else None,
+                          cache_per_layer=args.cache_per_layer, pin=args.pin, context=args.ctx)
+    model = load(_model(args) or default_model_path(), resident=False)
+    past = HistoryFile.for_model(model).load() if args.history else None
     limits = memory_limits()
-    plan = make_plan(model, limits, budget=parse_size(args.ram_budget) if args.ram_budget else None,
-                     context=args.context, usage_counts=counts, pin_share=PIN_SHARE if args.pin != "off" else 0.0)
+    plan, _ = plan_for(model, placement, past, limits)
     if args.json:
         print(json.dumps({**plan.as_dict(), "model": str(model.path), "ram_total": limits.total,
                           "ram_available": limits.available, "cgroup_limit": limits.cgroup_limit}, indent=1))
@@ -158,26 +347,27 @@ def _plan_table(model, plan, limits) -> str:
         f"{plan.expected_hit_rate:.1%} ({plan.hit_rate_source})"
     rows = [
         ("model", f"{model.path.name}: {a.architecture}, {a.block_count} layers, {a.expert_count} experts "
-                  f"(top-{a.expert_used_count}), file {gb(model.identity.size)}"),
+                  f"(top-{a.expert_used_count}) of {gb(plan.expert_nbytes)}, file {gb(model.identity.size)}"),
         ("memory", f"RAM {gb(limits.total)}, available {gb(limits.available)}, cgroup limit "
                    f"{gb(limits.cgroup_limit) if limits.cgroup_limit else 'none'}"),
         ("budget", f"{gb(plan.budget)} ({plan.budget_source})"),
         ("trunk resident", gb(plan.trunk)),
-        ("KV cache", f"{gb(plan.kv_cache)} for {plan.context} positions"),
+        ("KV cache", f"{gb(plan.kv_cache)} for {plan.context} positions ({plan.context_source})"),
         ("working", gb(plan.working)),
         ("expert pool", f"{plan.slots} slots x {gb(plan.slot_nbytes)} = {gb(plan.pool)} "
-                        f"({plan.slots}/{plan.experts_total} experts{', all fit' if plan.all_experts_fit else ''})"),
+                        f"({plan.slots}/{plan.experts_total} experts{', all fit' if plan.all_experts_fit else ''}; "
+                        f"a slot holds one expert of {gb(plan.expert_nbytes)} aligned for O_DIRECT)"),
         ("pinned", f"{plan.pinned_slots} slots = {gb(plan.pinned_slots * plan.slot_nbytes)}"),
         ("expected hit rate", hit),
         ("per token", f"compute ~{plan.compute_s_per_token * 1e3:.1f} ms, expert reads ~"
                       f"{plan.disk_s_per_token * 1e3:.1f} ms -> bound by {plan.bottleneck}"),
-    ]
+    ] + [("note", note) for note in plan.notes]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
 def _add_iobench(sub: argparse._SubParsersAction) -> None:
-    from colibri_aio.cli.iobench import add_iobench_arguments, run_iobench
+    from colibri_aio.bench.iobench import add_iobench_arguments, run_iobench
 
     p = sub.add_parser("iobench", help="expert-sized read benchmark per I/O backend, paired with fio when present",
                        description="Random or sequential expert-sized reads per backend: GB/s, IOPS, latency "
@@ -188,16 +378,35 @@ def _add_iobench(sub: argparse._SubParsersAction) -> None:
 
 def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="read-only checks: model file, io_uring, O_DIRECT, memlock, memory, read speed",
-                       description="Check this machine and a model (default: the shipped one); one verdict per line.")
-    p.add_argument("model", type=Path, nargs="?", default=None, help="GGUF file")
+                       description="Check this machine and a model (default: the shipped one); one verdict per line. "
+                                   "Exit status 2 when a check fails.")
+    _add_model(p)
+    p.add_argument("--verify", action="store_true",
+                   help="also decode every tensor and fail on values that are not finite (reads the whole file)")
     p.set_defaults(func=_doctor)
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from colibri_aio.cli.doctor import run_checks
+    from colibri_aio.cli.doctor import Check, run_checks
     from colibri_aio.models import default_model_path
 
-    return run_checks(args.model or default_model_path(), lambda c: print(c.line(), flush=True))
+    def progress(done: int, total: int) -> None:
+        sys.stderr.write(f"\r\033[Kverify {done / total:.0%}" + ("\r\033[K" if done >= total else ""))
+        sys.stderr.flush()
+
+    failed: list[Check] = []
+
+    def emit(check: Check) -> None:
+        print(check.line(), flush=True)
+        if check.verdict == "fail":
+            failed.append(check)
+
+    status = run_checks(_model(args) or default_model_path(), emit, verify=args.verify,
+                        progress=progress if sys.stderr.isatty() else None)
+    if failed:  # the verdicts are on stdout; the error path's one line on stderr, as for every command
+        more = f" (and {len(failed) - 1} more failed checks)" if len(failed) > 1 else ""
+        raise UserError(f"doctor: {failed[0].name}: {failed[0].detail}{more}")
+    return status
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -210,52 +419,89 @@ def _parse_ids(text: str) -> list[int]:
     return ids
 
 
-async def _run_async(args: argparse.Namespace) -> int:
-    from colibri_aio.engine.engine import Engine
-    from colibri_aio.cli.telemetry import Telemetry, summary_line
+def _run(args: argparse.Namespace) -> int:
+    from colibri_aio.text.sampling import SamplingParams, check_generation_options
 
-    show = sys.stderr.isatty() if args.stats is None else args.stats
-    if args.stats_interval <= 0:
-        raise UserError("--stats-interval must be positive")
-    async with await Engine.open(args.model, n_ctx=args.ctx, **_placement(args)) as engine:
-        print(f"[{engine.describe()}]", file=sys.stderr)
-        with contextlib.ExitStack() as files:
-            json_out = files.enter_context(_open_out(args.stats_json)) if args.stats_json else None
-            telemetry = Telemetry(engine, interval=args.stats_interval, out=sys.stderr if show else None,
-                                  json_out=json_out)
-            stop = asyncio.Event()
+    prompt = _prompt(args)
+    sampling = SamplingParams().override(_sampling_options(args))
+    check_generation_options(max_tokens=args.max_tokens, sampling=sampling)
+    if not args.stats_interval > 0:
+        raise UserError(f"--stats-interval must be positive, got {args.stats_interval}")
+    with contextlib.ExitStack() as files:
+        json_out = files.enter_context(_open_out(args.stats_json, "--stats-json")) if args.stats_json else None
+        return _run_loop(_run_async(args, prompt, sampling, json_out))
+
+
+def _status_line() -> StatusLine | None:
+    """The live one-line status, where stderr is a terminal (taking its last row if the text shares it)."""
+    from colibri_aio.cli.telemetry import StatusLine
+
+    if not sys.stderr.isatty():
+        return None
+    try:
+        shares = sys.stdout.isatty() and os.ttyname(sys.stdout.fileno()) == os.ttyname(sys.stderr.fileno())
+    except (OSError, ValueError):
+        shares = False
+    return StatusLine(sys.stderr, shares_screen=shares)
+
+
+async def _run_async(args: argparse.Namespace, prompt: str, sampling: SamplingParams,
+                     json_out: IO[str] | None) -> int:
+    from colibri_aio.cli.telemetry import Telemetry, summary_line
+    from colibri_aio.engine.engine import Engine
+
+    async with await Engine.open(_model(args), **_placement(args)) as engine:
+        print(f"[{engine.describe()}]", file=sys.stderr, flush=True)
+        status = _status_line() if args.stats is None else None
+        telemetry = Telemetry(engine, interval=args.stats_interval, out=sys.stderr if args.stats else None,
+                              json_out=json_out, status=status)
+        stop = asyncio.Event()
+        last = None
+        if status is not None:
+            status.start()
+        try:
             async with asyncio.TaskGroup() as tg:  # the decode loop and the telemetry, one owner
-                if show or json_out:
+                if args.stats or json_out or status:
                     tg.create_task(telemetry.run(stop))
                 try:
-                    async for piece in engine.generate(
-                            args.prompt, chat=args.chat, max_tokens=args.max_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop=args.stop):
-                        sys.stdout.write(piece.text)
+                    async for last in engine.generate(prompt, chat=args.chat, max_tokens=args.max_tokens,
+                                                      stop=args.stop, sampling=sampling):
+                        sys.stdout.write(last.text)
                         sys.stdout.flush()
                 finally:
                     stop.set()
+        finally:
+            if status is not None:
+                status.close()
         sys.stdout.write("\n")
-        print(summary_line(engine.stats()), file=sys.stderr)
+        sys.stdout.flush()
+        print(summary_line(engine.stats(), _finish(last, args.max_tokens, engine.net.n_ctx)), file=sys.stderr)
     return 0
 
 
-def _open_out(path: Path):
-    try:
-        return open(path, "w", encoding="utf-8")
-    except OSError as exc:
-        raise UserError(f"{path}: cannot write ({exc.strerror})") from None
+def _finish(last, max_tokens: int, n_ctx: int) -> str | None:
+    """Why the text ended, in words; says so when the context, not --max-tokens, ended it."""
+    if last is None:
+        return None
+    if last.finish_reason == "length" and last.generated_tokens < max_tokens:
+        return (f"length (the context is full: {n_ctx} positions, {last.generated_tokens} of the {max_tokens} "
+                f"tokens asked for; --ctx sets it)")
+    return last.finish_reason
 
 
-def _run(args: argparse.Namespace) -> int:
-    return _run_loop(_run_async(args))
+def _logits(args: argparse.Namespace) -> int:
+    ids = _parse_ids(args.ids)
+    _check_writable(args.out, "--out")
+    return _run_loop(_logits_async(args, ids))
 
 
-async def _logits_async(args: argparse.Namespace) -> int:
+async def _logits_async(args: argparse.Namespace, ids: list[int]) -> int:
+    import numpy as np
+
     from colibri_aio.engine.engine import Engine
 
-    ids = _parse_ids(args.ids)
-    async with await Engine.open(args.model, n_ctx=args.ctx or len(ids), **_placement(args)) as engine:
+    placement = {**_placement(args), "n_ctx": args.ctx or len(ids)}
+    async with await Engine.open(_model(args), **placement) as engine:
         if max(ids) >= engine.model.args.vocab_size or min(ids) < 0:
             raise UserError(f"--ids: every id must be in [0, {engine.model.args.vocab_size})")
         out = await engine.logits(ids)
@@ -263,39 +509,33 @@ async def _logits_async(args: argparse.Namespace) -> int:
     return 0
 
 
-def _logits(args: argparse.Namespace) -> int:
-    return _run_loop(_logits_async(args))
+def _trace(args: argparse.Namespace) -> int:
+    text = _prompt(args)
+    if args.max_tokens < 0:
+        raise UserError(f"--max-tokens must be >= 0, got {args.max_tokens}")
+    _check_writable(args.out, "--out")
+    return _run_loop(_trace_async(args, text))
 
 
-async def _trace_async(args: argparse.Namespace) -> int:
+async def _trace_async(args: argparse.Namespace, text: str) -> int:
+    from colibri_aio.cli.trace import TraceRecorder, trace_run
     from colibri_aio.engine.engine import Engine
     from colibri_aio.text.sampling import make_sampler
-    from colibri_aio.cli.trace import TraceRecorder, trace_run
 
-    text = args.prompt if args.prompt is not None else _read_text(args.prompt_file)
-    async with await Engine.open(args.model, n_ctx=args.ctx, **_placement(args)) as engine:
+    sample = make_sampler(temperature=args.temperature, seed=args.seed)
+    async with await Engine.open(_model(args), **_placement(args)) as engine:
         ids = engine.prompt_ids(text)
         if len(ids) >= engine.net.n_ctx:
             raise UserError(f"the prompt has {len(ids)} tokens; the context holds {engine.net.n_ctx}")
-        with open(args.out, "w", encoding="utf-8") as f:
-            recorder = TraceRecorder(engine.model, f)
+        with _open_out(args.out, "--out") as out:
+            recorder = TraceRecorder(engine.model, out)
             recorder.header()
-            sample = make_sampler(temperature=args.temperature, seed=args.seed)
-            new = await trace_run(engine.net, recorder, 0, ids, args.max_tokens, sample, engine.tokenizer.is_eog)
+            async with engine.turn():
+                new = await trace_run(engine.net, recorder, 0, ids, args.max_tokens, sample,
+                                      engine.tokenizer.is_eog)
     print(f"traced {len(ids)} prompt + {len(new)} decoded positions x {engine.model.args.block_count} layers "
           f"-> {args.out}", file=sys.stderr)
     return 0
-
-
-def _read_text(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"{path}: cannot read prompt file ({exc.__class__.__name__})") from None
-
-
-def _trace(args: argparse.Namespace) -> int:
-    return _run_loop(_trace_async(args))
 
 
 def _trace_stats(args: argparse.Namespace) -> int:
@@ -304,8 +544,6 @@ def _trace_stats(args: argparse.Namespace) -> int:
     from colibri_aio.cli.route_stats import compute, format_table
     from colibri_aio.cli.trace import read_trace
 
-    if not args.trace.is_file():
-        raise UserError(f"{args.trace}: no such trace file")
     stats = compute(read_trace(str(args.trace)))
     print(json.dumps(stats.as_dict(), indent=1) if args.json else format_table(stats))
     return 0
@@ -345,7 +583,7 @@ def _add_replay(sub: argparse._SubParsersAction) -> None:
 def _replay(args: argparse.Namespace) -> int:
     import json
 
-    from colibri_aio.policy.replay import replay_command
+    from colibri_aio.cli.replay import replay_command
 
     doc, text = replay_command(
         [str(t) for t in args.traces], policy=args.policy, cache_per_layer=args.cache_per_layer,
@@ -357,39 +595,136 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def _run_loop(coro) -> int:
-    """Run on uvloop where it is installed (it is on Linux and macOS), else asyncio's loop."""
+    """Run ``coro`` on uvloop where it is installed (it is on Linux and macOS), else asyncio's loop.
+
+    SIGTERM cancels it the way asyncio cancels it on Ctrl-C, so the same
+    clean-up runs (``async with`` exits: reads drained, history saved); then
+    :class:`Terminated` is raised. A second SIGTERM during that clean-up is
+    ignored, so the clean-up is never cut short.
+    """
+    terminated = False
+
+    async def main_task():
+        loop, task = asyncio.get_running_loop(), asyncio.current_task()
+
+        def terminate() -> None:
+            nonlocal terminated
+            if not terminated and task is not None:
+                terminated = True
+                task.cancel()
+
+        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
+            loop.add_signal_handler(signal.SIGTERM, terminate)
+        try:
+            return await coro
+        finally:
+            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
+                loop.remove_signal_handler(signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
     try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(coro)
-    return uvloop.run(coro)
+        try:
+            import uvloop
+        except ImportError:
+            status = asyncio.run(main_task())
+        else:
+            status = uvloop.run(main_task())
+    except asyncio.CancelledError:
+        if terminated:
+            raise Terminated from None
+        raise
+    finally:
+        with contextlib.suppress(ValueError, TypeError):
+            signal.signal(signal.SIGTERM, before)
+    if terminated:
+        raise Terminated
+    return status
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m colibri_aio",
         description="Run Mixture-of-Experts models larger than RAM, straight from GGUF files.")
     parser.add_argument("--version", action="version", version=f"colibri-aio {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine events (backend choice, placement)")
     parser.add_argument("--log-json", action="store_true", help="write logs to stderr as JSON lines")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_run, _add_logits, _add_trace, _add_trace_stats, _add_replay, _add_plan, _add_doctor, _add_iobench):
+    for add in (_add_run, _add_chat, _add_serve, _add_logits, _add_trace, _add_trace_stats, _add_replay, _add_plan,
+                _add_doctor, _add_iobench):
         add(sub)
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    configure_logs(verbose=args.verbose, json=args.log_json)
-    func: Callable[[argparse.Namespace], int] = args.func
+def _leaves(exc: BaseException) -> Iterator[BaseException]:
+    """The exceptions inside (nested) exception groups, in order; ``exc`` itself if it is not a group."""
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            yield from _leaves(inner)
+    else:
+        yield exc
+
+
+def _first(exc: BaseException, kind: type[BaseException] | tuple[type[BaseException], ...]) -> BaseException | None:
+    return next((e for e in _leaves(exc) if isinstance(e, kind)), None)
+
+
+def _silence_stdout() -> None:
+    """After a broken pipe: point stdout at /dev/null, so the flush at exit does not complain again."""
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+
+
+def exit_status(exc: BaseException, err: IO[str]) -> int:
+    """The exit status for ``exc`` (after one line on ``err`` where one is due); re-raises a bug."""
+    if _first(exc, Terminated):
+        return EXIT_TERMINATED
+    if _first(exc, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if _first(exc, BrokenPipeError):
+        _silence_stdout()
+        return EXIT_PIPE
+    if (found := _first(exc, UserError)) is not None:
+        print(f"colibri-aio: error: {one_line(found)}", file=err)
+        return EXIT_USER
+    if (found := _first(exc, ExpertReadError)) is not None:
+        print(f"colibri-aio: I/O error: {one_line(found)}", file=err)
+        return EXIT_IO
+    found = _first(exc, OSError)
+    if isinstance(found, OSError) and found.filename is not None:  # a file the user named or a place to write
+        print(f"colibri-aio: error: {one_line(f'{found.filename}: {found.strerror or found}')}", file=err)
+        return EXIT_USER
+    raise exc
+
+
+def _raise_terminated(signum: int, frame: object) -> None:
+    raise Terminated
+
+
+@contextlib.contextmanager
+def _sigterm_as_exception() -> Iterator[None]:
+    """Outside the event loop, SIGTERM raises :class:`Terminated` (like SIGINT raises KeyboardInterrupt)."""
     try:
-        return func(args)
-    except UserError as exc:
-        print(f"colibri-aio: error: {exc}", file=sys.stderr)
-        return 2
-    except ExpertReadError as exc:
-        print(f"colibri-aio: I/O error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+        before = signal.signal(signal.SIGTERM, _raise_terminated)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (see the module's docstring)."""
+    with _sigterm_as_exception():
+        try:
+            args = build_parser().parse_args(argv)
+            configure_logs(verbose=args.verbose, json=args.log_json)
+            func: Callable[[argparse.Namespace], int] = args.func
+            return func(args)
+        except SystemExit:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - sorted by exit_status, bugs re-raised
+            return exit_status(exc, sys.stderr)

@@ -15,7 +15,8 @@ then one record per (run, position, layer)::
 
 ``experts`` are in descending weight. ``predicted`` (absent on the last layer)
 ranks 2k candidate experts for layer + 1, each predictor applying router
-layer + 1 (``blk.{layer+1}.ffn_gate_inp``) to a hidden state of this layer:
+layer + 1 (``blk.{layer+1}.ffn_gate_inp``) to a hidden state of this layer
+(the MoE norm is the family's: ``ffn_norm`` unless its module says otherwise):
 
 - ``moe_input``: this layer's MoE input (the residual after attention, after
   this layer's ffn_norm) — known as early as this layer's own routing;
@@ -41,7 +42,7 @@ from colibri_aio.gguf.model import Model
 from colibri_aio.arch.lookahead import PREDICTORS, predictor_state, rank_experts
 
 if TYPE_CHECKING:
-    from colibri_aio.arch.qwen3moe import Qwen3MoE
+    from colibri_aio.arch.layers import MoETransformer
 
 FORMAT, VERSION = "colibri-aio-route-trace", 1
 
@@ -74,10 +75,9 @@ class TraceRecorder:
         predicted: dict[str, np.ndarray] = {}
         if layer + 1 < a.block_count:
             assert self._layer_input is not None
-            router = self.model.blocks[layer + 1].ffn_gate_inp
             predicted = {
-                name: rank_experts(router, predictor_state(self.model, name, layer, self._layer_input, residual,
-                                                           moe_input), 2 * a.expert_used_count)
+                name: rank_experts(self.model, layer + 1, predictor_state(self.model, name, layer, self._layer_input,
+                                                                          residual, moe_input), 2 * a.expert_used_count)
                 for name in PREDICTORS}
         for i, pos in enumerate(positions.tolist()):
             rec: dict[str, Any] = {
@@ -90,18 +90,72 @@ class TraceRecorder:
 
 
 def read_trace(path: str) -> Iterator[dict[str, Any]]:
-    """Records of a trace file, header first; refuses files of another format."""
+    """Records of a trace file, header first, each checked as it is read.
+
+    Anything that is not a whole trace of this format (a missing, empty,
+    truncated or damaged file, another format or version, a record whose
+    fields are missing or out of range) is a :class:`UserError` naming the
+    file and the line.
+    """
     from colibri_aio.errors import UserError
 
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f):
-            rec = json.loads(line)
-            if n == 0 and (rec.get("format") != FORMAT or rec.get("version") != VERSION):
-                raise UserError(f"{path}: not a {FORMAT} v{VERSION} file")
-            yield rec
+    header: dict[str, Any] | None = None
+    routes = 0
+    try:
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    raise UserError(f"{path}: line {n} is not JSON (a truncated or damaged trace)") from None
+                if header is None:
+                    header = _check_header(rec, path)
+                elif not isinstance(rec, dict):
+                    raise UserError(f"{path}: line {n} is not a trace record")
+                elif rec.get("kind") == "route":
+                    _check_route(rec, header, path, n)
+                    routes += 1
+                yield rec
+    except UnicodeDecodeError:
+        raise UserError(f"{path}: not a text file (not a {FORMAT} file)") from None
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read the trace ({exc.strerror or exc})") from None
+    if header is None:
+        raise UserError(f"{path}: the file is empty (not a {FORMAT} file)")
+    if not routes:
+        raise UserError(f"{path}: a header and no route records (a truncated trace)")
 
 
-async def trace_run(net: Qwen3MoE, recorder: TraceRecorder, run: int, prompt: list[int],
+_HEADER_COUNTS = ("block_count", "expert_count", "expert_used_count", "expert_nbytes")
+
+
+def _check_header(rec: Any, path: str) -> dict[str, Any]:
+    from colibri_aio.errors import UserError
+
+    if not isinstance(rec, dict) or rec.get("format") != FORMAT or rec.get("version") != VERSION:
+        raise UserError(f"{path}: not a {FORMAT} v{VERSION} file")
+    if not all(isinstance(rec.get(k), int) and rec[k] > 0 for k in _HEADER_COUNTS):
+        raise UserError(f"{path}: a damaged header (needs positive {', '.join(_HEADER_COUNTS)})")
+    return rec
+
+
+def _check_route(rec: dict[str, Any], header: dict[str, Any], path: str, n: int) -> None:
+    """The fields every reader of a route record relies on, with their ranges."""
+    from colibri_aio.errors import UserError
+
+    def ids_ok(ids: Any) -> bool:
+        return isinstance(ids, list) and all(isinstance(i, int) and 0 <= i < header["expert_count"] for i in ids)
+
+    predicted = rec.get("predicted", {})
+    ok = (all(isinstance(rec.get(k), int) and rec[k] >= 0 for k in ("run", "pos"))
+          and isinstance(rec.get("layer"), int) and 0 <= rec["layer"] < header["block_count"]
+          and rec.get("phase") in ("prefill", "decode") and ids_ok(rec.get("experts"))
+          and isinstance(predicted, dict) and all(ids_ok(v) for v in predicted.values()))
+    if not ok:
+        raise UserError(f"{path}: line {n} is a damaged route record (run, pos, layer, phase, experts)")
+
+
+async def trace_run(net: MoETransformer, recorder: TraceRecorder, run: int, prompt: list[int],
                     max_tokens: int, sample: Callable[[np.ndarray], int],
                     is_eog: Callable[[int], bool]) -> list[int]:
     """Prefill ``prompt`` and decode up to ``max_tokens``, recording every route; returns new tokens."""

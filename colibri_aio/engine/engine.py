@@ -3,6 +3,15 @@
     async with await Engine.open("model.gguf") as engine:
         async for piece in engine.generate("The list type", max_tokens=32):
             print(piece.text, end="", flush=True)
+
+One engine holds one KV cache, so it computes for one caller at a time:
+``generate``, ``logits`` and ``prefill`` called concurrently (several tasks,
+``asyncio.gather``, several threads through :class:`~colibri_aio.SyncEngine`)
+queue behind each other in call order, or, with ``wait=False``, fail at once
+with :class:`~colibri_aio.errors.EngineBusyError`. A stream holds the engine
+from its first piece until it ends or is closed: leave an ``async for`` early
+inside ``contextlib.aclosing(...)`` (or close the stream) so the next caller
+does not wait for the garbage collector.
 """
 from __future__ import annotations
 
@@ -11,33 +20,43 @@ import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
-from colibri_aio.errors import UserError
+from colibri_aio.errors import EngineBusyError, UserError
 from colibri_aio.gguf.model import Model, Progress, load
 from colibri_aio.kernels.backend import NAMES as KERNEL_NAMES, Kernels, KernelsUnavailable, open_kernels
 from colibri_aio.kernels.threads import limit_blas_threads
 from colibri_aio.engine.memory import peak_rss_bytes, rss_bytes
-from colibri_aio.policy.diskstats import DiskstatsSampler, device_of, read_diskstats
+from colibri_aio.engine.device import DeviceMonitor
 from colibri_aio.models import default_model_path
-from colibri_aio.arch.qwen3moe import Qwen3MoE
-from colibri_aio.text.sampling import FinishReason, Stopper, make_sampler
-from colibri_aio.engine.plan import Plan
+from colibri_aio.arch import build_net
+from colibri_aio.text.sampling import (FinishReason, SamplingParams, Stopper, TokenPicker, check_generation_options,
+                                      log_softmax, top_logprobs)
+from colibri_aio.engine.plan import Plan, gb
 from colibri_aio.policy.budget import parse_size
 from colibri_aio.engine.scheduler import CachedExpertSource
-from colibri_aio.engine.placement import DEFAULT_LOOKAHEAD, Placement, open_source
+from colibri_aio.engine.history import HistoryFile
+from colibri_aio.engine.placement import Placement, open_source
 from colibri_aio.engine.stats import EngineStats
+from colibri_aio.logs import get_logger
 from colibri_aio.text.tokenizer import Tokenizer
 
-Prompt = str | Sequence[Mapping[str, Any]]
+Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]  # text, chat messages or token ids
+
+log = get_logger("colibri_aio.engine")
 
 
 @dataclass(frozen=True, slots=True)
 class GenerationPiece:
-    """One step of a generation stream: new text, the token that made it, and timing so far."""
+    """One step of a generation stream: new text, the token that made it, and timing so far.
+
+    ``cached_tokens``: leading prompt tokens the KV cache already held (not
+    prefilled again). ``logprob``/``top_logprobs``: with ``logprobs=n``, the
+    token's log-probability and the n most likely (id, log-probability) pairs.
+    """
 
     text: str
     token: int | None
@@ -47,10 +66,15 @@ class GenerationPiece:
     prefill_seconds: float
     decode_seconds: float
     stats: EngineStats
+    cached_tokens: int = 0
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
     @property
     def prefill_tps(self) -> float:
-        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+        """Prompt tokens prefilled (the cached ones excluded) per second."""
+        n = self.prompt_tokens - self.cached_tokens
+        return n / self.prefill_seconds if self.prefill_seconds else 0.0
 
     @property
     def decode_tps(self) -> float:
@@ -78,37 +102,45 @@ class Engine:
     """A model ready to generate. Open with :meth:`open`; close with ``async with`` or :meth:`aclose`."""
 
     def __init__(self, model: Model, tokenizer: Tokenizer, source: CachedExpertSource, plan: Plan,
-                 placement: Placement, kernels: Kernels) -> None:
+                 placement: Placement, kernels: Kernels, history: HistoryFile | None = None) -> None:
         self.model, self.tokenizer, self.source, self.plan, self.placement = model, tokenizer, source, plan, placement
-        self.kernels = kernels
-        self.net = Qwen3MoE(model, source, plan.context, kernels)
-        self.net.lookahead = None if placement.prefetch == "off" else DEFAULT_LOOKAHEAD
-        self.prompt_tokens = self.generated_tokens = 0
+        self.kernels, self.history = kernels, history
+        self.net = build_net(model, source, plan.context, kernels)
+        self.net.lookahead = placement.lookahead
+        self.prompt_tokens = self.generated_tokens = self.cached_tokens = 0
         self.prefill_s = self.decode_s = 0.0
-        self.device = device_of(model.path)
+        # One sampler of the model's device per engine: it feeds the backpressure controller,
+        # and telemetry reads the same counters.
+        self.device = DeviceMonitor.for_path(model.path, source.policy.on_device)
         self._monitor: asyncio.Task[None] | None = None
+        self._turn = asyncio.Lock()  # one caller at a time on the KV cache
+        self._holder: asyncio.Task[Any] | None = None  # the task whose turn it is
+        self._closed = False
 
     @classmethod
     async def open(cls, path: str | os.PathLike[str] | None = None, *, io: str = "auto",
                    ram_budget: int | str | None = None, cache_per_layer: int | None = None,
                    prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None,
-                   kernels: str | None = None, progress: Progress | None = None) -> "Engine":
+                   kernels: str | None = None, progress: Progress | None = None,
+                   history: bool = True) -> "Engine":
         """Load ``path`` (default: the shipped model) and open its expert source.
 
         Placement: ``io`` (auto|uring|pread|mmap), ``ram_budget`` (bytes or a
         size such as "12G"; default: a share of usable RAM), ``cache_per_layer``
         (expert slots per layer instead of a budget), ``prefetch``
-        (auto|on|off), ``pin`` (auto|off|FILE), ``n_ctx`` (KV-cache positions).
-        Placement changes speed, never tokens. ``kernels`` (auto|ggml|numpy;
+        (auto|on|off), ``pin`` (auto|off|FILE), ``n_ctx`` (KV-cache positions;
+        default min(the model's context, 4096); more than the model's is
+        clamped with a warning). Placement changes speed, never tokens. ``kernels`` (auto|ggml|numpy;
         default: $COLIBRI_KERNELS or auto) picks this engine's matrix kernels;
         backends differ in their rounding, so compare runs within one.
         ``progress(step, done, total)`` hears about the long steps (loading the
-        trunk, the pool, pinning).
+        trunk, the pool, pinning). ``history``:
+        read and update this model's usage history (a cache file under
+        ``$XDG_CACHE_HOME/colibri_aio/usage``; False: neither read nor write it).
         """
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,
                               pin=pin, context=n_ctx)
-        placement.check()
         kernels = _open_kernels(kernels)
         try:
             model = load(path if path is not None else default_model_path(), progress=progress)
@@ -116,49 +148,52 @@ class Engine:
             if tokenizer.vocab_size != model.args.vocab_size:
                 raise UserError(f"{model.path}: tokenizer has {tokenizer.vocab_size} tokens, "
                                 f"model {model.args.vocab_size}")
-            source, plan = await open_source(model, placement, progress)
+            store = HistoryFile.for_model(model) if history else None
+            source, plan = await open_source(model, placement, progress, store)
         except BaseException:
             kernels.close()
             raise
-        engine = cls(model, tokenizer, source, plan, placement, kernels)
-        if engine.device is not None and placement.prefetch == "auto":
-            engine._monitor = asyncio.get_running_loop().create_task(engine._watch_device())
+        for note in plan.notes:
+            log.warning(note)
+        engine = cls(model, tokenizer, source, plan, placement, kernels, store)
+        log.info(engine.describe(full=True))
+        if engine.device is not None:
+            engine._monitor = asyncio.get_running_loop().create_task(engine.device.run())
         return engine
 
-    def describe(self) -> str:
-        """One line: model, plan, and the I/O backend with the reason it was chosen."""
-        reader, cache = self.source.reader, self.source.cache
-        return (f"{self.model.path.name}: {self.plan.one_line()}; cache {cache.n_slots} slots {cache.scope} "
-                f"{cache.policy} ({len(cache.pinned)} pinned); io {reader.backend} ({reader.backend_reason}); "
-                f"prefetch {self.placement.prefetch}; kernels {self.kernels.name} ({self.kernels.reason})")
+    def describe(self, *, full: bool = False) -> str:
+        """One line: model, memory, cache, I/O backend, prefetch and kernels.
+
+        ``full`` adds the whole plan and the reasons the I/O backend and the
+        kernels were chosen (a few hundred characters).
+        """
+        a, plan, reader, cache = self.model.args, self.plan, self.source.reader, self.source.policy.cache
+        line = (f"{self.model.path.name}: {a.block_count} layers x {a.expert_count} experts of "
+                f"{gb(plan.expert_nbytes)}; KV {plan.context} ctx; cache {cache.n_slots} slots "
+                f"({len(cache.pinned)} pinned) = {gb(cache.n_slots * plan.slot_nbytes)}; io {reader.backend}; "
+                f"prefetch {self.placement.prefetch}; kernels {self.kernels.name}")
+        if not full:
+            return line
+        return (f"{line}; {plan.one_line()}; cache {cache.scope} {cache.policy}; io {reader.backend_reason}; "
+                f"kernels {self.kernels.reason}")
 
     def stats(self) -> EngineStats:
         """The engine's counters now: tokens and their time, cache hits, reads, prefetch state, memory."""
-        src = self.source
-        cache, reader, bp = src.cache.stats, src.reader.stats, src.backpressure
-        score = src.predictor.score
+        src, policy = self.source, self.source.policy
+        cache, reader = policy.cache.stats, src.reader.stats
+        score = policy.predictor.score
         return EngineStats(
             t=time.perf_counter(), prompt_tokens=self.prompt_tokens, generated_tokens=self.generated_tokens,
+            prompt_tokens_cached=self.cached_tokens,
             prefill_s=self.prefill_s, decode_s=self.decode_s,
             pinned_hits=cache.pinned_hits, cached_hits=cache.cached_hits, prefetch_hits=cache.prefetch_hits,
             misses=cache.misses, prefetch_reads=cache.prefetch_reads, prefetch_wasted=cache.prefetch_wasted,
             prefetch_wasted_bytes=cache.prefetch_wasted * self.model.expert_nbytes_max,
-            prefetch_on=bp.prefetch_on and self.net.lookahead is not None,
-            prefetch_reason=bp.reason if self.net.lookahead is not None else "lookahead off",
+            prefetch_on=policy.prefetch_on, prefetch_reason=policy.prefetch_reason,
             lookahead_recall=score.recall, lookahead_precision=score.precision,
             bytes_read=reader.bytes, io_bytes=reader.io_bytes, reads_in_flight=src.reader.in_flight,
-            slots_used=len(src.cache), slots_total=src.cache.n_slots, read_busy_s=reader.busy_s,
+            slots_used=len(policy.cache), slots_total=policy.cache.n_slots, read_busy_s=reader.busy_s,
             rss=rss_bytes(), peak_rss=peak_rss_bytes())
-
-    async def _watch_device(self, period: float = 0.25) -> None:
-        """Feed the backpressure controller iostat-style samples of the model's device."""
-        assert self.device is not None
-        sampler = DiskstatsSampler(self.device)
-        while True:
-            sample = sampler.sample(read_diskstats(), time.perf_counter())
-            if sample is not None:
-                self.source.backpressure.device(sample)
-            await asyncio.sleep(period)
 
     async def __aenter__(self) -> "Engine":
         return self
@@ -167,7 +202,15 @@ class Engine:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop the device watch, drain every read in flight, release the pool and the kernels."""
+        """Stop the device watch, drain every read in flight, release the pool, save the usage history,
+        release the kernels.
+
+        Closing twice is harmless. Saving never raises: a history that cannot
+        be written is one warning.
+        """
+        if self._closed:
+            return
+        self._closed = True
         if self._monitor is not None:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -175,57 +218,141 @@ class Engine:
             self._monitor = None
         try:
             await self.source.aclose()
+            if self.history is not None and self.source.policy.usage is not None:
+                # A thread: the save may wait (a bounded time) for another run's lock on the folder.
+                try:
+                    await asyncio.to_thread(self.history.save, self.source.policy.usage)
+                except RuntimeError:  # closed at interpreter exit: no new threads then, so on this one
+                    self.history.save(self.source.policy.usage)
         finally:
             self.kernels.close()
 
     def prompt_ids(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
-        """Token ids of a prompt: plain text, or chat messages rendered with the model's template."""
+        """Token ids of a prompt: plain text, chat messages rendered with the model's template, or ids as given."""
+        if not isinstance(prompt, str) and prompt and all(isinstance(t, (int, np.integer)) for t in prompt):
+            ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+            if min(ids) < 0 or max(ids) >= self.model.args.vocab_size:
+                raise UserError(f"token id out of range [0, {self.model.args.vocab_size})")
+            return ids
         if not isinstance(prompt, str):
             text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
         elif chat:
             text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
         else:
             text = prompt
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:  # lone surrogates: bytes from argv or a file that were not UTF-8
+            raise UserError(f"the prompt is not valid UTF-8 (at character {exc.start})") from None
         ids = self.tokenizer.encode(text, parse_special=True, add_special=True)
+        bos = self.tokenizer.bos_id
+        if text is not prompt and ids[:2] == [bos, bos]:
+            ids = ids[1:]  # the template wrote BOS itself (Mixtral's, Llama 2's): one is the model's input
         if not ids:
             raise UserError("the prompt is empty")
         return ids
 
-    async def prefill(self, ids: Sequence[int]) -> np.ndarray:
+    @contextlib.asynccontextmanager
+    async def turn(self, *, wait: bool = True) -> AsyncIterator[None]:
+        """Hold the engine (its KV cache) for one caller; others queue, or fail at once without ``wait``."""
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+        if self._turn.locked() and self._holder is asyncio.current_task():
+            raise EngineBusyError("this task's own stream holds the engine: finish or close it first")
+        if not wait and self._turn.locked():
+            raise EngineBusyError("the engine is generating for another caller (wait=True queues behind it)")
+        async with self._turn:
+            self._holder = asyncio.current_task()
+            try:
+                yield
+            finally:
+                self._holder = None
+
+    async def prefill(self, ids: Sequence[int], *, wait: bool = True) -> np.ndarray:
         """Run ``ids`` from an empty context; return the logits after the last one."""
-        self.net.reset()
-        return await self.net.prefill(ids)
+        async with self.turn(wait=wait):
+            self.net.reset()
+            return await self.net.prefill(ids)
 
-    async def logits(self, ids: Sequence[int]) -> np.ndarray:
+    async def logits(self, ids: Sequence[int], *, wait: bool = True) -> np.ndarray:
         """Teacher-forced logits (len(ids), vocab): row i follows ids[0..i]."""
-        self.net.reset()
-        return await self.net.prefill(ids, logits="all")
+        async with self.turn(wait=wait):
+            self.net.reset()
+            return await self.net.prefill(ids, logits="all")
 
-    async def generate(self, prompt: Prompt, *, chat: bool = False, max_tokens: int = 128,
-                       temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-                       seed: int | None = None, stop: Sequence[str] = ()) -> AsyncIterator[GenerationPiece]:
-        """Stream a continuation of ``prompt`` piece by piece; the last piece carries ``finish_reason``."""
+    def cached_prefix(self, ids: Sequence[int]) -> int:
+        """How many leading ``ids`` the KV cache already holds, short of the last (its logits start generation)."""
+        n = min(len(ids) - 1, self.net.n_past)
+        if n <= 0:
+            return 0
+        differ = np.flatnonzero(np.asarray(self.net.ids[:n]) != np.asarray(ids[:n]))
+        return int(differ[0]) if differ.size else n
+
+    async def generate(self, prompt: Prompt, *, chat: bool = False, max_tokens: int | None = 128,
+                       stop: Sequence[str] = (), logprobs: int | None = None, reuse: bool = True,
+                       wait: bool = True, sampling: SamplingParams | None = None,
+                       **options: Any) -> AsyncIterator[GenerationPiece]:
+        """Stream a continuation of ``prompt`` piece by piece; the last piece carries ``finish_reason``.
+
+        ``prompt``: text, chat messages, or token ids. ``max_tokens``: None runs
+        to the end of the context. Sampling: ``sampling`` and/or its fields as
+        keywords (``temperature``, ``top_k``, ``top_p``, ``min_p``, ``seed``,
+        ``repeat_penalty``, ``presence_penalty``, ``frequency_penalty``,
+        ``penalty_last_n``, ``logit_bias``); the default is greedy.
+        ``logprobs=n``: each piece carries its token's log-probability under
+        the model's logits and the n most likely alternatives. ``reuse``: keep
+        the longest prefix of the prompt the KV cache already holds and prefill
+        only the rest (see ``cached_tokens``): the same bits as running the same
+        forward calls afresh.
+
+        ``finish_reason`` is "stop" (an end-of-generation token or a stop
+        string) or "length": ``max_tokens`` reached, or the context is full
+        (then ``generated_tokens`` < ``max_tokens``). Concurrent calls queue
+        behind each other (see the module's docstring); ``wait=False`` raises
+        :class:`~colibri_aio.errors.EngineBusyError` instead of queueing.
+        """
+        params = replace(sampling or SamplingParams(), **options)
+        check_generation_options(max_tokens=max_tokens, sampling=params, vocab_size=self.model.args.vocab_size)
         ids = self.prompt_ids(prompt, chat=chat)
         budget = self.net.n_ctx - len(ids)
         if budget < 1:
-            raise UserError(f"the prompt has {len(ids)} tokens; the context holds {self.net.n_ctx}")
-        sample = make_sampler(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+            raise UserError(f"the prompt has {len(ids)} tokens; the context holds {self.net.n_ctx} "
+                            f"(--ctx / n_ctx, at most the model's {self.model.args.context_length})")
+        limit = budget if max_tokens is None else min(max_tokens, budget)
+        async with self.turn(wait=wait):
+            stream = self._generate(ids, limit, stop, TokenPicker(params, ids), logprobs, reuse)
+            try:
+                async with contextlib.aclosing(stream):
+                    async for piece in stream:
+                        yield piece
+            finally:
+                await self.source.settle()  # the turn ends with no read in flight, however the stream ended
+
+    async def _generate(self, ids: list[int], max_tokens: int, stop: Sequence[str], pick: TokenPicker,
+                        logprobs: int | None, reuse: bool) -> AsyncIterator[GenerationPiece]:
         stopper = Stopper(self.tokenizer.stream_decoder(skip_special=True), self.tokenizer.is_eog,
-                          max_tokens=min(max_tokens, budget), stop=stop)
+                          max_tokens=max_tokens, stop=stop)
+        cached = self.cached_prefix(ids) if reuse else 0
         t0 = time.perf_counter()
-        logits = await self.prefill(ids)
+        self.net.rewind(cached)
+        logits = await self.net.prefill(ids[cached:])
         t_prefill = time.perf_counter() - t0
-        self.prompt_tokens += len(ids)
+        self.prompt_tokens += len(ids) - cached
+        self.cached_tokens += cached
         self.prefill_s += t_prefill
         t1 = tick = time.perf_counter()
         while True:
-            token = sample(logits)
+            token = pick(logits)
+            lp, alternatives = None, ()
+            if logprobs is not None:
+                dist = log_softmax(logits)
+                lp, alternatives = float(dist[token]), tuple(top_logprobs(dist, logprobs))
             step = stopper.step(token)
             self.generated_tokens += 1
             now = time.perf_counter()
             self.decode_s += now - tick
             yield GenerationPiece(step.text, token, step.finish_reason, len(ids), stopper.n_tokens,
-                                  t_prefill, now - t1, self.stats())
+                                  t_prefill, now - t1, self.stats(), cached, lp, alternatives)
             if step.finish_reason is not None:
                 return
             tick = time.perf_counter()

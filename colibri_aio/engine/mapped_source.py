@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
-from colibri_aio.experts import ExpertBatch, ExpertLocation, ExpertWeights
+from colibri_aio.experts import ExpertLocation, ExpertWeights
 from colibri_aio.gguf.model import Model
 from colibri_aio.kernels.qtensor import QTensor
 
@@ -29,22 +29,12 @@ class MappedExpertSource:
         self._map: np.ndarray | None = np.memmap(model.path, dtype=np.uint8, mode="r")
         self.bytes_served = 0
 
-    async def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[ExpertBatch]:
-        """Every expert in one batch, as :meth:`ready` gives it."""
-        yield self.ready(layer, experts)
-
-    def ready(self, layer: int, experts: Sequence[int]) -> ExpertBatch:
-        """Every expert at once: mapped bytes are always "ready" (the page cache faults them in)."""
+    async def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[tuple[int, ExpertWeights]]:
         assert self._map is not None, "source is closed"
-        batch = []
         for expert in experts:
             loc = self.model.experts[layer][expert]
             self.bytes_served += loc.nbytes
-            batch.append((expert, weights_from(self._map, loc)))
-        return batch
-
-    def release(self) -> None:
-        """Nothing is held."""
+            yield expert, weights_from(self._map, loc)
 
     def hint(self, layer: int, experts: Sequence[int]) -> None:
         """The page cache does its own read-ahead; a hint changes nothing here."""

@@ -8,22 +8,23 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-
-import numpy as np
-
-import structlog
+from pathlib import Path
 
 from colibri_aio.errors import UserError
 from colibri_aio.gguf.model import Model, Progress
 from colibri_aio.io.reader import BACKENDS, ExpertReader
-from colibri_aio.engine.memory import memory_limits
+from colibri_aio.engine.memory import MemoryLimits, memory_limits
 from colibri_aio.engine.plan import Plan, make_plan
 from colibri_aio.policy.cache import ExpertCache
 from colibri_aio.policy.backpressure import BackpressureConfig, BackpressureController
-from colibri_aio.policy.usage import UsageHistory, default_usage_path, model_fingerprint, pins_for
+from colibri_aio.policy.predictor import LookaheadPredictor
+from colibri_aio.policy.scheduler import SchedulerPolicy
+from colibri_aio.policy.usage import UsageHistory, model_fingerprint
+from colibri_aio.engine.history import HistoryFile, read_history
 from colibri_aio.engine.scheduler import CachedExpertSource
+from colibri_aio.logs import get_logger
 
-log = structlog.get_logger("colibri_aio.placement")
+log = get_logger("colibri_aio.placement")
 
 IO_CHOICES = BACKENDS
 PREFETCH_CHOICES = ("auto", "on", "off")
@@ -53,13 +54,26 @@ class Placement:
     context: int | None = None
     backpressure: BackpressureConfig | None = None  # thresholds of --prefetch auto (None: defaults)
 
-    def check(self) -> None:
+    def __post_init__(self) -> None:
+        """Refuse an unknown choice here, once, before any file is opened."""
         if self.io not in IO_CHOICES:
             raise UserError(f"unknown --io {self.io!r} (choose from {', '.join(IO_CHOICES)})")
         if self.prefetch not in PREFETCH_CHOICES:
             raise UserError(f"unknown --prefetch {self.prefetch!r} (choose from {', '.join(PREFETCH_CHOICES)})")
         if self.cache_per_layer is not None and self.cache_per_layer < 1:
             raise UserError(f"--cache-per-layer must be >= 1, got {self.cache_per_layer}")
+        if self.context is not None and self.context < 1:
+            raise UserError(f"--ctx must be >= 1 position, got {self.context}")
+
+    @property
+    def lookahead(self) -> str | None:
+        """The hidden state the forward pass ranks the next layer's experts from; None: no prefetch hints.
+
+        ``--prefetch off`` asks for no hints at all; ``on`` and ``auto`` hand
+        them to the scheduler, whose backpressure controller decides (``auto``)
+        whether to read them.
+        """
+        return None if self.prefetch == "off" else DEFAULT_LOOKAHEAD
 
 
 # Share of the cache that --pin fills from the usage history; the rest stays LRU
@@ -80,43 +94,66 @@ def cache_for(model: Model, placement: Placement, plan: Plan, pins: list[tuple[i
                        n_layers=a.block_count, pinned=pins, half_life=placement.cache_half_life)
 
 
-def usage_history(model: Model) -> UsageHistory:
-    """This model's history from its default place, or a new one (a history of another model is refused)."""
-    fingerprint = model_fingerprint(model)
-    path = default_usage_path(fingerprint)
-    history = UsageHistory.load(path, fingerprint) if path.is_file() else UsageHistory.for_model(model)
-    history.begin_run()
-    return history
+def pin_history(model: Model, pin: str, past: UsageHistory | None) -> UsageHistory | None:
+    """The history ``--pin`` chooses from: none (off), this model's cache file (auto), or a named FILE."""
+    if pin == "off":
+        return None
+    if pin == "auto":
+        if past is None:
+            raise UserError("--pin auto pins from the usage history, which --no-history turns off")
+        return past
+    return read_history(Path(pin), model_fingerprint(model))
 
 
-def pins(model: Model, placement: Placement, plan: Plan) -> list[tuple[int, int]]:
-    """Pinned experts for --pin within the plan's pin budget (per-layer: a share of each layer's quota)."""
-    if placement.pin == "off":
+def plan_for(model: Model, placement: Placement, past: UsageHistory | None, limits: MemoryLimits | None = None
+             ) -> tuple[Plan, UsageHistory | None]:
+    """The plan for ``placement`` (its hit rate from the history pins come from, else ``past``), and that history;
+    with this machine's memory limits unless ``limits`` are given. ``run``, ``plan`` and the API all go by it."""
+    pin_from = pin_history(model, placement.pin, past)
+    known = pin_from if pin_from is not None else past
+    counts = known.nonzero() if known is not None and known.runs >= 1 else None
+    plan = make_plan(model, limits or memory_limits(), budget=placement.ram_budget, context=placement.context,
+                     cache_per_layer=placement.cache_per_layer, usage_counts=counts,
+                     pin_share=PIN_SHARE if pin_from is not None else 0.0)
+    return plan, pin_from
+
+
+def pins(model: Model, placement: Placement, plan: Plan, pin_from: UsageHistory | None) -> list[tuple[int, int]]:
+    """Pinned experts from ``pin_from`` within the plan's pin budget (per-layer: a share of each layer's quota)."""
+    if pin_from is None:
         return []
     if placement.cache_per_layer is not None:
         per_layer = int(min(placement.cache_per_layer, model.args.expert_count) * PIN_SHARE)
-        return pins_for(placement.pin, model, per_layer * model.args.block_count, per_layer=per_layer)
-    return pins_for(placement.pin, model, plan.pinned_slots)
+        return pin_from.hottest(per_layer * model.args.block_count, per_layer=per_layer)
+    return pin_from.hottest(plan.pinned_slots)
 
 
-async def open_source(model: Model, placement: Placement, progress: Progress | None = None
-                      ) -> tuple[CachedExpertSource, Plan]:
-    """Open the reader, size the cache from the plan, fill pinned experts."""
-    placement.check()
-    history = usage_history(model)
-    counts = {(l, e): float(c) for (l, e), c in np.ndenumerate(history.counts) if c > 0} if history.runs > 1 else None
-    plan = make_plan(model, memory_limits(), budget=placement.ram_budget, context=placement.context,
-                     usage_counts=counts, pin_share=PIN_SHARE if placement.pin != "off" else 0.0)
-    pinned = pins(model, placement, plan)
+async def open_source(model: Model, placement: Placement, progress: Progress | None = None,
+                      history: HistoryFile | None = None) -> tuple[CachedExpertSource, Plan]:
+    """Open the reader, size the cache from the plan, fill pinned experts.
+
+    ``history``: this model's usage history file (None: off). The source
+    records this run's selections into its ``usage``; saving them is the
+    caller's business.
+    """
+    past = history.load() if history is not None else None
+    plan, pin_from = plan_for(model, placement, past)
+    pinned = pins(model, placement, plan, pin_from)
     cache = cache_for(model, placement, plan, pinned)
+    plan = plan.with_cache(cache.n_slots, len(pinned))
     if progress is not None:
         progress("allocate pool", 0, 1)
     reader = await ExpertReader.open(model.path, model.expert_nbytes_max, cache.n_slots, backend=placement.io)
     if progress is not None:
         progress("allocate pool", 1, 1)
-    backpressure = BackpressureController(placement.backpressure, mode=placement.prefetch,  # type: ignore[arg-type]
-                                          start=time.perf_counter())
-    source = CachedExpertSource(model, reader, cache, backpressure, usage=history)
+    a = model.args
+    policy = SchedulerPolicy(
+        cache, BackpressureController(placement.backpressure, mode=placement.prefetch,  # type: ignore[arg-type]
+                                      start=time.perf_counter()),
+        LookaheadPredictor(a.expert_used_count, a.expert_count),
+        expert_nbytes=lambda key: model.expert(*key).nbytes, prefetch_count=a.expert_used_count,
+        usage=past.empty() if past is not None else None)
+    source = CachedExpertSource(reader, policy, model.expert)
     try:
         await source.fill_pinned(progress)
     except BaseException:

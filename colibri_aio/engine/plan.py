@@ -6,7 +6,7 @@ printed by ``plan``, used by ``run`` and checked in tests with fixed inputs.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from colibri_aio.errors import UserError
@@ -14,7 +14,7 @@ from colibri_aio.gguf.model import Model
 from colibri_aio.io.align import slot_nbytes_for
 from colibri_aio.engine.memory import MemoryLimits
 from colibri_aio.policy.budget import slots_for_budget
-from colibri_aio.arch.qwen3moe import PREFILL_CHUNK
+from colibri_aio.arch.layers import PREFILL_CHUNK
 
 GiB = 1 << 30
 # Python, NumPy, BLAS and the tokenizer before any model memory (peak RSS of an
@@ -27,6 +27,10 @@ DEFAULT_BUDGET_SHARE = 0.85
 # class of machine (2 vCPU, virtio disk): NumPy kernels and O_DIRECT reads.
 ASSUMED_WEIGHTS_PER_S = 3.0e9
 ASSUMED_DISK_BYTES_PER_S = 1.5e9
+# KV-cache positions when the user gives none, as llama.cpp's llama-cli: a
+# Qwen3-30B-A3B file says 40960, which would reserve 7.5 GiB of float32 KV out
+# of the budget the experts need.
+DEFAULT_CONTEXT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,10 +40,12 @@ class Plan:
     budget: int
     budget_source: str
     context: int
+    context_source: str        # "--ctx", "default", or why it is not what was asked
     trunk: int
     kv_cache: int
     working: int               # activations, logits and runtime overhead
-    slot_nbytes: int
+    expert_nbytes: int         # one expert's three ranges (the largest expert)
+    slot_nbytes: int           # one pool slot: the expert's ranges aligned for O_DIRECT
     slots: int
     experts_total: int
     pinned_slots: int
@@ -48,6 +54,7 @@ class Plan:
     bottleneck: str            # "compute" or "disk"
     compute_s_per_token: float
     disk_s_per_token: float
+    notes: tuple[str, ...] = ()  # where the plan differs from what was asked, said aloud
 
     @property
     def pool(self) -> int:
@@ -57,14 +64,19 @@ class Plan:
     def all_experts_fit(self) -> bool:
         return self.slots >= self.experts_total
 
+    def with_cache(self, slots: int, pinned_slots: int) -> "Plan":
+        """The plan with the slot counts of the cache actually built (pins found may be fewer than planned)."""
+        return replace(self, slots=slots, pinned_slots=pinned_slots)
+
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "pool": self.pool, "all_experts_fit": self.all_experts_fit}
 
     def one_line(self) -> str:
         hit = "n/a" if self.expected_hit_rate is None else f"{self.expected_hit_rate:.0%}"
         return (f"plan: budget {gb(self.budget)} ({self.budget_source}) = trunk {gb(self.trunk)} + "
-                f"KV {gb(self.kv_cache)} ({self.context} ctx) + pool {self.slots} slots {gb(self.pool)} "
-                f"({self.pinned_slots} pinned; {self.slots}/{self.experts_total} experts) + working "
+                f"KV {gb(self.kv_cache)} ({self.context} ctx, {self.context_source}) + pool {self.slots} slots "
+                f"x {gb(self.slot_nbytes)} = {gb(self.pool)} ({self.pinned_slots} pinned; "
+                f"{self.slots}/{self.experts_total} experts of {gb(self.expert_nbytes)}) + working "
                 f"{gb(self.working)}; expected hit {hit}; bound by {self.bottleneck}")
 
 
@@ -76,8 +88,7 @@ def gb(n: int) -> str:
 
 
 def kv_cache_nbytes(model: Model, context: int) -> int:
-    a = model.args
-    return 2 * a.block_count * context * a.head_count_kv * a.key_length * 4
+    return model.args.kv_cache_nbytes(context)
 
 
 def working_nbytes(model: Model, prefill_chunk: int = PREFILL_CHUNK) -> int:
@@ -89,37 +100,89 @@ def working_nbytes(model: Model, prefill_chunk: int = PREFILL_CHUNK) -> int:
 
 
 def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, context: int | None = None,
-              usage_counts: dict[tuple[int, int], float] | None = None, pin_share: float = 0.0) -> Plan:
+              cache_per_layer: int | None = None, usage_counts: dict[tuple[int, int], float] | None = None,
+              pin_share: float = 0.0) -> Plan:
     """The placement for ``model`` within ``budget`` (default: a share of usable RAM).
 
     Refuses, with a :class:`UserError` that says what is missing, a budget
-    that cannot hold the trunk, the KV cache for ``context`` and a minimal
-    cache: one slot per layer (the cache keeps a quota per layer; with one
-    slot a layer's experts are read, used and evicted in turn).
+    above what the machine can give (RAM or the cgroup limit), a context
+    below one position, and a budget that cannot hold the trunk, the KV
+    cache for ``context`` and the cache: ``cache_per_layer`` slots per layer
+    when given, else at least one slot per layer (the cache keeps a quota
+    per layer; with one slot a layer's experts are read, used and evicted in
+    turn). Whatever differs from what was asked (a context above the
+    model's, a budget above the memory available now) is in ``notes``.
     """
     a = model.args
-    context = min(context or a.context_length, a.context_length)
+    notes: list[str] = []
+    context, context_source = _context(a.context_length, context, notes)
     source = "--ram-budget"
     if budget is None:
         budget = int(limits.usable * DEFAULT_BUDGET_SHARE)
         source = f"{DEFAULT_BUDGET_SHARE:.0%} of usable RAM" + (" (cgroup limit)" if limits.cgroup_limit else "")
+    else:
+        _check_budget(budget, limits, notes)
     slot = slot_nbytes_for(model.expert_nbytes_max)
     kv, working = kv_cache_nbytes(model, context), working_nbytes(model)
     reserved = model.trunk_nbytes + kv + working
     total = a.block_count * a.expert_count
-    slots = min(total, slots_for_budget(budget, slot, reserved))
-    minimal = a.block_count
-    if slots < minimal:
-        need = reserved + minimal * slot
+    if cache_per_layer is not None:
+        slots, pinned = _slots_per_layer(a.block_count, a.expert_count, cache_per_layer,
+                                         pin_share if usage_counts else 0.0)
+        minimal, what = slots, f"{cache_per_layer} expert slots per layer as --cache-per-layer asks"
+    else:
+        slots = min(total, slots_for_budget(budget, slot, reserved))
+        pinned = min(int(slots * pin_share), slots - a.block_count) if usage_counts else 0
+        pinned = max(0, pinned)
+        # The cache gives every layer the same quota besides the pins: what does not divide is not allocated.
+        slots = pinned + (slots - pinned) // a.block_count * a.block_count
+        minimal, what = a.block_count, f"a minimal cache of {a.block_count} expert slots, one per layer"
+    if reserved + minimal * slot > budget or slots < minimal:
         raise UserError(
             f"budget {gb(budget)} is too small: trunk {gb(model.trunk_nbytes)} + KV cache {gb(kv)} for {context} "
-            f"positions + working {gb(working)} + a minimal cache of {minimal} expert slots, one per layer "
-            f"({gb(minimal * slot)}), need {gb(need)}")
-    pinned = min(int(slots * pin_share), slots - minimal) if usage_counts else 0
+            f"positions + working {gb(working)} + {what} ({gb(minimal * slot)}), need "
+            f"{gb(reserved + minimal * slot)}")
     hit, hit_source = expected_hit_rate(usage_counts, slots, total)
     compute_s, disk_s = token_times(model, 0.0 if hit is None else hit)
-    return Plan(budget, source, context, model.trunk_nbytes, kv, working, slot, slots, total, max(0, pinned),
-                hit, hit_source, "disk" if disk_s > compute_s else "compute", compute_s, disk_s)
+    return Plan(budget, source, context, context_source, model.trunk_nbytes, kv, working, model.expert_nbytes_max,
+                slot, slots, total, pinned, hit, hit_source, "disk" if disk_s > compute_s else "compute",
+                compute_s, disk_s, tuple(notes))
+
+
+def _context(model_context: int, asked: int | None, notes: list[str]) -> tuple[int, str]:
+    """KV-cache positions for ``asked`` (None: the default) and where the figure comes from."""
+    if asked is None:
+        if model_context > DEFAULT_CONTEXT:
+            return DEFAULT_CONTEXT, f"default; the model allows {model_context}"
+        return model_context, "the model's context_length"
+    if asked < 1:
+        raise UserError(f"--ctx must be >= 1 position, got {asked}")
+    if asked > model_context:
+        notes.append(f"--ctx {asked} is more than the model's context_length {model_context}: using {model_context}")
+        return model_context, f"the model's context_length; {asked} asked"
+    return asked, "--ctx"
+
+
+def _check_budget(budget: int, limits: MemoryLimits, notes: list[str]) -> None:
+    """Refuse a budget above RAM or the cgroup limit; note one above what is available now."""
+    if limits.cgroup_limit is not None and budget > limits.cgroup_limit:
+        raise UserError(f"--ram-budget {gb(budget)} is more than the cgroup memory limit {gb(limits.cgroup_limit)} "
+                        f"({limits.cgroup_source})")
+    if limits.total and budget > limits.total:
+        raise UserError(f"--ram-budget {gb(budget)} is more than this machine's RAM {gb(limits.total)}")
+    if limits.available and budget > limits.available:
+        notes.append(f"--ram-budget {gb(budget)} is more than the {gb(limits.available)} available now: "
+                     f"other programs and the page cache will be squeezed")
+
+
+def _slots_per_layer(block_count: int, expert_count: int, cache_per_layer: int,
+                     pin_share: float) -> tuple[int, int]:
+    """(slots, pinned) of a cache of ``cache_per_layer`` slots per layer; pins come on top of each quota."""
+    if cache_per_layer < 1:
+        raise UserError(f"--cache-per-layer must be >= 1, got {cache_per_layer}")
+    per_layer = min(cache_per_layer, expert_count)
+    pinned = int(per_layer * pin_share) * block_count
+    return per_layer * block_count + pinned, pinned
 
 
 def expected_hit_rate(usage_counts: dict[tuple[int, int], float] | None, slots: int,

@@ -33,6 +33,7 @@ class EngineStats:
     read_busy_s: float     # wall time with at least one expert read in flight
     rss: int
     peak_rss: int
+    prompt_tokens_cached: int = 0  # prompt tokens found in the KV cache (not prefilled; not in prompt_tokens)
 
     @property
     def lookups(self) -> int:

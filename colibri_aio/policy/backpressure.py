@@ -41,8 +41,13 @@ prefill, or a caller that does not report steps) keeps its current arm.
 ``trial_steps=0`` turns trials off: saturation then turns prefetch off.
 
 Independently of the state, a prefetch cap bounds prefetch reads and bytes in
-flight, so a demand read never queues behind more than the cap; and
-:func:`triage_prefetches` says which prefetches a layer has made stale.
+flight, so a demand read never queues behind more than the cap.
+
+Events in: :meth:`~BackpressureController.submitted` / :meth:`~BackpressureController.completed`
+for every read, :meth:`~BackpressureController.step` per forward pass,
+:meth:`~BackpressureController.device` per device sample; decision out:
+:meth:`~BackpressureController.may_prefetch`. The scheduler policy
+(:mod:`colibri_aio.policy.scheduler`) is its only caller in the engine.
 """
 from __future__ import annotations
 
@@ -53,10 +58,23 @@ from typing import Any, Literal
 
 import numpy as np
 
-from colibri_aio.policy.diskstats import DeviceSample
 
 ReadKind = Literal["demand", "prefetch"]
 Mode = Literal["auto", "on", "off"]
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceSample:
+    """The model's device over one interval of ``interval`` seconds ending at ``end``, as ``iostat -x``
+    reports it (made from ``/proc/diskstats`` by :mod:`colibri_aio.engine.device`)."""
+
+    end: float
+    interval: float
+    util: float       # fraction of the interval with at least one I/O in flight (0..1)
+    r_await_ms: float  # mean read latency; 0 when there were no reads
+    aqu_sz: float      # mean number of requests queued or in service
+    read_bps: float    # bytes read per second
+    reads: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,12 +94,6 @@ class BackpressureConfig:
     min_window_reads: int = 4            # fewer completions give no time-per-byte sample
     max_prefetch_reads: int = 4
     max_prefetch_bytes: int | None = None
-    # Predictions this precise are mostly reads the model will make anyway: they
-    # reorder demand rather than add to it, so saturation need not stop them.
-    # None (the default): saturation always stops prefetch. 0.6 measured +6% on a
-    # saturated disk and an inconclusive -8% idle (evidence/prefetch_20261129T193*.md),
-    # not enough to turn it on.
-    keep_on_precision: float | None = None
     # The detectors see a busy disk, not whether prefetch delays the model: on a contended
     # device more reads in flight can win a bigger share (evidence/prefetch_20261129T192601Z.md:
     # saturated, on 2.23 vs off 1.90 tok/s, and the detectors chose off). So saturation starts
@@ -145,8 +157,6 @@ class BackpressureCounters:
     aborted_reads: int = 0        # completed with ok=False (failed or cancelled)
     refused_by_state: int = 0     # may_prefetch said no because prefetch was off
     refused_by_cap: int = 0       # may_prefetch said no because of the in-flight cap
-    kept_by_precision: int = 0    # allowed while off, the predictions being precise enough
-    max_in_flight: int = 0        # most reads in flight reported by on_read
     decode_steps: int = 0         # decode steps timed by step()
     trials: int = 0               # trials started (saturation while trials are on)
     trial_verdict_on: int = 0
@@ -226,7 +236,6 @@ class BackpressureController:
         self._peak_bps = 0.0
         self._prefetch_in_flight = 0
         self._prefetch_bytes_in_flight = 0
-        self._close_lag = 0.0
 
     # --- state ---------------------------------------------------------------------
 
@@ -246,11 +255,6 @@ class BackpressureController:
         if len(self._costs) < 4:
             return None
         return float(np.quantile(np.fromiter(self._costs, float), self.config.baseline_quantile))
-
-    @property
-    def headroom(self) -> bool:
-        """The last closed window left the disk mostly idle (used to widen prefetch)."""
-        return self.last is not None and self.last.busy <= self.config.busy_low
 
     @property
     def prefetch_in_flight(self) -> tuple[int, int]:
@@ -298,28 +302,6 @@ class BackpressureController:
         else:
             c.prefetch_reads, c.prefetch_bytes = c.prefetch_reads + ok, c.prefetch_bytes + r.nbytes
 
-    def on_read(self, kind: ReadKind, nbytes: int, submitted: float, completed: float, in_flight: int) -> None:
-        """A whole read reported once it is over (the scheduler's ``PrefetchGate`` protocol).
-
-        Reported this way, a read is unknown to the controller while it is in
-        flight, so windows close one window late (a read that ends within a
-        window of the boundary still counts in the window it started in);
-        :meth:`submitted`/:meth:`completed` need no such delay.
-        """
-        self._close_lag = self.config.window
-        self.counters.max_in_flight = max(self.counters.max_in_flight, in_flight)
-        ticket, self._next_ticket = self._next_ticket, self._next_ticket + 1
-        self.update(submitted)
-        self._reads[ticket] = _Read(kind, nbytes, submitted)
-        if kind == "prefetch":
-            self._prefetch_in_flight += 1
-            self._prefetch_bytes_in_flight += nbytes
-        self.completed(ticket, completed)
-
-    def allows_prefetch(self, now: float) -> bool:
-        """The scheduler's ``PrefetchGate`` question: is prefetch on at ``now``."""
-        return self.update(now)
-
     def step(self, now: float, positions: int) -> None:
         """A forward pass over ``positions`` positions begins at ``now``.
 
@@ -341,25 +323,15 @@ class BackpressureController:
             self._advance()
 
     def device(self, sample: DeviceSample) -> None:
-        """An iostat-style sample of the model's device (see :mod:`.diskstats`)."""
+        """An iostat-style sample of the model's device."""
         self._samples.append(sample)
 
-    def may_prefetch(self, nbytes: int, now: float, precision: float | None = None) -> bool:
-        """Whether a prefetch read of ``nbytes`` may be submitted now (state and cap).
-
-        ``precision``: the measured share of prefetched experts that were then
-        used (None: not known yet). While prefetch is off for saturation, reads
-        of a predictor at least ``keep_on_precision`` precise still go (under
-        the cap): on a disk shared by demand reads they are demand moved earlier.
-        """
+    def may_prefetch(self, nbytes: int, now: float) -> bool:
+        """Whether a prefetch read of ``nbytes`` may be submitted now (state and cap)."""
         self.update(now)
-        keep = self.config.keep_on_precision
         if not self._on:
-            # A trial's off-arm measures prefetch off as such, precise guesses included.
-            if self._trial is not None or precision is None or keep is None or precision < keep:
-                self.counters.refused_by_state += 1
-                return False
-            self.counters.kept_by_precision += 1
+            self.counters.refused_by_state += 1
+            return False
         cfg = self.config
         over_bytes = (cfg.max_prefetch_bytes is not None
                       and self._prefetch_bytes_in_flight + nbytes > cfg.max_prefetch_bytes)
@@ -373,7 +345,7 @@ class BackpressureController:
         w = self.config.window
         if self._window_start is None:
             self._window_start = self._saturated_at = self._headroom_since = now
-        while self._window_start + w + self._close_lag <= now:
+        while self._window_start + w <= now:
             if self._idle_since_window_start():
                 self._skip_idle(now)
                 break
@@ -391,7 +363,7 @@ class BackpressureController:
         assert self._window_start is not None
         w = self.config.window
         # At least one window: update() saw one end by now, and the division may round below 1.
-        n = max(1, int((now - self._close_lag - self._window_start) // w))
+        n = max(1, int((now - self._window_start) // w))
         end = self._window_start + n * w
         self._close(self._window_start, end)
         self._window_start = end
@@ -564,46 +536,3 @@ def _busy_time(reads: Iterable[_Read], t0: float, t1: float) -> float:
     if cur_end is not None:
         total += cur_end - cur_start
     return total
-
-
-# --- stale prefetches ------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class PendingPrefetch:
-    """A prefetch the engine decided on: for ``layer`` of decode step ``step``."""
-
-    step: int
-    layer: int
-    expert: int
-    submitted: bool   # True once the read is in the kernel's hands
-
-
-@dataclass(frozen=True, slots=True)
-class PrefetchTriage:
-    """What to do with pending prefetches once compute reaches a layer."""
-
-    cancel: list[PendingPrefetch]   # not submitted, for a layer already passed: drop
-    demote: list[PendingPrefetch]   # submitted, for a layer already passed: let land, lowest priority
-    promote: list[PendingPrefetch]  # not submitted, for the layer now computing: submit as demand
-    keep: list[PendingPrefetch]     # for a later layer, or already submitted for this one
-
-
-def triage_prefetches(step: int, layer: int, pending: Iterable[PendingPrefetch]) -> PrefetchTriage:
-    """Sort pending prefetches against the layer compute has reached, ``(step, layer)``.
-
-    A submitted read cannot be taken back from the kernel (its slot stays
-    filling until the completion is reaped), so a stale submitted prefetch is
-    only demoted: when it lands it becomes an ordinary, evictable entry.
-    """
-    now = (step, layer)
-    cancel, demote, promote, keep = [], [], [], []
-    for p in pending:
-        target = (p.step, p.layer)
-        if target < now:
-            (demote if p.submitted else cancel).append(p)
-        elif target == now and not p.submitted:
-            promote.append(p)
-        else:
-            keep.append(p)
-    return PrefetchTriage(cancel, demote, promote, keep)

@@ -2,7 +2,8 @@
 
 The cache owns no memory. It maps keys ``(layer, expert)`` to slot ids
 ``0..n_slots-1`` of the I/O layer's buffer pool and decides, when a key
-misses, which slot to reuse. The caller does the reads and reports back.
+misses, which slot to reuse: it is the only slot allocator (the pool and the
+reader hand out none). The caller does the reads and reports back.
 
 Life of a slot::
 
@@ -54,7 +55,7 @@ POLICIES: tuple[str, ...] = ("lru", "lfu", "lfru", "belady")
 SCOPES: tuple[str, ...] = ("global", "layer")
 
 
-class SlotState(Enum):
+class EntryState(Enum):
     FILLING = "filling"  # a read into the slot is in flight: the kernel owns it
     READY = "ready"      # the slot holds the key's bytes
 
@@ -72,7 +73,7 @@ class Reservation:
 class _Entry:
     key: Key
     slot: int
-    state: SlotState
+    state: EntryState
     pinned: bool
     prefetched: bool   # filled by a prefetch and not yet used by a demand lookup
     refs: int = 0
@@ -150,7 +151,7 @@ class ExpertCache:
         self._crf: dict[Key, tuple[float, int]] = {}       # lfru: (score, clock of last update)
         self._pinned_keys = set(pins)
         for key in pins:
-            self._insert(key, SlotState.FILLING, pinned=True, prefetched=False)
+            self._insert(key, EntryState.FILLING, pinned=True, prefetched=False)
 
     # --- queries -----------------------------------------------------------------
 
@@ -165,7 +166,7 @@ class ExpertCache:
         e = self._by_key.get(key)
         return None if e is None else e.slot
 
-    def state(self, slot: int) -> SlotState | None:
+    def state(self, slot: int) -> EntryState | None:
         """``FILLING``, ``READY``, or ``None`` for a free slot."""
         e = self._by_slot.get(slot)
         return None if e is None else e.state
@@ -231,7 +232,7 @@ class ExpertCache:
                 return self._refuse()
             evicted = victim.key
             self._evict(victim)
-        e = self._insert(key, SlotState.FILLING, pinned=pinned, prefetched=prefetch)
+        e = self._insert(key, EntryState.FILLING, pinned=pinned, prefetched=prefetch)
         if prefetch:
             self.stats.prefetch_reads += 1
             self._clock += 1
@@ -244,9 +245,9 @@ class ExpertCache:
     def mark_filled(self, slot: int) -> None:
         """The read into ``slot`` completed with the right bytes."""
         e = self._entry(slot)
-        if e.state is not SlotState.FILLING:
+        if e.state is not EntryState.FILLING:
             raise ValueError(f"slot {slot} is not filling")
-        e.state = SlotState.READY
+        e.state = EntryState.READY
 
     def mark_failed(self, slot: int) -> None:
         """The read into ``slot`` failed or was cancelled before submission: the entry is dropped.
@@ -255,7 +256,7 @@ class ExpertCache:
         pinned slot again.
         """
         e = self._entry(slot)
-        if e.state is not SlotState.FILLING:
+        if e.state is not EntryState.FILLING:
             raise ValueError(f"slot {slot} is not filling")
         if e.refs:
             raise ValueError(f"slot {slot} failed while compute holds {e.refs} reference(s)")
@@ -310,7 +311,7 @@ class ExpertCache:
             return bool(self._free)
         return len(self._groups.get(key[0], ())) < self.layer_quota
 
-    def _insert(self, key: Key, state: SlotState, *, pinned: bool, prefetched: bool) -> _Entry:
+    def _insert(self, key: Key, state: EntryState, *, pinned: bool, prefetched: bool) -> _Entry:
         e = _Entry(key, self._free.pop(), state, pinned, prefetched)
         self._by_key[key], self._by_slot[e.slot] = e, e
         if not pinned:
@@ -343,7 +344,7 @@ class ExpertCache:
         return score * math.exp2(-(self._clock - at) / self.half_life)
 
     def _evictable(self, e: _Entry) -> bool:
-        return e.state is SlotState.READY and e.refs == 0
+        return e.state is EntryState.READY and e.refs == 0
 
     def _victim(self, group: int | None) -> _Entry | None:
         entries = self._groups.get(group)

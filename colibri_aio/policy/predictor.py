@@ -7,14 +7,18 @@ counters: recall (share of true experts that were prefetched) and precision
 (share of prefetched experts that were used), plus the hit rate of each rank
 of the ranking.
 
-How many to prefetch. The i-th ranked candidate is worth a read when the
-chance that it is used — its rank's measured precision — is high enough. A
-wrong prefetch costs a disk read and a slot (it evicts an entry that might
-have hit). With the disk mostly idle (the backpressure controller reports
-headroom) the read is nearly free, so a lower bar applies. The count is the
-longest prefix of ranks whose precision clears the bar: it can be below k
-(predictions near chance, as on a random-weight model) or above k (a good
-predictor whose ranks k+1.. still hit often, on an idle disk). The bar is
+How many to prefetch. The engine's scheduler policy reads a fixed k
+candidates (in replays of the trained model the adaptive count below read
+1.7-2.1x the bytes and lost hit rate below 8 slots per layer:
+evidence/replay_colibri_tiny.md, "What prefetch costs"); the replay can size
+the set adaptively instead. There the i-th ranked candidate is worth a read
+when the chance that it is used — its rank's measured precision — is high
+enough. A wrong prefetch costs a disk read and a slot (it evicts an entry that
+might have hit); on an idle disk (the caller says ``headroom``; the replay,
+whose reads are instant, always does) the read is nearly free, so a lower bar
+applies. The count is the longest prefix of ranks whose precision clears the
+bar: it can be below k (predictions near chance, as on a random-weight model)
+or above k (a good predictor whose ranks k+1.. still hit often). The bar is
 never below ``min_lift`` times chance (k / expert_count, what a random guess
 hits), so a predictor barely better than guessing reads nothing. Until
 ``min_samples`` predictions have been scored the count is k.

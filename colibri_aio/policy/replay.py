@@ -1,6 +1,8 @@
 """Replay a route trace through the expert cache: hit rate and bytes read, no model needed.
 
-A trace (see :mod:`colibri_aio.cli.trace`) records, in execution order, which
+This is the pure simulation: it takes records, not files (reading trace files
+and the ``replay`` command are :mod:`colibri_aio.cli.replay`'s). A trace (see
+:mod:`colibri_aio.cli.trace`) records, in execution order, which
 experts every layer chose at every position. The replay turns it into
 *steps* — one per (run, layer, prefill chunk or decode position) — and runs
 each step through an :class:`~colibri_aio.policy.cache.ExpertCache` as the
@@ -32,7 +34,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
@@ -123,29 +124,6 @@ def steps_from_records(records: Iterable[dict[str, Any]], run_offset: int = 0,
     flush_prefill()
     flush()
     return steps
-
-
-def load_traces(paths: Sequence[str], split_prefill: bool = False) -> Trace:
-    """Read one or more trace files of the same model; their runs follow one another."""
-    from colibri_aio.cli.trace import read_trace
-
-    header: dict[str, Any] | None = None
-    steps: list[Step] = []
-    for path in paths:
-        try:
-            records = read_trace(path)
-            h = next(records)
-        except (OSError, StopIteration, ValueError) as exc:
-            raise UserError(f"{path}: cannot read route trace ({exc.__class__.__name__})") from None
-        shape = ("block_count", "expert_count", "expert_used_count", "expert_nbytes")
-        if header is not None and any(h.get(k) != header.get(k) for k in shape):
-            raise UserError(f"{path}: trace of a differently shaped model than {paths[0]}")
-        header = header or h
-        offset = 1 + max((s.run for s in steps), default=-1)
-        steps += steps_from_records(records, run_offset=offset, split_prefill=split_prefill)
-    assert header is not None
-    return Trace(header["block_count"], header["expert_count"], header["expert_used_count"],
-                 header["expert_nbytes"], tuple(header.get("predictors", ())), steps)
 
 
 # --- configuration and result ---------------------------------------------------------------
@@ -340,30 +318,7 @@ def _delta(after: CacheStats, before: CacheStats) -> CacheStats:
     return CacheStats(**{k: getattr(after, k) - getattr(before, k) for k in CacheStats.__dataclass_fields__})
 
 
-# --- many configurations at once (the `replay` command) ---------------------------------------
-
-
-def parse_list(text: str, allowed: Sequence[str] | None, option: str) -> list[str]:
-    """Comma-separated values of a command-line option; ``all`` expands to ``allowed``."""
-    items = [t.strip() for t in text.split(",") if t.strip()]
-    if allowed is not None and "all" in items:
-        return list(allowed)
-    bad = [t for t in items if allowed is not None and t not in allowed]
-    if not items or bad:
-        choices = ", ".join(allowed) if allowed is not None else "values"
-        raise UserError(f"{option}: expected comma-separated {choices}, got {text!r}")
-    return items
-
-
-def parse_sizes(text: str) -> list[int]:
-    """``--cache-per-layer 1,2,4`` -> [1, 2, 4]; ``pow2`` -> 1, 2, 4, … (capped later)."""
-    try:
-        sizes = [int(t) for t in parse_list(text, None, "--cache-per-layer")]
-    except ValueError:
-        raise UserError(f"--cache-per-layer: expected comma-separated integers, got {text!r}") from None
-    if min(sizes) < 1:
-        raise UserError("--cache-per-layer must be at least 1")
-    return sizes
+# --- many configurations at once ---------------------------------------------------------------
 
 
 def run_grid(trace: Trace, *, policies: Sequence[str], sizes: Sequence[int], scopes: Sequence[str],
@@ -381,80 +336,3 @@ def run_grid(trace: Trace, *, policies: Sequence[str], sizes: Sequence[int], sco
                                        demote=demote, half_life=half_life)
                     out.append(replay(trace, cfg, pin_from))
     return out
-
-
-def format_results(results: Sequence[ReplayResult]) -> str:
-    """A plain-text table: one row per configuration."""
-    lines = [f"{'policy':11s} {'scope':6s} {'N/layer':>7s} {'prefetch':>19s} {'hit rate':>8s} "
-             f"{'pinned':>6s} {'cached':>6s} {'prefet':>6s} {'misses':>6s} {'MB read':>9s} "
-             f"{'MB wasted':>9s} {'recall':>6s} {'prec':>6s}"]
-    for r in results:
-        d = r.as_dict()
-        la = d.get("lookahead", {})
-        lines.append(
-            f"{d['policy']:11s} {d['scope']:6s} {d['cache_per_layer']:7d} {str(d['prefetch'] or '-'):>19s} "
-            f"{d['hit_rate']:8.3f} {d['pinned_hits']:6d} {d['cached_hits']:6d} {d['prefetch_hits']:6d} "
-            f"{d['misses']:6d} {(d['demand_bytes'] + d['prefetch_bytes']) / 1e6:9.2f} "
-            f"{d['wasted_bytes'] / 1e6:9.2f} {_ratio(la.get('recall'))} {_ratio(la.get('precision'))}")
-    return "\n".join(lines)
-
-
-def _ratio(x: float | None) -> str:
-    return f"{x:6.3f}" if x is not None else f"{'-':>6s}"
-
-
-def summarise(per_trace: Sequence[Sequence[ReplayResult]]) -> list[dict[str, Any]]:
-    """Median, min and max hit rate and bytes per token of each configuration over several traces."""
-    rows = []
-    for same in zip(*per_trace):
-        rates = [r.stats.hit_rate for r in same]
-        per_tok = [r.as_dict()["bytes_per_token"] for r in same]
-        d = same[0].as_dict()
-        rows.append({k: d[k] for k in ("policy", "scope", "cache_per_layer", "slots", "prefetch")} | {
-            "traces": len(same),
-            "hit_rate": {"median": statistics.median(rates), "min": min(rates), "max": max(rates)},
-            "bytes_per_token": {"median": statistics.median(per_tok), "min": min(per_tok), "max": max(per_tok)},
-            "recall": _median_of(same, "recall") if d["prefetch"] else None,
-            "precision": _median_of(same, "precision") if d["prefetch"] else None,
-            "recall_at_k": _median_of(same, "recall_at_k") if d["prefetch"] else None,
-            "wasted_bytes_per_token": statistics.median(r.wasted_bytes / max(r.positions_scored, 1) for r in same),
-        })
-    return rows
-
-
-def _median_of(results: Sequence[ReplayResult], name: str) -> float:
-    return statistics.median(r.prefetch.get(name, math.nan) for r in results)
-
-
-def replay_command(paths: Sequence[str], *, policy: str, cache_per_layer: str, scope: str, warmup: float,
-                   pin_from: Sequence[str], pin_fraction: float, prefetch: str, prefetch_count: int | None,
-                   each: bool, split_prefill: bool = False, half_life: float | None = None,
-                   demote: bool = True) -> tuple[dict[str, Any], str]:
-    """What ``python -m colibri_aio replay`` prints: a JSON document and the same as a table.
-
-    With ``each``, every trace is replayed on its own and the document adds
-    the median and min-max over traces of every configuration.
-    """
-    import os
-
-    for path in [*paths, *pin_from]:
-        if not os.path.isfile(path):
-            raise UserError(f"{path}: no such trace file")
-    traces = [load_traces([p], split_prefill) for p in paths] if each else [load_traces(paths, split_prefill)]
-    predictors = traces[0].predictors
-    grid: dict[str, Any] = dict(
-        policies=parse_list(policy, REPLAY_POLICIES, "--policy"), sizes=parse_sizes(cache_per_layer),
-        scopes=parse_list(scope, ("layer", "global"), "--scope"),
-        prefetch=[None if p == "none" else p for p in parse_list(prefetch, ("none", *predictors), "--prefetch")],
-        warmup=warmup, pin_fraction=pin_fraction, prefetch_count=prefetch_count, half_life=half_life,
-        demote=demote, pin_from=load_traces(pin_from, split_prefill) if pin_from else None)
-    per_trace = [run_grid(t, **grid) for t in traces]
-    names = list(paths) if each else ["+".join(paths)]
-    doc: dict[str, Any] = {"traces": list(paths), "warmup": warmup, "pin_from": list(pin_from),
-                           "prefill_as_decode": split_prefill, "half_life": half_life, "demote": demote}
-    if each:
-        doc |= {"summary": summarise(per_trace), "per_trace": [[r.as_dict() for r in rs] for rs in per_trace]}
-    else:
-        doc["results"] = [r.as_dict() for r in per_trace[0]]
-    text = "\n".join(f"# {name}\n{format_results(rs)}" for name, rs in zip(names, per_trace))
-    return doc, text

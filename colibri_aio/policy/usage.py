@@ -1,28 +1,28 @@
 """Which experts a model uses, remembered across runs, and the pins chosen from it.
 
-A usage history counts (layer, expert) selections. At the start of each run
-every count is multiplied by ``decay``, so what the model did recently weighs
-more than what it did long ago (a count seen ``n`` runs ago weighs
-``decay**n``). ``--pin auto`` pins the hottest experts within a pin budget.
+A usage history counts (layer, expert) selections. Each run's selections are
+counted on their own (a history with ``runs == 0``) and folded into the stored
+history when the run ends (:meth:`UsageHistory.with_run`): older counts fade
+by ``decay`` per run, so what the model did recently weighs more than what it
+did long ago (a count seen ``n`` runs ago weighs ``decay**n``). Folding at the
+end rather than at the start is what lets concurrent runs merge: each one
+folds its own counts into whatever the file holds by then. ``--pin auto``
+pins the hottest experts within a pin budget.
 
-The file is JSON, versioned, and tied to the model's identity by a
+The document is JSON, versioned, and tied to the model's identity by a
 fingerprint of its GGUF header — metadata, tensor table (names, types,
 shapes, offsets) and file size — not its path: a model moved or copied keeps
 its history, and a history never applies to a different model even at the
-same path. A file of another format version or another model is refused.
+same path. A document of another format version or another model, or with
+counts that are not finite and non-negative, is refused.
 
-Where it lives: ``$XDG_CACHE_HOME/colibri_aio/usage/<fingerprint>.json``
-(``~/.cache/...`` without XDG). Not next to the model: model directories are
-often read-only or shared between users, and keying by fingerprint already
-finds the history wherever the model is.
+This module has no file I/O; where the file lives and how it is read,
+written, locked and set aside is :mod:`colibri_aio.engine.history`.
 """
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import tempfile
-from pathlib import Path
+import math
 from typing import Any
 
 import numpy as np
@@ -43,12 +43,6 @@ def model_fingerprint(model: Model) -> str:
     return h.hexdigest()[:32]
 
 
-def default_usage_path(fingerprint: str) -> Path:
-    """Where ``--pin auto`` keeps the history of the model with ``fingerprint``."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "colibri_aio" / "usage" / f"{fingerprint}.json"
-
-
 class UsageHistory:
     """Decayed selection counts per (layer, expert) of one model."""
 
@@ -56,23 +50,37 @@ class UsageHistory:
                  decay: float = DEFAULT_DECAY, runs: int = 0, counts: np.ndarray | None = None) -> None:
         if not 0.0 < decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {decay}")
+        if runs < 0:
+            raise ValueError(f"runs must be >= 0, got {runs}")
         self.fingerprint, self.decay, self.runs = fingerprint, decay, runs
-        self.counts = np.zeros((block_count, expert_count)) if counts is None else np.asarray(counts, float)
+        self.counts = np.zeros((block_count, expert_count)) if counts is None else np.array(counts, float)
         if self.counts.shape != (block_count, expert_count):
             raise ValueError(f"counts shape {self.counts.shape} != ({block_count}, {expert_count})")
+        if not np.isfinite(self.counts).all() or (self.counts < 0).any():
+            raise ValueError("counts must be finite and >= 0")
 
     @classmethod
     def for_model(cls, model: Model, decay: float = DEFAULT_DECAY) -> "UsageHistory":
         return cls(model_fingerprint(model), model.args.block_count, model.args.expert_count, decay=decay)
 
-    def begin_run(self) -> None:
-        """A new run starts: older counts fade by ``decay``."""
-        self.counts *= self.decay
-        self.runs += 1
+    def empty(self) -> "UsageHistory":
+        """A history of the same model with nothing counted yet (what one run records into)."""
+        return UsageHistory(self.fingerprint, *self.counts.shape, decay=self.decay)
+
+    def with_run(self, run: "UsageHistory") -> "UsageHistory":
+        """This history after one more run that counted ``run.counts``: older counts fade by ``decay``."""
+        if run.fingerprint != self.fingerprint or run.counts.shape != self.counts.shape:
+            raise ValueError("a run's usage can only be added to the history of the same model")
+        return UsageHistory(self.fingerprint, *self.counts.shape, decay=self.decay, runs=self.runs + 1,
+                            counts=self.counts * self.decay + run.counts)
 
     def record(self, layer: int, experts: Any) -> None:
         """``layer`` routed to ``experts`` at one position (repeat ids count repeatedly)."""
         np.add.at(self.counts[layer], np.asarray(experts, np.int64), 1.0)
+
+    def nonzero(self) -> dict[Key, float]:
+        """Every (layer, expert) with a count above 0, and its count."""
+        return {(int(l), int(e)): float(self.counts[l, e]) for l, e in zip(*np.nonzero(self.counts > 0))}
 
     def hottest(self, budget: int, *, per_layer: int | None = None) -> list[Key]:
         """Up to ``budget`` keys with the highest counts (never a key with count 0).
@@ -94,7 +102,7 @@ class UsageHistory:
             chosen.append((layer, expert))
         return chosen
 
-    # --- file ----------------------------------------------------------------------------
+    # --- document ---------------------------------------------------------------------
 
     def to_json(self) -> dict[str, Any]:
         return {"format": USAGE_FORMAT, "version": USAGE_VERSION, "fingerprint": self.fingerprint,
@@ -103,60 +111,20 @@ class UsageHistory:
 
     @classmethod
     def from_json(cls, doc: Any, fingerprint: str, source: str) -> "UsageHistory":
-        """Parse a document; refuses another format, version or model with a :class:`UserError`."""
+        """Parse a document; refuses another format, version or model, or bad values, with a :class:`UserError`."""
         if not isinstance(doc, dict) or doc.get("format") != USAGE_FORMAT:
             raise UserError(f"{source}: not a {USAGE_FORMAT} file")
         if doc.get("version") != USAGE_VERSION:
             raise UserError(f"{source}: usage history version {doc.get('version')!r} is not supported "
-                            f"(this engine reads version {USAGE_VERSION}); delete it to start a new one")
+                            f"(this engine reads version {USAGE_VERSION})")
         if doc.get("fingerprint") != fingerprint:
             raise UserError(f"{source}: usage history belongs to another model (fingerprint "
                             f"{doc.get('fingerprint')!r}, this model is {fingerprint!r})")
         try:
-            return cls(fingerprint, int(doc["block_count"]), int(doc["expert_count"]),
-                       decay=float(doc["decay"]), runs=int(doc["runs"]), counts=np.asarray(doc["counts"], float))
+            runs, decay = doc["runs"], float(doc["decay"])
+            if not isinstance(runs, int) or isinstance(runs, bool) or not math.isfinite(decay):
+                raise ValueError("runs must be an integer and decay a number")
+            return cls(fingerprint, int(doc["block_count"]), int(doc["expert_count"]), decay=decay, runs=runs,
+                       counts=np.asarray(doc["counts"], float))
         except (KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{source}: damaged usage history ({exc.__class__.__name__}: {exc})") from None
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write atomically (temporary file + rename), so a crash never leaves half a file."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.name, dir=path.parent)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(self.to_json(), f)
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str], fingerprint: str) -> "UsageHistory":
-        try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as exc:
-            raise UserError(f"{path}: cannot read usage history ({exc.strerror or exc})") from None
-        try:
-            doc = json.loads(text)
-        except json.JSONDecodeError:
-            raise UserError(f"{path}: usage history is not valid JSON") from None
-        return cls.from_json(doc, fingerprint, str(path))
-
-
-def pins_for(spec: str, model: Model, budget: int, *, per_layer: int | None = None) -> list[Key]:
-    """The keys to pin for ``--pin auto|off|FILE`` within ``budget`` slots.
-
-    ``auto`` uses the model's default history if there is one (none yet: no
-    pins); ``FILE`` must exist and belong to this model.
-    """
-    if spec == "off" or budget <= 0:
-        return []
-    fingerprint = model_fingerprint(model)
-    if spec == "auto":
-        path = default_usage_path(fingerprint)
-        if not path.is_file():
-            return []
-    else:
-        path = Path(spec)
-    return UsageHistory.load(path, fingerprint).hottest(budget, per_layer=per_layer)

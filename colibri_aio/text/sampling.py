@@ -1,9 +1,11 @@
 """Choosing the next token, and deciding when generation ends.
 
-Sampling is a chain of small pure functions over a candidate set
-``(ids, logits)``, in llama.cpp's default order: top-k, top-p, min-p, then
-temperature, then one draw from a seeded NumPy ``Generator``. Temperature 0
-is greedy (argmax of the raw logits) and consumes no randomness.
+Sampling is a chain of small pure functions, in llama.cpp's default order:
+logit bias and repetition penalties on the full logits, then over a candidate
+set ``(ids, logits)`` top-k, top-p, min-p, temperature, and one draw from a
+seeded NumPy ``Generator``. Temperature 0 is greedy (argmax of the biased and
+penalised logits) and consumes no randomness. :class:`SamplingParams` holds
+every option; :class:`TokenPicker` applies them to one generation.
 
 Ending is :class:`StopStrings` (stop strings found in the detokenized stream,
 even when split across tokens) composed with end-of-generation tokens and a
@@ -11,9 +13,10 @@ token budget in :class:`Stopper`.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Literal, Protocol
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -21,7 +24,9 @@ from colibri_aio.errors import UserError
 
 __all__ = [
     "Sampler", "make_sampler", "greedy", "keep_top_k", "keep_top_p", "keep_min_p", "draw", "softmax",
-    "StopStrings", "Stopper", "Step", "FinishReason",
+    "apply_logit_bias", "apply_penalties", "log_softmax", "top_logprobs", "SamplingParams", "TokenPicker",
+    "LLAMA_CPP_DEFAULTS", "model_defaults", "StopStrings", "Stopper", "Step", "FinishReason",
+    "check_generation_options",
 ]
 
 Sampler = Callable[[np.ndarray], int]
@@ -97,7 +102,52 @@ def draw(cands: Candidates, rng: np.random.Generator) -> int:
     return int(ids[min(i, len(ids) - 1)])
 
 
-def check_sampling_options(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
+def apply_logit_bias(logits: np.ndarray, bias: Mapping[int, float]) -> np.ndarray:
+    """``logits`` with ``bias[id]`` added to each biased token's logit (a copy; the input is kept)."""
+    if not bias:
+        return logits
+    out = logits.copy()
+    ids = np.fromiter(bias.keys(), np.int64, len(bias))
+    out[ids] += np.fromiter(bias.values(), np.float64, len(bias)).astype(out.dtype)
+    return out
+
+
+def apply_penalties(logits: np.ndarray, recent: Sequence[int], *, repeat: float = 1.0, frequency: float = 0.0,
+                    presence: float = 0.0) -> np.ndarray:
+    """llama.cpp's repetition penalties over the ``recent`` token ids (a copy; the input is kept).
+
+    Each token that occurs c > 0 times has its logit divided by ``repeat``
+    (multiplied when the logit is <= 0), then lowered by
+    ``c * frequency + presence`` (OpenAI's frequency and presence penalties).
+    """
+    if len(recent) == 0 or (repeat == 1.0 and frequency == 0.0 and presence == 0.0):
+        return logits
+    ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
+    out = logits.copy()
+    seen = out[ids]
+    seen = np.where(seen <= 0, seen * repeat, seen / repeat) - counts * frequency - presence
+    out[ids] = seen
+    return out
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Log-probabilities of ``logits`` (float64)."""
+    x = logits.astype(np.float64) - logits.max()
+    return x - np.log(np.exp(x).sum())
+
+
+def top_logprobs(logprobs: np.ndarray, n: int) -> list[tuple[int, float]]:
+    """The ``n`` most likely (token id, log-probability) pairs, most likely first (lower id on ties)."""
+    if n <= 0:
+        return []
+    n = min(n, len(logprobs))
+    head = np.argpartition(-logprobs, n - 1)[:n]
+    head = head[np.lexsort((head, -logprobs[head]))]
+    return [(int(i), float(logprobs[i])) for i in head]
+
+
+def check_sampling_options(temperature: float, top_k: int, top_p: float, min_p: float,
+                           seed: int | None = None) -> None:
     """Refuse values that have no meaning, with one line naming the option."""
     if not np.isfinite(temperature) or temperature < 0:
         raise UserError(f"temperature must be >= 0, got {temperature}")
@@ -107,6 +157,8 @@ def check_sampling_options(temperature: float, top_k: int, top_p: float, min_p: 
         raise UserError(f"top-p must be in (0, 1] (1 = off), got {top_p}")
     if not 0.0 <= min_p <= 1.0:
         raise UserError(f"min-p must be in [0, 1] (0 = off), got {min_p}")
+    if seed is not None and seed < 0:
+        raise UserError(f"seed must be >= 0, got {seed}")
 
 
 def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
@@ -118,7 +170,7 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, m
     drawn from a ``Generator`` seeded with ``seed``: the same seed and the same
     logits give the same tokens.
     """
-    check_sampling_options(temperature, top_k, top_p, min_p)
+    check_sampling_options(temperature, top_k, top_p, min_p, seed)
     if temperature == 0.0:
         return greedy
     rng = np.random.default_rng(seed)
@@ -131,6 +183,107 @@ def make_sampler(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, m
         return draw((ids, kept / temperature), rng)
 
     return sample
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Every option that chooses a token. The defaults are greedy with no penalties."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repeat_penalty: float = 1.0      # llama.cpp: divide a recent token's logit by this (1 = off)
+    presence_penalty: float = 0.0    # OpenAI: subtract from every recent token's logit
+    frequency_penalty: float = 0.0   # OpenAI: subtract times the token's recent count
+    penalty_last_n: int = 64         # how many recent tokens the penalties see (0 = none, -1 = all)
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+
+    def check(self, vocab_size: int | None = None) -> None:
+        """Refuse values that have no meaning, with one line naming the option."""
+        check_sampling_options(self.temperature, self.top_k, self.top_p, self.min_p, self.seed)
+        if not (np.isfinite(self.repeat_penalty) and self.repeat_penalty > 0):
+            raise UserError(f"repeat-penalty must be > 0 (1 = off), got {self.repeat_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not np.isfinite(getattr(self, name)):
+                raise UserError(f"{name.replace('_', '-')} must be a finite number, got {getattr(self, name)}")
+        if self.penalty_last_n < -1:
+            raise UserError(f"penalty-last-n must be >= -1 (-1 = the whole context), got {self.penalty_last_n}")
+        for token, bias in self.logit_bias.items():
+            if vocab_size is not None and not 0 <= token < vocab_size:
+                raise UserError(f"logit-bias: token id {token} is not in [0, {vocab_size})")
+            if not np.isfinite(bias):
+                raise UserError(f"logit-bias: the bias of token {token} must be finite, got {bias}")
+
+    def override(self, options: Mapping[str, Any]) -> "SamplingParams":
+        """These parameters with each option that is given (not None) put in."""
+        return replace(self, **{k: v for k, v in options.items() if v is not None})
+
+    @property
+    def penalised(self) -> bool:
+        return self.penalty_last_n != 0 and (self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+                                             or self.frequency_penalty != 0.0)
+
+
+def check_generation_options(*, max_tokens: int | None, sampling: SamplingParams,
+                             vocab_size: int | None = None) -> None:
+    """Every option of a generation, refused before any work starts (one line naming the option).
+
+    ``max_tokens`` None: to the end of the context.
+    """
+    if max_tokens is not None and max_tokens < 1:
+        raise UserError(f"max-tokens must be >= 1, got {max_tokens}")
+    sampling.check(vocab_size)
+
+
+# llama.cpp's defaults (common/common.h), for a model whose GGUF names none.
+LLAMA_CPP_DEFAULTS = SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, repeat_penalty=1.0,
+                                    penalty_last_n=64)
+
+# general.sampling.* keys (gguf-py Keys.General.SAMPLING_*) and the option each sets.
+GGUF_SAMPLING_KEYS = {
+    "general.sampling.temp": "temperature", "general.sampling.top_k": "top_k",
+    "general.sampling.top_p": "top_p", "general.sampling.min_p": "min_p",
+    "general.sampling.penalty_repeat": "repeat_penalty", "general.sampling.penalty_last_n": "penalty_last_n",
+}
+
+
+def model_defaults(metadata: Mapping[str, Any]) -> SamplingParams:
+    """Sampling defaults of a model: its ``general.sampling.*`` keys where present, else llama.cpp's."""
+    types = {f.name: f.type for f in fields(SamplingParams)}
+    found = {opt: (int if types[opt] == "int" else float)(metadata[key])
+             for key, opt in GGUF_SAMPLING_KEYS.items() if metadata.get(key) is not None}
+    return replace(LLAMA_CPP_DEFAULTS, **found)
+
+
+class TokenPicker:
+    """Chooses the next token of one generation: logit bias, penalties over the recent context, sampler chain.
+
+    ``context``: the prompt ids; each picked token joins the window the
+    penalties see (the last ``penalty_last_n`` tokens, as llama.cpp counts them).
+    """
+
+    def __init__(self, params: SamplingParams, context: Sequence[int] = ()) -> None:
+        params.check()
+        self.params = params
+        self._sample = make_sampler(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                                    min_p=params.min_p, seed=params.seed)
+        n = params.penalty_last_n
+        self._recent: deque[int] | None = None
+        if params.penalised:
+            self._recent = deque(context, maxlen=None if n < 0 else n)  # a bounded deque keeps the last n
+
+    def __call__(self, logits: np.ndarray) -> int:
+        p = self.params
+        adjusted = apply_logit_bias(logits, p.logit_bias)
+        if self._recent is not None:
+            adjusted = apply_penalties(adjusted, self._recent, repeat=p.repeat_penalty,
+                                       frequency=p.frequency_penalty, presence=p.presence_penalty)
+        token = self._sample(adjusted)
+        if self._recent is not None:
+            self._recent.append(token)
+        return token
 
 
 FinishReason = Literal["stop", "length"]

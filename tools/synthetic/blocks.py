@@ -7,7 +7,7 @@ chosen so that the dequantised weights have a requested standard deviation and
 (near) zero mean. This is ~1 byte of NumPy work per byte written, so a 32 GB
 file costs what the random-number generator and the disk cost.
 
-Layouts follow ggml's ``block_q8_0``, ``block_q4_K`` and ``block_q6_K``.
+Layouts follow ggml's ``block_q8_0``, ``block_q4_K``, ``block_q6_K``, ``block_q5_0`` and ``block_mxfp4``.
 """
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ LUT_SIZE = 256  # headers per tensor: indexed by one random byte of each block
 Q8_RMS = float(np.sqrt((2 * sum(q * q for q in range(1, 128)) + 127**2) / 256))  # int8, -128 folded to -127
 Q4_RMS = float(np.sqrt(255 / 12))    # uniform 0..15 around its mean 7.5
 Q6_RMS = float(np.sqrt(341.5))       # uniform -32..31
+Q5_RMS = float(np.sqrt(85.5))        # q - 16 for q uniform 0..31: mean -0.5 (5% of the std), variance 85.25
 SCALE_JITTER = 0.15                  # log-normal spread of block scales, as real tensors have
 
 
@@ -82,9 +83,10 @@ class Q8_0:
     block: ClassVar[int] = 32
     type_size: ClassVar[int] = 34
     scale_bytes: ClassVar[slice] = slice(0, 2)
+    rms: ClassVar[float] = Q8_RMS  # of the stored quant value
 
     def make_lut(self, rng: np.random.Generator, std: float) -> np.ndarray:
-        return _f16_bytes(std * _jitter(rng) / Q8_RMS)
+        return _f16_bytes(std * _jitter(rng) / self.rms)
 
     def finish(self, blocks: np.ndarray, lut: np.ndarray) -> None:
         # ggml never writes the quant -128 and its x86 dot products assume so. Folding on
@@ -191,7 +193,60 @@ class Q6_K:
         blocks[:, 192:194] = 0
 
 
-ENCODERS: dict[T, Encoder] = {e.qtype: e for e in (Q8_0(), Q4_K(), Q6_K())}
+class Q5_0(Q8_0):
+    """32 weights: f16 d, 4 bytes of fifth bits, 16 bytes of low nibbles: w = d * (q - 16), q in 0..31.
+
+    Its scale sits where Q8_0's does, so LUT and zeroing are Q8_0's. Random bytes
+    give q uniform over 0..31 (mean -0.5 d, not quite zero); only the scale is set.
+    Used where llama.cpp's Q4_K_M falls back for rows that are not whole super-blocks.
+    """
+
+    qtype: ClassVar[T] = T.Q5_0
+    type_size: ClassVar[int] = 22
+    rms: ClassVar[float] = Q5_RMS
+
+    def finish(self, blocks: np.ndarray, lut: np.ndarray) -> None:
+        _headers_from_lut(blocks, lut, self.scale_bytes)
+
+    def apply_code(self, blocks: np.ndarray, signs: np.ndarray, lut: np.ndarray) -> float:
+        raise NotImplementedError("Q5_0 only stands in for K-quant rows of odd width, which carry no code")
+
+
+MXFP4_TABLE = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.float64)  # ggml's doubled E2M1
+MXFP4_RMS = float(np.sqrt(np.mean(MXFP4_TABLE ** 2)))
+
+
+class MXFP4:
+    """32 weights: one E8M0 byte e, 16 bytes of 4-bit codes: w = K[q] * 2^(e-128) (gpt-oss experts).
+
+    Scales are powers of two, so the LUT mixes the two exponents around the
+    requested std in the proportion that gives exactly its mean square.
+    """
+
+    qtype: ClassVar[T] = T.MXFP4
+    block: ClassVar[int] = 32
+    type_size: ClassVar[int] = 17
+    # zeroing the codes (not the exponent: 2^-128 is not 0) makes every weight of the block 0
+    scale_bytes: ClassVar[slice] = slice(1, 17)
+
+    def make_lut(self, rng: np.random.Generator, std: float) -> np.ndarray:
+        x = np.log2(std / MXFP4_RMS)
+        lo = np.floor(x)
+        p_lo = (4.0 ** (lo + 1) - 4.0 ** x) / (4.0 ** (lo + 1) - 4.0 ** lo)
+        e = np.where(np.arange(LUT_SIZE) < round(p_lo * LUT_SIZE), lo, lo + 1) + 128
+        return rng.permutation(e).astype(np.uint8).reshape(LUT_SIZE, 1)
+
+    def finish(self, blocks: np.ndarray, lut: np.ndarray) -> None:
+        _headers_from_lut(blocks, lut, slice(0, 1))
+
+    def apply_code(self, blocks: np.ndarray, signs: np.ndarray, lut: np.ndarray) -> float:
+        raise NotImplementedError("MXFP4 holds experts only, which carry no code channels")
+
+    def zero_first_32(self, blocks: np.ndarray) -> None:
+        blocks[:, 1:17] = 0
+
+
+ENCODERS: dict[T, Encoder] = {e.qtype: e for e in (Q8_0(), Q4_K(), Q6_K(), Q5_0(), MXFP4())}
 
 for _enc in ENCODERS.values():  # the layouts above must agree with gguf's table
     assert GGML_QUANT_SIZES[_enc.qtype] == (_enc.block, _enc.type_size), _enc.qtype

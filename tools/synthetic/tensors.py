@@ -1,4 +1,4 @@
-"""The tensor plan of a synthetic qwen3moe model and the bytes of each tensor, chunk by chunk.
+"""The tensor plan of a synthetic MoE model (any family of shapes.py) and the bytes of each tensor, chunk by chunk.
 
 Shape legend (NumPy order, as QTensor and our loader use it): D embedding_length,
 F expert_feed_forward_length, E expert_count, H*d query width, Hkv*d key/value
@@ -90,40 +90,150 @@ def code_signs(seed: int) -> np.ndarray:
     return np.where(tensor_rng(seed, "code").random(CODE_CHANNELS) < 0.5, -1.0, 1.0).astype(np.float32)
 
 
-def plan_tensors(shape: Shape, matrix: T, embd: T, output: T, routers: list[np.ndarray],
-                 seed: int, scales: Scales = Scales()) -> list[TensorPlan]:
-    """Every tensor of the model in file order (llama.cpp's converters use the same order)."""
-    d, f, e, v = shape.embedding_length, shape.expert_feed_forward_length, shape.expert_count, shape.vocab_size
-    qw, kvw, hd = shape.q_width, shape.kv_width, shape.head_dim
-    nz = scales.norm_noise
-    code = code_signs(seed)
-    plans = [TensorPlan("token_embd.weight", (v, d), embd, scales.embedding, code=code)]
-    for i in range(shape.block_count):
-        p = f"blk.{i}."
-        plans += [
-            TensorPlan(p + "attn_norm.weight", (d,), T.F32, data=norm_weight(seed, p + "attn_norm", d, nz)),
-            TensorPlan(p + "attn_q.weight", (qw, d), matrix, scales.attn_in / math.sqrt(d),
-                       blind=True),
-            TensorPlan(p + "attn_k.weight", (kvw, d), matrix, scales.attn_in / math.sqrt(d),
-                       blind=True),
-            TensorPlan(p + "attn_v.weight", (kvw, d), matrix, scales.attn_in / math.sqrt(d),
-                       blind=True),
-            TensorPlan(p + "attn_q_norm.weight", (hd,), T.F32, data=norm_weight(seed, p + "attn_q_norm", hd, nz)),
-            TensorPlan(p + "attn_k_norm.weight", (hd,), T.F32, data=norm_weight(seed, p + "attn_k_norm", hd, nz)),
-            TensorPlan(p + "attn_output.weight", (d, qw), matrix, scales.attn_out / math.sqrt(qw),
-                       zero_rows=CODE_CHANNELS),
-            TensorPlan(p + "ffn_norm.weight", (d,), T.F32, data=norm_weight(seed, p + "ffn_norm", d, nz)),
-            TensorPlan(p + "ffn_gate_inp.weight", (e, d), T.F32, data=routers[i]),
-            TensorPlan(p + "ffn_gate_exps.weight", (e, f, d), matrix, scales.expert_in / math.sqrt(d),
-                       blind=True),
-            TensorPlan(p + "ffn_up_exps.weight", (e, f, d), matrix, scales.expert_in / math.sqrt(d),
-                       blind=True),
-            TensorPlan(p + "ffn_down_exps.weight", (e, d, f), matrix, scales.expert_out / math.sqrt(f),
-                       zero_rows=CODE_CHANNELS),
+FALLBACK = {T.Q4_K: T.Q5_0}  # llama.cpp's quantiser: Q4_K rows of odd width become Q5_0, Q6_K ones Q8_0
+
+
+def row_type(qtype: T, cols: int) -> T:
+    """``qtype`` if rows of ``cols`` weights fill its blocks, else llama.cpp's fallback (32-weight blocks)."""
+    return qtype if qtype == T.F32 or cols % ENCODERS[qtype].block == 0 else FALLBACK.get(qtype, T.Q8_0)
+
+
+def _f32(seed: int, name: str, n: int, noise: float, zero_code: bool = False) -> TensorPlan:
+    """A 1-D F32 tensor ~1 + noise (norms), optionally 0 on the code channels."""
+    data = norm_weight(seed, name, n, noise)
+    if zero_code:
+        data[:CODE_CHANNELS] = 0
+    return TensorPlan(name + ".weight", (n,), T.F32, data=data)
+
+
+def _bias(seed: int, name: str, shape: tuple[int, ...], std: float, zero_code: bool = False) -> TensorPlan:
+    """A bias: Gaussian of ``std`` (code channels of the residual left at 0 when it writes there)."""
+    data = (std * tensor_rng(seed, name).standard_normal(shape)).astype(np.float32)
+    if zero_code:
+        data[..., :CODE_CHANNELS] = 0
+    return TensorPlan(name, shape, T.F32, data=data)
+
+
+def _matrix(name: str, shape: tuple[int, ...], qtype: T, std: float, reads_residual: bool = False,
+            writes_residual: bool = False) -> TensorPlan:
+    return TensorPlan(name, shape, row_type(qtype, shape[-1]), std, blind=reads_residual,
+                      zero_rows=CODE_CHANNELS if writes_residual else 0)
+
+
+def _attention(shape: Shape, p: str, matrix: T, seed: int, scales: Scales) -> list[TensorPlan]:
+    """The attention tensors of one block (file order as llama.cpp's converters write them)."""
+    d, hd, nz = shape.embedding_length, shape.head_dim, scales.norm_noise
+    s_in = scales.attn_in / math.sqrt(d)
+    if shape.mla:
+        ql, kl, rope, nope, v, h = (shape.q_lora_rank, shape.kv_lora_rank, shape.qk_rope_dim, shape.qk_nope_dim,
+                                    shape.v_head_dim, shape.head_count)
+        return [
+            _matrix(p + "attn_q_a.weight", (ql, d), matrix, s_in, reads_residual=True),
+            _f32(seed, p + "attn_q_a_norm", ql, nz),
+            _matrix(p + "attn_q_b.weight", (shape.q_width, ql), matrix, scales.attn_in / math.sqrt(ql)),
+            _matrix(p + "attn_kv_a_mqa.weight", (kl + rope, d), matrix, s_in, reads_residual=True),
+            _f32(seed, p + "attn_kv_a_norm", kl, nz),
+            _matrix(p + "attn_k_b.weight", (h, kl, nope), matrix, scales.attn_in / math.sqrt(nope)),
+            _matrix(p + "attn_v_b.weight", (h, v, kl), matrix, scales.attn_in / math.sqrt(kl)),
+            _matrix(p + "attn_output.weight", (d, shape.o_width), matrix, scales.attn_out / math.sqrt(shape.o_width),
+                    writes_residual=True),
         ]
+    qw, kvw = shape.q_width, shape.kv_width
+    plans = [
+        _matrix(p + "attn_q.weight", (qw, d), matrix, s_in, reads_residual=True),
+        _matrix(p + "attn_k.weight", (kvw, d), matrix, s_in, reads_residual=True),
+        _matrix(p + "attn_v.weight", (kvw, d), matrix, s_in, reads_residual=True),
+    ]
+    if shape.attn_bias:
+        plans += [_bias(seed, p + f"attn_{x}.bias", (n,), 0.1) for x, n in (("q", qw), ("k", kvw), ("v", kvw))]
+    if shape.qk_norm != "none":
+        q_n, k_n = (hd, hd) if shape.qk_norm == "head" else (qw, kvw)
+        plans += [_f32(seed, p + "attn_q_norm", q_n, nz), _f32(seed, p + "attn_k_norm", k_n, nz)]
+    plans.append(_matrix(p + "attn_output.weight", (d, qw), matrix, scales.attn_out / math.sqrt(qw),
+                         writes_residual=True))
+    if shape.family == "gpt-oss":
+        plans += [_bias(seed, p + "attn_output.bias", (d,), 0.1, zero_code=True),
+                  TensorPlan(p + "attn_sinks.weight", (shape.head_count,), T.F32,
+                             data=tensor_rng(seed, p + "attn_sinks").standard_normal(shape.head_count).astype(np.float32))]
+    return plans
+
+
+def _ffn_norm_name(shape: Shape) -> str:
+    """glm4moe and gpt-oss name the FFN's input norm post_attention_norm."""
+    return "post_attention_norm" if shape.family in ("glm4moe", "gpt-oss") else "ffn_norm"
+
+
+def _ffn(shape: Shape, i: int, p: str, matrix: T, expert: T, router: np.ndarray, seed: int,
+         scales: Scales) -> list[TensorPlan]:
+    """The FFN tensors of block ``i``: dense (leading blocks) or routed experts (+ shared expert, biases)."""
+    d, f, e = shape.embedding_length, shape.expert_feed_forward_length, shape.expert_count
+    s_in, nz = scales.expert_in / math.sqrt(d), scales.norm_noise
+    plans = [_f32(seed, p + _ffn_norm_name(shape), d, nz)]
+    if not shape.is_moe(i):
+        ff = shape.dense_ff
+        return plans + [
+            _matrix(p + "ffn_gate.weight", (ff, d), matrix, s_in, reads_residual=True),
+            _matrix(p + "ffn_up.weight", (ff, d), matrix, s_in, reads_residual=True),
+            _matrix(p + "ffn_down.weight", (d, ff), matrix, scales.expert_out / math.sqrt(ff), writes_residual=True),
+        ]
+    plans.append(TensorPlan(p + "ffn_gate_inp.weight", (e, d), T.F32, data=router))
+    if shape.family == "gpt-oss":
+        plans.append(TensorPlan(p + "ffn_gate_inp.bias", (e,), T.F32, data=np.zeros(e, np.float32)))
+    if shape.gating == "sigmoid":
+        # zero correction bias: routing is shaped by the routers' code columns alone
+        plans.append(TensorPlan(p + "exp_probs_b.bias", (e,), T.F32, data=np.zeros(e, np.float32)))
     plans += [
-        TensorPlan("output_norm.weight", (d,), T.F32, data=norm_weight(seed, "output_norm", d, nz)),
-        TensorPlan("output.weight", (v, d), output, scales.output / math.sqrt(d), blind=True),
+        _matrix(p + "ffn_gate_exps.weight", (e, f, d), expert, s_in, reads_residual=True),
+        _matrix(p + "ffn_up_exps.weight", (e, f, d), expert, s_in, reads_residual=True),
+        _matrix(p + "ffn_down_exps.weight", (e, d, f), expert, scales.expert_out / math.sqrt(f), writes_residual=True),
+    ]
+    if shape.family == "gpt-oss":
+        plans += [_bias(seed, p + "ffn_gate_exps.bias", (e, f), 0.1), _bias(seed, p + "ffn_up_exps.bias", (e, f), 0.1),
+                  _bias(seed, p + "ffn_down_exps.bias", (e, d), 0.1, zero_code=True)]
+    fs = shape.shared_ff or shape.shared_count * f
+    if fs:
+        if shape.shared_ff:  # qwen2moe's sigmoid-gated shared expert
+            plans.append(_bias(seed, p + "ffn_gate_inp_shexp.weight", (d,), 1 / math.sqrt(d), zero_code=True))
+        plans += [
+            _matrix(p + "ffn_gate_shexp.weight", (fs, d), matrix, s_in, reads_residual=True),
+            _matrix(p + "ffn_up_shexp.weight", (fs, d), matrix, s_in, reads_residual=True),
+            _matrix(p + "ffn_down_shexp.weight", (d, fs), matrix, scales.expert_out / math.sqrt(fs),
+                    writes_residual=True),
+        ]
+    return plans
+
+
+def _nextn(shape: Shape, i: int, p: str, matrix: T, seed: int, scales: Scales) -> list[TensorPlan]:
+    """glm4moe's NextN block extras (the block itself is an ordinary MoE block)."""
+    d, nz = shape.embedding_length, scales.norm_noise
+    return [
+        _matrix(p + "nextn.eh_proj.weight", (d, 2 * d), matrix, 1 / math.sqrt(2 * d)),
+        _f32(seed, p + "nextn.enorm", d, nz),
+        _f32(seed, p + "nextn.hnorm", d, nz),
+        _f32(seed, p + "nextn.shared_head_norm", d, nz),
+    ]
+
+
+def plan_tensors(shape: Shape, matrix: T, embd: T, output: T, routers: list[np.ndarray],
+                 seed: int, scales: Scales = Scales(), expert: T | None = None) -> list[TensorPlan]:
+    """Every tensor of the model in file order (llama.cpp's converters use the same order).
+
+    ``routers`` holds one (E, D) matrix per block of ``shape.total_blocks`` (dense blocks ignore theirs);
+    ``expert`` is the routed experts' type (default ``matrix``).
+    """
+    d, v, nz = shape.embedding_length, shape.vocab_size, scales.norm_noise
+    expert = expert or matrix
+    plans = [TensorPlan("token_embd.weight", (v, d), row_type(embd, d), scales.embedding, code=code_signs(seed))]
+    for i in range(shape.total_blocks):
+        p = f"blk.{i}."
+        plans.append(_f32(seed, p + "attn_norm", d, nz))
+        plans += _attention(shape, p, matrix, seed, scales)
+        plans += _ffn(shape, i, p, matrix, expert, routers[i], seed, scales)
+        if i >= shape.block_count:
+            plans += _nextn(shape, i, p, matrix, seed, scales)
+    plans += [
+        _f32(seed, "output_norm", d, nz),
+        TensorPlan("output.weight", (v, d), row_type(output, d), scales.output / math.sqrt(d), blind=True),
     ]
     return plans
 

@@ -43,10 +43,10 @@ def _padding(position: int, alignment: int) -> bytes:
 
 def write_gguf(path: Path, add_metadata: Callable[[gguf.GGUFWriter], None], plans: list[TensorPlan],
                seed: int, chunk_bytes: int = 16 << 20,
-               progress: Callable[[str, int], None] | None = None) -> WriteStats:
+               progress: Callable[[str, int], None] | None = None, arch: str = "qwen3moe") -> WriteStats:
     """Write ``plans`` (bytes from :func:`tensor_chunks`) with the metadata ``add_metadata`` adds."""
     t0 = time.perf_counter()
-    writer = gguf.GGUFWriter(str(path), arch="qwen3moe")
+    writer = gguf.GGUFWriter(str(path), arch=arch)
     add_metadata(writer)
     for plan in plans:
         _declare(writer, plan)

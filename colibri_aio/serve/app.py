@@ -1,0 +1,394 @@
+"""The HTTP application: OpenAI-compatible routes in front of one engine.
+
+Every generation takes its turn in the :class:`RequestLine` (429 with
+Retry-After when the line is full), then runs on the engine's own thread;
+this loop only moves pieces to clients, so ``/health`` and ``/metrics``
+answer while a token is computed. A client that goes away, whether waiting
+or generating, gives up its place or cancels its generation, and the engine
+is handed on only once its reads have drained.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from pydantic import Field
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from colibri_aio import __version__
+from colibri_aio.engine.engine import GenerationPiece
+from colibri_aio.errors import ExpertReadError, UserError
+from colibri_aio.logs import get_logger
+from colibri_aio.serve.errors import APIError
+from colibri_aio.serve.metrics import CONTENT_TYPE, ServerMetrics
+from colibri_aio.serve.queue import QueueFull, RequestLine
+from colibri_aio.serve.requests import ChatRequest, CompletionRequest, Message, _Body, _Generation, parse
+from colibri_aio.serve.responses import ChatShape, CompletionShape
+from colibri_aio.serve.session import (AsyncGeneration, ContextFull, GenerationCancelled, GenerationRequest,
+                                      Session)
+
+T = TypeVar("T")
+log = get_logger("colibri_aio.serve")
+PUBLIC_PATHS = frozenset({"/health"})
+
+
+class Service:
+    """What the routes share: the session, the line in front of it, metrics, the model's id, the key."""
+
+    def __init__(self, session: Session, *, max_queue: int = 16, api_key: str | None = None,
+                 model_id: str | None = None) -> None:
+        self.session = session
+        self.line = RequestLine(max_queue)
+        self.metrics = ServerMetrics(session.engine.engine, self.line)
+        self.api_key = api_key
+        self.model_id = model_id or session.model_name
+        self.started = int(time.time())
+
+
+def build_app(service: Service) -> Starlette:
+    """The ASGI application serving ``service``."""
+    routes = [
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
+    ]
+    handlers: dict[Any, Callable[..., Any]] = {
+        APIError: _api_error, HTTPException: _http_error, ContextFull: _context_full, UserError: _user_error,
+        ExpertReadError: _read_error, GenerationCancelled: _cancelled, Exception: _api_error,
+    }
+    app = Starlette(routes=routes, exception_handlers=handlers)
+    app.state.service = service
+    app.add_middleware(BearerAuth, api_key=service.api_key)
+    app.add_middleware(CountRequests, service=service)  # added last: outermost, so it counts 401s too
+    return app
+
+
+# --- generation routes -------------------------------------------------------------------------------------------
+
+async def chat_completions(request: Request) -> Response:
+    service: Service = request.app.state.service
+    body: ChatRequest = parse(ChatRequest, await _json(request))
+    ids = await run_in_threadpool(service.session.chat_ids, body.chat_messages())
+    gen = _generation(service.session, ids, body, body.token_budget(), body.logprobs_count(), "messages")
+    return await _respond(request, service, gen, ChatShape(service.model_id, service.session.tokenizer), body,
+                          with_logprobs=body.logprobs)
+
+
+async def completions(request: Request) -> Response:
+    service: Service = request.app.state.service
+    body: CompletionRequest = parse(CompletionRequest, await _json(request))
+    prompt = body.prompt
+    ids = (await run_in_threadpool(service.session.text_ids, prompt) if isinstance(prompt, str)
+           else _checked_ids(prompt, service.session.vocab_size))
+    gen = _generation(service.session, ids, body, body.token_budget(), body.logprobs, "prompt")
+    return await _respond(request, service, gen, CompletionShape(service.model_id, service.session.tokenizer), body,
+                          with_logprobs=body.logprobs is not None)
+
+
+def _checked_ids(ids: list[int], vocab_size: int) -> list[int]:
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        raise APIError(400, f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
+    return ids
+
+
+def _generation(session: Session, ids: list[int], body: _Generation, budget: int | None, logprobs: int | None,
+                prompt_field: str) -> GenerationRequest:
+    try:
+        return session.request(ids, max_tokens=budget, sampling=body.sampling(session.defaults, session.vocab_size),
+                               stop=body.stops(), logprobs=logprobs, reuse=body.cache_prompt)
+    except ContextFull as exc:
+        raise APIError(400, str(exc), param=prompt_field, code="context_length_exceeded") from None
+
+
+async def _respond(request: Request, service: Service, gen: GenerationRequest, shape: ChatShape | CompletionShape,
+                   body: _Generation, *, with_logprobs: bool) -> Response:
+    """Wait for the turn, start generating, answer whole or as a stream."""
+    arrival = time.perf_counter()
+    try:
+        await until_disconnect(request.receive, service.line.acquire())
+    except QueueFull as exc:
+        raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)}) from None
+    except ClientGone:
+        return Response(status_code=499)
+    turn = time.perf_counter()
+    service.metrics.queue_wait.observe(turn - arrival)
+
+    def on_idle() -> None:
+        now = time.perf_counter()
+        service.line.record_turn(now - turn)
+        service.metrics.duration.observe(now - arrival)
+        service.line.release()
+
+    try:
+        generation = AsyncGeneration(service.session, gen, on_idle)
+    except BaseException:
+        service.line.release()
+        raise
+    try:
+        first = await until_disconnect(request.receive, generation.next())
+    except ClientGone:
+        generation.cancel()
+        return Response(status_code=499)
+    except BaseException:
+        generation.cancel()
+        raise
+    assert first is not None  # a generation yields at least one piece
+    ttft = time.perf_counter() - arrival
+    service.metrics.ttft.observe(ttft)
+    service.metrics.last_ttft.set(ttft)
+    if body.stream:
+        events = _sse(service, generation, shape, first, with_logprobs, body.include_usage())
+        return EventSourceResponse(events, sep="\n", background=BackgroundTask(generation.cancel))
+    try:
+        pieces = [first, *await until_disconnect(request.receive, _rest(generation))]
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        generation.cancel()
+    _record_speed(service, pieces[-1])
+    return JSONResponse(shape.response(pieces, with_logprobs))
+
+
+async def _rest(generation: AsyncGeneration) -> list[GenerationPiece]:
+    pieces = []
+    while (piece := await generation.next()) is not None:
+        pieces.append(piece)
+    return pieces
+
+
+async def _sse(service: Service, generation: AsyncGeneration, shape: ChatShape | CompletionShape,
+               first: GenerationPiece, with_logprobs: bool, include_usage: bool) -> AsyncIterator[dict[str, str]]:
+    """SSE events: the chunks, the usage chunk when asked, ``[DONE]``; an error mid-stream ends it with an error."""
+    try:
+        head = shape.first_chunk(include_usage)
+        if head is not None:
+            yield _data(head)
+        piece: GenerationPiece | None = first
+        last = first
+        while piece is not None:
+            last = piece
+            chunk = shape.chunk(piece, with_logprobs, include_usage)
+            if chunk is not None:
+                yield _data(chunk)
+            piece = await generation.next()
+        _record_speed(service, last)
+        if include_usage:
+            yield _data(shape.usage_chunk(last))
+        yield {"data": "[DONE]"}
+    except Exception as exc:  # the status line is sent: the error goes in the stream, and the stream ends
+        if not isinstance(exc, (UserError, ExpertReadError, GenerationCancelled)):
+            log.exception("generation failed mid-stream")
+        yield _data(_error_for(exc).body())
+    finally:
+        generation.cancel()
+
+
+def _data(obj: dict[str, Any]) -> dict[str, str]:
+    return {"data": json.dumps(obj, ensure_ascii=False, separators=(",", ":"))}
+
+
+def _record_speed(service: Service, last: GenerationPiece) -> None:
+    service.metrics.last_decode_tps.set(last.decode_tps)
+    service.metrics.last_prefill_tps.set(last.prefill_tps)
+
+
+class ClientGone(Exception):
+    """The client disconnected before the work it waited for was done."""
+
+
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first: then cancel it and raise :class:`ClientGone`.
+
+    The request body must have been read: ``receive`` then only ever
+    reports the disconnect.
+    """
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})
+    if task.cancelled():
+        raise ClientGone()
+    return task.result()
+
+
+# --- other routes ------------------------------------------------------------------------------------------------
+
+def _model_card(service: Service) -> dict[str, Any]:
+    return {"id": service.model_id, "object": "model", "created": service.started, "owned_by": "colibri-aio",
+            "meta": {"n_ctx": service.session.n_ctx, "vocab_size": service.session.vocab_size,
+                     "colibri_aio": __version__}}
+
+
+async def list_models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(request.app.state.service)]})
+
+
+async def get_model(request: Request) -> Response:
+    service: Service = request.app.state.service
+    if request.path_params["model"] != service.model_id:
+        raise APIError(404, f"the model {request.path_params['model']!r} does not exist; this server has "
+                            f"{service.model_id!r}", param="model", code="model_not_found")
+    return JSONResponse(_model_card(service))
+
+
+async def health(request: Request) -> Response:
+    line = request.app.state.service.line
+    return JSONResponse({"status": "ok", "busy": line.busy, "waiting": line.waiting})
+
+
+async def metrics(request: Request) -> Response:
+    service: Service = request.app.state.service
+    return Response(service.metrics.render(), media_type=CONTENT_TYPE)
+
+
+class TokenizeRequest(_Body):
+    content: str | None = None                 # llama-server's name
+    prompt: str | None = None                  # vLLM's name
+    messages: list[Message] | None = None      # rendered with the chat template first
+    add_special: bool = True
+    with_pieces: bool = False
+
+
+class DetokenizeRequest(_Body):
+    tokens: list[int] = Field(default_factory=list)
+
+
+async def tokenize(request: Request) -> Response:
+    service: Service = request.app.state.service
+    body: TokenizeRequest = parse(TokenizeRequest, await _json(request))
+    tok = service.session.tokenizer
+    if body.messages is not None:
+        chat = ChatRequest(messages=body.messages).chat_messages()
+        ids = await run_in_threadpool(service.session.chat_ids, chat)
+    else:
+        text = body.content if body.content is not None else body.prompt
+        if text is None:
+            raise APIError(400, "content: give the text to tokenize (or prompt, or messages)", param="content")
+        ids = await run_in_threadpool(lambda: tok.encode(text, parse_special=True, add_special=body.add_special))
+    tokens: list[Any] = ids
+    if body.with_pieces:
+        tokens = [{"id": i, "piece": tok.token_bytes(i).decode("utf-8", errors="replace")} for i in ids]
+    return JSONResponse({"tokens": tokens, "count": len(ids), "max_model_len": service.session.n_ctx})
+
+
+async def detokenize(request: Request) -> Response:
+    service: Service = request.app.state.service
+    body: DetokenizeRequest = parse(DetokenizeRequest, await _json(request))
+    _checked_ids(body.tokens or [0], service.session.vocab_size)
+    return JSONResponse({"content": service.session.tokenizer.decode(body.tokens)})
+
+
+async def _json(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+# --- errors ------------------------------------------------------------------------------------------------------
+
+def _error_for(exc: BaseException) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, ContextFull):
+        return APIError(400, str(exc), code="context_length_exceeded")
+    if isinstance(exc, UserError):
+        return APIError(400, str(exc))
+    if isinstance(exc, ExpertReadError):
+        return APIError(500, f"I/O error: {exc}", code="io_error")
+    if isinstance(exc, GenerationCancelled):
+        return APIError(503, "the server is shutting down", code="shutting_down")
+    return APIError(500, f"internal error: {exc.__class__.__name__}")
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    return _error_for(exc).response()
+
+
+_user_error = _context_full = _read_error = _cancelled = _api_error
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
+    return APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
+                    headers=dict(exc.headers or {})).response()
+
+
+# --- middleware --------------------------------------------------------------------------------------------------
+
+class BearerAuth:
+    """``Authorization: Bearer KEY`` on every route but ``/health`` when a key is set (constant-time compare)."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None) -> None:
+        self.app = app
+        self._digest = None if api_key is None else hashlib.sha256(api_key.encode()).digest()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and self._digest is not None and scope["path"] not in PUBLIC_PATHS:
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            scheme, _, token = header.partition(b" ")
+            # Digests of equal length: the comparison's time says nothing about the key.
+            if not (scheme.lower() == b"bearer"
+                    and hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self._digest)):
+                response = APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
+                                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}).response()
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+class CountRequests:
+    """Counts answered requests by route and status for ``/metrics``."""
+
+    ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+                        "/detokenize"})
+
+    def __init__(self, app: ASGIApp, service: Service) -> None:
+        self.app, self.service = app, service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 0
+
+        async def send_counted(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            path = scope["path"] if scope["path"] in self.ROUTES else "other"
+            self.service.metrics.requests.labels(path, str(status or 499)).inc()

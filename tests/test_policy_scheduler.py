@@ -1,0 +1,221 @@
+"""The scheduler policy on its own: events in, actions out, no reader, no loop, a fake clock."""
+from __future__ import annotations
+
+import pytest
+
+from colibri_aio.policy.backpressure import BackpressureConfig, BackpressureController, DeviceSample
+from colibri_aio.policy.cache import ExpertCache
+from colibri_aio.policy.predictor import LookaheadPredictor
+from colibri_aio.policy.scheduler import DONE, Actions, Failed, Ready, SchedulerPolicy, Wait
+from colibri_aio.policy.usage import UsageHistory
+
+LAYERS, EXPERTS, K = 3, 16, 2
+NBYTES = 1 << 20
+
+
+def make(per_layer: int = 4, *, mode: str = "on", config: BackpressureConfig | None = None,
+         pinned: list[tuple[int, int]] = (), usage: UsageHistory | None = None) -> SchedulerPolicy:
+    cache = ExpertCache(per_layer * LAYERS + len(pinned), policy="lru", scope="layer", n_layers=LAYERS,
+                        pinned=pinned)
+    return SchedulerPolicy(cache, BackpressureController(config, mode=mode, start=0.0),
+                           LookaheadPredictor(K, EXPERTS), expert_nbytes=lambda key: NBYTES, prefetch_count=K,
+                           usage=usage)
+
+
+def land(policy: SchedulerPolicy, actions: Actions, now: float = 0.0, ok: bool = True) -> Actions:
+    """Every read of ``actions`` ends (in order); returns what those ends asked for."""
+    out = Actions()
+    for read in actions.reads:
+        more = policy.on_read_done(read, ok, now)
+        out.reads += more.reads
+        out.dropped += more.dropped
+    return out
+
+
+def consume(policy: SchedulerPolicy, demand) -> list[int]:
+    """Take every Ready expert in turn (compute done at once); returns their ids in hand-out order."""
+    got = []
+    while isinstance(event := policy.next_event(demand), Ready):
+        got.append(event.expert)
+        policy.on_used(event.slot, 0.0)
+    return got
+
+
+def warm(policy: SchedulerPolicy, layer: int, experts: list[int]) -> None:
+    """Route ``experts`` once and let them land, so they are cached."""
+    demand, actions = policy.on_route(layer, experts, 0.0)
+    land(policy, actions)
+    assert consume(policy, demand) == experts and policy.next_event(demand) is DONE
+    policy.on_end(demand, 0.0)
+
+
+def test_hits_are_handed_out_first_and_every_miss_is_read_at_once() -> None:
+    p = make()
+    warm(p, 0, [1, 2])
+    demand, actions = p.on_route(0, [3, 1, 4, 2], 0.0)
+    assert [r.key for r in actions.reads] == [(0, 3), (0, 4)] and {r.kind for r in actions.reads} == {"demand"}
+    assert consume(p, demand) == [1, 2]                       # hits before any miss landed
+    assert p.next_event(demand) == Wait(tuple(r.slot for r in actions.reads))
+    land(p, actions)
+    assert consume(p, demand) == [3, 4] and p.next_event(demand) is DONE
+    p.on_end(demand, 0.0)
+    assert p.cache.stats.cached_hits == 2 and p.stats.demand_reads == 4 and p.reads_in_flight == 0
+
+
+def test_a_held_expert_is_never_evicted() -> None:
+    p = make(per_layer=2)
+    warm(p, 0, [1, 2])
+    held, _ = p.on_route(0, [1], 0.0)
+    event = p.next_event(held)
+    assert isinstance(event, Ready)                       # expert 1 is with compute now
+    demand, actions = p.on_route(0, [5, 6], 0.0)
+    assert [r.key for r in actions.reads] == [(0, 5)]     # evicts 2, not the held 1
+    assert actions.dropped == [actions.reads[0].slot] and p.cache.slot_of((0, 1)) == event.slot
+
+
+def test_every_slot_busy_waits_for_a_read_then_reuses_the_slot_compute_let_go() -> None:
+    p = make(per_layer=2)
+    demand, actions = p.on_route(0, [1, 2, 3], 0.0)
+    assert [r.key for r in actions.reads] == [(0, 1), (0, 2)]    # the third has no slot yet
+    first, second = actions.reads
+    assert p.next_event(demand) == Wait((first.slot, second.slot))
+    assert land(p, Actions([first])).reads == []                  # landed, but held: still no slot
+    ready = p.next_event(demand)
+    assert ready == Ready(1, first.slot)
+    more = p.on_used(first.slot, 0.0)                             # compute let go of it: the third takes it
+    assert [(r.slot, r.key) for r in more.reads] == [(first.slot, (0, 3))] and more.dropped == [first.slot]
+    land(p, Actions([second]))
+    land(p, more)
+    assert consume(p, demand) == [2, 3] and p.next_event(demand) is DONE
+
+
+def test_no_slot_can_be_freed_is_an_error_not_a_hang() -> None:
+    p = make(per_layer=1)
+    warm(p, 0, [1])
+    holder, _ = p.on_route(0, [1], 0.0)
+    assert isinstance(p.next_event(holder), Ready)       # the only slot of layer 0 is with compute
+    demand, actions = p.on_route(0, [2], 0.0)
+    assert actions.reads == []
+    with pytest.raises(RuntimeError, match="none can be freed"):
+        p.next_event(demand)
+
+
+def test_a_read_failing_while_two_requests_hold_its_slot_fails_both_and_goes_with_the_last() -> None:
+    p = make()
+    a, actions = p.on_route(0, [7], 0.0)
+    b, none = p.on_route(0, [7], 0.0)              # a second stream shares the read in flight
+    assert none.reads == [] and p.next_event(b) == Wait((actions.reads[0].slot,))
+    slot = actions.reads[0].slot
+    assert land(p, actions, ok=False).dropped == []              # held: the entry stays for now
+    assert p.next_event(a) == Failed(7, slot) and p.next_event(b) == Failed(7, slot)
+    c, _ = p.on_route(0, [7], 0.0)                 # a lookup meanwhile sees the failure too
+    assert p.next_event(c) == Failed(7, slot)
+    assert p.on_end(a, 0.0).dropped == [] and p.on_end(c, 0.0).dropped == []
+    assert p.on_end(b, 0.0).dropped == [slot]      # the last holder let go: the slot is free
+    assert (0, 7) not in p.cache and p.cache.stats.failed_fills == 1 and p.stats.failed_reads == 1
+    again, retry = p.on_route(0, [7], 0.0)         # and a later request reads it again
+    assert [r.key for r in retry.reads] == [(0, 7)]
+
+
+def test_a_failed_prefetch_nobody_holds_frees_its_slot() -> None:
+    p = make()
+    p.on_route(0, [1], 0.0)
+    actions = p.on_hint(1, [4, 5, 6], 0.0)
+    assert [r.key for r in actions.reads] == [(1, 4), (1, 5)] and {r.kind for r in actions.reads} == {"prefetch"}
+    assert land(p, actions, ok=False).dropped == [r.slot for r in actions.reads]
+    assert (1, 4) not in p.cache and p.cache.stats.prefetch_wasted == 2
+
+
+def test_a_hint_for_a_layer_already_reached_is_stale() -> None:
+    p = make()
+    p.on_route(2, [1], 0.0)
+    assert p.on_hint(2, [3, 4], 0.0).reads == [] and p.on_hint(1, [3, 4], 0.0).reads == []
+    assert p.stats.prefetch_stale == 2 and p.stats.prefetch_reads == 0
+    p.on_route(0, [1], 0.0)                        # the next token starts again at layer 0
+    assert len(p.on_hint(1, [3, 4], 0.0).reads) == K
+
+
+def test_prefetch_reads_the_top_k_misses_and_a_routed_prefetch_is_a_hit() -> None:
+    p = make()
+    warm(p, 1, [3])
+    p.on_route(0, [1], 0.0)
+    actions = p.on_hint(1, [3, 4, 5, 6], 0.0)      # 3 is cached: the top k are 3 and 4, so only 4 is read
+    assert [r.key for r in actions.reads] == [(1, 4)]
+    demand, more = p.on_route(1, [4, 3], 0.0)      # routed while the prefetch is still in flight
+    assert more.reads == [] and consume(p, demand) == [3]
+    land(p, actions)
+    assert consume(p, demand) == [4] and p.cache.stats.prefetch_hits == 1
+
+
+def test_a_wrong_guess_is_demoted_so_the_next_miss_evicts_it_first() -> None:
+    p = make(per_layer=3)
+    warm(p, 1, [8])                                 # useful, least recently used of what follows
+    p.on_route(0, [1], 0.0)
+    hinted = p.on_hint(1, [2, 3], 0.0)
+    land(p, hinted)
+    demand, _ = p.on_route(1, [2], 0.0)             # 3 was a wrong guess
+    consume(p, demand)
+    p.on_end(demand, 0.0)
+    _, actions = p.on_route(1, [9], 0.0)
+    slot_of_3 = next(r.slot for r in hinted.reads if r.key == (1, 3))
+    assert actions.dropped == [slot_of_3] and (1, 8) in p.cache and (1, 3) not in p.cache
+
+
+def test_backpressure_decides_whether_and_how_many_prefetches_go() -> None:
+    off = make(mode="off")
+    off.on_route(0, [1], 0.0)
+    assert off.on_hint(1, [4, 5], 0.0).reads == [] and off.stats.prefetch_skipped_gate == 1
+    capped = make(config=BackpressureConfig(max_prefetch_reads=1))
+    capped.on_route(0, [1], 0.0)
+    assert len(capped.on_hint(1, [4, 5], 0.0).reads) == 1 and capped.stats.prefetch_skipped_gate == 1
+    assert off.prefetch_on is False and off.prefetch_reason == "forced off"
+
+
+def test_prefetch_takes_no_slot_it_cannot_spare() -> None:
+    p = make(per_layer=1)
+    p.on_route(0, [1], 0.0)
+    filling = p.on_hint(1, [4, 5], 0.0)             # the only slot of layer 1 is filling now
+    assert [r.key for r in filling.reads] == [(1, 4)] and p.stats.prefetch_skipped_busy == 1
+
+
+def test_pinned_reads_fill_every_pinned_slot_and_usage_is_recorded() -> None:
+    usage = UsageHistory("test", LAYERS, EXPERTS)
+    p = make(pinned=[(0, 3), (2, 1)], usage=usage)
+    actions = p.pinned_reads(0.0)
+    assert sorted(r.key for r in actions.reads) == [(0, 3), (2, 1)]
+    land(p, actions)
+    demand, none = p.on_route(0, [3], 0.0)
+    assert none.reads == [] and consume(p, demand) == [3] and p.cache.stats.pinned_hits == 1
+    assert usage.counts[0, 3] == 1 and usage.counts.sum() == 1
+
+
+def test_an_abandoned_request_lets_go_of_everything_and_its_reads_still_land() -> None:
+    p = make(per_layer=2)
+    warm(p, 0, [1])
+    demand, actions = p.on_route(0, [1, 2, 3], 0.0)
+    assert isinstance(p.next_event(demand), Ready)          # 1 handed out, then the consumer stops
+    p.on_used(p.cache.slot_of((0, 1)), 0.0)
+    p.on_end(demand, 0.0)
+    assert all(p.cache.refs(s) == 0 for s in range(p.cache.n_slots))
+    land(p, actions)                                        # the read of 2 lands into the cache, unheld
+    assert p.cache.state(p.cache.slot_of((0, 2))).value == "ready"
+
+
+def test_after_close_no_read_starts() -> None:
+    p = make(per_layer=1)
+    demand, actions = p.on_route(0, [1, 2], 0.0)
+    p.close()
+    assert land(p, actions).reads == []                     # 2 would have taken the slot: not any more
+    assert p.on_hint(1, [4], 0.0).reads == [] and p.stats.prefetch_stale == 1
+
+
+def test_decode_steps_and_device_samples_reach_the_controller() -> None:
+    p = make(mode="auto", config=BackpressureConfig(window=0.1, trial_steps=0))
+    for t in (0.0, 0.1, 0.2):
+        p.on_step(1, t)
+    assert p.backpressure.counters.decode_steps == 2        # a step ends when the next begins
+    for i in range(20):                                     # another reader keeps the device busy
+        p.on_device(DeviceSample(end=0.2 + 0.1 * (i + 1), interval=0.1, util=0.97, r_await_ms=4, aqu_sz=8,
+                                 read_bps=2e9, reads=100))
+    p.on_route(0, [1], 2.5)
+    assert p.on_hint(1, [4, 5], 2.5).reads == [] and p.prefetch_reason.startswith("device-busy")
