@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import fcntl
 import json
 import subprocess
 import sys
@@ -136,6 +138,21 @@ def drop_page_cache() -> bool:
         return False
 
 
+@contextlib.contextmanager
+def held(lock: Path | None):
+    """An exclusive hold of ``lock`` (None: nothing): the machine is shared, so each timed run (and the
+    page-cache drop with the workers' start) holds it, not the whole benchmark."""
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def _ratio(r: dict, key: str, arm: str) -> str:
     """The arm's ratio to llama.cpp; 1 for llama.cpp itself, '-' when it did not run."""
     return "1.000" if arm == "llama.cpp" else (f"{r[key]:.3f}" if key in r else "-")
@@ -150,6 +167,7 @@ def main() -> int:
     p.add_argument("--arms", default="auto,llama.cpp")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
+    p.add_argument("--lock", type=Path, default=None, help="hold this lock file exclusively during each run")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--n-ctx", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -158,14 +176,16 @@ def main() -> int:
     arms = args.arms.split(",")
     rng = np.random.default_rng(args.seed)
     ids = rng.integers(3, 2048, max(args.tokens + 1, args.prefill)).tolist()
-    dropped = drop_page_cache()
-    workers = {a: Worker(a, args.model, len(ids) + 8) for a in arms}
+    with held(args.lock):
+        dropped = drop_page_cache()
+        workers = {a: Worker(a, args.model, len(ids) + 8) for a in arms}
     samples: dict[str, dict[str, list[float]]] = {a: {"decode_tok_s": [], "prefill_tok_s": []} for a in arms}
     try:
         for run in range(args.runs + 1):
             for a in (arms if run % 2 == 0 else arms[::-1]):
-                d = workers[a].time("decode", ids[: args.tokens + 1])
-                pf = workers[a].time("prefill", ids[: args.prefill])
+                with held(args.lock):
+                    d = workers[a].time("decode", ids[: args.tokens + 1])
+                    pf = workers[a].time("prefill", ids[: args.prefill])
                 if run == 0:
                     continue  # warm-up
                 samples[a]["decode_tok_s"].append(args.tokens / d)

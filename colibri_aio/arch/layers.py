@@ -246,7 +246,7 @@ class MoETransformer:
                    residual: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
         """Route, fetch each unique expert once (batch-union), and sum in routing order (+ the shared expert).
 
-        Experts arrive in whatever order the source delivers them; each one's
+        Experts arrive in batches, in whatever order the source delivers them; each one's
         weighted output lands in its (position, rank) cell and the cells are
         summed in rank order afterwards, so arrival order never changes a bit.
         The shared expert runs once this layer's reads are submitted.
@@ -262,15 +262,16 @@ class MoETransformer:
         first = True
         # aclosing: on an error mid-layer the source still drains its in-flight reads.
         async with aclosing(self.experts.stream(layer, np.unique(ids).tolist())) as stream:
-            async for expert, w in stream:
-                if first:  # after this layer's demand reads, which went out with the first expert
+            async for batch in stream:
+                if first:  # after this layer's demand reads, which went out with the first batch
                     first = False
                     if predicted is not None:
                         self.experts.hint(layer + 1, predicted)
                     shared = self.shared_expert(layer, h)
-                rows, ranks = np.nonzero(ids == expert)
-                (y,) = self.expert_outputs(layer, [(expert, w)], [h[rows]])
-                contrib[rows, ranks] = y * weights[rows, ranks][:, None]
+                cells = [np.nonzero(ids == expert) for expert, _ in batch]       # (rows, ranks) each
+                ys = self.expert_outputs(layer, batch, [h[rows] for rows, _ in cells])
+                for (rows, ranks), y in zip(cells, ys):
+                    contrib[rows, ranks] = y * weights[rows, ranks][:, None]
         out = contrib.sum(axis=1)
         if not np.isfinite(out).all():
             bad = np.unique(ids[~np.isfinite(contrib).all(axis=2)]).tolist()
