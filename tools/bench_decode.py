@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import fcntl
 import json
 import subprocess
 import sys
@@ -30,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri_aio.bench.lock import exclusive
 from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -138,21 +137,6 @@ def drop_page_cache() -> bool:
         return False
 
 
-@contextlib.contextmanager
-def held(lock: Path | None):
-    """An exclusive hold of ``lock`` (None: nothing): the machine is shared, so each timed run (and the
-    page-cache drop with the workers' start) holds it, not the whole benchmark."""
-    if lock is None:
-        yield
-        return
-    with open(lock, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _ratio(r: dict, key: str, arm: str) -> str:
     """The arm's ratio to llama.cpp; 1 for llama.cpp itself, '-' when it did not run."""
     return "1.000" if arm == "llama.cpp" else (f"{r[key]:.3f}" if key in r else "-")
@@ -176,14 +160,14 @@ def main() -> int:
     arms = args.arms.split(",")
     rng = np.random.default_rng(args.seed)
     ids = rng.integers(3, 2048, max(args.tokens + 1, args.prefill)).tolist()
-    with held(args.lock):
+    with exclusive(args.lock):
         dropped = drop_page_cache()
         workers = {a: Worker(a, args.model, len(ids) + 8) for a in arms}
     samples: dict[str, dict[str, list[float]]] = {a: {"decode_tok_s": [], "prefill_tok_s": []} for a in arms}
     try:
         for run in range(args.runs + 1):
             for a in (arms if run % 2 == 0 else arms[::-1]):
-                with held(args.lock):
+                with exclusive(args.lock):
                     d = workers[a].time("decode", ids[: args.tokens + 1])
                     pf = workers[a].time("prefill", ids[: args.prefill])
                 if run == 0:

@@ -32,12 +32,14 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri_aio.arch import qwen3moe
+from colibri_aio.arch import layers, qwen3moe
 from colibri_aio.engine.engine import Engine
+from colibri_aio.bench.lock import exclusive
 from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
-NUMPY_OPS = ("rms_norm", "rope_neox", "rope_cos_sin", "attention", "router_top_k")
+# The trunk's NumPy ops, as the shared forward pass (arch/layers.py) and the qwen3moe family import them.
+NUMPY_OPS = {layers: ("rms_norm", "rope_cos_sin", "attention", "route"), qwen3moe: ("rms_norm", "rope_neox")}
 
 
 class Timers:
@@ -71,18 +73,19 @@ class Timers:
         if k.name == "ggml":
             from colibri_aio.kernels import ggml_cpu
             ggml_cpu._Graph.run = self.timed("native: ggml_graph_compute", ggml_cpu._Graph.run)
-        for name in NUMPY_OPS:
-            setattr(qwen3moe, name, self.timed(f"numpy: {name}", getattr(qwen3moe, name)))
-        moe, timers = qwen3moe.Qwen3MoE._moe, self
+        for module, names in NUMPY_OPS.items():
+            for name in names:
+                setattr(module, name, self.timed(f"numpy: {name}", getattr(module, name)))
+        moe, timers = layers.MoETransformer._moe, self
 
         async def moe_step(net, *a, **kw):
-            t0, inner = time.perf_counter(), timers.t["kernel: expert FFNs"] + timers.t["numpy: router_top_k"]
+            t0, inner = time.perf_counter(), timers.t["kernel: expert FFNs"] + timers.t["numpy: route"]
             out = await moe(net, *a, **kw)
-            inner = timers.t["kernel: expert FFNs"] + timers.t["numpy: router_top_k"] - inner
-            timers.t["moe step without kernels and top-k"] += time.perf_counter() - t0 - inner
+            inner = timers.t["kernel: expert FFNs"] + timers.t["numpy: route"] - inner
+            timers.t["moe step without kernels and routing"] += time.perf_counter() - t0 - inner
             return out
 
-        qwen3moe.Qwen3MoE._moe = moe_step
+        layers.MoETransformer._moe = moe_step
 
     def take(self) -> dict[str, float]:
         out, self.t = dict(self.t), defaultdict(float)
@@ -104,7 +107,7 @@ async def one_run(engine: Engine, timers: Timers, ids: list[int]) -> dict[str, f
     t["kernel call wrappers"] = kernel_calls - native if "native: ggml_graph_compute" in t else 0.0
     t["other (forward pass, embedding, residuals)"] = (
         wall - kernel_calls - sum(v for k, v in t.items() if k.startswith("numpy:"))
-        - t.get("moe step without kernels and top-k", 0.0))
+        - t.get("moe step without kernels and routing", 0.0))
     t["python overhead"] = wall - native
     n = len(ids) - 1
     out = {k: v / n * 1e3 for k, v in t.items()}
@@ -120,6 +123,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=32)
     p.add_argument("--kernels", default="ggml")
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
+    p.add_argument("--lock", type=Path, default=None, help="hold this lock file exclusively during each run")
     args = p.parse_args()
     ids = np.random.default_rng(0).integers(3, 2048, args.tokens + 1).tolist()
     loop = asyncio.new_event_loop()
@@ -129,7 +133,8 @@ def main() -> int:
     timers.install(engine)
     samples = []
     for run in range(args.runs + 1):
-        r = loop.run_until_complete(one_run(engine, timers, ids))
+        with exclusive(args.lock):
+            r = loop.run_until_complete(one_run(engine, timers, ids))
         if run:
             samples.append(r)
     loop.run_until_complete(engine.aclose())
