@@ -1,7 +1,7 @@
 """The kernels' worker threads: one pool shared by every backend.
 
 A kernel call runs on the calling thread plus ``get_num_threads() - 1`` pool
-workers (NumPy and numba release the GIL). ``COLIBRI_KERNEL_THREADS`` sets
+workers (NumPy releases the GIL). ``COLIBRI_KERNEL_THREADS`` sets
 the count at start (default 2, the cores of the machines this was tuned on).
 """
 from __future__ import annotations

@@ -4,8 +4,6 @@ Arms (one fresh child process per arm and run, arms alternating; G weights/s
 and GB/s of weight bytes, ``--threads`` threads):
 
 * ``numpy`` - the reference kernels (:mod:`colibri_aio.kernels.quant`), one product a call;
-* ``numba`` - the compiled kernels of :mod:`colibri_aio.kernels.jit`, when that module exists
-  (matmul on its default path);
 * ``ggml``  - ggml's CPU kernels through :class:`~colibri_aio.kernels.ggml_cpu.GgmlKernels`:
   ``ggml`` one product per graph call (``linear``), ``ggml x8`` eight products of the same
   shape in one graph (``linears``, as the engine batches a layer's experts or q/k/v).
@@ -25,7 +23,6 @@ are: nothing is measured from a warm cache by accident.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import subprocess
@@ -80,11 +77,6 @@ def _arm_ops(arm: str, threads: int, x: np.ndarray, xs: dict[int, np.ndarray]):
         from colibri_aio.kernels import quant
         quant.set_num_threads(threads)
         return (lambda w: quant.matvec(w, x)), {t: (lambda w, v=v: quant.matmul(w, v)) for t, v in xs.items()}, None
-    if arm == "numba":
-        from colibri_aio.kernels import jit
-        jit.set_num_threads(threads)
-        jit.warm_up()
-        return (lambda w: jit.matvec(w, x)), {t: (lambda w, v=v: jit.matmul(w, v)) for t, v in xs.items()}, None
     from colibri_aio.kernels.ggml_cpu import GgmlKernels
     k = GgmlKernels(threads)
     x2 = x[None, :]
@@ -206,7 +198,7 @@ def markdown(receipt: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arms", default="numpy,numba,ggml")
+    p.add_argument("--arms", default="numpy,ggml")
     p.add_argument("--types", default="Q8_0,Q4_K,Q6_K,Q4_0,Q5_K,F16,BF16")
     p.add_argument("--shapes", default=f"{EXPERT},{ATTN},{HEAD}")
     p.add_argument("--positions", default="8,128", help="matmul batch sizes")
@@ -226,8 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         json.dump(child_run(args), sys.stdout)
         return 0
-    arms = [a for a in args.arms.split(",")
-            if a != "numba" or importlib.util.find_spec("colibri_aio.kernels.jit") is not None]
+    arms = args.arms.split(",")
     receipt = {**header("tools/bench_backends.py"), "arms": arms, "runs": args.runs, "threads": args.threads,
                "cold_mb": args.cold_mb, "types": args.types, "shapes": [list(s) for s in args.shapes],
                "positions": args.positions,
