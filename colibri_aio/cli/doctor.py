@@ -127,8 +127,7 @@ def check_o_direct(path: Path) -> Check:
 
 def _matrix_types(model: Model) -> set:
     """The types of every matrix the kernels multiply (trunk products and each layer's experts)."""
-    mats = [model.token_embd, model.output]
-    mats += [w for b in model.blocks for w in (b.attn_q, b.attn_k, b.attn_v, b.attn_output)]
+    mats = [model.token_embd, model.output, *(m for b in model.blocks for m in b.matrices())]
     return {m.ggml_type for m in mats} | {r.ggml_type for layer in model.experts for r in layer[0].ranges}
 
 
