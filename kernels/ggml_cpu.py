@@ -133,6 +133,16 @@ def supported_types() -> frozenset[GGMLQuantizationType]:
     return frozenset(t for t in GGMLQuantizationType if _ggml_type(t) is not None)
 
 
+def _keep_non_finite(x: np.ndarray, ys: list[np.ndarray]) -> None:
+    """Rows of ``x`` holding a NaN or an infinity give NaN rows in every ``ys`` (in place), as a float
+    product would: rounding the activation to 8 bits can turn them into finite numbers, and the
+    forward pass must see broken weights as non-finite values, never as plausible logits."""
+    bad = ~np.isfinite(x).all(axis=1)
+    if bad.any():
+        for y in ys:
+            y[bad] = np.nan
+
+
 # --- memory ---
 
 class _Addresses:
@@ -304,7 +314,9 @@ class GgmlKernels:
         out = self._call(("linears", mats, t), 2 * len(mats) + 1, lambda g: self._build_linears(g, mats, t),
                          addrs, sizes, sum(m.nbytes for m in mats))
         ends = itertools.accumulate(sizes)
-        return [out[e - n: e].reshape(t, m.rows) for e, n, m in zip(ends, sizes, mats)]
+        ys = [out[e - n: e].reshape(t, m.rows) for e, n, m in zip(ends, sizes, mats)]
+        _keep_non_finite(x, ys)
+        return ys
 
     def expert_ffns(self, experts: Sequence[FFNWeights], xs: Sequence[np.ndarray],
                     activation: str = "swiglu") -> list[np.ndarray]:
@@ -315,13 +327,14 @@ class GgmlKernels:
         """
         if activation not in _ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}")
-        sig, addrs, addr = [], [], self._address
+        sig, addrs, addr, inputs = [], [], self._address, []
         for e, x in zip(experts, xs, strict=True):
             gate, up, down = self._mat(e.gate), self._mat(e.up), self._mat(e.down)
             if up != gate or down.cols != gate.rows or down.rows != gate.cols:
                 raise ValueError(f"expert FFN shapes gate {e.gate.shape}, up {e.up.shape}, down {e.down.shape} "
                                  "do not chain")
             x = self._input(x, gate.cols)
+            inputs.append(x)
             sig.append((gate, down, x.shape[0]))
             addrs += (addr(e.gate.data), addr(e.up.data), addr(e.down.data), x.ctypes.data)
         key = ("ffn", activation, tuple(sig))
@@ -329,7 +342,10 @@ class GgmlKernels:
         out = self._call(key, 8 * len(sig), lambda g: self._build_ffns(g, sig, activation), addrs, sizes,
                          sum(2 * gate.nbytes + down.nbytes for gate, down, _ in sig))
         ends = itertools.accumulate(sizes)
-        return [out[e - n: e].reshape(rows, down.rows) for e, n, (_, down, rows) in zip(ends, sizes, sig)]
+        ys = [out[e - n: e].reshape(rows, down.rows) for e, n, (_, down, rows) in zip(ends, sizes, sig)]
+        for x, y in zip(inputs, ys):
+            _keep_non_finite(x, [y])
+        return ys
 
     def dequantize(self, w: QTensor) -> np.ndarray:
         """All weights of ``w`` as a new float32 array of shape ``w.shape`` (ggml's to_float, one thread)."""

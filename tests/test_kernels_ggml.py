@@ -175,3 +175,16 @@ def test_a_library_built_for_features_the_cpu_lacks_is_refused(monkeypatch) -> N
     monkeypatch.setattr(ggml_cpu, "_cpu_flags", lambda: {"avx", "avx2"})
     with pytest.raises(ggml_cpu.GgmlUnavailable, match="avx512_vnni"):
         ggml_cpu.probe()
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_a_non_finite_activation_gives_non_finite_outputs(kernels, bad: float) -> None:
+    """Rounding activations to 8 bits could turn a NaN into plausible numbers; the forward pass must
+    see broken weights (a NaN norm) as non-finite values, so the row stays non-finite."""
+    w = quantised(T.Q8_0, (32, 256), seed=10)
+    x = np.ones((3, 256), np.float32)
+    x[1, 5] = bad
+    for y in (kernels.linear(w, x), kernels.linears((w, w), x)[1]):
+        assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all()
+    (y,) = kernels.expert_ffns([_expert(T.Q8_0, 256, 512, 30)], [x])
+    assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all()
