@@ -2,24 +2,30 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 
 @contextlib.contextmanager
 def exclusive(lock: Path | None) -> Iterator[None]:
-    """Hold ``lock`` exclusively (flock) for the ``with`` body; None: hold nothing.
+    """Hold ``lock`` exclusively for the ``with`` body; None: hold nothing.
 
     Benchmarks take it per run, not for their whole length, so that others'
-    work runs between runs and every timed run sees a quiet machine.
+    work runs between runs and every timed run sees a quiet machine. The hold
+    is taken by the ``flock`` command (a helper process that keeps it until
+    told to let go), so that a site's own ``flock`` on ``PATH`` (one that, say,
+    keeps shared takers from starving a waiting benchmark) governs it too.
     """
     if lock is None:
         yield
         return
-    with open(lock, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    holder = subprocess.Popen(["flock", "-x", str(lock), "sh", "-c", "echo held; read _"],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        if holder.stdout.readline().strip() != "held":
+            raise RuntimeError(f"could not lock {lock} (flock exited {holder.wait()})")
+        yield
+    finally:
+        holder.stdin.close()  # `read` ends: the helper exits and the lock is released
+        holder.wait()
