@@ -12,6 +12,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
 ggml_cpu = pytest.importorskip("colibri_aio.kernels.ggml_cpu", reason="ggml-python is not installed")
 
 from colibri_aio.experts import ExpertWeights  # noqa: E402
+from colibri_aio.kernels import quant  # noqa: E402
 from colibri_aio.kernels.backend import NumpyKernels  # noqa: E402
 from colibri_aio.kernels.qtensor import QTensor  # noqa: E402
 
@@ -80,6 +81,19 @@ def test_dequantize_and_products_match_gguf(t: T, kernels) -> None:
     tol = ACTIVATION_ERROR.get(t.name, QUANTISED_ACTIVATION_ERROR)
     assert rel_err(kernels.linear(w, xs[:1]), xs[:1] @ ref.T) <= tol
     assert rel_err(kernels.linear(w, xs), xs @ ref.T) <= tol
+
+
+@pytest.mark.parametrize("t", sorted(SUPPORTED & quant.SUPPORTED_TYPES, key=lambda t: t.name), ids=lambda t: t.name)
+def test_every_type_agrees_with_the_numpy_reference(t: T, kernels) -> None:
+    """Every type the engine supports, on expert-like shapes, one position and a batch: ggml's products
+    are the NumPy reference's within the error of rounding the activation (ACTIVATION_ERROR)."""
+    w, numpy = quantised(t, (64, 1024), seed=int(t) + 100), NumpyKernels()
+    xs = np.random.default_rng(2).standard_normal((7, w.cols)).astype(np.float32)
+    tol = ACTIVATION_ERROR.get(t.name, QUANTISED_ACTIVATION_ERROR)
+    for x in (xs[:1], xs):
+        want = numpy.linear(w, x).astype(np.float64)
+        assert rel_err(kernels.linear(w, x), want) <= tol
+    np.testing.assert_array_equal(kernels.dequantize(w), numpy.dequantize(w))
 
 
 def test_same_bits_at_any_address_and_thread_count() -> None:
