@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from bench_kernels import _copies, _tensor as _valid_tensor
+from colibri_aio.bench.lock import exclusive
 from colibri_aio.bench.receipt import header, spread, write
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,8 +140,6 @@ def _child(args, arm: str, seed: int) -> list[dict]:
     argv = [sys.executable, __file__, "--child", "--arm", arm, "--seed", str(seed), "--threads", str(args.threads),
             "--types", ",".join(args.types), "--shapes", ",".join(f"{r}x{c}" for r, c in args.shapes),
             "--positions", ",".join(map(str, args.positions)), "--cold-mb", str(args.cold_mb)]
-    if args.lock:  # the machine is shared: an exclusive hold per child run, not for the whole benchmark
-        argv = ["flock", "-x", str(args.lock), *argv]
     out = subprocess.run(argv, capture_output=True, text=True)
     if out.returncode:
         raise SystemExit(f"child {arm} failed:\n{out.stderr}")
@@ -207,8 +206,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cold-mb", type=float, default=256.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
-    p.add_argument("--lock", type=Path, default=None, help="hold this lock file exclusively during each run "
-                   "(e.g. /work/cpu.lock on a shared machine)")
+    p.add_argument("--lock", type=Path, default=None, help="hold this lock file exclusively during each round "
+                   "of arms (e.g. /work/cpu.lock on a shared machine)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--arm", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -228,9 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         receipt["ggml"] = probe()
     samples = []
     for run in range(args.runs):
-        for arm in (arms if run % 2 == 0 else arms[::-1]):
-            samples += [{**x, "run": run} for x in _child(args, arm, args.seed + run)]
-            print(f"run {run + 1}/{args.runs} {arm}: done", file=sys.stderr)
+        with exclusive(args.lock):  # the machine is shared: one hold per round of arms, not for the whole benchmark
+            for arm in (arms if run % 2 == 0 else arms[::-1]):
+                samples += [{**x, "run": run} for x in _child(args, arm, args.seed + run)]
+                print(f"run {run + 1}/{args.runs} {arm}: done", file=sys.stderr)
     receipt["load_average_end"] = os.getloadavg()
     receipt["samples"] = samples
     md = markdown(receipt)
