@@ -18,6 +18,7 @@ GiB, MiB = 1 << 30, 1 << 20
 QWEN3_30B = SimpleNamespace(
     args=ModelArgs("qwen3moe", 151936, 40960, 2048, 48, 32, 4, 128, 128, 1e6, 1e-6, 128, 8, 768, False),
     trunk_nbytes=1_480_000_000,
+    block_matrix_weights=48 * 2 * (32 + 4) * 128 * 2048,  # attn_q/k/v/output of every block
     expert_nbytes_max=3 * 768 * 2048 * 34 // 32,
 )
 SLOT = -(-3 * 768 * 2048 * 34 // 32 // 4096) * 4096 + 6 * 4096  # aligned up + O_DIRECT slack

@@ -9,6 +9,7 @@ pass with :func:`build_net`. Modules are imported only when a file needs them.
     qwen2moe       qwen2moe.py  Qwen2MoeForCausalLM
     olmoe          olmoe.py     OlmoeForCausalLM
     llama          llama.py     MixtralForCausalLM (llama files with experts)
+    deepseek2      deepseek2.py DeepseekV3ForCausalLM
 
 How to add a family (fixtures/families.md has each one's keys, tensors and
 math as llama.cpp computes them):
@@ -22,7 +23,7 @@ math as llama.cpp computes them):
      ``routing`` (:class:`~colibri_aio.kernels.ops.Routing`: softmax, sigmoid
      or softmax-weight gating, renormalisation, scale, expert groups) and
      ``skipped_blocks`` (NextN blocks the file holds but the graph never runs);
-     ``check(path)`` adds its refusals; ``kv_cache_nbytes`` changes when the
+     ``check(path)`` adds its refusals; ``kv_layout`` changes when the
      cache holds something else than H_kv keys and values per position (MLA);
    - ``block_tensors(args, layer)``: the block's resident tensors
      (``matrix``: raw bytes for the kernels; ``vector``: float32 norms, biases,
@@ -47,10 +48,12 @@ math as llama.cpp computes them):
 2. One line in :data:`_MODULES`; oracle tests as tests/test_arch_families.py
    runs them (``FAMILY_FIXTURES``); the README's "What runs".
 
-What the shared code does not do yet: blocks without routed experts (the
-leading dense blocks of deepseek2 and glm4moe) — the loader, the plan, the
-cache's per-layer quotas and the usage history all assume every block has
-``expert_count`` experts.
+Blocks without routed experts (``leading_dense_block_count``: deepseek2's
+first blocks) run ``dense_ffn``; the loader keeps no expert table for them and
+the plan, the cache's per-layer quotas and traces count blocks with experts.
+A KV cache holding something else than H_kv keys and values per position
+(MLA's latent) is a :class:`~colibri_aio.arch.base.KVLayout` from
+``ModelArgs.kv_layout``, which both the plan and the allocation read.
 """
 from __future__ import annotations
 
@@ -70,6 +73,7 @@ _MODULES = {
     "qwen2moe": "qwen2moe",
     "olmoe": "olmoe",
     "llama": "llama",
+    "deepseek2": "deepseek2",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODULES)
 

@@ -50,7 +50,7 @@ def check_gguf(path: Path) -> tuple[Check, Model | None]:
     except UserError as exc:
         return Check("gguf", "fail", str(exc)), None
     a = model.args
-    return Check("gguf", "ok", f"{path.name}: {a.architecture}, {a.block_count} layers, {a.expert_count} experts "
+    return Check("gguf", "ok", f"{path.name}: {a.architecture}, {a.layers_text}, {a.expert_count} experts "
                                f"top-{a.expert_used_count}, {gb(model.identity.size)}, trunk "
                                f"{gb(model.trunk_nbytes)}, expert {gb(model.expert_nbytes_max)} (pool slot "
                                f"{gb(slot_nbytes_for(model.expert_nbytes_max))} with O_DIRECT alignment)"), model
@@ -128,7 +128,7 @@ def check_o_direct(path: Path) -> Check:
 def _matrix_types(model: Model) -> set:
     """The types of every matrix the kernels multiply (trunk products and each layer's experts)."""
     mats = [model.token_embd, model.output, *(m for b in model.blocks for m in b.matrices())]
-    return {m.ggml_type for m in mats} | {r.ggml_type for layer in model.experts for r in layer[0].ranges}
+    return {m.ggml_type for m in mats} | {r.ggml_type for layer in model.experts if layer for r in layer[0].ranges}
 
 
 def check_kernels(model: Model | None) -> Check:

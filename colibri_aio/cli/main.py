@@ -346,7 +346,7 @@ def _plan_table(model, plan, limits) -> str:
     hit = "n/a (no usage history)" if plan.expected_hit_rate is None else \
         f"{plan.expected_hit_rate:.1%} ({plan.hit_rate_source})"
     rows = [
-        ("model", f"{model.path.name}: {a.architecture}, {a.block_count} layers, {a.expert_count} experts "
+        ("model", f"{model.path.name}: {a.architecture}, {a.layers_text}, {a.expert_count} experts "
                   f"(top-{a.expert_used_count}) of {gb(plan.expert_nbytes)}, file {gb(model.identity.size)}"),
         ("memory", f"RAM {gb(limits.total)}, available {gb(limits.available)}, cgroup limit "
                    f"{gb(limits.cgroup_limit) if limits.cgroup_limit else 'none'}"),

@@ -82,16 +82,16 @@ PIN_SHARE = 0.5
 
 
 def cache_for(model: Model, placement: Placement, plan: Plan, pins: list[tuple[int, int]]) -> ExpertCache:
-    """The expert cache: per-layer quotas, from --cache-per-layer or from the planned slots."""
+    """The expert cache: a quota per block with experts, from --cache-per-layer or from the planned slots."""
     a = model.args
     if placement.cache_per_layer is not None:
         # Fewer slots than expert_used_count still works (each expert is read, used and
         # evicted in turn); it is a knob for experiments and tests, not a good setting.
         per_layer = min(placement.cache_per_layer, a.expert_count)
     else:
-        per_layer = (plan.slots - len(pins)) // a.block_count
-    return ExpertCache(per_layer * a.block_count + len(pins), policy=placement.cache_policy, scope="layer",
-                       n_layers=a.block_count, pinned=pins, half_life=placement.cache_half_life)
+        per_layer = (plan.slots - len(pins)) // a.moe_block_count
+    return ExpertCache(per_layer * a.moe_block_count + len(pins), policy=placement.cache_policy, scope="layer",
+                       n_layers=a.moe_block_count, pinned=pins, half_life=placement.cache_half_life)
 
 
 def pin_history(model: Model, pin: str, past: UsageHistory | None) -> UsageHistory | None:
@@ -124,7 +124,7 @@ def pins(model: Model, placement: Placement, plan: Plan, pin_from: UsageHistory 
         return []
     if placement.cache_per_layer is not None:
         per_layer = int(min(placement.cache_per_layer, model.args.expert_count) * PIN_SHARE)
-        return pin_from.hottest(per_layer * model.args.block_count, per_layer=per_layer)
+        return pin_from.hottest(per_layer * model.args.moe_block_count, per_layer=per_layer)
     return pin_from.hottest(plan.pinned_slots)
 
 

@@ -88,6 +88,7 @@ def gb(n: int) -> str:
 
 
 def kv_cache_nbytes(model: Model, context: int) -> int:
+    """The family's KV cache for ``context`` positions (MLA's latent cache is far smaller than full heads)."""
     return model.args.kv_cache_nbytes(context)
 
 
@@ -114,6 +115,7 @@ def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, 
     model's, a budget above the memory available now) is in ``notes``.
     """
     a = model.args
+    layers = a.moe_block_count  # blocks with experts: the cache keeps a quota for each
     notes: list[str] = []
     context, context_source = _context(a.context_length, context, notes)
     source = "--ram-budget"
@@ -125,18 +127,18 @@ def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, 
     slot = slot_nbytes_for(model.expert_nbytes_max)
     kv, working = kv_cache_nbytes(model, context), working_nbytes(model)
     reserved = model.trunk_nbytes + kv + working
-    total = a.block_count * a.expert_count
+    total = layers * a.expert_count
     if cache_per_layer is not None:
-        slots, pinned = _slots_per_layer(a.block_count, a.expert_count, cache_per_layer,
+        slots, pinned = _slots_per_layer(layers, a.expert_count, cache_per_layer,
                                          pin_share if usage_counts else 0.0)
         minimal, what = slots, f"{cache_per_layer} expert slots per layer as --cache-per-layer asks"
     else:
         slots = min(total, slots_for_budget(budget, slot, reserved))
-        pinned = min(int(slots * pin_share), slots - a.block_count) if usage_counts else 0
+        pinned = min(int(slots * pin_share), slots - layers) if usage_counts else 0
         pinned = max(0, pinned)
         # The cache gives every layer the same quota besides the pins: what does not divide is not allocated.
-        slots = pinned + (slots - pinned) // a.block_count * a.block_count
-        minimal, what = a.block_count, f"a minimal cache of {a.block_count} expert slots, one per layer"
+        slots = pinned + (slots - pinned) // layers * layers
+        minimal, what = layers, f"a minimal cache of {layers} expert slots, one per layer with experts"
     if reserved + minimal * slot > budget or slots < minimal:
         raise UserError(
             f"budget {gb(budget)} is too small: trunk {gb(model.trunk_nbytes)} + KV cache {gb(kv)} for {context} "
@@ -201,10 +203,14 @@ def expected_hit_rate(usage_counts: dict[tuple[int, int], float] | None, slots: 
 
 
 def token_times(model: Model, hit_rate: float) -> tuple[float, float]:
-    """Seconds per decoded token for compute and for expert reads, at the assumed rates."""
+    """Seconds per decoded token for compute and for expert reads, at the assumed rates.
+
+    Compute counts every resident matrix of the blocks (attention, dense FFNs, shared
+    experts: whatever the family has), k routed experts per MoE block and the output head.
+    """
     a = model.args
     expert_weights = 3 * a.expert_feed_forward_length * a.embedding_length
-    attn_weights = (2 * a.head_count + 2 * a.head_count_kv) * a.key_length * a.embedding_length
-    active = a.block_count * (a.expert_used_count * expert_weights + attn_weights) + a.vocab_size * a.embedding_length
-    miss_bytes = (1 - hit_rate) * a.block_count * a.expert_used_count * model.expert_nbytes_max
+    routed = a.moe_block_count * a.expert_used_count
+    active = model.block_matrix_weights + routed * expert_weights + a.vocab_size * a.embedding_length
+    miss_bytes = (1 - hit_rate) * routed * model.expert_nbytes_max
     return active / ASSUMED_WEIGHTS_PER_S, miss_bytes / ASSUMED_DISK_BYTES_PER_S

@@ -4,7 +4,8 @@ the dense trunk into RAM, and every routed expert as three byte ranges for the I
 The split is by tensor name, the same for every family: routed experts
 (``blk.<i>.ffn_{gate,up,down}_exps.weight``) stay on disk and are streamed;
 everything else the family lists (``block_tensors``: attention, norms, routers,
-shared experts and their gates) is the resident trunk.
+shared experts and their gates, the FFN of leading dense blocks) is the
+resident trunk. A dense block (``leading_dense_block_count``) has no experts.
 
 Everything that can be wrong with a file is checked here, once, and refused
 with a :class:`~colibri_aio.errors.ModelFormatError` whose message is one line
@@ -12,6 +13,7 @@ that names the problem.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -83,7 +85,7 @@ class Model:
     output_norm: np.ndarray              # (D,)
     output: QTensor                      # (vocab, D); token_embd when tied
     blocks: list[BlockWeights]
-    experts: list[list[ExpertLocation]]  # [layer][expert]
+    experts: list[list[ExpertLocation]]  # [layer][expert]; [] for a dense block
     reader: GGUFHeader                   # metadata (tokenizer, chat template)
     family: Family
 
@@ -96,6 +98,11 @@ class Model:
     @property
     def expert_nbytes_max(self) -> int:
         return max(loc.nbytes for layer in self.experts for loc in layer)
+
+    @property
+    def block_matrix_weights(self) -> int:
+        """Weights of every resident matrix of the blocks (each is used once per decoded token)."""
+        return sum(math.prod(m.shape) for b in self.blocks for m in b.matrices())
 
     def expert(self, layer: int, expert: int) -> ExpertLocation:
         return self.experts[layer][expert]
@@ -258,7 +265,7 @@ def load(path: str | os.PathLike[str], *, resident: bool = True, progress: Progr
             blocks.append(_block(ts, fam.block_tensors(args, i), i))
             if progress is not None:
                 progress("load trunk", i + 1, args.block_count)
-    experts = [_expert_locations(ts, i) for i in range(args.block_count)]
+    experts = [_expert_locations(ts, i) if args.is_moe(i) else [] for i in range(args.block_count)]
     _check_every_tensor_used(ts, p)
     return Model(path=p, identity=FileIdentity.of(os.stat(p)), args=args, token_embd=token_embd,
                  output_norm=output_norm, output=output, blocks=blocks, experts=experts, reader=reader, family=fam)
