@@ -15,6 +15,7 @@ from colibri_aio.engine.engine import Engine
 from colibri_aio.errors import ExpertReadError, UserError
 from colibri_aio.gguf.model import load
 from colibri_aio.io.reader import ReaderClosedError
+from colibri_aio.kernels.backend import open_kernels
 from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.policy.backpressure import BackpressureConfig
 from colibri_aio.arch import build_net
@@ -28,36 +29,42 @@ FIXTURES = ["tiny_f32", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0", "quant_ty
             "deepseek2_q8_0", "glm4moe_q8_0", "gptoss_mxfp4"]  # and one of every other family
 
 
-async def _reference(name: str, ids: list[int]) -> np.ndarray:
+async def _reference(name: str, ids: list[int], kernels: str = "numpy") -> np.ndarray:
     model = load(fixture(f"{name}.gguf"))
-    net = build_net(model, MappedExpertSource(model))
-    prefill = await net.forward(ids[:12], logits="all")
-    decode = [await net.forward([t]) for t in ids[12:]]
+    backend = open_kernels(kernels)
+    try:
+        net = build_net(model, MappedExpertSource(model), kernels=backend)
+        prefill = await net.forward(ids[:12], logits="all")
+        decode = [await net.forward([t]) for t in ids[12:]]
+    finally:
+        backend.close()
     return np.concatenate([prefill, np.stack(decode)])
 
 
-async def _engine_logits(name: str, ids: list[int], **placement) -> tuple[np.ndarray, Engine]:
+async def _engine_logits(name: str, ids: list[int], kernels: str = "numpy", **placement) -> tuple[np.ndarray, Engine]:
     """Prefill the first 12 ids (batch-union path), then decode the rest one by one (lookahead path)."""
-    async with await Engine.open(fixture(f"{name}.gguf"), **placement) as engine:
+    async with await Engine.open(fixture(f"{name}.gguf"), kernels=kernels, **placement) as engine:
         engine.net.reset()
         prefill = await engine.net.forward(ids[:12], logits="all")
         decode = [await engine.net.forward([t]) for t in ids[12:]]
     return np.concatenate([prefill, np.stack(decode)]), engine
 
 
+@pytest.mark.parametrize("kernels", ["numpy", "ggml"])
 @pytest.mark.parametrize("name", FIXTURES)
-async def test_logits_are_bit_identical_across_placements(name: str) -> None:
+async def test_logits_are_bit_identical_across_placements(name: str, kernels: str) -> None:
+    """Every kernel backend: placement (and with it how experts are batched) never changes a bit."""
     a = load(fixture(f"{name}.gguf")).args
     ids = [t % a.vocab_size for t in oracle_ids()[2]]
-    want = await _reference(name, ids)
+    want = await _reference(name, ids, kernels)
     k, e = a.expert_used_count, a.expert_count
     # Every backend with the smallest and the full cache; every prefetch mode; one size in between.
     combos = [(io, per_layer, "on") for io, per_layer in itertools.product(("uring", "pread", "mmap"), (1, k, e))]
     combos += [("uring", k, "off"), ("uring", 1, "auto"), ("pread", k + 1, "auto")]
     for io, per_layer, prefetch in combos:
-        got, _ = await _engine_logits(name, ids, io=io, cache_per_layer=per_layer, prefetch=prefetch)
+        got, _ = await _engine_logits(name, ids, kernels, io=io, cache_per_layer=per_layer, prefetch=prefetch)
         assert np.array_equal(got, want), (io, per_layer, prefetch)
-    got, _ = await _engine_logits(name, ids, ram_budget="600M")  # global cache sized by the plan
+    got, _ = await _engine_logits(name, ids, kernels, ram_budget="600M")  # global cache sized by the plan
     assert np.array_equal(got, want)
 
 

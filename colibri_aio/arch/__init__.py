@@ -68,6 +68,7 @@ if TYPE_CHECKING:
     from colibri_aio.arch.layers import MoETransformer
     from colibri_aio.experts import ExpertSource
     from colibri_aio.gguf.model import Model
+    from colibri_aio.kernels.backend import Kernels
 
 # general.architecture -> module of colibri_aio.arch
 _MODULES = {
@@ -88,6 +89,8 @@ def family(architecture: str) -> Family:
     return module.FAMILY
 
 
-def build_net(model: Model, experts: ExpertSource, n_ctx: int | None = None) -> MoETransformer:
-    """The forward pass of ``model``'s family, bound to ``experts`` and a KV cache of ``n_ctx`` positions."""
-    return model.family.net(model, experts, n_ctx)
+def build_net(model: Model, experts: ExpertSource, n_ctx: int | None = None,
+              kernels: Kernels | None = None) -> MoETransformer:
+    """The forward pass of ``model``'s family, bound to ``experts`` and a KV cache of ``n_ctx`` positions,
+    its products on ``kernels`` (None: the NumPy reference)."""
+    return model.family.net(model, experts, n_ctx, kernels)

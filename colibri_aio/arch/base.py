@@ -251,7 +251,7 @@ def router_tensors(a: BaseArgs) -> list[TensorSpec]:
 class Family:
     """One architecture in the registry.
 
-    ``net`` is built as ``net(model, experts, n_ctx)``; ``moe_norm`` names the
+    ``net`` is built as ``net(model, experts, n_ctx, kernels)``; ``moe_norm`` names the
     block tensor that norms the MoE input (the router's input, which the
     lookahead applies to the previous layer's hidden state); ``checked_against``
     names the transformers class its oracle tests ran.

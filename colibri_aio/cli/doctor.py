@@ -25,6 +25,7 @@ from colibri_aio.gguf.verify import layout_problems, scan, special_token_problem
 from colibri_aio.io.modelfile import ModelFile
 from colibri_aio.io.reader import ExpertReader
 from colibri_aio.engine.memory import memory_limits
+from colibri_aio.kernels.backend import open_kernels
 from colibri_aio.engine.plan import gb
 from colibri_aio.io.align import slot_nbytes_for
 
@@ -124,6 +125,27 @@ def check_o_direct(path: Path) -> Check:
         f.close()
 
 
+def _matrix_types(model: Model) -> set:
+    """The types of every matrix the kernels multiply (trunk products and each layer's experts)."""
+    mats = [model.token_embd, model.output, *(m for b in model.blocks for m in b.matrices())]
+    return {m.ggml_type for m in mats} | {r.ggml_type for layer in model.experts if layer for r in layer[0].ranges}
+
+
+def check_kernels(model: Model | None) -> Check:
+    """Which kernels ``--kernels auto`` picks and why (NumPy is slow: a warning), and whether they
+    multiply every type in the model."""
+    kernels = open_kernels("auto")
+    try:
+        detail = f"--kernels auto picks {kernels.name}: {kernels.reason}"
+        if model is not None:
+            missing = sorted({t.name for t in _matrix_types(model)} - {t.name for t in kernels.types})
+            if missing:
+                return Check("kernels", "fail", f"{detail}; no kernel for {', '.join(missing)}")
+        return Check("kernels", "ok" if kernels.name == "ggml" else "warn", detail)
+    finally:
+        kernels.close()
+
+
 async def check_backend(model: Model) -> tuple[Check, Check]:
     """Which backend ``--io auto`` picks and why, and a short read-speed probe with it."""
     reader = await ExpertReader.open(model.path, model.expert_nbytes_max, PROBE_SLOTS, backend="auto")
@@ -163,7 +185,7 @@ def run_checks(path: Path | None, emit: Callable[[Check], None], *, verify: bool
 
     ``verify`` adds :func:`check_layout`, :func:`check_text` and :func:`check_values` (reads the whole file).
     """
-    checks: list[Check] = [check_memory(), check_memlock()]
+    checks: list[Check] = [check_memory(), check_memlock()] + ([check_kernels(None)] if path is None else [])
     for c in checks:
         emit(c)
     failed = False
@@ -172,6 +194,7 @@ def run_checks(path: Path | None, emit: Callable[[Check], None], *, verify: bool
         emit(gguf)
         failed = gguf.verdict == "fail"
         if model is not None:
+            emit(check_kernels(model))
             emit(check_o_direct(path))
             for c in asyncio.run(check_backend(model)):
                 emit(c)

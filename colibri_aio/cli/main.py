@@ -30,6 +30,7 @@ from colibri_aio import __version__
 from colibri_aio.errors import ExpertReadError, UserError, one_line
 from colibri_aio.cli.logs import configure as configure_logs
 from colibri_aio.engine.placement import IO_CHOICES, PREFETCH_CHOICES
+from colibri_aio.kernels.backend import NAMES as KERNEL_NAMES
 
 if TYPE_CHECKING:
     from colibri_aio.cli.telemetry import StatusLine
@@ -92,8 +93,9 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
                    help="read the experts router lookahead predicts for the next layer; auto keeps it on "
                         "unless the disk is saturated and decode steps measure faster with it off "
                         "(default: %(default)s)")
-    g.add_argument("--kernels", choices=("auto", "numpy", "numba"), default=None,
-                   help="matrix kernels: compiled (numba) where they pay, else NumPy "
+    g.add_argument("--kernels", choices=KERNEL_NAMES, default=None,
+                   help="matrix kernels: ggml (llama.cpp's CPU kernels, activations rounded to 8 bits as "
+                        "llama.cpp does) or numpy (the float32 reference); auto picks ggml when it loads "
                         "(default: $COLIBRI_KERNELS or auto)")
 
 

@@ -27,8 +27,8 @@ import numpy as np
 
 from colibri_aio.errors import EngineBusyError, UserError
 from colibri_aio.gguf.model import Model, Progress, load
-from colibri_aio.kernels import backend
-from gguf import GGMLQuantizationType
+from colibri_aio.kernels.backend import NAMES as KERNEL_NAMES, Kernels, KernelsUnavailable, open_kernels
+from colibri_aio.kernels.threads import limit_blas_threads
 from colibri_aio.engine.memory import peak_rss_bytes, rss_bytes
 from colibri_aio.engine.device import DeviceMonitor
 from colibri_aio.models import default_model_path
@@ -81,21 +81,31 @@ class GenerationPiece:
         return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def _matrix_types(model: Model) -> tuple[GGMLQuantizationType, ...]:
-    """The ggml types the forward pass multiplies (to compile or load their kernels up front)."""
-    mats = [model.output, *(m for b in model.blocks for m in b.matrices())]
-    experts = {r.ggml_type for layer in model.experts if layer for r in layer[0].ranges}
-    return tuple(sorted({m.ggml_type for m in mats} | experts))
+def _open_kernels(name: str | None) -> Kernels:
+    """The engine's own kernel backend (``name``, else $COLIBRI_KERNELS, else auto); a backend
+    asked for by name that cannot run here is a user error."""
+    name = name if name is not None else os.environ.get("COLIBRI_KERNELS", "auto")
+    if name not in KERNEL_NAMES:
+        raise UserError(f"unknown kernels {name!r} (choose from {', '.join(KERNEL_NAMES)})")
+    try:
+        kernels = open_kernels(name)
+    except KernelsUnavailable as e:
+        raise UserError(f"--kernels {name}: {e}") from None
+    # The kernels use the cores themselves; OpenBLAS threads inside NumPy calls would
+    # oversubscribe them (evidence/kernels_20261129T181438Z.md: f32 GEMV 2.83 vs 0.24
+    # G weights/s median with one OpenBLAS thread vs its default, same run).
+    limit_blas_threads(1)
+    return kernels
 
 
 class Engine:
     """A model ready to generate. Open with :meth:`open`; close with ``async with`` or :meth:`aclose`."""
 
     def __init__(self, model: Model, tokenizer: Tokenizer, source: CachedExpertSource, plan: Plan,
-                 placement: Placement, history: HistoryFile | None = None) -> None:
+                 placement: Placement, kernels: Kernels, history: HistoryFile | None = None) -> None:
         self.model, self.tokenizer, self.source, self.plan, self.placement = model, tokenizer, source, plan, placement
-        self.history = history
-        self.net = build_net(model, source, plan.context)
+        self.kernels, self.history = kernels, history
+        self.net = build_net(model, source, plan.context, kernels)
         self.net.lookahead = placement.lookahead
         self.prompt_tokens = self.generated_tokens = self.cached_tokens = 0
         self.prefill_s = self.decode_s = 0.0
@@ -120,36 +130,32 @@ class Engine:
         (expert slots per layer instead of a budget), ``prefetch``
         (auto|on|off), ``pin`` (auto|off|FILE), ``n_ctx`` (KV-cache positions;
         default min(the model's context, 4096); more than the model's is
-        clamped with a warning). Placement changes speed, never tokens. ``kernels`` (auto|numpy|numba;
-        default: $COLIBRI_KERNELS or auto) picks the matrix kernels for the
-        process; backends differ in the last bits, so compare runs within one.
+        clamped with a warning). Placement changes speed, never tokens. ``kernels`` (auto|ggml|numpy;
+        default: $COLIBRI_KERNELS or auto) picks this engine's matrix kernels;
+        backends differ in their rounding, so compare runs within one.
         ``progress(step, done, total)`` hears about the long steps (loading the
-        trunk, compiling or loading kernels, the pool, pinning). ``history``:
+        trunk, the pool, pinning). ``history``:
         read and update this model's usage history (a cache file under
         ``$XDG_CACHE_HOME/colibri_aio/usage``; False: neither read nor write it).
         """
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,
                               pin=pin, context=n_ctx)
-        if kernels is not None:
-            if kernels not in backend.NAMES:
-                raise UserError(f"unknown kernels {kernels!r} (choose from {', '.join(backend.NAMES)})")
-            backend.set_backend(kernels)
-        model = load(path if path is not None else default_model_path(), progress=progress)
-        if progress is not None:
-            progress("load kernels", 0, 1)
-        # Compiled kernels come from numba's on-disk cache (~1 s); only a cold cache compiles.
-        backend.warm_up(_matrix_types(model))
-        if progress is not None:
-            progress("load kernels", 1, 1)
-        tokenizer = Tokenizer.from_gguf(model.reader)
-        if tokenizer.vocab_size != model.args.vocab_size:
-            raise UserError(f"{model.path}: tokenizer has {tokenizer.vocab_size} tokens, model {model.args.vocab_size}")
-        store = HistoryFile.for_model(model) if history else None
-        source, plan = await open_source(model, placement, progress, store)
+        kernels = _open_kernels(kernels)
+        try:
+            model = load(path if path is not None else default_model_path(), progress=progress)
+            tokenizer = Tokenizer.from_gguf(model.reader)
+            if tokenizer.vocab_size != model.args.vocab_size:
+                raise UserError(f"{model.path}: tokenizer has {tokenizer.vocab_size} tokens, "
+                                f"model {model.args.vocab_size}")
+            store = HistoryFile.for_model(model) if history else None
+            source, plan = await open_source(model, placement, progress, store)
+        except BaseException:
+            kernels.close()
+            raise
         for note in plan.notes:
             log.warning(note)
-        engine = cls(model, tokenizer, source, plan, placement, store)
+        engine = cls(model, tokenizer, source, plan, placement, kernels, store)
         log.info(engine.describe(full=True))
         if engine.device is not None:
             engine._monitor = asyncio.get_running_loop().create_task(engine.device.run())
@@ -165,11 +171,11 @@ class Engine:
         line = (f"{self.model.path.name}: {a.layers_text} x {a.expert_count} experts of "
                 f"{gb(plan.expert_nbytes)}; KV {plan.context} ctx = {gb(plan.kv_cache)}; cache {cache.n_slots} slots "
                 f"({len(cache.pinned)} pinned) = {gb(cache.n_slots * plan.slot_nbytes)}; io {reader.backend}; "
-                f"prefetch {self.placement.prefetch}; kernels {backend.backend_name()}")
+                f"prefetch {self.placement.prefetch}; kernels {self.kernels.name}")
         if not full:
             return line
         return (f"{line}; {plan.one_line()}; cache {cache.scope} {cache.policy}; io {reader.backend_reason}; "
-                f"kernels {backend.backend_reason()}")
+                f"kernels {self.kernels.reason}")
 
     def stats(self) -> EngineStats:
         """The engine's counters now: tokens and their time, cache hits, reads, prefetch state, memory."""
@@ -196,7 +202,8 @@ class Engine:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop the device watch, drain every read in flight, release the pool, save the usage history.
+        """Stop the device watch, drain every read in flight, release the pool, save the usage history,
+        release the kernels.
 
         Closing twice is harmless. Saving never raises: a history that cannot
         be written is one warning.
@@ -209,13 +216,16 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._monitor
             self._monitor = None
-        await self.source.aclose()
-        if self.history is not None and self.source.policy.usage is not None:
-            # A thread: the save may wait (a bounded time) for another run's lock on the folder.
-            try:
-                await asyncio.to_thread(self.history.save, self.source.policy.usage)
-            except RuntimeError:  # closed at interpreter exit: no new threads then, so on this one
-                self.history.save(self.source.policy.usage)
+        try:
+            await self.source.aclose()
+            if self.history is not None and self.source.policy.usage is not None:
+                # A thread: the save may wait (a bounded time) for another run's lock on the folder.
+                try:
+                    await asyncio.to_thread(self.history.save, self.source.policy.usage)
+                except RuntimeError:  # closed at interpreter exit: no new threads then, so on this one
+                    self.history.save(self.source.policy.usage)
+        finally:
+            self.kernels.close()
 
     def prompt_ids(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
         """Token ids of a prompt: plain text, chat messages rendered with the model's template, or ids as given."""

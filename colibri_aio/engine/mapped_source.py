@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
-from colibri_aio.experts import ExpertLocation, ExpertWeights
+from colibri_aio.experts import ExpertBatch, ExpertLocation, ExpertWeights
 from colibri_aio.gguf.model import Model
 from colibri_aio.kernels.qtensor import QTensor
 
@@ -29,12 +29,15 @@ class MappedExpertSource:
         self._map: np.ndarray | None = np.memmap(model.path, dtype=np.uint8, mode="r")
         self.bytes_served = 0
 
-    async def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[tuple[int, ExpertWeights]]:
+    async def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[ExpertBatch]:
+        """Every expert in one batch: mapped bytes are always "ready" (the page cache faults them in)."""
         assert self._map is not None, "source is closed"
+        batch = []
         for expert in experts:
             loc = self.model.experts[layer][expert]
             self.bytes_served += loc.nbytes
-            yield expert, weights_from(self._map, loc)
+            batch.append((expert, weights_from(self._map, loc)))
+        yield batch
 
     def hint(self, layer: int, experts: Sequence[int]) -> None:
         """The page cache does its own read-ahead; a hint changes nothing here."""
