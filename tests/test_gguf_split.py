@@ -72,6 +72,7 @@ async def test_logits_are_bit_identical_to_the_one_part_file(tmp_path: Path, ste
         got, engine = await engine_logits(parts[0], ids, io=io, cache_per_layer=per_layer, prefetch=prefetch)
         assert np.array_equal(got, want), (io, per_layer, prefetch)
         assert engine.source.reader.stats.reads > 0
+    assert engine.describe().startswith(f"{parts[0].name} (+{len(parts) - 1} parts): ")
 
 
 def test_llama_cpp_reads_the_parts_as_the_one_part_file(tmp_path: Path) -> None:
