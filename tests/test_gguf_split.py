@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -136,6 +137,20 @@ def test_plan_doctor_and_the_usage_fingerprint_know_every_part(tmp_path: Path) -
     assert fingerprint != model_fingerprint(load(fixture("mixtral_q8_0.gguf"), resident=False))
     three = split(tmp_path, "mixtral_q8_0", 8, name="three")
     assert fingerprint != model_fingerprint(load(three[0], resident=False))
+
+
+def test_doctor_verify_names_the_part_holding_a_bad_value(tmp_path: Path) -> None:
+    parts = split(tmp_path, "tiny_q8_0", 11)
+    down = next(t for t in open_header(parts[0]).tensors if t.name == "blk.1.ffn_down_exps.weight")
+    assert down.part == 2
+    per_expert = down.n_bytes // int(down.shape[2])
+    with open(parts[2], "r+b") as f:  # the f16 scale of expert 3's first Q8_0 block: NaN
+        f.seek(down.data_offset + 3 * per_expert)
+        f.write(struct.pack("<H", 0x7E00))
+    status, out, _ = main_in_process("doctor", str(parts[0]), "--verify")
+    assert status == 2
+    assert (f"FAIL  values           {parts[2]}: blk.1.ffn_down_exps.weight: values that are not finite "
+            f"(NaN or infinity) in expert 3") in out
 
 
 def test_a_merged_file_with_split_count_zero_is_one_file(tmp_path: Path) -> None:
