@@ -21,12 +21,13 @@ PROJECTIONS = ("gate", "up", "down")
 
 @dataclass(frozen=True, slots=True)
 class TensorRange:
-    """One expert's slice of one stacked tensor: ``nbytes`` at absolute file ``offset``."""
+    """One expert's slice of one stacked tensor: ``nbytes`` at absolute ``offset`` in the model's file ``file``."""
 
     offset: int
     nbytes: int
     ggml_type: GGMLQuantizationType
     shape: tuple[int, int]  # NumPy order (rows, cols); cols is the quantised axis
+    file: int = 0           # index of the part holding it (0 for a model in one file)
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,13 +19,13 @@ from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels.ops import Routing
 
 if TYPE_CHECKING:
-    from colibri_aio.gguf.header import GGUFHeader
+    from colibri_aio.gguf.split import ModelHeader
 
 
 class Metadata:
     """The GGUF metadata as one architecture reads it: ``need("block_count")`` is ``<arch>.block_count``."""
 
-    def __init__(self, reader: GGUFHeader, path: Path, architecture: str) -> None:
+    def __init__(self, reader: ModelHeader, path: Path, architecture: str) -> None:
         self.reader, self.path, self.architecture = reader, path, architecture
         self.tensor_names = frozenset(t.name for t in reader.tensors)
 

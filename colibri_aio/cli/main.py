@@ -353,7 +353,8 @@ def _plan(args: argparse.Namespace) -> int:
     limits = memory_limits()
     plan, _ = plan_for(model, placement, past, limits)
     if args.json:
-        print(json.dumps({**plan.as_dict(), "model": str(model.path), "ram_total": limits.total,
+        print(json.dumps({**plan.as_dict(), "model": str(model.path), "files": [str(p) for p in model.paths],
+                          "file_bytes": model.file_nbytes, "ram_total": limits.total,
                           "ram_available": limits.available, "cgroup_limit": limits.cgroup_limit}, indent=1))
     else:
         print(_plan_table(model, plan, limits))
@@ -368,7 +369,8 @@ def _plan_table(model, plan, limits) -> str:
         f"{plan.expected_hit_rate:.1%} ({plan.hit_rate_source})"
     rows = [
         ("model", f"{model.path.name}: {a.architecture}, {a.layers_text}, {a.expert_count} experts "
-                  f"(top-{a.expert_used_count}) of {gb(plan.expert_nbytes)}, file {gb(model.identity.size)}"),
+                  f"(top-{a.expert_used_count}) of {gb(plan.expert_nbytes)}, file {gb(model.file_nbytes)}"
+                  + (f" in {len(model.paths)} parts" if len(model.paths) > 1 else "")),
         ("memory", f"RAM {gb(limits.total)}, available {gb(limits.available)}, cgroup limit "
                    f"{gb(limits.cgroup_limit) if limits.cgroup_limit else 'none'}"),
         ("budget", f"{gb(plan.budget)} ({plan.budget_source})"),

@@ -168,7 +168,9 @@ class Engine:
         kernels were chosen (a few hundred characters).
         """
         a, plan, reader, cache = self.model.args, self.plan, self.source.reader, self.source.policy.cache
-        line = (f"{self.model.path.name}: {a.layers_text} x {a.expert_count} experts of "
+        parts = len(self.model.paths)
+        line = (f"{self.model.path.name}{f' (+{parts - 1} parts)' if parts > 1 else ''}: "
+                f"{a.layers_text} x {a.expert_count} experts of "
                 f"{gb(plan.expert_nbytes)}; KV {plan.context} ctx = {gb(plan.kv_cache)}; cache {cache.n_slots} slots "
                 f"({len(cache.pinned)} pinned) = {gb(cache.n_slots * plan.slot_nbytes)}; io {reader.backend}; "
                 f"prefetch {self.placement.prefetch}; kernels {self.kernels.name}")

@@ -7,6 +7,10 @@ everything else the family lists (``block_tensors``: attention, norms, routers,
 shared experts and their gates, the FFN of leading dense blocks) is the
 resident trunk. A dense block (``leading_dense_block_count``) has no experts.
 
+A model split into several files (gguf-split) is opened from its first part
+(:mod:`colibri_aio.gguf.split`); each tensor, and so each expert range, knows
+which part holds its bytes.
+
 Everything that can be wrong with a file is checked here, once, and refused
 with a :class:`~colibri_aio.errors.ModelFormatError` whose message is one line
 that names the problem.
@@ -27,7 +31,7 @@ import numpy as np
 from colibri_aio.arch import SUPPORTED_ARCHITECTURES, family
 from colibri_aio.arch.base import BaseArgs, Family, Metadata, TensorSpec
 from colibri_aio.errors import ModelFormatError
-from colibri_aio.gguf.header import GGUFHeader
+from colibri_aio.gguf.split import ModelHeader, open_header
 from colibri_aio.io.modelfile import FileIdentity
 from colibri_aio.experts import ExpertLocation, TensorRange
 from colibri_aio.kernels.qtensor import QTensor
@@ -76,18 +80,29 @@ class BlockWeights:
 
 @dataclass(slots=True)
 class Model:
-    """A loaded GGUF: args, resident trunk, expert byte ranges, tokenizer metadata, its family."""
+    """A loaded GGUF (one file or the parts of a split model): args, resident trunk, expert byte ranges,
+    tokenizer metadata, its family."""
 
-    path: Path
-    identity: FileIdentity
+    path: Path                           # the model's file (of a split model: its first part)
+    identities: tuple[FileIdentity, ...]  # every file's, in part order
     args: BaseArgs
     token_embd: QTensor                  # (vocab, D)
     output_norm: np.ndarray              # (D,)
     output: QTensor                      # (vocab, D); token_embd when tied
     blocks: list[BlockWeights]
     experts: list[list[ExpertLocation]]  # [layer][expert]; [] for a dense block
-    reader: GGUFHeader                   # metadata (tokenizer, chat template)
+    reader: ModelHeader                  # metadata (tokenizer, chat template), every part's tensor table
     family: Family
+
+    @property
+    def paths(self) -> tuple[Path, ...]:
+        """Every file of the model, in part order (one for a model in one file)."""
+        return self.reader.paths
+
+    @property
+    def file_nbytes(self) -> int:
+        """Bytes of the model's files together."""
+        return sum(i.size for i in self.identities)
 
     @property
     def trunk_nbytes(self) -> int:
@@ -108,13 +123,13 @@ class Model:
         return self.experts[layer][expert]
 
 
-def _open_reader(path: Path) -> GGUFHeader:
+def _open_reader(path: Path) -> ModelHeader:
     if not path.is_file():
         raise ModelFormatError(f"{path}: no such model file")
-    return GGUFHeader(path)
+    return open_header(path)
 
 
-def family_of(reader: GGUFHeader, path: Path) -> Family:
+def family_of(reader: ModelHeader, path: Path) -> Family:
     """The registered family of the file's ``general.architecture``; anything else is refused."""
     f = reader.fields.get("general.architecture")
     arch = None if f is None else f.contents()
@@ -124,7 +139,7 @@ def family_of(reader: GGUFHeader, path: Path) -> Family:
     return family(arch)
 
 
-def read_args(reader: GGUFHeader, path: Path, fam: Family) -> BaseArgs:
+def read_args(reader: ModelHeader, path: Path, fam: Family) -> BaseArgs:
     """The family's ModelArgs from the metadata; refuses missing and inconsistent keys."""
     args = fam.args.from_gguf(Metadata(reader, path, fam.architecture))
     args.check(path)
@@ -137,15 +152,20 @@ def _significant(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 class _Tensors:
-    """Checked access to the file's tensors: presence, type, shape, bytes within the file."""
+    """Checked access to the model's tensors: presence, type, shape, bytes within the file (part) holding each."""
 
-    def __init__(self, reader: GGUFHeader, path: Path, args: ModelArgs, copy: bool) -> None:
+    def __init__(self, reader: ModelHeader, path: Path, args: ModelArgs, copy: bool) -> None:
         self.by_name = {t.name: t for t in reader.tensors}
         self.used: set[str] = set()
         self.path, self.args, self.copy = path, args, copy
-        self.file_size = path.stat().st_size
-        self.raw = np.memmap(path, dtype=np.uint8, mode="r")
-        self.file = open(path, "rb", buffering=0)
+        self.paths = reader.paths
+        self.file_sizes = [p.stat().st_size for p in self.paths]
+        self.raws = [np.memmap(p, dtype=np.uint8, mode="r") for p in self.paths]
+        self.files = [open(p, "rb", buffering=0) for p in self.paths]
+
+    def close(self) -> None:
+        for f in self.files:
+            f.close()
 
     def get(self, name: str, shape: tuple[int, ...]):
         t = self.by_name.get(name)
@@ -161,10 +181,10 @@ class _Tensors:
         got = tuple(int(n) for n in reversed(t.shape.tolist()))
         if _significant(got) != _significant(shape):
             raise ModelFormatError(f"{self.path}: tensor {name} has shape {got}, expected {shape} from the metadata")
-        if t.data_offset + t.n_bytes > self.file_size:
+        if t.data_offset + t.n_bytes > self.file_sizes[t.part]:
             raise ModelFormatError(
-                f"{self.path}: tensor {name} ends at byte {t.data_offset + t.n_bytes} "
-                f"but the file has {self.file_size} (truncated)")
+                f"{self.paths[t.part]}: tensor {name} ends at byte {t.data_offset + t.n_bytes} "
+                f"but the file has {self.file_sizes[t.part]} (truncated)")
         return t
 
     def resident(self, name: str, shape: tuple[int, ...]) -> QTensor:
@@ -176,11 +196,12 @@ class _Tensors:
         """
         t = self.get(name, shape)
         if not self.copy:
-            return QTensor(self.raw[t.data_offset: t.data_offset + t.n_bytes], t.tensor_type, shape)
+            return QTensor(self.raws[t.part][t.data_offset: t.data_offset + t.n_bytes], t.tensor_type, shape)
         data = np.empty(t.n_bytes, np.uint8)
-        self.file.seek(t.data_offset)
-        if self.file.readinto(memoryview(data)) != t.n_bytes:
-            raise ModelFormatError(f"{self.path}: tensor {name} could not be read in full (truncated?)")
+        file = self.files[t.part]
+        file.seek(t.data_offset)
+        if file.readinto(memoryview(data)) != t.n_bytes:
+            raise ModelFormatError(f"{self.paths[t.part]}: tensor {name} could not be read in full (truncated?)")
         return QTensor(data, t.tensor_type, shape)
 
     def vector(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -213,7 +234,7 @@ def _expert_locations(ts: _Tensors, i: int) -> list[ExpertLocation]:
     def rng(proj: str, x: int) -> TensorRange:
         t = stacked[proj]
         per = t.n_bytes // e
-        return TensorRange(t.data_offset + x * per, per, t.tensor_type, shapes[proj])
+        return TensorRange(t.data_offset + x * per, per, t.tensor_type, shapes[proj], t.part)
 
     return [ExpertLocation(i, x, rng("gate", x), rng("up", x), rng("down", x)) for x in range(e)]
 
@@ -256,7 +277,7 @@ def load(path: str | os.PathLike[str], *, resident: bool = True, progress: Progr
         raise ModelFormatError(f"{p}: the hyper-parameters in the metadata cannot be used: {exc}") from exc
     ts = _Tensors(reader, p, args, copy=resident)
     vocab, d = args.vocab_size, args.embedding_length
-    with ts.file:
+    try:
         token_embd = ts.resident("token_embd.weight", (vocab, d))
         output = token_embd if args.tied_output else ts.resident("output.weight", (vocab, d))
         output_norm = ts.vector("output_norm.weight", (d,))
@@ -265,7 +286,10 @@ def load(path: str | os.PathLike[str], *, resident: bool = True, progress: Progr
             blocks.append(_block(ts, fam.block_tensors(args, i), i))
             if progress is not None:
                 progress("load trunk", i + 1, args.block_count)
+    finally:
+        ts.close()
     experts = [_expert_locations(ts, i) if args.is_moe(i) else [] for i in range(args.block_count)]
     _check_every_tensor_used(ts, p)
-    return Model(path=p, identity=FileIdentity.of(os.stat(p)), args=args, token_embd=token_embd,
+    identities = tuple(FileIdentity.of(os.stat(part)) for part in reader.paths)
+    return Model(path=p, identities=identities, args=args, token_embd=token_embd,
                  output_norm=output_norm, output=output, blocks=blocks, experts=experts, reader=reader, family=fam)

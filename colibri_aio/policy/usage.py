@@ -11,7 +11,7 @@ pins the hottest experts within a pin budget.
 
 The document is JSON, versioned, and tied to the model's identity by a
 fingerprint of its GGUF header — metadata, tensor table (names, types,
-shapes, offsets) and file size — not its path: a model moved or copied keeps
+shapes, offsets) and file size, every part's for a split model — not its path: a model moved or copied keeps
 its history, and a history never applies to a different model even at the
 same path. A document of another format version or another model, or with
 counts that are not finite and non-negative, is refused.
@@ -36,10 +36,14 @@ DEFAULT_DECAY = 0.9
 
 
 def model_fingerprint(model: Model) -> str:
-    """A hex digest of the GGUF's header (metadata and tensor table) and file size (never its path)."""
+    """A hex digest of the GGUF's header (metadata and tensor table) and file size (never its path); of a
+    split model, of every part's, in order (a model in one file keeps the digest it always had)."""
     h = hashlib.sha256()
-    h.update(f"size={model.identity.size}\n".encode())
-    h.update(model.reader.header_bytes)
+    for part, (identity, header) in enumerate(zip(model.identities, model.reader.parts)):
+        if part:
+            h.update(f"part={part}\n".encode())
+        h.update(f"size={identity.size}\n".encode())
+        h.update(header.header_bytes)
     return h.hexdigest()[:32]
 
 
