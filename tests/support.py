@@ -59,17 +59,6 @@ def main_in_process(*args: str) -> tuple[int, str, str]:
     return status, out.buffer.getvalue().decode(), err.buffer.getvalue().decode()
 
 
-@pytest.fixture(scope="module")
-def numpy_kernels():
-    """The reference kernels for a module's tests, whatever $COLIBRI_KERNELS says
-    (``pytestmark = pytest.mark.usefixtures("numpy_kernels")`` with this name imported)."""
-    from colibri_aio.kernels import backend
-
-    backend.set_backend("numpy")
-    yield
-    backend.set_backend(os.environ.get("COLIBRI_KERNELS", "auto"))
-
-
 def model_logits(path: Path, ids: list[int]) -> np.ndarray:
     """Teacher-forced logits of every position of ``ids`` (one prefill) from the model at ``path``."""
     from colibri_aio.arch import build_net
