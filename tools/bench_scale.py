@@ -281,17 +281,30 @@ def one_run(engine: str, cond: Condition, args: argparse.Namespace, cgroup: Memo
 
 
 @contextlib.contextmanager
-def exclusive(lock: Path | None):
-    """An exclusive flock on ``lock`` for the duration (no-op without one)."""
-    if lock is None:
-        yield
-        return
-    with open(lock, "a") as f:
+def _flocked(path: Path):
+    with open(path, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         try:
             yield
         finally:
             fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def exclusive(lock: Path | None, gate: Path | None = None):
+    """An exclusive flock on ``lock`` for the duration (no-op without one).
+
+    With a ``gate``, the gate is held exclusively first, while waiting for the
+    lock and for the whole hold: where shared takers pass through the same
+    gate before taking the lock, a waiting run is not starved by a stream of
+    overlapping shared holders (writer preference).
+    """
+    with contextlib.ExitStack() as stack:
+        if lock is not None and gate is not None:
+            stack.enter_context(_flocked(gate))
+        if lock is not None:
+            stack.enter_context(_flocked(lock))
+        yield
 
 
 def describe_model(path: Path) -> dict:
@@ -430,6 +443,9 @@ def main() -> int:
     p.add_argument("--shape", default="qwen3-30b-a3b", help="synthetic shape of generated models (make_synthetic_gguf)")
     p.add_argument("--type", default="q8_0", help="tensor types of generated models (make_synthetic_gguf --type)")
     p.add_argument("--lock", type=Path, help="hold an exclusive flock on this file around each run")
+    p.add_argument("--lock-gate", type=Path,
+                   help="held exclusively while waiting for --lock and during each hold, where shared takers "
+                        "pass through it first (writer preference)")
     p.add_argument("--llama-no-repack", action="store_true",
                    help="llama.cpp without weight repacking (its --no-repack): needed where the repacked copy "
                         "of a K-quant model does not fit in RAM")
@@ -478,7 +494,7 @@ def main() -> int:
             else:
                 raise SystemExit(f"unknown condition {name!r} (fits, limit, larger)")
             cgroup = MemoryCgroup(cond.limit) if cond.limit else None
-            with exclusive(args.lock):
+            with exclusive(args.lock, args.lock_gate):
                 fio = fio_reference(cond.model, args.fio_seconds)
             info[name] = {"model": cond.model.name, "model_bytes": cond.model.stat().st_size,
                           "about": describe_model(cond.model), "limit": cgroup.limit if cgroup else None,
@@ -487,7 +503,7 @@ def main() -> int:
                 for i in range(args.runs):
                     order = ENGINES if i % 2 == 0 else ENGINES[::-1]
                     for engine in order:
-                        with exclusive(args.lock):
+                        with exclusive(args.lock, args.lock_gate):
                             r = one_run(engine, cond, args, cgroup)
                         r["run"] = i
                         dropped &= r["page_cache_dropped"]
