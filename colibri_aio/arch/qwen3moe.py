@@ -21,6 +21,7 @@ from colibri_aio.gguf.model import Model
 from colibri_aio.kernels.ops import attention, rms_norm, rope_cos_sin, rope_neox, router_top_k, swiglu
 from colibri_aio.kernels.qtensor import QTensor
 from colibri_aio.kernels.backend import dequantize, matmul, matvec
+from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, KVCache, default_context
 from colibri_aio.arch.lookahead import predictor_state, rank_experts
 
 
@@ -60,27 +61,17 @@ def expert_ffn(w: ExpertWeights, x: np.ndarray) -> np.ndarray:
 PREFILL_CHUNK = 256
 
 
-class KVCache:
-    """Keys and values of every layer for up to ``n_ctx`` positions, allocated once."""
-
-    def __init__(self, n_layer: int, n_ctx: int, n_kv: int, head_dim: int) -> None:
-        self.n_ctx = n_ctx
-        self.k = np.zeros((n_layer, n_ctx, n_kv, head_dim), np.float32)
-        self.v = np.zeros((n_layer, n_ctx, n_kv, head_dim), np.float32)
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
-
-
 class Qwen3MoE:
     """A qwen3moe model bound to an expert source and a KV cache."""
 
-    def __init__(self, model: Model, experts: ExpertSource, n_ctx: int | None = None) -> None:
+    def __init__(self, model: Model, experts: ExpertSource, n_ctx: int | None = None,
+                 kv_type: str = DEFAULT_KV_TYPE) -> None:
+        """``n_ctx``: KV-cache positions (default: the model's, at most 4096; never more than the model's);
+        ``kv_type``: "f16" or "f32" storage of keys and values."""
         a = model.args
         self.model, self.args, self.experts = model, a, experts
-        self.n_ctx = min(n_ctx or a.context_length, a.context_length)
-        self.cache = KVCache(a.block_count, self.n_ctx, a.head_count_kv, a.key_length)
+        self.n_ctx = min(n_ctx or default_context(a.context_length), a.context_length)
+        self.cache = KVCache(a.block_count, self.n_ctx, a.head_count_kv, a.key_length, kv_type)
         self.n_past = 0
         self.ids: list[int] = []  # the token ids behind the cache: positions 0..n_past-1
         # The hidden state that predicts the next layer's experts (see arch/lookahead.PREDICTORS);
@@ -159,10 +150,8 @@ class Qwen3MoE:
         v = linear(blk.attn_v, h).reshape(t, a.head_count_kv, a.value_length)
         q = rope_neox(rms_norm(q, blk.attn_q_norm, a.rms_eps), cos, sin)
         k = rope_neox(rms_norm(k, blk.attn_k_norm, a.rms_eps), cos, sin)
-        self.cache.k[layer, positions] = k
-        self.cache.v[layer, positions] = v
-        s = int(positions[-1]) + 1
-        o = attention(q, self.cache.k[layer, :s], self.cache.v[layer, :s], positions)
+        self.cache.store(layer, positions, k, v)
+        o = attention(q, *self.cache.upto(layer, int(positions[-1]) + 1), positions)
         return linear(blk.attn_output, o)
 
     async def _moe(self, layer: int, h: np.ndarray, positions: np.ndarray, layer_input: np.ndarray,

@@ -29,6 +29,7 @@ from typing import IO, TYPE_CHECKING, NoReturn
 from colibri_aio import __version__
 from colibri_aio.errors import ExpertReadError, UserError
 from colibri_aio.cli.logs import configure as configure_logs
+from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, KV_TYPES
 from colibri_aio.engine.placement import IO_CHOICES, PREFETCH_CHOICES
 
 if TYPE_CHECKING:
@@ -77,6 +78,9 @@ def _add_memory(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--ctx", "--context", dest="ctx", type=int, default=None, metavar="N",
                    help="context positions to allocate in the KV cache (default: the model's context_length, "
                         "at most 4096; more than the model's is clamped, with a warning)")
+    g.add_argument("--kv-type", choices=tuple(KV_TYPES), default=DEFAULT_KV_TYPE,
+                   help="how the KV cache stores keys and values: f16 halves its memory (as llama.cpp), f32 "
+                        "keeps every bit (default: %(default)s)")
     g.add_argument("--history", action=argparse.BooleanOptionalAction, default=True,
                    help="read and update this model's usage history, a cache file under "
                         "$XDG_CACHE_HOME/colibri_aio/usage (default: on)")
@@ -100,7 +104,8 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
 def _placement(args: argparse.Namespace) -> dict:
     """Engine.open's keyword arguments from the placement options."""
     return dict(io=args.io, ram_budget=args.ram_budget, cache_per_layer=args.cache_per_layer,
-                prefetch=args.prefetch, pin=args.pin, kernels=args.kernels, n_ctx=args.ctx, history=args.history,
+                prefetch=args.prefetch, pin=args.pin, kernels=args.kernels, n_ctx=args.ctx, kv_type=args.kv_type,
+                history=args.history,
                 progress=_progress if sys.stderr.isatty() else None)
 
 
@@ -324,7 +329,7 @@ def _plan(args: argparse.Namespace) -> int:
     from colibri_aio.policy.budget import parse_size
 
     placement = Placement(ram_budget=parse_size(args.ram_budget) if args.ram_budget else None,
-                          cache_per_layer=args.cache_per_layer, pin=args.pin, context=args.ctx)
+                          cache_per_layer=args.cache_per_layer, pin=args.pin, context=args.ctx, kv_type=args.kv_type)
     model = load(_model(args) or default_model_path(), resident=False)
     past = HistoryFile.for_model(model).load() if args.history else None
     limits = memory_limits()
@@ -350,7 +355,7 @@ def _plan_table(model, plan, limits) -> str:
                    f"{gb(limits.cgroup_limit) if limits.cgroup_limit else 'none'}"),
         ("budget", f"{gb(plan.budget)} ({plan.budget_source})"),
         ("trunk resident", gb(plan.trunk)),
-        ("KV cache", f"{gb(plan.kv_cache)} for {plan.context} positions ({plan.context_source})"),
+        ("KV cache", f"{gb(plan.kv_cache)} {plan.kv_type} for {plan.context} positions ({plan.context_source})"),
         ("working", gb(plan.working)),
         ("expert pool", f"{plan.slots} slots x {gb(plan.slot_nbytes)} = {gb(plan.pool)} "
                         f"({plan.slots}/{plan.experts_total} experts{', all fit' if plan.all_experts_fit else ''}; "

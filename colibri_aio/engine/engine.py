@@ -95,7 +95,7 @@ class Engine:
                  placement: Placement, history: HistoryFile | None = None) -> None:
         self.model, self.tokenizer, self.source, self.plan, self.placement = model, tokenizer, source, plan, placement
         self.history = history
-        self.net = Qwen3MoE(model, source, plan.context)
+        self.net = Qwen3MoE(model, source, plan.context, plan.kv_type)
         self.net.lookahead = placement.lookahead
         self.prompt_tokens = self.generated_tokens = self.cached_tokens = 0
         self.prefill_s = self.decode_s = 0.0
@@ -110,7 +110,7 @@ class Engine:
     @classmethod
     async def open(cls, path: str | os.PathLike[str] | None = None, *, io: str = "auto",
                    ram_budget: int | str | None = None, cache_per_layer: int | None = None,
-                   prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None,
+                   prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None, kv_type: str = "f16",
                    kernels: str | None = None, progress: Progress | None = None,
                    history: bool = True) -> "Engine":
         """Load ``path`` (default: the shipped model) and open its expert source.
@@ -120,7 +120,9 @@ class Engine:
         (expert slots per layer instead of a budget), ``prefetch``
         (auto|on|off), ``pin`` (auto|off|FILE), ``n_ctx`` (KV-cache positions;
         default min(the model's context, 4096); more than the model's is
-        clamped with a warning). Placement changes speed, never tokens. ``kernels`` (auto|numpy|numba;
+        clamped with a warning), ``kv_type`` (f16|f32: how keys and values are
+        stored; f16 halves the KV cache, as in llama.cpp). Placement changes
+        speed, never tokens. ``kernels`` (auto|numpy|numba;
         default: $COLIBRI_KERNELS or auto) picks the matrix kernels for the
         process; backends differ in the last bits, so compare runs within one.
         ``progress(step, done, total)`` hears about the long steps (loading the
@@ -130,7 +132,7 @@ class Engine:
         """
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,
-                              pin=pin, context=n_ctx)
+                              pin=pin, context=n_ctx, kv_type=kv_type)
         if kernels is not None:
             if kernels not in backend.NAMES:
                 raise UserError(f"unknown kernels {kernels!r} (choose from {', '.join(backend.NAMES)})")
@@ -163,8 +165,8 @@ class Engine:
         """
         a, plan, reader, cache = self.model.args, self.plan, self.source.reader, self.source.policy.cache
         line = (f"{self.model.path.name}: {a.block_count} layers x {a.expert_count} experts of "
-                f"{gb(plan.expert_nbytes)}; KV {plan.context} ctx; cache {cache.n_slots} slots "
-                f"({len(cache.pinned)} pinned) = {gb(cache.n_slots * plan.slot_nbytes)}; io {reader.backend}; "
+                f"{gb(plan.expert_nbytes)}; KV {gb(plan.kv_cache)} {plan.kv_type} for {plan.context} ctx; "
+                f"cache {cache.n_slots} slots ({len(cache.pinned)} pinned) = {gb(cache.n_slots * plan.slot_nbytes)}; io {reader.backend}; "
                 f"prefetch {self.placement.prefetch}; kernels {backend.backend_name()}")
         if not full:
             return line

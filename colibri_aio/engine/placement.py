@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, check_kv_type
 from colibri_aio.errors import UserError
 from colibri_aio.gguf.model import Model, Progress
 from colibri_aio.io.reader import BACKENDS, ExpertReader
@@ -52,6 +53,7 @@ class Placement:
     cache_policy: str = "lfru"
     cache_half_life: float = 4096.0
     context: int | None = None
+    kv_type: str = DEFAULT_KV_TYPE  # storage of the KV cache: f16 (llama.cpp's default) or f32
     backpressure: BackpressureConfig | None = None  # thresholds of --prefetch auto (None: defaults)
 
     def __post_init__(self) -> None:
@@ -64,6 +66,7 @@ class Placement:
             raise UserError(f"--cache-per-layer must be >= 1, got {self.cache_per_layer}")
         if self.context is not None and self.context < 1:
             raise UserError(f"--ctx must be >= 1 position, got {self.context}")
+        check_kv_type(self.kv_type)
 
     @property
     def lookahead(self) -> str | None:
@@ -113,7 +116,7 @@ def plan_for(model: Model, placement: Placement, past: UsageHistory | None, limi
     known = pin_from if pin_from is not None else past
     counts = known.nonzero() if known is not None and known.runs >= 1 else None
     plan = make_plan(model, limits or memory_limits(), budget=placement.ram_budget, context=placement.context,
-                     cache_per_layer=placement.cache_per_layer, usage_counts=counts,
+                     kv_type=placement.kv_type, cache_per_layer=placement.cache_per_layer, usage_counts=counts,
                      pin_share=PIN_SHARE if pin_from is not None else 0.0)
     return plan, pin_from
 

@@ -14,6 +14,7 @@ from colibri_aio.gguf.model import Model
 from colibri_aio.io.align import slot_nbytes_for
 from colibri_aio.engine.memory import MemoryLimits
 from colibri_aio.policy.budget import slots_for_budget
+from colibri_aio.arch.kvcache import DEFAULT_CONTEXT, DEFAULT_KV_TYPE, default_context, kv_nbytes
 from colibri_aio.arch.qwen3moe import PREFILL_CHUNK
 
 GiB = 1 << 30
@@ -27,10 +28,6 @@ DEFAULT_BUDGET_SHARE = 0.85
 # class of machine (2 vCPU, virtio disk): NumPy kernels and O_DIRECT reads.
 ASSUMED_WEIGHTS_PER_S = 3.0e9
 ASSUMED_DISK_BYTES_PER_S = 1.5e9
-# KV-cache positions when the user gives none, as llama.cpp's llama-cli: a
-# Qwen3-30B-A3B file says 40960, which would reserve 7.5 GiB of float32 KV out
-# of the budget the experts need.
-DEFAULT_CONTEXT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +39,8 @@ class Plan:
     context: int
     context_source: str        # "--ctx", "default", or why it is not what was asked
     trunk: int
-    kv_cache: int
+    kv_cache: int              # bytes, from the function the KV cache's allocation uses
+    kv_type: str               # "f16" or "f32"
     working: int               # activations, logits and runtime overhead
     expert_nbytes: int         # one expert's three ranges (the largest expert)
     slot_nbytes: int           # one pool slot: the expert's ranges aligned for O_DIRECT
@@ -74,8 +72,8 @@ class Plan:
     def one_line(self) -> str:
         hit = "n/a" if self.expected_hit_rate is None else f"{self.expected_hit_rate:.0%}"
         return (f"plan: budget {gb(self.budget)} ({self.budget_source}) = trunk {gb(self.trunk)} + "
-                f"KV {gb(self.kv_cache)} ({self.context} ctx, {self.context_source}) + pool {self.slots} slots "
-                f"x {gb(self.slot_nbytes)} = {gb(self.pool)} ({self.pinned_slots} pinned; "
+                f"KV {gb(self.kv_cache)} {self.kv_type} ({self.context} ctx, {self.context_source}) + pool "
+                f"{self.slots} slots x {gb(self.slot_nbytes)} = {gb(self.pool)} ({self.pinned_slots} pinned; "
                 f"{self.slots}/{self.experts_total} experts of {gb(self.expert_nbytes)}) + working "
                 f"{gb(self.working)}; expected hit {hit}; bound by {self.bottleneck}")
 
@@ -87,9 +85,10 @@ def gb(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
 
 
-def kv_cache_nbytes(model: Model, context: int) -> int:
+def kv_cache_nbytes(model: Model, context: int, kv_type: str = DEFAULT_KV_TYPE) -> int:
+    """Bytes of the KV cache the forward pass allocates for ``context`` positions."""
     a = model.args
-    return 2 * a.block_count * context * a.head_count_kv * a.key_length * 4
+    return kv_nbytes(a.block_count, context, a.head_count_kv, a.key_length, kv_type)
 
 
 def working_nbytes(model: Model, prefill_chunk: int = PREFILL_CHUNK) -> int:
@@ -101,8 +100,8 @@ def working_nbytes(model: Model, prefill_chunk: int = PREFILL_CHUNK) -> int:
 
 
 def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, context: int | None = None,
-              cache_per_layer: int | None = None, usage_counts: dict[tuple[int, int], float] | None = None,
-              pin_share: float = 0.0) -> Plan:
+              kv_type: str = DEFAULT_KV_TYPE, cache_per_layer: int | None = None,
+              usage_counts: dict[tuple[int, int], float] | None = None, pin_share: float = 0.0) -> Plan:
     """The placement for ``model`` within ``budget`` (default: a share of usable RAM).
 
     Refuses, with a :class:`UserError` that says what is missing, a budget
@@ -124,7 +123,7 @@ def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, 
     else:
         _check_budget(budget, limits, notes)
     slot = slot_nbytes_for(model.expert_nbytes_max)
-    kv, working = kv_cache_nbytes(model, context), working_nbytes(model)
+    kv, working = kv_cache_nbytes(model, context, kv_type), working_nbytes(model)
     reserved = model.trunk_nbytes + kv + working
     total = a.block_count * a.expert_count
     if cache_per_layer is not None:
@@ -140,12 +139,13 @@ def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, 
         minimal, what = a.block_count, f"a minimal cache of {a.block_count} expert slots, one per layer"
     if reserved + minimal * slot > budget or slots < minimal:
         raise UserError(
-            f"budget {gb(budget)} is too small: trunk {gb(model.trunk_nbytes)} + KV cache {gb(kv)} for {context} "
-            f"positions + working {gb(working)} + {what} ({gb(minimal * slot)}), need "
+            f"budget {gb(budget)} is too small: trunk {gb(model.trunk_nbytes)} + {kv_type} KV cache {gb(kv)} for "
+            f"{context} positions + working {gb(working)} + {what} ({gb(minimal * slot)}), need "
             f"{gb(reserved + minimal * slot)}")
     hit, hit_source = expected_hit_rate(usage_counts, slots, total)
     compute_s, disk_s = token_times(model, 0.0 if hit is None else hit)
-    return Plan(budget, source, context, context_source, model.trunk_nbytes, kv, working, model.expert_nbytes_max,
+    return Plan(budget, source, context, context_source, model.trunk_nbytes, kv, kv_type, working,
+                model.expert_nbytes_max,
                 slot, slots, total, pinned, hit, hit_source, "disk" if disk_s > compute_s else "compute",
                 compute_s, disk_s, tuple(notes))
 
@@ -154,7 +154,7 @@ def _context(model_context: int, asked: int | None, notes: list[str]) -> tuple[i
     """KV-cache positions for ``asked`` (None: the default) and where the figure comes from."""
     if asked is None:
         if model_context > DEFAULT_CONTEXT:
-            return DEFAULT_CONTEXT, f"default; the model allows {model_context}"
+            return default_context(model_context), f"default; the model allows {model_context}"
         return model_context, "the model's context_length"
     if asked < 1:
         raise UserError(f"--ctx must be >= 1 position, got {asked}")
