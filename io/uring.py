@@ -39,15 +39,18 @@ class ReactorClosedError(RuntimeError):
 
 @dataclass(eq=False, slots=True)
 class RingRead:
-    """One read for the ring: ``nbytes`` at ``offset`` of ``fd`` into ``address``."""
+    """One (vectored) read for the ring: the file bytes at ``offset`` of ``fd``, in order, into ``segments``."""
 
     fd: int
-    address: int            # where the bytes go
-    nbytes: int
+    segments: tuple[tuple[int, int], ...]  # (address, nbytes) where the bytes go, back to back in the file
     offset: int             # file offset
-    buf_index: int | None   # registered buffer holding the destination, or None for a plain readv
+    buf_index: int | None   # registered buffer holding every segment, or None for a plain readv
     on_complete: Callable[[int], None]  # called once with bytes read or -errno, from the loop
     iovec: PointedIovec | None = None  # alive (and not reused) until the completion is reaped
+    nbytes: int = 0         # set from the segments
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(n for _, n in self.segments)
 
 
 class UringReactor:
@@ -173,8 +176,11 @@ class UringReactor:
     def _prepare(self, sqe: object, request: RingRead) -> None:
         token = self._next_token
         self._next_token += 1
-        request.iovec = self._iovecs.pop()
-        request.iovec.point(0, request.address, request.nbytes)
+        count = len(request.segments)
+        # One-piece reads reuse the ring's iovecs; a coalesced read has its own for as long as it is in flight.
+        request.iovec = self._iovecs.pop() if count == 1 else PointedIovec(count)
+        for index, (address, nbytes) in enumerate(request.segments):
+            request.iovec.point(index, address, nbytes)
         if request.buf_index is None:
             L.io_uring_prep_readv(sqe, request.fd, request.iovec.iovec, request.offset, 0)
         else:
@@ -252,7 +258,8 @@ class UringReactor:
         if request is None:
             return
         self._inflight_bytes -= request.nbytes
-        self._iovecs.append(request.iovec)
+        if request.iovec is not None and request.iovec.count == 1:
+            self._iovecs.append(request.iovec)
         request.iovec = None
         if not self._table:
             self.busy_s += time.perf_counter() - self._busy_since

@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 
 from colibri_aio.errors import EngineBusyError, UserError
-from colibri_aio.gguf.model import Model, Progress, load
+from colibri_aio.gguf.model import Model, Progress
 from colibri_aio.kernels import backend
-from gguf import GGMLQuantizationType
 from colibri_aio.engine.memory import peak_rss_bytes, rss_bytes
 from colibri_aio.engine.device import DeviceMonitor
 from colibri_aio.models import default_model_path
+from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE
 from colibri_aio.arch.qwen3moe import Qwen3MoE
 from colibri_aio.text.sampling import (FinishReason, SamplingParams, Stopper, TokenPicker, check_generation_options,
                                       log_softmax, top_logprobs)
@@ -39,7 +39,8 @@ from colibri_aio.engine.plan import Plan, gb
 from colibri_aio.policy.budget import parse_size
 from colibri_aio.engine.scheduler import CachedExpertSource
 from colibri_aio.engine.history import HistoryFile
-from colibri_aio.engine.placement import Placement, open_source
+from colibri_aio.engine.opening import OpenTimings, open_parts
+from colibri_aio.engine.placement import Placement
 from colibri_aio.engine.stats import EngineStats
 from colibri_aio.logs import get_logger
 from colibri_aio.text.tokenizer import Tokenizer
@@ -81,13 +82,6 @@ class GenerationPiece:
         return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def _matrix_types(model: Model) -> tuple[GGMLQuantizationType, ...]:
-    """The ggml types the forward pass multiplies (to compile or load their kernels up front)."""
-    b, e = model.blocks[0], model.experts[0][0]
-    mats = [model.output, b.attn_q, b.attn_k, b.attn_v, b.attn_output]
-    return tuple(sorted({m.ggml_type for m in mats} | {r.ggml_type for r in e.ranges}))
-
-
 class Engine:
     """A model ready to generate. Open with :meth:`open`; close with ``async with`` or :meth:`aclose`."""
 
@@ -106,11 +100,12 @@ class Engine:
         self._turn = asyncio.Lock()  # one caller at a time on the KV cache
         self._holder: asyncio.Task[Any] | None = None  # the task whose turn it is
         self._closed = False
+        self.open_timings: OpenTimings | None = None  # what each step of open took (set by open)
 
     @classmethod
     async def open(cls, path: str | os.PathLike[str] | None = None, *, io: str = "auto",
                    ram_budget: int | str | None = None, cache_per_layer: int | None = None,
-                   prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None, kv_type: str = "f16",
+                   prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None, kv_type: str = DEFAULT_KV_TYPE,
                    kernels: str | None = None, progress: Progress | None = None,
                    history: bool = True) -> "Engine":
         """Load ``path`` (default: the shipped model) and open its expert source.
@@ -126,7 +121,9 @@ class Engine:
         default: $COLIBRI_KERNELS or auto) picks the matrix kernels for the
         process; backends differ in the last bits, so compare runs within one.
         ``progress(step, done, total)`` hears about the long steps (loading the
-        trunk, compiling or loading kernels, the pool, pinning). ``history``:
+        trunk, compiling or loading kernels, the pool, pinning), which run side
+        by side (:mod:`colibri_aio.engine.opening`); ``open_timings`` has what
+        each one took. ``history``:
         read and update this model's usage history (a cache file under
         ``$XDG_CACHE_HOME/colibri_aio/usage``; False: neither read nor write it).
         """
@@ -137,21 +134,12 @@ class Engine:
             if kernels not in backend.NAMES:
                 raise UserError(f"unknown kernels {kernels!r} (choose from {', '.join(backend.NAMES)})")
             backend.set_backend(kernels)
-        model = load(path if path is not None else default_model_path(), progress=progress)
-        if progress is not None:
-            progress("load kernels", 0, 1)
-        # Compiled kernels come from numba's on-disk cache (~1 s); only a cold cache compiles.
-        backend.warm_up(_matrix_types(model))
-        if progress is not None:
-            progress("load kernels", 1, 1)
-        tokenizer = Tokenizer.from_gguf(model.reader)
-        if tokenizer.vocab_size != model.args.vocab_size:
-            raise UserError(f"{model.path}: tokenizer has {tokenizer.vocab_size} tokens, model {model.args.vocab_size}")
-        store = HistoryFile.for_model(model) if history else None
-        source, plan = await open_source(model, placement, progress, store)
+        model, tokenizer, source, plan, store, timings = await open_parts(
+            path if path is not None else default_model_path(), placement, progress=progress, history=history)
         for note in plan.notes:
             log.warning(note)
         engine = cls(model, tokenizer, source, plan, placement, store)
+        engine.open_timings = timings
         log.info(engine.describe(full=True))
         if engine.device is not None:
             engine._monitor = asyncio.get_running_loop().create_task(engine.device.run())

@@ -17,12 +17,15 @@ import numpy as np
 
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.gguf.header import GGUFHeader
+from colibri_aio.io.bulk import BulkStats, read_ranges
 from colibri_aio.io.modelfile import FileIdentity
 from colibri_aio.experts import ExpertLocation, TensorRange
 from colibri_aio.kernels.qtensor import QTensor
 from colibri_aio.kernels.quant import SUPPORTED_TYPES, dequantize
 
 SUPPORTED_ARCHITECTURES = ("qwen3moe",)
+
+Progress = Callable[[str, int, int], None]  # (step, done, total)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +77,7 @@ class Model:
     blocks: list[BlockWeights]
     experts: list[list[ExpertLocation]]  # [layer][expert]
     reader: GGUFHeader                   # metadata (tokenizer, chat template)
+    trunk_read: BulkStats | None = None  # how the resident trunk was read (None: views of the file)
 
     @property
     def trunk_nbytes(self) -> int:
@@ -161,15 +165,38 @@ def _check_args(a: ModelArgs, path: Path) -> None:
             f"{path}: key_length {a.key_length} and value_length {a.value_length} must be equal and even")
 
 
+def is_routed_expert(name: str) -> bool:
+    """Whether tensor ``name`` holds routed experts (``blk.N.ffn_*_exps.*``): streamed, never resident."""
+    return "_exps." in name
+
+
 class _Tensors:
     """Checked access to the file's tensors: presence, type, shape, bytes within the file."""
 
-    def __init__(self, reader: GGUFHeader, path: Path, args: ModelArgs, copy: bool) -> None:
+    def __init__(self, reader: GGUFHeader, path: Path, args: ModelArgs, copy: bool,
+                 progress: Progress | None = None) -> None:
         self.by_name = {t.name: t for t in reader.tensors}
         self.path, self.args, self.copy = path, args, copy
         self.file_size = path.stat().st_size
         self.raw = np.memmap(path, dtype=np.uint8, mode="r")
-        self.file = open(path, "rb", buffering=0)
+        self.copies: dict[str, np.ndarray] = {}
+        self.read_stats: BulkStats | None = None
+        if copy:
+            self._read_trunk(progress)
+
+    def _read_trunk(self, progress: Progress | None) -> None:
+        """Every tensor but the routed experts, read at once with large aligned reads.
+
+        Not through the mmap: mapped file pages count in RSS, and copying
+        through them would hold the trunk twice at peak. Tensors that reach
+        past the end of the file are left to :meth:`get`, which names them.
+        """
+        wanted = [t for t in self.by_name.values()
+                  if not is_routed_expert(t.name) and t.data_offset + t.n_bytes <= self.file_size]
+        report = None if progress is None else (lambda done, total: progress("load trunk", done, total))
+        data, self.read_stats = read_ranges(self.path, [(t.data_offset, t.n_bytes) for t in wanted],
+                                            progress=report)
+        self.copies = {t.name: d for t, d in zip(wanted, data)}
 
     def get(self, name: str, shape: tuple[int, ...]):
         t = self.by_name.get(name)
@@ -192,19 +219,11 @@ class _Tensors:
 
     def resident(self, name: str, shape: tuple[int, ...]) -> QTensor:
         """A copy in RAM (the trunk must not depend on the page cache), or a view of the file when
-        only the model's description is wanted.
-
-        The copy is read with readinto, not through the mmap: mapped file pages
-        count in RSS, and copying through them would hold the trunk twice at peak.
-        """
+        only the model's description is wanted."""
         t = self.get(name, shape)
         if not self.copy:
             return QTensor(self.raw[t.data_offset: t.data_offset + t.n_bytes], t.tensor_type, shape)
-        data = np.empty(t.n_bytes, np.uint8)
-        self.file.seek(t.data_offset)
-        if self.file.readinto(memoryview(data)) != t.n_bytes:
-            raise ModelFormatError(f"{self.path}: tensor {name} could not be read in full (truncated?)")
-        return QTensor(data, t.tensor_type, shape)
+        return QTensor(self.copies[name], t.tensor_type, shape)
 
     def vector(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         return dequantize(self.resident(name, shape)).astype(np.float32, copy=False)
@@ -245,8 +264,6 @@ def _expert_locations(ts: _Tensors, i: int) -> list[ExpertLocation]:
     return [ExpertLocation(i, x, rng("gate", x), rng("up", x), rng("down", x)) for x in range(e)]
 
 
-Progress = Callable[[str, int, int], None]  # (step, done, total)
-
 
 def load(path: str | os.PathLike[str], *, resident: bool = True, progress: Progress | None = None) -> Model:
     """Open and check a GGUF; load the trunk into RAM and describe every expert's bytes.
@@ -256,21 +273,29 @@ def load(path: str | os.PathLike[str], *, resident: bool = True, progress: Progr
     """
     p = Path(path)
     reader = _open_reader(p)
-    args = read_args(reader, p)
-    ts = _Tensors(reader, p, args, copy=resident)
+    return _build(p, reader, read_args(reader, p), resident, progress)
+
+
+def with_resident_trunk(model: Model, progress: Progress | None = None) -> Model:
+    """``model``, loaded with ``resident=False``, with its trunk read into RAM (the header is not parsed again).
+
+    So that the expert reader can open, and start reading, from the header
+    alone while the trunk is read.
+    """
+    return _build(model.path, model.reader, model.args, True, progress)
+
+
+def _build(p: Path, reader: GGUFHeader, args: ModelArgs, resident: bool, progress: Progress | None) -> Model:
+    ts = _Tensors(reader, p, args, copy=resident, progress=progress)
     vocab, d = args.vocab_size, args.embedding_length
-    with ts.file:
-        token_embd = ts.resident("token_embd.weight", (vocab, d))
-        output = token_embd if args.tied_output else ts.resident("output.weight", (vocab, d))
-        output_norm = ts.vector("output_norm.weight", (d,))
-        blocks = []
-        for i in range(args.block_count):
-            blocks.append(_block(ts, i))
-            if progress is not None:
-                progress("load trunk", i + 1, args.block_count)
+    token_embd = ts.resident("token_embd.weight", (vocab, d))
+    output = token_embd if args.tied_output else ts.resident("output.weight", (vocab, d))
+    output_norm = ts.vector("output_norm.weight", (d,))
+    blocks = [_block(ts, i) for i in range(args.block_count)]
     experts = [_expert_locations(ts, i) for i in range(args.block_count)]
     extra = sorted(n for n in ts.by_name if n.startswith(f"blk.{args.block_count}."))
     if extra:
         raise ModelFormatError(f"{p}: tensor {extra[0]} lies beyond block_count {args.block_count}")
     return Model(path=p, identity=FileIdentity.of(os.stat(p)), args=args, token_embd=token_embd,
-                 output_norm=output_norm, output=output, blocks=blocks, experts=experts, reader=reader)
+                 output_norm=output_norm, output=output, blocks=blocks, experts=experts, reader=reader,
+                 trunk_read=ts.read_stats)

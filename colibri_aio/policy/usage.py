@@ -21,26 +21,18 @@ written, locked and set aside is :mod:`colibri_aio.engine.history`.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from typing import Any
 
 import numpy as np
 
 from colibri_aio.errors import UserError
+from colibri_aio.gguf.fingerprint import model_fingerprint
 from colibri_aio.gguf.model import Model
 from colibri_aio.policy.cache import Key
 
 USAGE_FORMAT, USAGE_VERSION = "colibri-aio-usage", 1
 DEFAULT_DECAY = 0.9
-
-
-def model_fingerprint(model: Model) -> str:
-    """A hex digest of the GGUF's header (metadata and tensor table) and file size (never its path)."""
-    h = hashlib.sha256()
-    h.update(f"size={model.identity.size}\n".encode())
-    h.update(model.reader.header_bytes)
-    return h.hexdigest()[:32]
 
 
 class UsageHistory:

@@ -177,22 +177,18 @@ def _byte_level_translation() -> dict[int, int]:
     return table
 
 
-def token_bytes_table(spec: TokenizerSpec) -> tuple[list[bytes], list[bool]]:
-    """Raw bytes of every token and whether it is special (control) text."""
-    table = _byte_level_translation()
-    pieces: list[bytes] = []
-    special: list[bool] = []
-    for text, ty in zip(spec.tokens, spec.token_types):
-        piece = None
-        if ty == _TT.NORMAL:
-            try:
-                piece = text.translate(table).encode("latin-1")
-            except UnicodeEncodeError:
-                pass  # not byte-level text: keep it as written, like llama.cpp
-        # Control and user-defined tokens are stored as plain text, not byte-mapped.
-        pieces.append(piece if piece is not None else text.encode("utf-8"))
-        special.append(ty in (_TT.CONTROL, _TT.UNKNOWN, _TT.UNUSED))
-    return pieces, special
+_SPECIAL_TYPES = frozenset({int(_TT.CONTROL), int(_TT.UNKNOWN), int(_TT.UNUSED)})
+
+
+def token_piece(text: str, token_type: int, translation: Mapping[int, int]) -> bytes:
+    """The raw bytes one token stands for, from its vocabulary text (``translation``: :func:`_byte_level_translation`)."""
+    if token_type == _TT.NORMAL:
+        try:
+            return text.translate(translation).encode("latin-1")
+        except UnicodeEncodeError:
+            pass  # not byte-level text: keep it as written, like llama.cpp
+    # Control and user-defined tokens are stored as plain text, not byte-mapped.
+    return text.encode("utf-8")
 
 
 def eog_ids(spec: TokenizerSpec) -> frozenset[int]:
@@ -244,12 +240,16 @@ def make_template_environment() -> ImmutableSandboxedEnvironment:
 class Tokenizer:
     """Byte-level BPE tokenizer and chat template of one GGUF model."""
 
-    def __init__(self, spec: TokenizerSpec) -> None:
+    def __init__(self, spec: TokenizerSpec, hf: HFTokenizer | None = None) -> None:
+        """``hf``: the pipeline :func:`build_hf_tokenizer` makes of ``spec``, built earlier (a cache); None: build it."""
         self.spec = spec
-        self._hf = build_hf_tokenizer(spec)
+        self._hf = hf if hf is not None else build_hf_tokenizer(spec)
         # encode_special_tokens is a flag on the shared object; flip it under a lock.
         self._lock = threading.Lock()
-        self._pieces, self._special = token_bytes_table(spec)
+        # Token bytes are worked out when a token is first decoded: for 152k tokens up front
+        # that took as long as building the BPE itself.
+        self._translation = _byte_level_translation()
+        self._pieces: dict[int, bytes] = {}
         self._eog = eog_ids(spec)
         self._template = None
 
@@ -310,9 +310,13 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int, *, skip_special: bool = False) -> bytes:
         """The raw bytes one token stands for (possibly part of a UTF-8 character)."""
-        if skip_special and self._special[token_id]:
+        if skip_special and self.spec.token_types[token_id] in _SPECIAL_TYPES:
             return b""
-        return self._pieces[token_id]
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = token_piece(self.spec.tokens[token_id], self.spec.token_types[token_id],
+                                                         self._translation)
+        return piece
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
         """Text of ``ids``; invalid UTF-8 (a cut multi-byte character) becomes U+FFFD."""
