@@ -53,6 +53,9 @@ async def test_logits_are_bit_identical_across_placements(name: str) -> None:
     for io, per_layer, prefetch in combos:
         got, _ = await _engine_logits(name, ids, io=io, cache_per_layer=per_layer, prefetch=prefetch)
         assert np.array_equal(got, want), (io, per_layer, prefetch)
+    for per_layer in (1, e):
+        got, _ = await _engine_logits(name, ids, io="uring", cache_per_layer=per_layer, warm_start=False)
+        assert np.array_equal(got, want), ("no warm start", per_layer)
     got, _ = await _engine_logits(name, ids, ram_budget="600M")  # global cache sized by the plan
     assert np.array_equal(got, want)
 
@@ -63,8 +66,13 @@ async def test_cache_that_holds_everything_reads_each_expert_once() -> None:
     got, engine = await _engine_logits("tiny_q8_0", ids + ids, io="pread", cache_per_layer=model.args.expert_count,
                                        prefetch="off")
     stats = engine.source.policy.cache.stats
-    assert stats.misses == engine.source.reader.stats.reads <= model.args.block_count * model.args.expert_count
+    reads = engine.source.reader.stats.reads
+    assert stats.misses + stats.warm_reads == reads <= model.args.block_count * model.args.expert_count
     assert stats.hit_rate > 0.5 and stats.prefetch_reads == 0
+    got, engine = await _engine_logits("tiny_q8_0", ids + ids, io="pread", cache_per_layer=model.args.expert_count,
+                                       prefetch="off", warm_start=False)
+    stats = engine.source.policy.cache.stats
+    assert stats.warm_reads == 0 and stats.misses == engine.source.reader.stats.reads
 
 
 async def test_small_cache_evicts_and_prefetch_is_counted() -> None:
@@ -118,18 +126,20 @@ async def test_cancelled_generation_drains_reads_and_closes() -> None:
 async def test_read_error_names_the_expert(monkeypatch) -> None:
     engine = await Engine.open(fixture("tiny_q8_0.gguf"), io="pread", cache_per_layer=2, prefetch="off")
     reader = engine.source.reader
-    real = reader.start
+    real = reader.start_many
 
-    def failing(loc, slot):
-        future = real(loc, slot)
-        if (loc.layer, loc.expert) != (1, 3):
-            return future
-        error = ExpertReadError(reader.file.path, loc.gate.offset, loc.nbytes, loc.layer, loc.expert, "injected")
-        broken = asyncio.get_running_loop().create_future()
-        future.add_done_callback(lambda _: broken.set_exception(error))  # fails once the kernel is done
-        return broken
+    def failing(items):
+        futures = real(items)
+        for i, ((loc, _), future) in enumerate(zip(items, futures)):
+            if (loc.layer, loc.expert) == (1, 3):
+                error = ExpertReadError(reader.file.path, loc.gate.offset, loc.nbytes, loc.layer, loc.expert,
+                                        "injected")
+                broken = asyncio.get_running_loop().create_future()
+                future.add_done_callback(lambda _, b=broken, e=error: b.set_exception(e))  # once the kernel is done
+                futures[i] = broken
+        return futures
 
-    monkeypatch.setattr(reader, "start", failing)
+    monkeypatch.setattr(reader, "start_many", failing)
     try:
         with pytest.raises(ExpertReadError, match="layer 1 expert 3"):
             for ids in oracle_ids():

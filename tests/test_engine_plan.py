@@ -12,6 +12,7 @@ from colibri_aio.errors import UserError
 from colibri_aio.gguf.model import ModelArgs
 from colibri_aio.engine.memory import MemoryLimits
 from colibri_aio.engine.plan import kv_cache_nbytes, make_plan, working_nbytes
+from colibri_aio.policy.usage import MIN_TOKENS
 
 from sparse_gguf import write_sparse_qwen3moe
 from support import fixture, run_cli
@@ -67,11 +68,23 @@ def test_default_budget_follows_the_cgroup_limit() -> None:
 
 def test_usage_history_gives_an_expected_hit_rate() -> None:
     counts = {(layer, e): (100.0 if e < 16 else 1.0) for layer in range(48) for e in range(128)}
-    plan = make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, context=4096, usage_counts=counts, pin_share=0.5)
+    plan = make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, context=4096, usage_counts=counts, pin_share=0.5,
+                     history_tokens=MIN_TOKENS)
     hot = 48 * 16 * 100.0
     assert plan.expected_hit_rate == pytest.approx((hot + (plan.slots - 48 * 16)) / (hot + 48 * 112))
     fit = (12 * GiB - _reserved(4096)) // SLOT
     assert plan.pinned_slots == fit // 2 and (plan.slots - plan.pinned_slots) % 48 == 0
+
+
+def test_a_short_usage_history_gives_no_hit_rate() -> None:
+    """A history of a few positions has seen few experts: they would all seem to fit, so the plan says so."""
+    counts = {(layer, e): 1.0 for layer in range(48) for e in range(8)}
+    plan = make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, context=4096, usage_counts=counts,
+                     history_tokens=MIN_TOKENS - 1)
+    assert plan.expected_hit_rate is None and "too few" in plan.hit_rate_source
+    plan = make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, context=4096, usage_counts=counts,
+                     history_tokens=MIN_TOKENS)
+    assert plan.expected_hit_rate == 1.0 and plan.hit_rate_source == "usage history"
 
 
 def test_planted_over_budget_is_refused() -> None:

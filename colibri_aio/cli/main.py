@@ -96,6 +96,10 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
                    help="read the experts router lookahead predicts for the next layer; auto keeps it on "
                         "unless the disk is saturated and decode steps measure faster with it off "
                         "(default: %(default)s)")
+    g.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
+                   help="stream experts into the expert cache from the start, behind every read the model waits "
+                        "for: all of them when they fit, else the ones a long usage history uses most "
+                        "(default: on)")
     g.add_argument("--kernels", choices=("auto", "numpy", "numba"), default=None,
                    help="matrix kernels: compiled (numba) where they pay, else NumPy "
                         "(default: $COLIBRI_KERNELS or auto)")
@@ -105,7 +109,7 @@ def _placement(args: argparse.Namespace) -> dict:
     """Engine.open's keyword arguments from the placement options."""
     return dict(io=args.io, ram_budget=args.ram_budget, cache_per_layer=args.cache_per_layer,
                 prefetch=args.prefetch, pin=args.pin, kernels=args.kernels, n_ctx=args.ctx, kv_type=args.kv_type,
-                history=args.history,
+                history=args.history, warm_start=args.warm_start,
                 progress=_progress if sys.stderr.isatty() else None)
 
 
@@ -346,7 +350,7 @@ def _plan_table(model, plan, limits) -> str:
     from colibri_aio.engine.plan import gb
 
     a = model.args
-    hit = "n/a (no usage history)" if plan.expected_hit_rate is None else \
+    hit = f"n/a ({plan.hit_rate_source})" if plan.expected_hit_rate is None else \
         f"{plan.expected_hit_rate:.1%} ({plan.hit_rate_source})"
     rows = [
         ("model", f"{model.path.name}: {a.architecture}, {a.block_count} layers, {a.expert_count} experts "

@@ -107,7 +107,7 @@ class Engine:
                    ram_budget: int | str | None = None, cache_per_layer: int | None = None,
                    prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None, kv_type: str = DEFAULT_KV_TYPE,
                    kernels: str | None = None, progress: Progress | None = None,
-                   history: bool = True) -> "Engine":
+                   history: bool = True, warm_start: bool = True) -> "Engine":
         """Load ``path`` (default: the shipped model) and open its expert source.
 
         Placement: ``io`` (auto|uring|pread|mmap), ``ram_budget`` (bytes or a
@@ -126,10 +126,13 @@ class Engine:
         each one took. ``history``:
         read and update this model's usage history (a cache file under
         ``$XDG_CACHE_HOME/colibri_aio/usage``; False: neither read nor write it).
+        ``warm_start``: stream experts into the expert cache from the start, in
+        the background and behind every read the model waits for (all of them
+        when they fit, else the ones a long enough usage history uses most).
         """
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,
-                              pin=pin, context=n_ctx, kv_type=kv_type)
+                              pin=pin, context=n_ctx, kv_type=kv_type, warm_start=warm_start)
         if kernels is not None:
             if kernels not in backend.NAMES:
                 raise UserError(f"unknown kernels {kernels!r} (choose from {', '.join(backend.NAMES)})")
@@ -333,4 +336,7 @@ class Engine:
             if step.finish_reason is not None:
                 return
             tick = time.perf_counter()
+            # A token whose experts all hit never suspends: give the loop a turn for what waits on it
+            # (signal handlers, reads that landed, an HTTP server's other requests).
+            await asyncio.sleep(0)
             logits = await self.net.forward([token])

@@ -16,7 +16,7 @@ from colibri_aio.gguf.model import Model, Progress
 from colibri_aio.io.reader import BACKENDS, ExpertReader
 from colibri_aio.engine.memory import MemoryLimits, memory_limits
 from colibri_aio.engine.plan import Plan, make_plan
-from colibri_aio.policy.cache import ExpertCache
+from colibri_aio.policy.cache import ExpertCache, Key
 from colibri_aio.policy.backpressure import BackpressureConfig, BackpressureController
 from colibri_aio.policy.predictor import LookaheadPredictor
 from colibri_aio.policy.scheduler import SchedulerPolicy
@@ -54,6 +54,7 @@ class Placement:
     cache_half_life: float = 4096.0
     context: int | None = None
     kv_type: str = DEFAULT_KV_TYPE  # storage of the KV cache: f16 (llama.cpp's default) or f32
+    warm_start: bool = True         # stream experts into the pool from the start (see warm_keys)
     backpressure: BackpressureConfig | None = None  # thresholds of --prefetch auto (None: defaults)
 
     def __post_init__(self) -> None:
@@ -117,7 +118,8 @@ def plan_for(model: Model, placement: Placement, past: UsageHistory | None, limi
     counts = known.nonzero() if known is not None and known.runs >= 1 else None
     plan = make_plan(model, limits or memory_limits(), budget=placement.ram_budget, context=placement.context,
                      kv_type=placement.kv_type, cache_per_layer=placement.cache_per_layer, usage_counts=counts,
-                     pin_share=PIN_SHARE if pin_from is not None else 0.0)
+                     pin_share=PIN_SHARE if pin_from is not None else 0.0,
+                     history_tokens=known.tokens if counts is not None else None)
     return plan, pin_from
 
 
@@ -129,6 +131,22 @@ def pins(model: Model, placement: Placement, plan: Plan, pin_from: UsageHistory 
         per_layer = int(min(placement.cache_per_layer, model.args.expert_count) * PIN_SHARE)
         return pin_from.hottest(per_layer * model.args.block_count, per_layer=per_layer)
     return pin_from.hottest(plan.pinned_slots)
+
+
+def warm_keys(model: Model, placement: Placement, cache: ExpertCache, past: UsageHistory | None) -> list[Key]:
+    """What the warm start streams into the pool: every expert when the cache holds them all, else the
+    experts a usage history long enough to stand for the workload uses most (as many as fit each layer's
+    quota); nothing without one, or with ``warm_start`` off."""
+    a = model.args
+    if not placement.warm_start:
+        return []
+    quota = cache.layer_quota if cache.layer_quota is not None else cache.n_slots // a.block_count
+    everything = [(layer, e) for layer in range(a.block_count) for e in range(a.expert_count)]
+    if quota >= a.expert_count:
+        return everything
+    if past is None or not past.enough:
+        return []
+    return past.hottest(quota * a.block_count, per_layer=quota)
 
 
 async def open_source(model: Model, placement: Placement, progress: Progress | None = None,
@@ -162,6 +180,9 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
     except BaseException:
         await source.aclose()
         raise
+    warm = warm_keys(model, placement, cache, past)
+    source.start_warm(warm)
     log.info("placement", io=reader.backend, io_reason=reader.backend_reason, slots=cache.n_slots,
-             scope=cache.scope, policy=cache.policy, prefetch=placement.prefetch, pinned=len(pinned))
+             scope=cache.scope, policy=cache.policy, prefetch=placement.prefetch, pinned=len(pinned),
+             warm_start=len(warm))
     return source, plan

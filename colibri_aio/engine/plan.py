@@ -14,6 +14,7 @@ from colibri_aio.gguf.model import Model
 from colibri_aio.io.align import slot_nbytes_for
 from colibri_aio.engine.memory import MemoryLimits
 from colibri_aio.policy.budget import slots_for_budget
+from colibri_aio.policy.usage import MIN_TOKENS
 from colibri_aio.arch.kvcache import DEFAULT_CONTEXT, DEFAULT_KV_TYPE, default_context, kv_nbytes
 from colibri_aio.arch.qwen3moe import PREFILL_CHUNK
 
@@ -101,7 +102,8 @@ def working_nbytes(model: Model, prefill_chunk: int = PREFILL_CHUNK) -> int:
 
 def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, context: int | None = None,
               kv_type: str = DEFAULT_KV_TYPE, cache_per_layer: int | None = None,
-              usage_counts: dict[tuple[int, int], float] | None = None, pin_share: float = 0.0) -> Plan:
+              usage_counts: dict[tuple[int, int], float] | None = None, pin_share: float = 0.0,
+              history_tokens: float | None = None) -> Plan:
     """The placement for ``model`` within ``budget`` (default: a share of usable RAM).
 
     Refuses, with a :class:`UserError` that says what is missing, a budget
@@ -112,6 +114,9 @@ def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, 
     per layer; with one slot a layer's experts are read, used and evicted in
     turn). Whatever differs from what was asked (a context above the
     model's, a budget above the memory available now) is in ``notes``.
+    ``usage_counts`` (with the ``history_tokens`` positions behind them)
+    size the pins and, from a history long enough to stand for the
+    workload, the expected hit rate.
     """
     a = model.args
     notes: list[str] = []
@@ -142,7 +147,7 @@ def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, 
             f"budget {gb(budget)} is too small: trunk {gb(model.trunk_nbytes)} + {kv_type} KV cache {gb(kv)} for "
             f"{context} positions + working {gb(working)} + {what} ({gb(minimal * slot)}), need "
             f"{gb(reserved + minimal * slot)}")
-    hit, hit_source = expected_hit_rate(usage_counts, slots, total)
+    hit, hit_source = expected_hit_rate(usage_counts, slots, total, history_tokens)
     compute_s, disk_s = token_times(model, 0.0 if hit is None else hit)
     return Plan(budget, source, context, context_source, model.trunk_nbytes, kv, kv_type, working,
                 model.expert_nbytes_max,
@@ -186,17 +191,23 @@ def _slots_per_layer(block_count: int, expert_count: int, cache_per_layer: int,
     return per_layer * block_count + pinned, pinned
 
 
-def expected_hit_rate(usage_counts: dict[tuple[int, int], float] | None, slots: int,
-                      total: int) -> tuple[float | None, str]:
+def expected_hit_rate(usage_counts: dict[tuple[int, int], float] | None, slots: int, total: int,
+                      tokens: float | None = None) -> tuple[float | None, str]:
     """The share of past selections the ``slots`` most used experts would have served.
 
     This is the steady state of a frequency-ordered cache on the recorded
-    workload: an estimate, not a promise (LRU on a shifting workload does worse).
+    workload: an estimate, not a promise (LRU on a shifting workload does
+    worse). None, with the reason, without a history of at least
+    :data:`~colibri_aio.policy.usage.MIN_TOKENS` positions (``tokens``):
+    a short one has seen few experts, and they would all seem to fit.
     """
     if slots >= total:
         return 1.0, "every expert fits"
     if not usage_counts:
         return None, "no usage history"
+    if tokens is None or tokens < MIN_TOKENS:
+        return None, (f"the usage history has seen {tokens or 0:.0f} positions, too few to stand for the "
+                      f"workload ({MIN_TOKENS} needed)")
     counts = sorted(usage_counts.values(), reverse=True)
     return sum(counts[:slots]) / sum(counts), "usage history"
 
