@@ -17,6 +17,19 @@ class UserError(Exception):
     """A mistake the user can fix; reported as one line, exit status 2."""
 
 
+MAX_LINE = 1000  # characters of one error line
+
+
+def one_line(message: object) -> str:
+    """``message`` as one printable line: whitespace runs (newlines included) become one space, other control
+    characters their escapes, and a very long text is cut. The error path prints every message through it,
+    so that no text from a model file can break the one-line rule or drive a terminal."""
+    text = " ".join(str(message).split())
+    if not text.isprintable():
+        text = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return text if len(text) <= MAX_LINE else text[: MAX_LINE - 3] + "..."
+
+
 class ModelFormatError(UserError):
     """The GGUF is not one we can run: not a GGUF, truncated, inconsistent or unsupported."""
 

@@ -1,11 +1,15 @@
-"""Pure NumPy kernels of the trunk: RMSNorm, NEOX RoPE, grouped-query attention,
-SwiGLU and the router's softmax top-k. All float32 in, float32 out.
+"""Pure NumPy kernels of the trunk: RMSNorm, RoPE (NEOX and NORM), grouped-query
+attention, SwiGLU and the router (llama.cpp's ``build_moe_ffn`` selection). All
+float32 in, float32 out.
 
 Shape legend: T positions, D embedding_length, H query heads, Hkv KV heads,
-d head dim (key_length), S positions held in the KV cache, E expert_count,
-k expert_used_count.
+d head dim (key_length), dv value head dim, S positions held in the KV cache,
+E expert_count, k expert_used_count, n_rot rotated dims of a head.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 
@@ -16,19 +20,42 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return (x * (1.0 / np.sqrt(ms + np.float32(eps)))) * weight
 
 
-def rope_cos_sin(positions: np.ndarray, head_dim: int, freq_base: float) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin tables (T, d/2) for NEOX RoPE; angles computed in float64, then rounded."""
-    inv_freq = freq_base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+def rope_cos_sin(positions: np.ndarray, n_rot: int, freq_base: float) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin tables (T, n_rot/2) of angle pos * base^(-2i/n_rot); float64 angles, then rounded.
+
+    Scaled variants (YaRN, frequency factors) build their own tables of the same shape.
+    """
+    inv_freq = freq_base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
     angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
 def rope_neox(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotate (T, heads, d) by NEOX RoPE: dimension i pairs with i + d/2 (not 2i with 2i+1)."""
-    half = x.shape[-1] // 2
+    """Rotate (T, heads, d) by NEOX RoPE: dimension i pairs with i + n_rot/2 (not 2i with 2i+1).
+
+    n_rot = 2 * cos.shape[-1]; dimensions from n_rot on pass through (partial rotary).
+    """
+    half = cos.shape[-1]
+    if 2 * half < x.shape[-1]:
+        return np.concatenate([rope_neox(x[..., :2 * half], cos, sin), x[..., 2 * half:]], axis=-1)
     x1, x2 = x[..., :half], x[..., half:]
     c, s = cos[:, None, :], sin[:, None, :]
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def rope_norm(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotate (T, heads, d) by NORM RoPE (ggml's default, llama's): dimension 2i pairs with 2i+1.
+
+    n_rot = 2 * cos.shape[-1]; dimensions from n_rot on pass through.
+    """
+    n_rot = 2 * cos.shape[-1]
+    x1, x2 = x[..., 0:n_rot:2], x[..., 1:n_rot:2]
+    c, s = cos[:, None, :], sin[:, None, :]
+    out = np.empty_like(x)
+    out[..., 0:n_rot:2] = x1 * c - x2 * s
+    out[..., 1:n_rot:2] = x2 * c + x1 * s
+    out[..., n_rot:] = x[..., n_rot:]
+    return out
 
 
 def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
@@ -37,24 +64,39 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
     return z / np.sum(z, axis=axis, keepdims=True)
 
 
-def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions: np.ndarray) -> np.ndarray:
+def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions: np.ndarray, *,
+              scale: float | None = None, window: int | None = None,
+              sinks: np.ndarray | None = None) -> np.ndarray:
     """Causal grouped-query attention.
 
-    q: (T, H, d) for query positions ``positions`` (ascending); k_cache/v_cache:
-    (S, Hkv, d) holding every key/value up to ``positions[-1]`` inclusive.
-    Returns (T, H * d). Query head h reads KV head h // (H / Hkv), as ggml does.
+    q: (T, H, d) for query positions ``positions`` (ascending); k_cache: (S, Hkv, d),
+    v_cache: (S, Hkv, dv), holding every key/value up to ``positions[-1]`` inclusive.
+    Returns (T, H * dv). Query head h reads KV head h // (H / Hkv), as ggml does.
+    ``scale``: the factor on q·k (default 1/sqrt(d)). ``window``: a sliding window,
+    a query at p sees keys at p' with p - p' < window. ``sinks``: (H,) one extra
+    logit per head in the softmax's denominator (it takes mass, adds no value).
     """
     t, n_head, d = q.shape
-    s, n_kv, _ = k_cache.shape
+    s, n_kv, dv = v_cache.shape
     group = n_head // n_kv
     qg = q.reshape(t, n_kv, group, d).transpose(1, 2, 0, 3)          # (Hkv, group, T, d)
     k = k_cache.transpose(1, 2, 0)                                    # (Hkv, d, S)
-    v = v_cache.transpose(1, 0, 2)                                    # (Hkv, S, d)
-    scores = np.matmul(qg, k[:, None]) * np.float32(1.0 / np.sqrt(d))  # (Hkv, group, T, S)
-    future = np.arange(s)[None, :] > positions[:, None]               # (T, S)
-    scores = np.where(future, np.float32(-np.inf), scores)
-    out = np.matmul(softmax(scores), v[:, None])                      # (Hkv, group, T, d)
-    return out.transpose(2, 0, 1, 3).reshape(t, n_head * d)
+    v = v_cache.transpose(1, 0, 2)                                    # (Hkv, S, dv)
+    factor = np.float32(1.0 / np.sqrt(d) if scale is None else scale)
+    scores = np.matmul(qg, k[:, None]) * factor                       # (Hkv, group, T, S)
+    hidden = np.arange(s)[None, :] > positions[:, None]               # (T, S): the future
+    if window is not None:
+        hidden |= positions[:, None] - np.arange(s)[None, :] >= window
+    scores = np.where(hidden, np.float32(-np.inf), scores)
+    if sinks is None:
+        probs = softmax(scores)
+    else:
+        sink = sinks.astype(np.float32).reshape(n_kv, group, 1, 1)
+        top = np.maximum(np.max(scores, axis=-1, keepdims=True), sink)
+        z = np.exp(scores - top)
+        probs = z / (np.sum(z, axis=-1, keepdims=True) + np.exp(sink - top))
+    out = np.matmul(probs, v[:, None])                                # (Hkv, group, T, dv)
+    return out.transpose(2, 0, 1, 3).reshape(t, n_head * dv)
 
 
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
@@ -63,14 +105,91 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return gate / (np.float32(1.0) + np.exp(-gate)) * up
 
 
-def router_top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Top-k experts per position and their weights, renormalised to sum to 1.
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    """1 / (1 + exp(-x)) in float32 (exp overflow for x << 0 gives the right 0)."""
+    with np.errstate(over="ignore"):
+        return np.float32(1.0) / (np.float32(1.0) + np.exp(-x))
 
-    logits: (T, E) router outputs. Returns ids (T, k) int64 in descending
-    probability (ties to the lower id) and weights (T, k) float32. qwen3moe in
-    llama.cpp always renormalises (transformers: norm_topk_prob=True).
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """How router logits become k experts and their weights: llama.cpp's ``build_moe_ffn``.
+
+    ``gating``: ``softmax`` or ``sigmoid`` turn logits into probabilities, which
+    select (plus a selection bias, when the layer has one) and weigh the experts;
+    ``softmax_weight`` selects on the raw logits and weighs by a softmax over the
+    k chosen logits. ``normalize``: weights divided by their sum. ``scale``:
+    weights multiplied by it (0 and 1: unscaled). ``group_count`` > 1: only the
+    experts of the ``group_used`` best groups (E/group_count consecutive experts,
+    scored by the sum of their two best selection values) can be chosen.
     """
-    probs = softmax(logits.astype(np.float32), axis=-1)
-    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]
+
+    gating: Literal["softmax", "sigmoid", "softmax_weight"] = "softmax"
+    normalize: bool = True
+    scale: float = 1.0
+    group_count: int = 1
+    group_used: int = 1
+
+
+# llama.cpp clamps the sum of the top-k weights from below before dividing by it.
+_MIN_WEIGHT_SUM = np.float32(6.103515625e-5)
+
+
+def _probabilities(logits: np.ndarray, routing: Routing) -> np.ndarray:
+    if routing.gating == "softmax":
+        return softmax(logits, axis=-1)
+    if routing.gating == "sigmoid":
+        return sigmoid(logits)
+    return logits
+
+
+def selection_scores(logits: np.ndarray, routing: Routing, bias: np.ndarray | None = None) -> np.ndarray:
+    """(T, E) scores whose order is the order experts are chosen in (before any group limit).
+
+    For softmax gating the logits themselves (softmax keeps their order).
+    """
+    logits = logits.astype(np.float32, copy=False)
+    if routing.gating == "softmax" and bias is None:
+        return logits
+    probs = _probabilities(logits, routing)
+    return probs if bias is None else probs + bias
+
+
+def _limit_groups(selection: np.ndarray, routing: Routing) -> np.ndarray:
+    """Selection with every expert outside the ``group_used`` best groups at -inf."""
+    t, e = selection.shape
+    groups = selection.reshape(t, routing.group_count, e // routing.group_count)
+    score = np.sort(groups, axis=-1)[..., -2:].sum(axis=-1)                  # (T, groups)
+    best = np.argsort(-score, axis=-1, kind="stable")[:, :routing.group_used]
+    dropped = np.ones(score.shape, bool)
+    np.put_along_axis(dropped, best, False, axis=-1)
+    return np.where(np.repeat(dropped, e // routing.group_count, axis=-1), np.float32(-np.inf), selection)
+
+
+def route(logits: np.ndarray, k: int, routing: Routing = Routing(),
+          bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The k experts of each position and their weights.
+
+    logits: (T, E) router outputs; ``bias``: (E,) selection bias (``exp_probs_b``).
+    Returns ids (T, k) int64 in descending selection score (ties to the lower id)
+    and weights (T, k) float32.
+    """
+    logits = logits.astype(np.float32, copy=False)
+    probs = _probabilities(logits, routing)
+    selection = probs if bias is None else probs + bias
+    if routing.group_count > 1:
+        selection = _limit_groups(selection, routing)
+    ids = np.argsort(-selection, axis=-1, kind="stable")[:, :k]
     weights = np.take_along_axis(probs, ids, axis=-1)
-    return ids, (weights / np.sum(weights, axis=-1, keepdims=True)).astype(np.float32)
+    if routing.gating == "softmax_weight":
+        weights = softmax(weights, axis=-1)
+    if routing.normalize:
+        weights = weights / np.maximum(np.sum(weights, axis=-1, keepdims=True), _MIN_WEIGHT_SUM)
+    if routing.scale not in (0.0, 1.0):
+        weights = weights * np.float32(routing.scale)
+    return ids, weights.astype(np.float32, copy=False)
+
+
+def router_top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax top-k with the k weights renormalised to sum to 1 (qwen3moe's and Mixtral's routing)."""
+    return route(logits, k, Routing())

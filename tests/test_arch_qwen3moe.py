@@ -33,7 +33,7 @@ from colibri_aio.kernels import backend
 from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.arch.qwen3moe import Qwen3MoE
 
-from support import FIXTURES, ORACLE, fixture, oracle_ids
+from support import FIXTURES, ORACLE, fixture, oracle_ids, teacher_forced
 
 REL_TOL = 1e-4
 KV_F16_TOL = 3e-3
@@ -68,18 +68,6 @@ def _oracle(name: str, kind: str) -> list[tuple[str, list[int], np.ndarray]]:
 def _net(name: str, kv_type: str = "f32") -> Qwen3MoE:
     model = load(fixture(f"{name}.gguf"))
     return Qwen3MoE(model, MappedExpertSource(model), kv_type=kv_type)
-
-
-def teacher_forced(net: Qwen3MoE, ids: list[int], *, decode: bool) -> np.ndarray:
-    """All positions at once (prefill, matmul kernels) or one token at a time (decode, matvec kernels)."""
-    net.reset()
-    if not decode:
-        return asyncio.run(net.forward(ids, logits="all"))
-
-    async def one_by_one() -> np.ndarray:
-        return np.stack([await net.forward([t]) for t in ids])
-
-    return asyncio.run(one_by_one())
 
 
 @pytest.fixture(params=["numpy", "auto"])

@@ -17,17 +17,19 @@ from colibri_aio.gguf.model import load
 from colibri_aio.io.reader import ReaderClosedError
 from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.policy.backpressure import BackpressureConfig
+from colibri_aio.arch import build_net
 from colibri_aio.arch.qwen3moe import Qwen3MoE
 from colibri_aio.engine.placement import DEFAULT_LOOKAHEAD, Placement, open_source
 
 from support import fixture, oracle_ids
 
-FIXTURES = ["tiny_f32", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0", "quant_types/tiny_mxfp4", "quant_types/ktiny_q2_k"]
+FIXTURES = ["tiny_f32", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0", "quant_types/tiny_mxfp4",
+            "quant_types/ktiny_q2_k", "qwen2moe_q8_0", "olmoe_q8_0", "mixtral_q8_0"]  # and one of every other family
 
 
 async def _reference(name: str, ids: list[int]) -> np.ndarray:
     model = load(fixture(f"{name}.gguf"))
-    net = Qwen3MoE(model, MappedExpertSource(model))
+    net = build_net(model, MappedExpertSource(model))
     prefill = await net.forward(ids[:12], logits="all")
     decode = [await net.forward([t]) for t in ids[12:]]
     return np.concatenate([prefill, np.stack(decode)])
@@ -44,9 +46,10 @@ async def _engine_logits(name: str, ids: list[int], **placement) -> tuple[np.nda
 
 @pytest.mark.parametrize("name", FIXTURES)
 async def test_logits_are_bit_identical_across_placements(name: str) -> None:
-    ids = oracle_ids()[2]
+    a = load(fixture(f"{name}.gguf")).args
+    ids = [t % a.vocab_size for t in oracle_ids()[2]]
     want = await _reference(name, ids)
-    k, e = load(fixture(f"{name}.gguf")).args.expert_used_count, load(fixture(f"{name}.gguf")).args.expert_count
+    k, e = a.expert_used_count, a.expert_count
     # Every backend with the smallest and the full cache; every prefetch mode; one size in between.
     combos = [(io, per_layer, "on") for io, per_layer in itertools.product(("uring", "pread", "mmap"), (1, k, e))]
     combos += [("uring", k, "off"), ("uring", 1, "auto"), ("pread", k + 1, "auto")]

@@ -157,7 +157,7 @@ def test_kv_cache_allocates_what_the_plan_counts() -> None:
     from colibri_aio.arch.kvcache import KVCache
 
     for kv_type in ("f16", "f32"):
-        cache = KVCache(48, 64, 4, 128, kv_type)
+        cache = KVCache(48, 64, 4, 128, kv_type=kv_type)
         assert cache.nbytes == kv_cache_nbytes(SimpleNamespace(args=QWEN3_30B.args), 64, kv_type)
     with pytest.raises(UserError, match="--kv-type"):
         make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, kv_type="q8")

@@ -8,7 +8,7 @@ from gguf import GGUFReader
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.gguf.model import load
 
-from support import FIXTURES, fixture, run_cli
+from support import FIXTURES, fixture, rewrite_gguf, run_cli
 
 # Each broken fixture and a phrase its one-line refusal must contain.
 BAD = {
@@ -47,7 +47,12 @@ def test_expert_ranges_are_the_stacked_tensor_slices() -> None:
 
 def test_trunk_is_resident_not_a_view_of_the_file() -> None:
     m = load(fixture("tiny_f32.gguf"))
-    assert not isinstance(m.token_embd.data, np.memmap) and m.token_embd.data.base is None
+    chain, a = [], m.token_embd.data
+    while a is not None:  # the tensor is a view of the buffer the bulk read filled, never of the mapped file
+        chain.append(a)
+        a = getattr(a, "base", None)
+    assert not any(isinstance(x, np.memmap) for x in chain) and m.trunk_read is not None
+    assert m.trunk_read.wanted == m.trunk_nbytes <= m.trunk_read.nbytes
     assert m.trunk_nbytes > 0 and m.expert_nbytes_max == m.expert(0, 0).nbytes
 
 
@@ -87,3 +92,95 @@ def test_a_made_up_tensor_type_is_refused_with_one_line(tmp_path) -> None:
 def test_missing_file_is_a_user_error(tmp_path) -> None:
     r = run_cli("run", "--model", str(tmp_path / "nope.gguf"))
     assert r.returncode == 2 and "no such model file" in r.stderr
+
+
+# --- families: dispatch on general.architecture, and each family's refusals -------------------------------
+
+
+def test_loader_dispatches_on_the_architecture() -> None:
+    for stem, arch, net in [("tiny_f32", "qwen3moe", "Qwen3MoE"), ("qwen2moe_f32", "qwen2moe", "Qwen2MoE"),
+                            ("olmoe_f32", "olmoe", "OLMoE"), ("mixtral_f32", "llama", "Mixtral")]:
+        m = load(fixture(f"{stem}.gguf"))
+        assert m.args.architecture == m.family.architecture == arch and m.family.net.__name__ == net
+
+
+def test_family_hyper_parameters_come_from_their_keys() -> None:
+    q2 = load(fixture("qwen2moe_f32.gguf")).args
+    assert (q2.expert_feed_forward_length, q2.expert_shared_feed_forward_length) == (32, 64)
+    assert not q2.routing.normalize  # llama.cpp's qwen2moe never renormalises the top-k weights
+    olmoe = load(fixture("olmoe_f32.gguf")).args
+    assert (olmoe.expert_feed_forward_length, olmoe.expert_used_count, olmoe.routing.normalize) == (32, 4, False)
+    mixtral = load(fixture("mixtral_f32.gguf")).args
+    assert (mixtral.expert_feed_forward_length, mixtral.n_rot, mixtral.routing.normalize) == (32, 16, True)
+
+
+def test_shared_experts_and_their_gate_are_resident_trunk() -> None:
+    m = load(fixture("qwen2moe_q8_0.gguf"))
+    blk = m.blocks[0]
+    assert {"ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp", "ffn_gate_inp_shexp", "attn_q.bias"} <= set(blk.tensors)
+    assert blk.ffn_gate_inp_shexp.shape == (m.args.embedding_length,)  # stored {D, 1}
+    assert m.trunk_nbytes > sum(b.nbytes for b in load(fixture("qwen2moe_q8_0.gguf")).blocks) > 0
+    assert len(m.experts[0]) == m.args.expert_count  # only ffn_*_exps are streamed
+
+
+def test_unsupported_architecture_lists_the_supported_ones() -> None:
+    with pytest.raises(ModelFormatError, match="unsupported architecture 'mamba9' "
+                                               r"\(supported: qwen3moe, qwen2moe, olmoe, llama\)"):
+        load(fixture("arch_bad.gguf"))
+
+
+def _drop_block_tensor(name: str):
+    return lambda n, a: [] if n == name else [(n, a)]
+
+
+def _per_expert(n: str, a: np.ndarray):
+    """The GGUF layout before stacked experts: blk.<i>.ffn_gate.<e>.weight, one tensor per expert."""
+    if "_exps." not in n:
+        return [(n, a)]
+    return [(n.replace("_exps.", f".{e}."), a[e]) for e in range(a.shape[0])]
+
+
+# (fixture, rewrite, phrase of the one-line refusal)
+FAMILY_REFUSALS = {
+    "dense_llama": ("mixtral_f32", dict(drop_keys=("llama.expert_count", "llama.expert_used_count")),
+                    "is a dense model"),
+    "foreign_tensor": ("mixtral_f32", dict(tensors=lambda n, a: [(n, a)] + (
+        [("blk.0.attn_q_norm.weight", np.ones(64, np.float32))] if n == "blk.0.attn_norm.weight" else [])),
+        "tensor blk.0.attn_q_norm.weight is not part of a llama model"),
+    "per_expert_tensors": ("mixtral_f32", dict(tensors=_per_expert), "experts stored one tensor each"),
+    "no_shared_gate": ("qwen2moe_f32", dict(tensors=_drop_block_tensor("blk.1.ffn_gate_inp_shexp.weight")),
+                       "missing tensor blk.1.ffn_gate_inp_shexp.weight"),
+    "no_expert_width": ("qwen2moe_f32", dict(drop_keys=("qwen2moe.expert_feed_forward_length",
+                                                         "qwen2moe.feed_forward_length")),
+                        "missing metadata key qwen2moe.expert_feed_forward_length"),
+    "olmoe_no_width": ("olmoe_f32", dict(drop_keys=("olmoe.feed_forward_length",)),
+                       "missing metadata key olmoe.feed_forward_length"),
+    "odd_rotation": ("mixtral_f32", dict(keys={"llama.rope.dimension_count": 15}),
+                     "rope.dimension_count 15 must be even"),
+    "wide_rotation": ("mixtral_f32", dict(keys={"llama.rope.dimension_count": 32}), "at most key_length 16"),
+    "qk_norm_width": ("olmoe_f32", dict(tensors=lambda n, a: [(n, a[:16] if n == "blk.0.attn_q_norm.weight" else a)]),
+                      "tensor blk.0.attn_q_norm.weight has shape"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FAMILY_REFUSALS))
+def test_family_files_that_cannot_run_are_refused_in_one_line(case: str, tmp_path) -> None:
+    stem, rewrite, phrase = FAMILY_REFUSALS[case]
+    path = rewrite_gguf(FIXTURES / f"{stem}.gguf", tmp_path / f"{case}_bad.gguf", **rewrite)
+    with pytest.raises(ModelFormatError, match=phrase):
+        load(path)
+    r = run_cli("logits", str(path), "--ids", "1,2", "--out", str(tmp_path / "x.npy"))
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and phrase in lines[0] and "Traceback" not in r.stderr, r.stderr
+
+
+def test_expert_groups_must_split_the_experts() -> None:
+    from dataclasses import replace
+
+    from colibri_aio.kernels.ops import Routing
+
+    args = load(fixture("mixtral_f32.gguf")).args
+    replace(args, routing=Routing("sigmoid", group_count=4, group_used=2)).check(FIXTURES)  # 8 experts: fine
+    for routing in (Routing("sigmoid", group_count=3, group_used=1), Routing("sigmoid", group_count=4, group_used=5)):
+        with pytest.raises(ModelFormatError, match="groups"):
+            replace(args, routing=routing).check(FIXTURES)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri_aio.kernels.ops import attention, rms_norm, rope_cos_sin, rope_neox, router_top_k, softmax, swiglu
+from colibri_aio.kernels.ops import (Routing, attention, rms_norm, rope_cos_sin, rope_neox, rope_norm, route,
+                                     router_top_k, selection_scores, softmax, swiglu)
 
 rng = np.random.default_rng(7)
 
@@ -30,18 +31,44 @@ def test_rope_neox_rotates_half_split_pairs() -> None:
     np.testing.assert_array_equal(out[0], x[0])  # position 0 is the identity
 
 
-def _attention_ref(q, k, v, positions):
+def test_rope_norm_rotates_adjacent_pairs_and_passes_the_rest() -> None:
+    t, heads, d, n_rot, base = 4, 3, 16, 12, 1e4
+    x = rng.standard_normal((t, heads, d)).astype(np.float32)
+    pos = np.array([0, 1, 7, 100])
+    cos, sin = rope_cos_sin(pos, n_rot, base)
+    out = rope_norm(x, cos, sin)
+    # Reference: pair (2i, 2i + 1) as a complex number rotated by pos * base^(-2i/n_rot).
+    z = x[..., 0:n_rot:2].astype(np.float64) + 1j * x[..., 1:n_rot:2]
+    r = z * np.exp(1j * pos[:, None] * base ** (-np.arange(0, n_rot, 2) / n_rot))[:, None, :]
+    np.testing.assert_allclose(out[..., 0:n_rot:2], r.real, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out[..., 1:n_rot:2], r.imag, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out[..., n_rot:], x[..., n_rot:])
+
+
+def test_rope_neox_rotates_only_the_first_n_rot_dims() -> None:
+    x = rng.standard_normal((3, 2, 16)).astype(np.float32)
+    cos, sin = rope_cos_sin(np.array([1, 5, 9]), 8, 1e6)
+    out = rope_neox(x, cos, sin)
+    np.testing.assert_array_equal(out[..., :8], rope_neox(x[..., :8], cos, sin))
+    np.testing.assert_array_equal(out[..., 8:], x[..., 8:])
+
+
+def _attention_ref(q, k, v, positions, scale=None, window=None, sinks=None):
     t, h, d = q.shape
+    dv = v.shape[-1]
     group = h // k.shape[1]
-    out = np.zeros((t, h, d))
+    out = np.zeros((t, h, dv))
     for i in range(t):
         for head in range(h):
             kv = head // group
-            keys = k[: positions[i] + 1, kv].astype(np.float64)
-            s = keys @ q[i, head] / np.sqrt(d)
-            p = np.exp(s - s.max())
-            out[i, head] = (p / p.sum()) @ v[: positions[i] + 1, kv]
-    return out.reshape(t, h * d)
+            first = 0 if window is None else max(0, positions[i] - window + 1)
+            keys = k[first: positions[i] + 1, kv].astype(np.float64)
+            s = keys @ q[i, head] * (1 / np.sqrt(d) if scale is None else scale)
+            top = s.max() if sinks is None else max(s.max(), sinks[head])
+            p = np.exp(s - top)
+            total = p.sum() + (0.0 if sinks is None else np.exp(sinks[head] - top))
+            out[i, head] = (p / total) @ v[first: positions[i] + 1, kv]
+    return out.reshape(t, h * dv)
 
 
 @pytest.mark.parametrize("n_head,n_kv", [(4, 2), (4, 4), (8, 1)])
@@ -52,6 +79,18 @@ def test_attention_is_causal_gqa(n_head: int, n_kv: int) -> None:
     positions = np.arange(5, 9)
     q = rng.standard_normal((4, n_head, d)).astype(np.float32)
     np.testing.assert_allclose(attention(q, k, v, positions), _attention_ref(q, k, v, positions), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 1, 3])
+def test_attention_scale_window_sinks_and_value_width(window: int | None) -> None:
+    """The options later families need: a kq scale, a sliding window, per-head sinks, dv != d."""
+    s, n_head, n_kv, d, dv = 9, 4, 2, 8, 6
+    k = rng.standard_normal((s, n_kv, d)).astype(np.float32)
+    v = rng.standard_normal((s, n_kv, dv)).astype(np.float32)
+    q = rng.standard_normal((3, n_head, d)).astype(np.float32)
+    positions, sinks = np.array([2, 6, 8]), rng.standard_normal(n_head).astype(np.float32)
+    got = attention(q, k, v, positions, scale=0.3, window=window, sinks=sinks)
+    np.testing.assert_allclose(got, _attention_ref(q, k, v, positions, 0.3, window, sinks), rtol=1e-5, atol=1e-5)
 
 
 def test_attention_ignores_cache_rows_beyond_the_query() -> None:
@@ -78,3 +117,56 @@ def test_router_top_k_renormalises_and_orders() -> None:
     p = softmax(logits.astype(np.float64))
     np.testing.assert_allclose(w[0], p[0, [1, 3]] / p[0, [1, 3]].sum(), rtol=1e-6)
     np.testing.assert_allclose(w.sum(-1), 1.0, rtol=1e-6)
+
+
+def _route_ref(logits, k, routing, bias=None):
+    """llama.cpp's build_moe_ffn selection, one position at a time in float64 (fixtures/families.md)."""
+    ids, weights = [], []
+    for row in logits.astype(np.float64):
+        probs = {"softmax": np.exp(row - row.max()) / np.exp(row - row.max()).sum(),
+                 "sigmoid": 1 / (1 + np.exp(-row)), "softmax_weight": row}[routing.gating]
+        sel = probs + (0 if bias is None else bias)
+        if routing.group_count > 1:
+            groups = sel.reshape(routing.group_count, -1)
+            score = np.sort(groups, axis=1)[:, -2:].sum(1)
+            keep = sorted(range(routing.group_count), key=lambda g: -score[g])[:routing.group_used]
+            sel = np.where(np.repeat(np.isin(np.arange(routing.group_count), keep), groups.shape[1]), sel, -np.inf)
+        chosen = sorted(range(len(row)), key=lambda e: -sel[e])[:k]
+        w = probs[chosen]
+        if routing.gating == "softmax_weight":
+            w = np.exp(w - w.max()) / np.exp(w - w.max()).sum()
+        if routing.normalize:
+            w = w / max(w.sum(), 6.103515625e-5)
+        if routing.scale not in (0, 1):
+            w = w * routing.scale
+        ids.append(chosen)
+        weights.append(w)
+    return np.array(ids), np.array(weights)
+
+
+@pytest.mark.parametrize("routing,with_bias", [
+    (Routing(normalize=False), False),                                        # qwen2moe, olmoe
+    (Routing(), False),                                                       # qwen3moe, Mixtral
+    (Routing("sigmoid", normalize=True, scale=2.5, group_count=4, group_used=2), True),  # deepseek-v3
+    (Routing("sigmoid", normalize=True, scale=2.5), True),                    # glm4moe
+    (Routing("softmax_weight", normalize=False), False),                      # gpt-oss
+])
+def test_route_follows_llamacpp_selection(routing: Routing, with_bias: bool) -> None:
+    logits = rng.standard_normal((6, 12)).astype(np.float32) * 2
+    bias = rng.standard_normal(12).astype(np.float32) if with_bias else None
+    ids, w = route(logits, 3, routing, bias)
+    ref_ids, ref_w = _route_ref(logits, 3, routing, bias)
+    np.testing.assert_array_equal(ids, ref_ids)
+    np.testing.assert_allclose(w, ref_w, rtol=1e-5)
+    assert w.dtype == np.float32
+    # The lookahead ranks experts in the order routing picks them (before group limits).
+    if routing.group_count == 1:
+        np.testing.assert_array_equal(np.argsort(-selection_scores(logits, routing, bias), axis=-1,
+                                                 kind="stable")[:, :3], ids)
+
+
+def test_groups_exclude_the_best_expert_of_a_weak_group() -> None:
+    # Group 1 holds the single best expert (3), but its two best sum lower than groups 0 and 3 do.
+    logits = np.array([[2.0, 2.0, 0.0, 5.0, -9.0, -9.0, 2.5, 2.5]], np.float32)
+    ids, _ = route(logits, 2, Routing("sigmoid", group_count=4, group_used=2))
+    assert 3 not in ids[0] and set(ids[0]) <= {0, 1, 6, 7}

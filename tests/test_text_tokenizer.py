@@ -205,13 +205,22 @@ def test_refuses_gguf_without_tokenizer(tmp_path: Path) -> None:
     _one_line_refusal(write_gguf(tmp_path / "none.gguf", lambda w: None), "no tokenizer")
 
 
-def test_refuses_sentencepiece_tokenizer(tmp_path: Path) -> None:
-    def llama_vocab(w: gguf.GGUFWriter) -> None:
-        w.add_tokenizer_model("llama")
+def test_refuses_other_tokenizer_models(tmp_path: Path) -> None:
+    def unigram_vocab(w: gguf.GGUFWriter) -> None:
+        w.add_tokenizer_model("t5")
         w.add_token_list(["<unk>", "<s>", "</s>", "▁a"])
         w.add_token_scores([0.0, 0.0, 0.0, -1.0])
 
-    _one_line_refusal(write_gguf(tmp_path / "spm.gguf", llama_vocab), "unsupported tokenizer model 'llama'")
+    _one_line_refusal(write_gguf(tmp_path / "t5.gguf", unigram_vocab),
+                      "unsupported tokenizer model 't5' .*supported: gpt2, llama")
+
+
+def test_refuses_sentencepiece_tokenizer_without_scores(tmp_path: Path) -> None:
+    def no_scores(w: gguf.GGUFWriter) -> None:
+        w.add_tokenizer_model("llama")
+        w.add_token_list(["<unk>", "<s>", "</s>", "▁a"])
+
+    _one_line_refusal(write_gguf(tmp_path / "spm.gguf", no_scores), "one score per token")
 
 
 def test_refuses_other_pre_tokenizer(tmp_path: Path) -> None:

@@ -211,7 +211,7 @@ def child_decode(args) -> dict:
     the page cache and the kernels), with the forward pass's kernels taken from the dispatcher."""
     import asyncio
 
-    from colibri_aio.arch import qwen3moe
+    from colibri_aio.arch import build_net, layers
     from colibri_aio.gguf.model import load
     from colibri_aio.kernels import backend
     from colibri_aio.engine.mapped_source import MappedExpertSource
@@ -219,10 +219,10 @@ def child_decode(args) -> dict:
     backend.set_backend(args.arm)
     backend.set_num_threads(args.threads)
     for name in ("matvec", "matmul", "dequantize"):  # route the forward pass through the dispatcher
-        setattr(qwen3moe, name, getattr(backend, name))
+        setattr(layers, name, getattr(backend, name))
     warm = backend.warm_up()
     model = load(args.decode_model)
-    net = qwen3moe.Qwen3MoE(model, MappedExpertSource(model))
+    net = build_net(model, MappedExpertSource(model))
     ids = [int(i) for i in np.random.default_rng(args.seed).integers(0, model.args.vocab_size, args.decode_tokens)]
 
     async def feed() -> list[float]:

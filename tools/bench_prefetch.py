@@ -118,11 +118,12 @@ def start_saturation(path: Path, size_gb: int) -> subprocess.Popen:
          "--output=/dev/null"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
 
-def make_model(out: Path, layers: int | None) -> None:
-    """A synthetic Qwen3-30B-A3B Q8_0 GGUF with realistic routing: its first ``layers`` blocks (None: all 48)."""
+def make_model(out: Path, layers: int | None, shape: str = "qwen3-30b-a3b", qtype: str = "q8_0") -> None:
+    """A synthetic GGUF of ``shape`` (default Qwen3-30B-A3B, Q8_0) with realistic routing: its first
+    ``layers`` blocks (None: all)."""
     cut = ["--layers", str(layers)] if layers else []
-    subprocess.run([sys.executable, str(ROOT / "tools" / "make_synthetic_gguf.py"), "--shape", "qwen3-30b-a3b",
-                    *cut, "--type", "q8_0", "--routing", "realistic", "--out", str(out), "--force", "--quiet"],
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_synthetic_gguf.py"), "--shape", shape,
+                    *cut, "--type", qtype, "--routing", "realistic", "--out", str(out), "--force", "--quiet"],
                    check=True)
 
 

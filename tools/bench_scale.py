@@ -4,10 +4,18 @@ One command measures prefill (pp, 128 ids as one batch) and decode (tg, 64
 ids fed one at a time, teacher-forced so neither engine can fall into a loop)
 for both engines in three conditions:
 
-- ``fits``: an 8-layer cut of Qwen3-30B-A3B (~6 GB) on this machine;
-- ``larger``: the whole 48-layer model (Q8_0, ~32.5 GB), larger than RAM;
+- ``fits``: an 8-layer cut (of Qwen3-30B-A3B: ~6 GB) on this machine;
+- ``larger``: the whole model (Qwen3-30B-A3B Q8_0: ~32.5 GB), larger than RAM;
 - ``limit``: the ``--limit-model`` (default: the 8-layer cut) with a cgroup
   memory limit of ``--limit-share`` (60%) of its size on both engines.
+
+Any family the engine runs: give the files (``--fits-model``,
+``--larger-model``), or name a synthetic shape and type to generate
+(``--shape mixtral-8x7b --type q4_k``). The receipt names each file's
+architecture and description (the synthetic generator writes what it made).
+``--lock PATH`` holds an exclusive flock on PATH around each run and each fio
+reference (not the whole benchmark), so a shared machine is quiet while a run
+is timed and free between runs.
 
 Every run is a fresh process (so peak RSS is the run's own, and the cgroup
 limit applies to all of it) started after the page cache is dropped; the two
@@ -25,10 +33,14 @@ realistic routing) and removed at the end.
 
     python tools/bench_scale.py --runs 5
     python tools/bench_scale.py --runs 5 --fits-model L8.gguf --larger-model L48.gguf --conditions fits,limit,larger
+    python tools/bench_scale.py --runs 5 --conditions larger --larger-model /work/models/mixtral_q4_k.gguf \
+        --pp 32 --tg 16 --lock /work/cpu.lock
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -125,11 +137,33 @@ def worker_ours(model: Path, pp: int, tg: int, seed: int) -> dict:
     return asyncio.run(run())
 
 
-def worker_llama(model: Path, pp: int, tg: int, seed: int) -> dict:
+def _without_repack() -> None:
+    """llama.cpp's --no-repack (model params use_extra_bufts = false), which llama-cpp-python does not expose.
+
+    On AVX-512 llama.cpp copies K-quant weights it can repack out of the mmap
+    into its own buffer at load: for a Q4_K model larger than RAM that buffer
+    cannot be allocated and the load fails; without repacking it computes from
+    the mmap'd bytes.
+    """
+    from llama_cpp import llama_cpp as bindings  # the module Llama reads its defaults from
+
+    defaults = bindings.llama_model_default_params
+
+    def no_repack():
+        params = defaults()
+        params.use_extra_bufts = False
+        return params
+
+    bindings.llama_model_default_params = no_repack
+
+
+def worker_llama(model: Path, pp: int, tg: int, seed: int, no_repack: bool = False) -> dict:
     from llama_cpp import Llama
 
     from colibri_aio.engine.memory import peak_rss_bytes
 
+    if no_repack:
+        _without_repack()
     t_open = time.perf_counter()
     llm = Llama(model_path=str(model), n_ctx=context(pp, tg), n_threads=2, n_threads_batch=2, n_batch=512,
                 verbose=False)
@@ -223,6 +257,8 @@ def drop_page_cache() -> bool:
 def one_run(engine: str, cond: Condition, args: argparse.Namespace, cgroup: MemoryCgroup | None) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", engine, "--model", str(cond.model),
            "--pp", str(args.pp), "--tg", str(args.tg), "--seed", str(args.seed)]
+    if args.llama_no_repack:
+        cmd.append("--llama-no-repack")
     dropped = drop_page_cache()
     if cgroup is not None:
         cgroup.reset_peak()
@@ -242,6 +278,34 @@ def one_run(engine: str, cond: Condition, args: argparse.Namespace, cgroup: Memo
         return result
     result.update(json.loads(lines[-1]))
     return result
+
+
+@contextlib.contextmanager
+def exclusive(lock: Path | None):
+    """An exclusive flock on ``lock`` for the duration (no-op without one)."""
+    if lock is None:
+        yield
+        return
+    with open(lock, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def describe_model(path: Path) -> dict:
+    """What a condition's file is: its architecture, name and description (general.* keys)."""
+    from gguf import GGUFReader
+
+    fields = GGUFReader(path).fields
+
+    def key(name: str) -> str | None:
+        f = fields.get(name)
+        return None if f is None else str(f.contents())
+
+    return {"architecture": key("general.architecture"), "name": key("general.name"),
+            "description": key("general.description")}
 
 
 def fio_reference(model: Path, seconds: int) -> dict | None:
@@ -303,15 +367,20 @@ def markdown(receipt: dict) -> str:
              f"pp = {receipt['pp']} ids as one batch, tg = {receipt['tg']} ids one at a time (teacher-forced), "
              f"after a warm-up of pp + {WARMUP_TG} on other ids; one fresh process per run, page cache dropped "
              f"before each ({'yes' if receipt['page_cache_dropped'] else 'NOT permitted here'}); engines "
-             "alternate, order flipped every round. Models: synthetic Qwen3-30B-A3B shapes, Q8_0, realistic "
-             "routing mode (tools/make_synthetic_gguf.py).", ""]
+             "alternate, order flipped every round. Models below (synthetic ones: tools/make_synthetic_gguf.py).",
+             ""]
+    if receipt.get("llama_no_repack"):
+        lines += ["llama.cpp ran without weight repacking (`--no-repack`): with it, its load allocates a "
+                  "repacked copy of the K-quant weights outside the mmap, which for a model larger than RAM "
+                  "fails (`unable to allocate CPU_REPACK buffer`).", ""]
     for cond in receipt["conditions"]:
         c = receipt["conditions"][cond]
         s = receipt["summary"].get(cond, {})
         fio = c.get("fio")
         lines += [f"## {cond}: `{c['model']}` ({c['model_bytes'] / 1e9:.2f} GB)"
                   + (f", cgroup v{c['cgroup_version']} limit {c['limit'] / 2**30:.2f} GiB" if c.get("limit") else ""),
-                  "", "Disk reference (fio, random 4 MiB O_DIRECT reads, QD 8, on the model file): "
+                  "", f"Model: `{c['about']['architecture']}` {c['about']['name']}: {c['about']['description']}", "",
+                  "Disk reference (fio, random 4 MiB O_DIRECT reads, QD 8, on the model file): "
                   + (f"{fio['gb_s']:.2f} GB/s" if fio else "not measured"), "",
                   "| engine | n ok / failed | pp tok/s median [min–max] | tg tok/s median [min–max] | peak RSS GiB "
                   "| cgroup peak GiB | GB read from disk (pp+tg) |", "|---|---|---|---|---|---|---|"]
@@ -354,8 +423,14 @@ def main() -> int:
     p.add_argument("--pp", type=int, default=128)
     p.add_argument("--tg", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--fits-model", type=Path, help="8-layer cut (default: generated, then removed)")
-    p.add_argument("--larger-model", type=Path, help="48-layer model (default: generated, then removed)")
+    p.add_argument("--fits-model", type=Path, help="8-layer cut (default: generated from --shape, then removed)")
+    p.add_argument("--larger-model", type=Path, help="the whole model (default: generated from --shape, then removed)")
+    p.add_argument("--shape", default="qwen3-30b-a3b", help="synthetic shape of generated models (make_synthetic_gguf)")
+    p.add_argument("--type", default="q8_0", help="tensor types of generated models (make_synthetic_gguf --type)")
+    p.add_argument("--lock", type=Path, help="hold an exclusive flock on this file around each run")
+    p.add_argument("--llama-no-repack", action="store_true",
+                   help="llama.cpp without weight repacking (its --no-repack): needed where the repacked copy "
+                        "of a K-quant model does not fit in RAM")
     p.add_argument("--limit-model", type=Path, help="model of the limit condition (default: the fits model)")
     p.add_argument("--limit-share", type=float, default=0.6, help="cgroup limit as a share of the GGUF size")
     p.add_argument("--fio-seconds", type=int, default=5)
@@ -366,8 +441,11 @@ def main() -> int:
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        work = worker_ours if args.worker == "ours" else worker_llama
-        print(json.dumps(work(args.model, args.pp, args.tg, args.seed)), flush=True)
+        if args.worker == "ours":
+            result = worker_ours(args.model, args.pp, args.tg, args.seed)
+        else:
+            result = worker_llama(args.model, args.pp, args.tg, args.seed, args.llama_no_repack)
+        print(json.dumps(result), flush=True)
         return 0
     conds = args.conditions.split(",")
     made: list[Path] = []
@@ -376,8 +454,8 @@ def main() -> int:
     def model_for(given: Path | None, layers: int | None) -> Path:
         if given is not None:
             return given
-        path = tmp / f"q30b_{'l%d' % layers if layers else '48'}_q8_real.gguf"
-        make_model(path, layers)
+        path = tmp / f"{args.shape}_{'l%d' % layers if layers else 'all'}_{args.type}_real.gguf"
+        make_model(path, layers, args.shape, args.type)
         made.append(path)
         return path
 
@@ -397,15 +475,17 @@ def main() -> int:
             else:
                 raise SystemExit(f"unknown condition {name!r} (fits, limit, larger)")
             cgroup = MemoryCgroup(cond.limit) if cond.limit else None
+            with exclusive(args.lock):
+                fio = fio_reference(cond.model, args.fio_seconds)
             info[name] = {"model": cond.model.name, "model_bytes": cond.model.stat().st_size,
-                          "limit": cgroup.limit if cgroup else None,
-                          "cgroup_version": cgroup.version if cgroup else None,
-                          "fio": fio_reference(cond.model, args.fio_seconds)}
+                          "about": describe_model(cond.model), "limit": cgroup.limit if cgroup else None,
+                          "cgroup_version": cgroup.version if cgroup else None, "fio": fio}
             try:
                 for i in range(args.runs):
                     order = ENGINES if i % 2 == 0 else ENGINES[::-1]
                     for engine in order:
-                        r = one_run(engine, cond, args, cgroup)
+                        with exclusive(args.lock):
+                            r = one_run(engine, cond, args, cgroup)
                         r["run"] = i
                         dropped &= r["page_cache_dropped"]
                         runs.append(r)
@@ -423,8 +503,9 @@ def main() -> int:
     receipt = {**receipt_header("tools/bench_scale.py"), "ram_gib": meminfo()["MemTotal"] / 2**30,
                "pp": args.pp, "tg": args.tg, "page_cache_dropped": dropped, "conditions": info,
                "summary": summarise(runs), "runs": runs,
-               "llama_cpp": _llama_version(), "note": "shared 2-vCPU machine; llama-cpp-python built from source, "
-               "n_threads=2, mmap on, mlock off"}
+               "llama_cpp": _llama_version(), "llama_no_repack": args.llama_no_repack,
+               "note": "shared 2-vCPU machine; llama-cpp-python built from source, n_threads=2, mmap on, mlock off"
+               + (", weight repacking off (--no-repack)" if args.llama_no_repack else "")}
     write_receipt(args.out, f"scale_{receipt['date']}", receipt, markdown(receipt))
     print(markdown(receipt))
     return 0

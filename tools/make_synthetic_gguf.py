@@ -30,8 +30,9 @@ short forward pass of our engine on the written file then fits the routers
 (tools/synthetic/calibrate.py): their random part is made blind to the mean
 hidden state of their layer (a fixed per-expert offset otherwise) and the
 realistic bias is scaled to its design; --calibration-passes 0 skips it. Only
-qwen3moe files are fitted (the fitting runs the engine's forward pass); other
-families keep their routers as drawn, which the description says. The mode, seed and
+files of the families the engine runs are fitted (the fitting runs its forward
+pass: qwen3moe, llama, olmoe, qwen2moe); the others keep their routers as
+drawn, which the description says. The mode, seed and
 targets are in general.description and in ``synthetic.*`` keys.
 
 The tokenizer is the shared 2048-token one padded with unused placeholders to
@@ -57,6 +58,8 @@ from pathlib import Path
 import gguf
 from gguf import GGMLQuantizationType as T
 
+from colibri_aio.arch import SUPPORTED_ARCHITECTURES
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from synthetic.routing import MODES, RouterSet, RoutingTargets, make_routers  # noqa: E402
 from synthetic.keys import add_shape_keys  # noqa: E402
@@ -72,7 +75,7 @@ TYPE_MIXES: dict[str, tuple[T, T, T, gguf.LlamaFileType]] = {
     "mxfp4": (T.Q8_0, T.Q8_0, T.Q8_0, gguf.LlamaFileType.MOSTLY_MXFP4_MOE),
 }
 EXPERT_TYPES: dict[str, T] = {"mxfp4": T.MXFP4}  # routed experts' type where it is not the matrices' one
-CALIBRATED_FAMILIES = ("qwen3moe",)  # families the engine's forward pass (calibrate.py) runs
+CALIBRATED_FAMILIES = SUPPORTED_ARCHITECTURES  # families the engine's forward pass (calibrate.py) runs
 FREE_SPACE_MARGIN = 1 << 30  # leave at least this much free on the target disk
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri_aio.arch import qwen3moe
+from colibri_aio.arch import layers
 from colibri_aio.engine.engine import Engine
 from colibri_aio.kernels import backend
 from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt
@@ -40,7 +40,7 @@ class Timers:
         for b in model.blocks:
             for w in (b.attn_q, b.attn_k, b.attn_v, b.attn_output):
                 self.kind[id(w.data)] = "attention projections"
-        self._linear, self._attention, self._moe = qwen3moe.linear, qwen3moe.attention, qwen3moe.Qwen3MoE._moe
+        self._linear, self._attention, self._moe = layers.linear, layers.attention, layers.MoETransformer._moe
 
     def install(self) -> None:
         timers = self
@@ -63,7 +63,7 @@ class Timers:
             timers.t["moe step"] += time.perf_counter() - t0 - (timers.t["expert matvecs"] - before)
             return out
 
-        qwen3moe.linear, qwen3moe.attention, qwen3moe.Qwen3MoE._moe = linear, attention, moe
+        layers.linear, layers.attention, layers.MoETransformer._moe = linear, attention, moe
 
     def take(self) -> dict[str, float]:
         out, self.t = dict(self.t), defaultdict(float)

@@ -1,1 +1,88 @@
-"""Forward passes, one module per model family, on the shared kernels and expert sources."""
+"""Model families: one module per GGUF architecture, on shared layers, kernels and expert sources.
+
+The loader reads ``general.architecture`` and asks :func:`family` for the
+module's :class:`~colibri_aio.arch.base.Family`; the engine builds the forward
+pass with :func:`build_net`. Modules are imported only when a file needs them.
+
+    architecture   module       checked against (transformers)
+    qwen3moe       qwen3moe.py  Qwen3MoeForCausalLM
+    qwen2moe       qwen2moe.py  Qwen2MoeForCausalLM
+    olmoe          olmoe.py     OlmoeForCausalLM
+    llama          llama.py     MixtralForCausalLM (llama files with experts)
+
+How to add a family (fixtures/families.md has each one's keys, tensors and
+math as llama.cpp computes them):
+
+1. ``arch/<family>.py`` with
+
+   - ``ModelArgs(BaseArgs)``: a frozen, slotted, ``kw_only`` dataclass adding the
+     family's own hyper-parameters; ``from_gguf(meta)`` calls
+     ``BaseArgs.common(meta, **overrides)`` for the shared fields (override
+     the ones the family reads from other keys or defaults otherwise), sets
+     ``routing`` (:class:`~colibri_aio.kernels.ops.Routing`: softmax, sigmoid
+     or softmax-weight gating, renormalisation, scale, expert groups) and
+     ``skipped_blocks`` (NextN blocks the file holds but the graph never runs);
+     ``check(path)`` adds its refusals; ``kv_cache_nbytes`` changes when the
+     cache holds something else than H_kv keys and values per position (MLA);
+   - ``block_tensors(args, layer)``: the block's resident tensors
+     (``matrix``: raw bytes for the kernels; ``vector``: float32 norms, biases,
+     routers). Routed experts (``ffn_{gate,up,down}_exps.weight``) are not
+     listed: the loader finds them and the I/O layer streams them. Every other
+     tensor of the file must be listed (optional ones marked), or the file is
+     refused, as llama.cpp refuses tensors it does not expect;
+   - the forward pass, a :class:`~colibri_aio.arch.layers.MoETransformer`
+     subclass: ``attention(layer, h, positions, rope)`` from the shared pieces
+     (``qkv`` adds q/k/v biases when the block has them, ``attend`` keeps
+     the KV cache and takes ``scale``, ``window`` and ``sinks``, ``rope_neox`` /
+     ``rope_norm`` rotate the first n_rot dims). Override ``rope_tables`` for
+     scaled RoPE (YaRN), ``shared_expert`` for an always-on expert (plain or
+     gated: ``ffn`` runs ``ffn_{gate,up,down}<suffix>``), ``expert_outputs`` for
+     another expert activation or expert biases, ``make_cache`` for another
+     cache layout. Routing (router logits + ``ffn_gate_inp.bias``, selection
+     bias ``exp_probs_b.bias``, ``args.routing``), batch-union expert reads, the
+     rank-ordered sum, lookahead and prefill chunking are shared;
+   - ``FAMILY = Family(...)``; ``moe_norm`` when the MoE input norm is not
+     ``ffn_norm`` (glm4moe and gpt-oss: ``post_attention_norm``).
+
+2. One line in :data:`_MODULES`; oracle tests as tests/test_arch_families.py
+   runs them (``FAMILY_FIXTURES``); the README's "What runs".
+
+What the shared code does not do yet: blocks without routed experts (the
+leading dense blocks of deepseek2 and glm4moe) — the loader, the plan, the
+cache's per-layer quotas and the usage history all assume every block has
+``expert_count`` experts.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE
+
+if TYPE_CHECKING:
+    from colibri_aio.arch.base import Family
+    from colibri_aio.arch.layers import MoETransformer
+    from colibri_aio.experts import ExpertSource
+    from colibri_aio.gguf.model import Model
+
+# general.architecture -> module of colibri_aio.arch
+_MODULES = {
+    "qwen3moe": "qwen3moe",
+    "qwen2moe": "qwen2moe",
+    "olmoe": "olmoe",
+    "llama": "llama",
+}
+SUPPORTED_ARCHITECTURES = tuple(_MODULES)
+
+
+def family(architecture: str) -> Family:
+    """The family of ``architecture``; KeyError for one the engine does not run."""
+    module = importlib.import_module(f"colibri_aio.arch.{_MODULES[architecture]}")
+    return module.FAMILY
+
+
+def build_net(model: Model, experts: ExpertSource, n_ctx: int | None = None,
+              kv_type: str = DEFAULT_KV_TYPE) -> MoETransformer:
+    """The forward pass of ``model``'s family, bound to ``experts`` and a KV cache of ``n_ctx`` positions
+    stored as ``kv_type``."""
+    return model.family.net(model, experts, n_ctx, kv_type)

@@ -36,37 +36,34 @@ def default_context(model_context: int) -> int:
     return min(model_context, DEFAULT_CONTEXT)
 
 
-def kv_shape(n_layer: int, n_ctx: int, n_kv: int, head_dim: int) -> tuple[int, int, int, int]:
-    """Shape of the keys (and of the values): (layers, positions, KV heads, head dim)."""
-    return (n_layer, n_ctx, n_kv, head_dim)
-
-
-def kv_nbytes(n_layer: int, n_ctx: int, n_kv: int, head_dim: int, kv_type: str = DEFAULT_KV_TYPE) -> int:
-    """Bytes of keys and values together, as :class:`KVCache` allocates them."""
+def kv_nbytes(n_layer: int, n_ctx: int, n_kv: int, k_dim: int, v_dim: int | None = None,
+              kv_type: str = DEFAULT_KV_TYPE) -> int:
+    """Bytes of keys (n_kv, k_dim) and values (n_kv, v_dim, default k_dim) together, as :class:`KVCache`
+    allocates them."""
     itemsize = np.dtype(KV_TYPES[check_kv_type(kv_type)]).itemsize
-    return 2 * int(np.prod(kv_shape(n_layer, n_ctx, n_kv, head_dim))) * itemsize
+    return n_layer * n_ctx * n_kv * (k_dim + (k_dim if v_dim is None else v_dim)) * itemsize
 
 
 class KVCache:
-    """Keys and values of every layer for up to ``n_ctx`` positions, allocated once."""
+    """Keys (n_kv, k_dim) and values (n_kv, v_dim) of every layer for up to ``n_ctx`` positions, allocated once."""
 
-    def __init__(self, n_layer: int, n_ctx: int, n_kv: int, head_dim: int, kv_type: str = DEFAULT_KV_TYPE) -> None:
+    def __init__(self, n_layer: int, n_ctx: int, n_kv: int, k_dim: int, v_dim: int | None = None,
+                 kv_type: str = DEFAULT_KV_TYPE) -> None:
         dtype = KV_TYPES[check_kv_type(kv_type)]
         self.n_ctx, self.kv_type = n_ctx, kv_type
-        shape = kv_shape(n_layer, n_ctx, n_kv, head_dim)
-        self.k = np.zeros(shape, dtype)
-        self.v = np.zeros(shape, dtype)
+        self.k = np.zeros((n_layer, n_ctx, n_kv, k_dim), dtype)
+        self.v = np.zeros((n_layer, n_ctx, n_kv, k_dim if v_dim is None else v_dim), dtype)
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
     def store(self, layer: int, positions: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """Keep ``k`` and ``v`` (T, Hkv, d) of ``layer`` at ``positions`` (rounded to the storage type)."""
+        """Keep ``k`` (T, Hkv, d) and ``v`` (T, Hkv, dv) of ``layer`` at ``positions`` (rounded to the storage type)."""
         self.k[layer, positions] = k
         self.v[layer, positions] = v
 
     def upto(self, layer: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and values of ``layer`` at positions [0, stop) as float32 (S, Hkv, d)."""
+        """Keys (S, Hkv, d) and values (S, Hkv, dv) of ``layer`` at positions [0, stop) as float32."""
         k, v = self.k[layer, :stop], self.v[layer, :stop]
         return k.astype(np.float32, copy=False), v.astype(np.float32, copy=False)

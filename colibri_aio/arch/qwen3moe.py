@@ -1,204 +1,42 @@
-"""The qwen3moe family: prefill and one-token decode over a preallocated KV cache.
+"""qwen3moe (Qwen3-30B-A3B, Qwen3-235B-A22B): per-head q/k RMSNorm, NEOX RoPE,
+softmax top-k renormalised (llama.cpp always renormalises for qwen3moe).
 
-Routed experts arrive through an :class:`~colibri_aio.experts.ExpertSource`, so
-this file never knows whether their bytes came from mmap, RAM or io_uring.
-
-Shape legend: T positions in this call, D embedding_length, H head_count,
-Hkv head_count_kv, d key_length, E expert_count, k expert_used_count,
-V vocab_size, S context positions held in the KV cache.
+Shape legend as in :mod:`colibri_aio.arch.layers`.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
-from contextlib import aclosing
-from typing import Literal, Protocol
+from dataclasses import dataclass
 
 import numpy as np
 
-from colibri_aio.errors import NonFiniteError, UserError
-from colibri_aio.experts import ExpertSource, ExpertWeights
-from colibri_aio.gguf.model import Model
-from colibri_aio.kernels.ops import attention, rms_norm, rope_cos_sin, rope_neox, router_top_k, swiglu
-from colibri_aio.kernels.qtensor import QTensor
-from colibri_aio.kernels.backend import dequantize, matmul, matvec
-from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, KVCache, default_context
-from colibri_aio.arch.lookahead import predictor_state, rank_experts
+from colibri_aio.arch.base import BaseArgs, Family, TensorSpec, attention_tensors, router_tensors, vector
+from colibri_aio.arch.layers import MoETransformer, Rope
+from colibri_aio.kernels.ops import rms_norm, rope_neox
 
 
-class RouteObserver(Protocol):
-    """Receives every routing decision (used by ``trace`` and the lookahead predictor)."""
-
-    def on_layer_input(self, layer: int, x: np.ndarray) -> None:
-        """``x``: (T, D) the residual stream entering block ``layer``."""
-
-    def on_route(self, layer: int, positions: np.ndarray, residual: np.ndarray,
-                 moe_input: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> None:
-        """``residual``: (T, D) post-attention residual; ``moe_input``: (T, D) after ffn_norm;
-        ``ids``/``weights``: (T, k) chosen experts in descending weight."""
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelArgs(BaseArgs):
+    """qwen3moe's hyper-parameters: the shared set (``qwen3moe.*`` keys)."""
 
 
-def linear(w: QTensor, x: np.ndarray) -> np.ndarray:
-    """x (T, cols) -> (T, rows); one position takes the matvec kernel, more the matmul one."""
-    if x.shape[0] == 1:
-        return matvec(w, x[0])[None, :]
-    return matmul(w, x)
+def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
+    return [*attention_tensors(a), vector("attn_q_norm", a.key_length), vector("attn_k_norm", a.key_length),
+            *router_tensors(a)]
 
 
-def embed_rows(token_embd: QTensor, ids: np.ndarray) -> np.ndarray:
-    """Rows of the token embedding for ``ids``, dequantised: (T, D)."""
-    table = token_embd.data.reshape(token_embd.rows, -1)        # (V, bytes per row)
-    rows = np.ascontiguousarray(table[ids]).reshape(-1)
-    return dequantize(QTensor(rows, token_embd.ggml_type, (len(ids), token_embd.cols)))
-
-
-def expert_ffn(w: ExpertWeights, x: np.ndarray) -> np.ndarray:
-    """One routed expert on the positions routed to it: down(silu(gate x) * up x); (n, D) -> (n, D)."""
-    return linear(w.down, swiglu(linear(w.gate, x), linear(w.up, x)))
-
-
-# Positions per forward step of a long prompt: bounds activation memory (and the
-# attention scores), while keeping batch-union wide enough to read each expert once.
-PREFILL_CHUNK = 256
-
-
-class Qwen3MoE:
+class Qwen3MoE(MoETransformer):
     """A qwen3moe model bound to an expert source and a KV cache."""
 
-    def __init__(self, model: Model, experts: ExpertSource, n_ctx: int | None = None,
-                 kv_type: str = DEFAULT_KV_TYPE) -> None:
-        """``n_ctx``: KV-cache positions (default: the model's, at most 4096; never more than the model's);
-        ``kv_type``: "f16" or "f32" storage of keys and values."""
-        a = model.args
-        self.model, self.args, self.experts = model, a, experts
-        self.n_ctx = min(n_ctx or default_context(a.context_length), a.context_length)
-        self.cache = KVCache(a.block_count, self.n_ctx, a.head_count_kv, a.key_length, kv_type)
-        self.n_past = 0
-        self.ids: list[int] = []  # the token ids behind the cache: positions 0..n_past-1
-        # The hidden state that predicts the next layer's experts (see arch/lookahead.PREDICTORS);
-        # None: no hints (Placement.lookahead sets it).
-        self.lookahead: str | None = None
+    def qk_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """RMSNorm of q or k (T, heads, d): per head."""
+        return rms_norm(x, weight, self.args.rms_eps)
 
-    async def prefill(self, ids: Sequence[int], *, logits: Literal["last", "all"] = "last",
-                      observer: RouteObserver | None = None) -> np.ndarray:
-        """``forward`` over ``ids`` in chunks of PREFILL_CHUNK positions; logits as ``forward`` gives them."""
-        rows = [await self.forward(ids[s: s + PREFILL_CHUNK], logits=logits, observer=observer)
-                for s in range(0, len(ids), PREFILL_CHUNK)]
-        if not rows:
-            raise UserError("forward needs at least one token")
-        return np.concatenate(rows, axis=0) if logits == "all" else rows[-1]
+    def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
+        blk = self.model.blocks[layer]
+        q, k, v = self.qkv(blk, h)
+        q = rope_neox(self.qk_norm(q, blk.attn_q_norm), *rope)
+        k = rope_neox(self.qk_norm(k, blk.attn_k_norm), *rope)
+        return self.attend(layer, q, k, v, positions)
 
-    def reset(self) -> None:
-        """Forget the context (the KV cache memory is kept and overwritten)."""
-        self.rewind(0)
 
-    def rewind(self, n_past: int) -> None:
-        """Keep the first ``n_past`` positions of the context and forget the rest.
-
-        Attention reads the cache only up to the position it computes, so
-        what lies beyond ``n_past`` is never seen and is overwritten later.
-        """
-        if not 0 <= n_past <= self.n_past:
-            raise ValueError(f"cannot rewind to {n_past}: the context holds {self.n_past} positions")
-        self.n_past = n_past
-        del self.ids[n_past:]
-
-    async def forward(self, ids: Sequence[int], *, logits: Literal["last", "all"] = "last",
-                      observer: RouteObserver | None = None) -> np.ndarray:
-        """Run ``ids`` at positions n_past.. and return logits: (V,) for the last or (T, V) for all."""
-        a = self.args
-        tok = np.asarray(ids, dtype=np.int64)
-        if tok.size == 0:
-            raise UserError("forward needs at least one token")
-        if tok.min() < 0 or tok.max() >= a.vocab_size:
-            raise UserError(f"token id out of range [0, {a.vocab_size})")
-        if self.n_past + tok.size > self.n_ctx:
-            raise UserError(f"context full: {self.n_past} + {tok.size} tokens > n_ctx {self.n_ctx}")
-        self.experts.step(tok.size)
-        positions = np.arange(self.n_past, self.n_past + tok.size)
-        cos, sin = rope_cos_sin(positions, a.key_length, a.rope_freq_base)
-        x = embed_rows(self.model.token_embd, tok)                                # (T, D)
-        self._check_finite(x, "the token embedding (token_embd)", positions)
-        for layer in range(a.block_count):
-            if observer is not None:
-                observer.on_layer_input(layer, x)
-            layer_input = x
-            attn = self._attention(layer, rms_norm(x, self.model.blocks[layer].attn_norm, a.rms_eps),
-                                   positions, cos, sin)
-            self._check_finite(attn, f"layer {layer} attention", positions)
-            x = x + attn
-            h = rms_norm(x, self.model.blocks[layer].ffn_norm, a.rms_eps)
-            x = x + await self._moe(layer, h, positions, layer_input, x, observer)
-        self.n_past += tok.size
-        self.ids.extend(tok.tolist())
-        rows = x if logits == "all" else x[-1:]
-        out = linear(self.model.output, rms_norm(rows, self.model.output_norm, a.rms_eps))
-        self._check_finite(out, "the output head (output_norm, output)", positions[-len(rows):])
-        return out if logits == "all" else out[0]
-
-    def _check_finite(self, x: np.ndarray, where: str, positions: np.ndarray) -> None:
-        """A NaN or infinity never turns into tokens: stop, naming where it appeared (broken weights)."""
-        if not np.isfinite(x).all():
-            bad = positions[~np.isfinite(x.reshape(len(positions), -1)).all(axis=1)]
-            raise NonFiniteError(f"{self.model.path}: non-finite values from {where} at position {int(bad[0])}: "
-                                 f"the model's weights there are broken (`doctor --verify` scans every tensor)")
-
-    def _attention(self, layer: int, h: np.ndarray, positions: np.ndarray,
-                   cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-        a, blk, t = self.args, self.model.blocks[layer], h.shape[0]
-        q = linear(blk.attn_q, h).reshape(t, a.head_count, a.key_length)
-        k = linear(blk.attn_k, h).reshape(t, a.head_count_kv, a.key_length)
-        v = linear(blk.attn_v, h).reshape(t, a.head_count_kv, a.value_length)
-        q = rope_neox(rms_norm(q, blk.attn_q_norm, a.rms_eps), cos, sin)
-        k = rope_neox(rms_norm(k, blk.attn_k_norm, a.rms_eps), cos, sin)
-        self.cache.store(layer, positions, k, v)
-        o = attention(q, *self.cache.upto(layer, int(positions[-1]) + 1), positions)
-        return linear(blk.attn_output, o)
-
-    async def _moe(self, layer: int, h: np.ndarray, positions: np.ndarray, layer_input: np.ndarray,
-                   residual: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
-        """Route, fetch each unique expert once (batch-union), and sum in routing order.
-
-        Experts arrive in whatever order the source delivers them; each one's
-        weighted output lands in its (position, rank) cell and the cells are
-        summed in rank order afterwards, so arrival order never changes a bit.
-        """
-        a = self.args
-        ids, weights = router_top_k(h @ self.model.blocks[layer].ffn_gate_inp.T, a.expert_used_count)
-        self._check_finite(weights, f"layer {layer} router (ffn_gate_inp)", positions)
-        if observer is not None:
-            observer.on_route(layer, positions, residual, h, ids, weights)
-        predicted = self._lookahead(layer, layer_input, residual, h)
-        contrib = np.zeros((h.shape[0], a.expert_used_count, a.embedding_length), np.float32)  # (T, k, D)
-        # aclosing: on an error mid-layer the source still drains its in-flight reads.
-        async with aclosing(self.experts.stream(layer, np.unique(ids).tolist())) as stream:
-            async for expert, w in stream:
-                if predicted is not None:  # after this layer's demand reads, which went out with the first expert
-                    self.experts.hint(layer + 1, predicted)
-                    predicted = None
-                rows, ranks = np.nonzero(ids == expert)
-                contrib[rows, ranks] = expert_ffn(w, h[rows]) * weights[rows, ranks][:, None]
-        out = contrib.sum(axis=1)
-        if not np.isfinite(out).all():
-            bad = np.unique(ids[~np.isfinite(contrib).all(axis=2)]).tolist()
-            self._check_finite(out, f"layer {layer} expert{'s' if len(bad) > 1 else ''} "
-                                    f"{', '.join(map(str, bad))}", positions)
-        return out
-
-    def _lookahead(self, layer: int, layer_input: np.ndarray, residual: np.ndarray,
-                   h: np.ndarray) -> list[int] | None:
-        """Layer + 1's likely experts from router layer + 1 on this layer's hidden state.
-
-        One position: its top 2k in router order (the scheduler policy reads
-        the first k it does not hold). Several (prefill): the union of their
-        top-k, most-voted first. None when lookahead is off or on the last layer.
-        """
-        if self.lookahead is None or layer + 1 >= self.args.block_count:
-            return None
-        state = predictor_state(self.model, self.lookahead, layer, layer_input, residual, h)
-        k = self.args.expert_used_count
-        ranked = rank_experts(self.model.blocks[layer + 1].ffn_gate_inp, state, 2 * k)
-        if ranked.shape[0] == 1:
-            return ranked[0].tolist()
-        ranked = ranked[:, :k]
-        ids, votes = np.unique(ranked, return_counts=True)
-        return ids[np.argsort(-votes, kind="stable")].tolist()
+FAMILY = Family("qwen3moe", ModelArgs, block_tensors, Qwen3MoE, checked_against="Qwen3MoeForCausalLM")

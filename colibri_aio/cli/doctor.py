@@ -2,7 +2,10 @@
 
 Nothing here writes anything: it opens the model read-only, sets up (and
 closes) an io_uring ring and a small buffer pool, and reads a few experts.
-``--verify`` also decodes every tensor and fails on values that are not finite.
+``--verify`` also checks where every tensor and expert range lies in the
+file, that the special-token ids name tokens, that the tokenizer builds and
+the chat template renders a short conversation, and decodes every tensor,
+failing on values that are not finite.
 """
 from __future__ import annotations
 
@@ -16,9 +19,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from colibri_aio.errors import UserError
+from colibri_aio.errors import UserError, one_line
 from colibri_aio.gguf.model import Model, load
-from colibri_aio.gguf.verify import scan
+from colibri_aio.gguf.verify import layout_problems, scan, special_token_problems
 from colibri_aio.io.modelfile import ModelFile
 from colibri_aio.io.reader import ExpertReader
 from colibri_aio.engine.memory import memory_limits
@@ -37,7 +40,7 @@ class Check:
     detail: str
 
     def line(self) -> str:
-        return f"{self.verdict.upper():4}  {self.name:<16} {self.detail}"
+        return f"{self.verdict.upper():4}  {self.name:<16} {one_line(self.detail)}"
 
 
 def check_gguf(path: Path) -> tuple[Check, Model | None]:
@@ -54,10 +57,46 @@ def check_gguf(path: Path) -> tuple[Check, Model | None]:
 
 def check_values(model: Model, progress: Callable[[int, int], None] | None = None) -> list[Check]:
     """Every tensor decoded: one failing check per tensor with a value that is not finite, else one OK."""
-    found = [Check("values", "fail", bad.describe())
+    found = [Check("values", "fail", f"{model.path}: {bad.describe()}")
              for bad in scan(model.path, model.reader, progress)]
     n = len(model.reader.tensors)
     return found or [Check("values", "ok", f"{n} tensors decoded: every value is finite")]
+
+
+def check_layout(model: Model) -> list[Check]:
+    """Every tensor and expert byte range inside the data section, none over another."""
+    problems = layout_problems(model.reader, model.experts, os.stat(model.path).st_size)
+    if problems:
+        return [Check("layout", "fail", p) for p in problems]
+    n_ranges = 3 * sum(len(layer) for layer in model.experts)
+    return [Check("layout", "ok", f"{len(model.reader.tensors)} tensors and {n_ranges} expert ranges lie inside the "
+                                  f"data section (from byte {model.reader.data_offset}), none over another")]
+
+
+PROBE_CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Hello!"}]
+
+
+def check_text(model: Model) -> list[Check]:
+    """Special-token ids in the vocabulary, the tokenizer built, the chat template rendered once."""
+    from colibri_aio.text.tokenizer import Tokenizer
+
+    bad = special_token_problems(model.reader)
+    checks = [Check("special tokens", "fail", p) for p in bad]
+    try:
+        tokenizer = Tokenizer.from_gguf(model.reader)
+    except UserError as exc:
+        return checks + [Check("tokenizer", "fail", str(exc))]
+    if not bad:
+        checks.append(Check("special tokens", "ok", "every tokenizer.ggml.*_token_id names a token"))
+    checks.append(Check("tokenizer", "ok", f"builds: {tokenizer.vocab_size} tokens, {len(tokenizer.eog_ids)} "
+                                            f"end-of-generation ids"))
+    if tokenizer.spec.chat_template is None:
+        return checks + [Check("chat template", "warn", "none in the file: chat prompts are refused")]
+    try:
+        text = tokenizer.apply_chat_template(PROBE_CHAT)
+    except UserError as exc:
+        return checks + [Check("chat template", "fail", str(exc))]
+    return checks + [Check("chat template", "ok", f"renders a two-message conversation ({len(text)} characters)")]
 
 
 def check_memlock() -> Check:
@@ -122,7 +161,7 @@ def run_checks(path: Path | None, emit: Callable[[Check], None], *, verify: bool
                progress: Callable[[int, int], None] | None = None) -> int:
     """Run every check, emitting each as it finishes; returns 2 if any failed, else 0.
 
-    ``verify`` adds :func:`check_values` (reads the whole file).
+    ``verify`` adds :func:`check_layout`, :func:`check_text` and :func:`check_values` (reads the whole file).
     """
     checks: list[Check] = [check_memory(), check_memlock()]
     for c in checks:
@@ -137,6 +176,9 @@ def run_checks(path: Path | None, emit: Callable[[Check], None], *, verify: bool
             for c in asyncio.run(check_backend(model)):
                 emit(c)
             if verify:
+                for c in [*check_layout(model), *check_text(model)]:
+                    emit(c)
+                    failed = failed or c.verdict == "fail"
                 for c in check_values(model, progress):
                     emit(c)
                     failed = failed or c.verdict == "fail"

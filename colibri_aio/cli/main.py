@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, NoReturn
 
 from colibri_aio import __version__
-from colibri_aio.errors import ExpertReadError, UserError
+from colibri_aio.errors import ExpertReadError, UserError, one_line
 from colibri_aio.cli.logs import configure as configure_logs
 from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, KV_TYPES
 from colibri_aio.engine.placement import IO_CHOICES, PREFETCH_CHOICES
@@ -693,14 +693,14 @@ def exit_status(exc: BaseException, err: IO[str]) -> int:
         _silence_stdout()
         return EXIT_PIPE
     if (found := _first(exc, UserError)) is not None:
-        print(f"colibri-aio: error: {found}", file=err)
+        print(f"colibri-aio: error: {one_line(found)}", file=err)
         return EXIT_USER
     if (found := _first(exc, ExpertReadError)) is not None:
-        print(f"colibri-aio: I/O error: {found}", file=err)
+        print(f"colibri-aio: I/O error: {one_line(found)}", file=err)
         return EXIT_IO
     found = _first(exc, OSError)
     if isinstance(found, OSError) and found.filename is not None:  # a file the user named or a place to write
-        print(f"colibri-aio: error: {found.filename}: {found.strerror or found}", file=err)
+        print(f"colibri-aio: error: {one_line(f'{found.filename}: {found.strerror or found}')}", file=err)
         return EXIT_USER
     raise exc
 

@@ -197,11 +197,17 @@ class Telemetry:
                 await asyncio.wait_for(stop.wait(), self.interval)
             except TimeoutError:
                 pass
-            now = self.engine.stats()
-            if now.t - last.t < 1e-3:
-                break
-            self.emit(Interval(last, now, self._device_sample()))
-            last = now
+            last = self._emit_since(last)
+        # stop may be set just after an interval's sample was taken: the tokens since then still count.
+        self._emit_since(last)
+
+    def _emit_since(self, last: EngineStats) -> EngineStats:
+        """Emit the interval from ``last`` to now (unless no time passed); the new start."""
+        now = self.engine.stats()
+        if now.t - last.t < 1e-3:
+            return last
+        self.emit(Interval(last, now, self._device_sample()))
+        return now
 
     def emit(self, interval: Interval) -> None:
         self.intervals.append(interval)

@@ -15,7 +15,8 @@ then one record per (run, position, layer)::
 
 ``experts`` are in descending weight. ``predicted`` (absent on the last layer)
 ranks 2k candidate experts for layer + 1, each predictor applying router
-layer + 1 (``blk.{layer+1}.ffn_gate_inp``) to a hidden state of this layer:
+layer + 1 (``blk.{layer+1}.ffn_gate_inp``) to a hidden state of this layer
+(the MoE norm is the family's: ``ffn_norm`` unless its module says otherwise):
 
 - ``moe_input``: this layer's MoE input (the residual after attention, after
   this layer's ffn_norm) — known as early as this layer's own routing;
@@ -41,7 +42,7 @@ from colibri_aio.gguf.model import Model
 from colibri_aio.arch.lookahead import PREDICTORS, predictor_state, rank_experts
 
 if TYPE_CHECKING:
-    from colibri_aio.arch.qwen3moe import Qwen3MoE
+    from colibri_aio.arch.layers import MoETransformer
 
 FORMAT, VERSION = "colibri-aio-route-trace", 1
 
@@ -74,10 +75,9 @@ class TraceRecorder:
         predicted: dict[str, np.ndarray] = {}
         if layer + 1 < a.block_count:
             assert self._layer_input is not None
-            router = self.model.blocks[layer + 1].ffn_gate_inp
             predicted = {
-                name: rank_experts(router, predictor_state(self.model, name, layer, self._layer_input, residual,
-                                                           moe_input), 2 * a.expert_used_count)
+                name: rank_experts(self.model, layer + 1, predictor_state(self.model, name, layer, self._layer_input,
+                                                                          residual, moe_input), 2 * a.expert_used_count)
                 for name in PREDICTORS}
         for i, pos in enumerate(positions.tolist()):
             rec: dict[str, Any] = {
@@ -155,7 +155,7 @@ def _check_route(rec: dict[str, Any], header: dict[str, Any], path: str, n: int)
         raise UserError(f"{path}: line {n} is a damaged route record (run, pos, layer, phase, experts)")
 
 
-async def trace_run(net: Qwen3MoE, recorder: TraceRecorder, run: int, prompt: list[int],
+async def trace_run(net: MoETransformer, recorder: TraceRecorder, run: int, prompt: list[int],
                     max_tokens: int, sample: Callable[[np.ndarray], int],
                     is_eog: Callable[[int], bool]) -> list[int]:
     """Prefill ``prompt`` and decode up to ``max_tokens``, recording every route; returns new tokens."""

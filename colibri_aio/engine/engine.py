@@ -32,7 +32,7 @@ from colibri_aio.engine.memory import peak_rss_bytes, rss_bytes
 from colibri_aio.engine.device import DeviceMonitor
 from colibri_aio.models import default_model_path
 from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE
-from colibri_aio.arch.qwen3moe import Qwen3MoE
+from colibri_aio.arch import build_net
 from colibri_aio.text.sampling import (FinishReason, SamplingParams, Stopper, TokenPicker, check_generation_options,
                                       log_softmax, top_logprobs)
 from colibri_aio.engine.plan import Plan, gb
@@ -89,7 +89,7 @@ class Engine:
                  placement: Placement, history: HistoryFile | None = None) -> None:
         self.model, self.tokenizer, self.source, self.plan, self.placement = model, tokenizer, source, plan, placement
         self.history = history
-        self.net = Qwen3MoE(model, source, plan.context, plan.kv_type)
+        self.net = build_net(model, source, plan.context, plan.kv_type)
         self.net.lookahead = placement.lookahead
         self.prompt_tokens = self.generated_tokens = self.cached_tokens = 0
         self.prefill_s = self.decode_s = 0.0
@@ -228,6 +228,9 @@ class Engine:
         except UnicodeEncodeError as exc:  # lone surrogates: bytes from argv or a file that were not UTF-8
             raise UserError(f"the prompt is not valid UTF-8 (at character {exc.start})") from None
         ids = self.tokenizer.encode(text, parse_special=True, add_special=True)
+        bos = self.tokenizer.bos_id
+        if text is not prompt and ids[:2] == [bos, bos]:
+            ids = ids[1:]  # the template wrote BOS itself (Mixtral's, Llama 2's): one is the model's input
         if not ids:
             raise UserError("the prompt is empty")
         return ids

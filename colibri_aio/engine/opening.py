@@ -63,9 +63,9 @@ class OpenTimings:
 
 def matrix_types(model: Model) -> tuple:
     """The ggml types the forward pass multiplies (to compile or load their kernels up front)."""
-    b, e = model.blocks[0], model.experts[0][0]
-    mats = [model.output, b.attn_q, b.attn_k, b.attn_v, b.attn_output]
-    return tuple(sorted({m.ggml_type for m in mats} | {r.ggml_type for r in e.ranges}))
+    mats = [model.output, *(m for b in model.blocks for m in b.matrices())]
+    experts = {r.ggml_type for layer in model.experts for r in layer[0].ranges}
+    return tuple(sorted({m.ggml_type for m in mats} | experts))
 
 
 def _timed(func: Callable[..., T]) -> Callable[..., tuple[T, float]]:

@@ -15,8 +15,8 @@ from colibri_aio.io.align import slot_nbytes_for
 from colibri_aio.engine.memory import MemoryLimits
 from colibri_aio.policy.budget import slots_for_budget
 from colibri_aio.policy.usage import MIN_TOKENS
-from colibri_aio.arch.kvcache import DEFAULT_CONTEXT, DEFAULT_KV_TYPE, default_context, kv_nbytes
-from colibri_aio.arch.qwen3moe import PREFILL_CHUNK
+from colibri_aio.arch.kvcache import DEFAULT_CONTEXT, DEFAULT_KV_TYPE, default_context
+from colibri_aio.arch.layers import PREFILL_CHUNK
 
 GiB = 1 << 30
 # Python, NumPy, BLAS and the tokenizer before any model memory (peak RSS of an
@@ -88,8 +88,7 @@ def gb(n: int) -> str:
 
 def kv_cache_nbytes(model: Model, context: int, kv_type: str = DEFAULT_KV_TYPE) -> int:
     """Bytes of the KV cache the forward pass allocates for ``context`` positions."""
-    a = model.args
-    return kv_nbytes(a.block_count, context, a.head_count_kv, a.key_length, kv_type)
+    return model.args.kv_cache_nbytes(context, kv_type)
 
 
 def working_nbytes(model: Model, prefill_chunk: int = PREFILL_CHUNK) -> int:

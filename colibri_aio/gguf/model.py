@@ -1,5 +1,10 @@
-"""Load a qwen3moe GGUF: metadata into :class:`ModelArgs`, the dense trunk into RAM,
-and every routed expert as three byte ranges for the I/O layer.
+"""Load a GGUF of any registered family: metadata into the family's ``ModelArgs``,
+the dense trunk into RAM, and every routed expert as three byte ranges for the I/O layer.
+
+The split is by tensor name, the same for every family: routed experts
+(``blk.<i>.ffn_{gate,up,down}_exps.weight``) stay on disk and are streamed;
+everything else the family lists (``block_tensors``: attention, norms, routers,
+shared experts and their gates) is the resident trunk.
 
 Everything that can be wrong with a file is checked here, once, and refused
 with a :class:`~colibri_aio.errors.ModelFormatError` whose message is one line
@@ -8,13 +13,17 @@ that names the problem.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import dropwhile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from colibri_aio.arch import SUPPORTED_ARCHITECTURES, family
+from colibri_aio.arch.base import BaseArgs, Family, Metadata, TensorSpec
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.gguf.header import GGUFHeader
 from colibri_aio.io.bulk import BulkStats, read_ranges
@@ -23,68 +32,70 @@ from colibri_aio.experts import ExpertLocation, TensorRange
 from colibri_aio.kernels.qtensor import QTensor
 from colibri_aio.kernels.quant import SUPPORTED_TYPES, dequantize
 
-SUPPORTED_ARCHITECTURES = ("qwen3moe",)
+# The hyper-parameters every family has (each family's own ModelArgs extends them).
+ModelArgs = BaseArgs
 
 Progress = Callable[[str, int, int], None]  # (step, done, total)
 
 
-@dataclass(frozen=True, slots=True)
-class ModelArgs:
-    """Hyper-parameters of a qwen3moe model, named as in its GGUF keys."""
-
-    architecture: str
-    vocab_size: int
-    context_length: int
-    embedding_length: int
-    block_count: int
-    head_count: int
-    head_count_kv: int
-    key_length: int
-    value_length: int
-    rope_freq_base: float
-    rms_eps: float
-    expert_count: int
-    expert_used_count: int
-    expert_feed_forward_length: int
-    tied_output: bool
-
-
-@dataclass(frozen=True, slots=True)
 class BlockWeights:
-    """The resident weights of one transformer block (everything but the routed experts)."""
+    """The resident tensors of one block (everything but the routed experts), by their name in the block.
 
-    attn_norm: np.ndarray      # (D,)
-    attn_q: QTensor            # (H*d, D)
-    attn_k: QTensor            # (Hkv*d, D)
-    attn_v: QTensor            # (Hkv*d, D)
-    attn_q_norm: np.ndarray    # (d,)
-    attn_k_norm: np.ndarray    # (d,)
-    attn_output: QTensor       # (D, H*d)
-    ffn_norm: np.ndarray       # (D,)
-    ffn_gate_inp: np.ndarray   # (E, D) router, float32
+    ``blk["attn_q"]`` (or ``blk.attn_q``) is ``blk.<i>.attn_q.weight``; names with
+    a dot are the file's (``blk["attn_q.bias"]``). Matrices are raw
+    :class:`QTensor` bytes; norms, biases and routers float32 arrays.
+    ``get`` returns None for a tensor this file does not have.
+    """
+
+    __slots__ = ("tensors",)
+
+    def __init__(self, tensors: dict[str, QTensor | np.ndarray]) -> None:
+        self.tensors = tensors
+
+    def __getitem__(self, name: str) -> Any:
+        return self.tensors[name]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+    def get(self, name: str) -> Any:
+        return self.tensors.get(name)
+
+    def matrices(self) -> Iterator[QTensor]:
+        return (t for t in self.tensors.values() if isinstance(t, QTensor))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors.values())
 
 
 @dataclass(slots=True)
 class Model:
-    """A loaded GGUF: args, resident trunk, expert byte ranges, tokenizer metadata."""
+    """A loaded GGUF: args, resident trunk, expert byte ranges, tokenizer metadata, its family."""
 
     path: Path
     identity: FileIdentity
-    args: ModelArgs
+    args: BaseArgs
     token_embd: QTensor                  # (vocab, D)
     output_norm: np.ndarray              # (D,)
     output: QTensor                      # (vocab, D); token_embd when tied
     blocks: list[BlockWeights]
     experts: list[list[ExpertLocation]]  # [layer][expert]
     reader: GGUFHeader                   # metadata (tokenizer, chat template)
+    family: Family
     trunk_read: BulkStats | None = None  # how the resident trunk was read (None: views of the file)
 
     @property
     def trunk_nbytes(self) -> int:
-        mats = [self.token_embd] + ([] if self.args.tied_output else [self.output])
-        mats += [m for b in self.blocks for m in (b.attn_q, b.attn_k, b.attn_v, b.attn_output)]
-        vecs = [b.ffn_gate_inp for b in self.blocks]
-        return sum(m.nbytes for m in mats) + sum(v.nbytes for v in vecs)
+        """Bytes of everything resident: embeddings, output head, every block's tensors."""
+        head = self.token_embd.nbytes + self.output_norm.nbytes + (0 if self.args.tied_output else self.output.nbytes)
+        return head + sum(b.nbytes for b in self.blocks)
 
     @property
     def expert_nbytes_max(self) -> int:
@@ -100,69 +111,32 @@ def _open_reader(path: Path) -> GGUFHeader:
     return GGUFHeader(path)
 
 
-def _field(reader: GGUFHeader, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def read_args(reader: GGUFHeader, path: Path) -> ModelArgs:
-    """ModelArgs from the metadata; refuses unknown architectures and inconsistent keys."""
-    arch = _field(reader, "general.architecture")
+def family_of(reader: GGUFHeader, path: Path) -> Family:
+    """The registered family of the file's ``general.architecture``; anything else is refused."""
+    f = reader.fields.get("general.architecture")
+    arch = None if f is None else f.contents()
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelFormatError(
             f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    return family(arch)
 
-    def need(key: str) -> Any:
-        value = _field(reader, f"{arch}.{key}")
-        if value is None:
-            raise ModelFormatError(f"{path}: missing metadata key {arch}.{key}")
-        return value
 
-    head_count, embd = int(need("attention.head_count")), int(need("embedding_length"))
-    key_length = int(_field(reader, f"{arch}.attention.key_length", embd // head_count))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    names = {t.name for t in reader.tensors}
-    args = ModelArgs(
-        architecture=arch,
-        vocab_size=len(tokens.value) if tokens is not None else _tensor_rows(reader, "token_embd.weight", path),
-        context_length=int(need("context_length")),
-        embedding_length=embd,
-        block_count=int(need("block_count")),
-        head_count=head_count,
-        head_count_kv=int(_field(reader, f"{arch}.attention.head_count_kv", head_count)),
-        key_length=key_length,
-        value_length=int(_field(reader, f"{arch}.attention.value_length", key_length)),
-        # Qwen3 uses 1e6; llama.cpp falls back to 1e4 when the key is absent, and so do we.
-        rope_freq_base=float(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-        rms_eps=float(need("attention.layer_norm_rms_epsilon")),
-        expert_count=int(need("expert_count")),
-        expert_used_count=int(need("expert_used_count")),
-        expert_feed_forward_length=int(need("expert_feed_forward_length")),
-        tied_output="output.weight" not in names,
-    )
-    _check_args(args, path)
+def read_args(reader: GGUFHeader, path: Path, fam: Family) -> BaseArgs:
+    """The family's ModelArgs from the metadata; refuses missing and inconsistent keys."""
+    args = fam.args.from_gguf(Metadata(reader, path, fam.architecture))
+    args.check(path)
     return args
 
 
-def _tensor_rows(reader: GGUFHeader, name: str, path: Path) -> int:
-    for t in reader.tensors:
-        if t.name == name:
-            return int(t.shape[-1])
-    raise ModelFormatError(f"{path}: missing tensor {name}")
+def _significant(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A shape without leading 1s: ggml pads dims with 1, so {D} and {D, 1} are one shape."""
+    return tuple(dropwhile(lambda n: n == 1, shape))
 
 
-def _check_args(a: ModelArgs, path: Path) -> None:
-    if a.expert_used_count > a.expert_count:
-        raise ModelFormatError(
-            f"{path}: expert_used_count {a.expert_used_count} > expert_count {a.expert_count}")
-    if min(a.expert_used_count, a.block_count, a.head_count, a.head_count_kv, a.key_length) < 1:
-        raise ModelFormatError(f"{path}: a size in the metadata is zero or negative")
-    if a.head_count % a.head_count_kv:
-        raise ModelFormatError(
-            f"{path}: head_count {a.head_count} is not a multiple of head_count_kv {a.head_count_kv}")
-    if a.key_length != a.value_length or a.key_length % 2:
-        raise ModelFormatError(
-            f"{path}: key_length {a.key_length} and value_length {a.value_length} must be equal and even")
+def _block_of(name: str) -> int:
+    """The block a tensor belongs to (``blk.N.``), -1 for the tensors outside blocks."""
+    m = re.match(r"blk\.(\d+)\.", name)
+    return -1 if m is None else int(m.group(1))
 
 
 def is_routed_expert(name: str) -> bool:
@@ -176,6 +150,7 @@ class _Tensors:
     def __init__(self, reader: GGUFHeader, path: Path, args: ModelArgs, copy: bool,
                  progress: Progress | None = None) -> None:
         self.by_name = {t.name: t for t in reader.tensors}
+        self.used: set[str] = set()
         self.path, self.args, self.copy = path, args, copy
         self.file_size = path.stat().st_size
         self.raw = np.memmap(path, dtype=np.uint8, mode="r")
@@ -192,7 +167,8 @@ class _Tensors:
         past the end of the file are left to :meth:`get`, which names them.
         """
         wanted = [t for t in self.by_name.values()
-                  if not is_routed_expert(t.name) and t.data_offset + t.n_bytes <= self.file_size]
+                  if not is_routed_expert(t.name) and _block_of(t.name) < self.args.block_count
+                  and t.data_offset + t.n_bytes <= self.file_size]
         report = None if progress is None else (lambda done, total: progress("load trunk", done, total))
         data, self.read_stats = read_ranges(self.path, [(t.data_offset, t.n_bytes) for t in wanted],
                                             progress=report)
@@ -205,11 +181,12 @@ class _Tensors:
             if name.startswith("blk."):
                 hint = f" (block_count says {self.args.block_count} blocks)"
             raise ModelFormatError(f"{self.path}: missing tensor {name}{hint}")
+        self.used.add(name)
         if t.tensor_type not in SUPPORTED_TYPES:
             raise ModelFormatError(f"{self.path}: tensor {name} has unsupported type {t.tensor_type.name} "
                                    f"(this engine runs {', '.join(sorted(s.name for s in SUPPORTED_TYPES))})")
         got = tuple(int(n) for n in reversed(t.shape.tolist()))
-        if got != shape:
+        if _significant(got) != _significant(shape):
             raise ModelFormatError(f"{self.path}: tensor {name} has shape {got}, expected {shape} from the metadata")
         if t.data_offset + t.n_bytes > self.file_size:
             raise ModelFormatError(
@@ -229,26 +206,22 @@ class _Tensors:
         return dequantize(self.resident(name, shape)).astype(np.float32, copy=False)
 
 
-def _block(ts: _Tensors, i: int) -> BlockWeights:
-    a = ts.args
-    d, e, h, hkv, k = a.embedding_length, a.expert_count, a.head_count, a.head_count_kv, a.key_length
-    p = f"blk.{i}."
-    return BlockWeights(
-        attn_norm=ts.vector(p + "attn_norm.weight", (d,)),
-        attn_q=ts.resident(p + "attn_q.weight", (h * k, d)),
-        attn_k=ts.resident(p + "attn_k.weight", (hkv * k, d)),
-        attn_v=ts.resident(p + "attn_v.weight", (hkv * k, d)),
-        attn_q_norm=ts.vector(p + "attn_q_norm.weight", (k,)),
-        attn_k_norm=ts.vector(p + "attn_k_norm.weight", (k,)),
-        attn_output=ts.resident(p + "attn_output.weight", (d, h * k)),
-        ffn_norm=ts.vector(p + "ffn_norm.weight", (d,)),
-        ffn_gate_inp=ts.vector(p + "ffn_gate_inp.weight", (e, d)),
-    )
+def _block(ts: _Tensors, specs: list[TensorSpec], i: int) -> BlockWeights:
+    tensors: dict[str, QTensor | np.ndarray] = {}
+    for spec in specs:
+        name = spec.file_name(i)
+        if spec.optional and name not in ts.by_name:
+            continue
+        tensors[spec.name] = ts.vector(name, spec.shape) if spec.dense else ts.resident(name, spec.shape)
+    return BlockWeights(tensors)
 
 
 def _expert_locations(ts: _Tensors, i: int) -> list[ExpertLocation]:
     a = ts.args
     d, f, e = a.embedding_length, a.expert_feed_forward_length, a.expert_count
+    if f"blk.{i}.ffn_gate_exps.weight" not in ts.by_name and f"blk.{i}.ffn_gate.0.weight" in ts.by_name:
+        raise ModelFormatError(f"{ts.path}: experts stored one tensor each (blk.{i}.ffn_gate.0.weight), an older "
+                               f"GGUF layout; convert the model again with a current llama.cpp")
     stacked = {
         "gate": ts.get(f"blk.{i}.ffn_gate_exps.weight", (e, f, d)),
         "up": ts.get(f"blk.{i}.ffn_up_exps.weight", (e, f, d)),
@@ -265,6 +238,21 @@ def _expert_locations(ts: _Tensors, i: int) -> list[ExpertLocation]:
 
 
 
+def _check_every_tensor_used(ts: _Tensors, path: Path) -> None:
+    """Refuse tensors the forward pass would ignore (llama.cpp refuses them too): silently
+    skipping one would compute another model than the file holds."""
+    a, block = ts.args, _block_of
+    extra = sorted(n for n in ts.by_name if n not in ts.used
+                   and not a.block_count <= block(n) < a.block_count + a.skipped_blocks)
+    if not extra:
+        return
+    for name in extra:
+        if block(name) >= a.block_count + a.skipped_blocks:
+            raise ModelFormatError(f"{path}: tensor {name} lies beyond block_count {a.block_count}")
+    raise ModelFormatError(f"{path}: tensor {extra[0]} is not part of a {a.architecture} model as this engine runs "
+                           f"it ({len(extra)} such tensor{'s' if len(extra) > 1 else ''})")
+
+
 def load(path: str | os.PathLike[str], *, resident: bool = True, progress: Progress | None = None) -> Model:
     """Open and check a GGUF; load the trunk into RAM and describe every expert's bytes.
 
@@ -273,7 +261,12 @@ def load(path: str | os.PathLike[str], *, resident: bool = True, progress: Progr
     """
     p = Path(path)
     reader = _open_reader(p)
-    return _build(p, reader, read_args(reader, p), resident, progress)
+    fam = family_of(reader, p)
+    try:
+        args = read_args(reader, p, fam)
+    except (TypeError, ValueError, ArithmeticError) as exc:  # the keys' types are checked; their values may still clash
+        raise ModelFormatError(f"{p}: the hyper-parameters in the metadata cannot be used: {exc}") from exc
+    return _build(p, reader, fam, args, resident, progress)
 
 
 def with_resident_trunk(model: Model, progress: Progress | None = None) -> Model:
@@ -282,20 +275,19 @@ def with_resident_trunk(model: Model, progress: Progress | None = None) -> Model
     So that the expert reader can open, and start reading, from the header
     alone while the trunk is read.
     """
-    return _build(model.path, model.reader, model.args, True, progress)
+    return _build(model.path, model.reader, model.family, model.args, True, progress)
 
 
-def _build(p: Path, reader: GGUFHeader, args: ModelArgs, resident: bool, progress: Progress | None) -> Model:
+def _build(p: Path, reader: GGUFHeader, fam: Family, args: ModelArgs, resident: bool,
+           progress: Progress | None) -> Model:
     ts = _Tensors(reader, p, args, copy=resident, progress=progress)
     vocab, d = args.vocab_size, args.embedding_length
     token_embd = ts.resident("token_embd.weight", (vocab, d))
     output = token_embd if args.tied_output else ts.resident("output.weight", (vocab, d))
     output_norm = ts.vector("output_norm.weight", (d,))
-    blocks = [_block(ts, i) for i in range(args.block_count)]
+    blocks = [_block(ts, fam.block_tensors(args, i), i) for i in range(args.block_count)]
     experts = [_expert_locations(ts, i) for i in range(args.block_count)]
-    extra = sorted(n for n in ts.by_name if n.startswith(f"blk.{args.block_count}."))
-    if extra:
-        raise ModelFormatError(f"{p}: tensor {extra[0]} lies beyond block_count {args.block_count}")
+    _check_every_tensor_used(ts, p)
     return Model(path=p, identity=FileIdentity.of(os.stat(p)), args=args, token_embd=token_embd,
-                 output_norm=output_norm, output=output, blocks=blocks, experts=experts, reader=reader,
+                 output_norm=output_norm, output=output, blocks=blocks, experts=experts, reader=reader, family=fam,
                  trunk_read=ts.read_stats)

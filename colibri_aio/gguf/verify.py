@@ -1,6 +1,16 @@
-"""Scan every tensor of a GGUF for values that are not finite (``doctor --verify``).
+"""What ``doctor --verify`` checks beyond loading: where the bytes are, the special tokens, the values.
 
-A NaN or infinity in one quantisation scale, one norm weight or one expert
+:func:`layout_problems` checks the byte ranges the engine will read against
+the file: every tensor inside the data section and apart from every other,
+every expert's three ranges inside its stacked tensor (so none reaches back
+into the header and metadata), none overlapping another. The header reader
+and the loader already refuse a file that breaks these rules; this check
+looks at the ranges as the I/O layer will receive them, so a fault between
+the two would show here. :func:`special_token_problems` checks that every
+``tokenizer.ggml.*_token_id`` names a token of the vocabulary (``plan`` and
+``doctor`` do not build the tokenizer, which refuses them).
+
+:func:`scan` looks at every value. A NaN or infinity in one quantisation scale, one norm weight or one expert
 row turns generation into empty or repeated text; the forward pass stops at
 the first one it meets (naming the layer), and this scan finds them all
 before a run: every tensor is decoded in chunks of rows, straight from a
@@ -17,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from colibri_aio.experts import ExpertLocation
 from colibri_aio.gguf.header import GGUFHeader, HeaderTensor
 from colibri_aio.kernels.qtensor import QTensor
 from colibri_aio.kernels.quant import SUPPORTED_TYPES, dequantize
@@ -44,6 +55,46 @@ class NonFinite:
 def _ids(ids: tuple[int, ...], shown: int = 8) -> str:
     more = f" and {len(ids) - shown} more" if len(ids) > shown else ""
     return ", ".join(map(str, ids[:shown])) + more
+
+
+def layout_problems(header: GGUFHeader, experts: list[list[ExpertLocation]], file_size: int) -> list[str]:
+    """Every tensor and expert range that lies outside the data section or over another one (empty: none);
+    each problem is one line that starts with the file's path."""
+    problems: list[str] = []
+    start = header.data_offset
+    spans = sorted((t.data_offset, t.data_offset + t.n_bytes, t.name) for t in header.tensors)
+    for lo, hi, name in spans:
+        if lo < start or hi > file_size:
+            problems.append(f"tensor {name} at bytes [{lo}, {hi}) is outside the data section [{start}, {file_size})")
+    for (_, a_hi, a), (b_lo, _, b) in zip(spans, spans[1:]):
+        if b_lo < a_hi:
+            problems.append(f"tensors {a} and {b} overlap")
+    by_start = {t.data_offset: t for t in header.tensors}
+    for layer in filter(None, experts):
+        for proj in range(3):
+            ranges = sorted((loc.ranges[proj].offset, loc.ranges[proj].nbytes, loc.expert) for loc in layer)
+            first, last = ranges[0][0], ranges[-1][0] + ranges[-1][1]
+            stacked = by_start.get(first)
+            where = f"layer {layer[0].layer} {('gate', 'up', 'down')[proj]} experts at bytes [{first}, {last})"
+            if first < start:
+                problems.append(f"{where} reach into the header and metadata (which end at {start})")
+            elif stacked is None or last > stacked.data_offset + stacked.n_bytes or last > file_size:
+                problems.append(f"{where} are not inside one stacked tensor of the file")
+            for (lo, n, x), (next_lo, _, y) in zip(ranges, ranges[1:]):
+                if next_lo < lo + n:
+                    problems.append(f"{where}: experts {x} and {y} overlap")
+    return [f"{header.path}: {p}" for p in problems]
+
+
+def special_token_problems(header: GGUFHeader) -> list[str]:
+    """Every ``tokenizer.ggml.*_token_id`` that names no token of the vocabulary (empty: none)."""
+    tokens = header.fields.get("tokenizer.ggml.tokens")
+    if tokens is None:
+        return []
+    n = len(tokens.value)
+    return [f"{header.path}: {key} = {f.value} is not a token id (the vocabulary has {n})"
+            for key, f in header.fields.items()
+            if key.startswith("tokenizer.ggml.") and key.endswith("_token_id") and not 0 <= f.value < n]
 
 
 def scan(path: Path, header: GGUFHeader, progress: Callable[[int, int], None] | None = None

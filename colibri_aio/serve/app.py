@@ -17,7 +17,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-import structlog
 from pydantic import Field
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
@@ -32,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from colibri_aio import __version__
 from colibri_aio.engine.engine import GenerationPiece
 from colibri_aio.errors import ExpertReadError, UserError
+from colibri_aio.logs import get_logger
 from colibri_aio.serve.errors import APIError
 from colibri_aio.serve.metrics import CONTENT_TYPE, ServerMetrics
 from colibri_aio.serve.queue import QueueFull, RequestLine
@@ -41,7 +41,7 @@ from colibri_aio.serve.session import (AsyncGeneration, ContextFull, GenerationC
                                       Session)
 
 T = TypeVar("T")
-log = structlog.get_logger("colibri_aio.serve")
+log = get_logger("colibri_aio.serve")
 PUBLIC_PATHS = frozenset({"/health"})
 
 

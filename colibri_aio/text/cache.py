@@ -25,7 +25,7 @@ from colibri_aio.cachefiles import cache_dir, set_aside, write_atomic
 from colibri_aio.gguf.fingerprint import model_fingerprint
 from colibri_aio.gguf.model import Model
 from colibri_aio.logs import get_logger
-from colibri_aio.text.tokenizer import Tokenizer, TokenizerSpec, build_hf_tokenizer, read_spec
+from colibri_aio.text.tokenizer import Tokenizer, TokenizerSpec, build_hf_tokenizer
 
 log = get_logger("colibri_aio.tokenizer")
 
@@ -72,32 +72,40 @@ def _decode(data: bytes, fingerprint: str, spec: TokenizerSpec) -> HFTokenizer:
 def load_tokenizer(model: Model, cache: bool = True) -> tuple[Tokenizer, str]:
     """The model's tokenizer and where it came from ("cache", "built", or "built, cached");
     raises ModelFormatError for a missing or unsupported tokenizer, whatever the cache holds."""
-    spec = read_spec(model.reader)
     if not cache:
-        return Tokenizer(spec), "built"
+        return Tokenizer.from_gguf(model.reader), "built"
     fingerprint = model_fingerprint(model)
     path = cache_path(fingerprint)
-    try:
-        data = path.read_bytes()
-    except (FileNotFoundError, NotADirectoryError):
-        data = None
-    except OSError as exc:
-        log.warning(f"{path}: cannot read the cached tokenizer ({exc.strerror or exc}); building it")
-        return Tokenizer(spec), "built"
-    if data is not None:
+    source = "built"
+
+    def pipeline(spec: TokenizerSpec) -> HFTokenizer:
+        nonlocal source
         try:
-            return Tokenizer(spec, _decode(data, fingerprint, spec)), "cache"
-        except DamagedEntry as exc:
-            _set_aside(path, str(exc))
-    hf = build_hf_tokenizer(spec)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, _encode(fingerprint, hf))
-    except OSError as exc:
-        log.warning(f"tokenizer not cached ({exc.filename or path.parent}: {exc.strerror or exc}); the next run "
-                    f"builds it again")
-        return Tokenizer(spec, hf), "built"
-    return Tokenizer(spec, hf), "built, cached"
+            data = path.read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            data = None
+        except OSError as exc:
+            log.warning(f"{path}: cannot read the cached tokenizer ({exc.strerror or exc}); building it")
+            return build_hf_tokenizer(spec)
+        if data is not None:
+            try:
+                hf = _decode(data, fingerprint, spec)
+                source = "cache"
+                return hf
+            except DamagedEntry as exc:
+                _set_aside(path, str(exc))
+        hf = build_hf_tokenizer(spec)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomic(path, _encode(fingerprint, hf))
+        except OSError as exc:
+            log.warning(f"tokenizer not cached ({exc.filename or path.parent}: {exc.strerror or exc}); the next run "
+                        f"builds it again")
+            return hf
+        source = "built, cached"
+        return hf
+
+    return Tokenizer.from_gguf(model.reader, pipeline), source
 
 
 def _set_aside(path: Path, problem: str) -> None:

@@ -1,14 +1,24 @@
 """Tokenizer and chat template, read from a GGUF's ``tokenizer.*`` metadata.
 
-Only the byte-level BPE family that Qwen models use is supported:
-``tokenizer.ggml.model == "gpt2"`` with ``tokenizer.ggml.pre == "qwen2"``.
-The BPE itself runs in the ``tokenizers`` library (vocab + merges from the
-file, Qwen2's split regex, GPT-2 byte mapping); this module only translates
-the GGUF metadata into that pipeline and mirrors llama.cpp's choices where
-they matter for ids:
+Two kinds of vocabulary (``tokenizer.ggml.model``), both run by the
+``tokenizers`` library; this module only translates the GGUF metadata into
+its pipeline and mirrors llama.cpp (``llama-vocab.cpp``) where it matters for ids:
 
-* control tokens (``<|im_start|>`` ...) are matched in the text only when
-  ``parse_special`` is on; user-defined tokens are matched always;
+* ``gpt2``: byte-level BPE (vocab + merges from the file, GPT-2 byte mapping)
+  after the split regexes llama.cpp uses for the file's ``tokenizer.ggml.pre``
+  (:data:`PRE_TOKENIZERS`: ``qwen2``, ``olmo``);
+* ``llama``: sentencepiece-style BPE (Mixtral, Llama 2): pieces merge by the
+  score of the piece they make (``tokenizer.ggml.scores``), a character with
+  no piece becomes its UTF-8 bytes' ``<0xNN>`` tokens, spaces are ``▁``, and
+  every text fragment gets a leading ``▁`` (the one at the start and each
+  one after a special token, as llama.cpp does unless
+  ``tokenizer.ggml.add_space_prefix`` is false).
+
+For both:
+
+* control and unknown tokens (``<|im_start|>``, ``<s>``, ``<unk>`` ...) are
+  matched in the text only when ``parse_special`` is on; user-defined tokens
+  are matched always;
 * end of generation is eos/eot/eom plus the tokens llama.cpp recognises by
   their text (``<|im_end|>``, ``<|endoftext|>`` ...).
 
@@ -19,25 +29,23 @@ cannot disagree.
 from __future__ import annotations
 
 import codecs
-import json
+import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import gguf
-from jinja2 import TemplateError, nodes
-from jinja2.ext import Extension, loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
 from colibri_aio.gguf.header import GGUFHeader
 from colibri_aio.errors import ModelFormatError, UserError
+from colibri_aio.text.chat_template import ChatTemplate
 
-__all__ = ["Tokenizer", "StreamDecoder", "TokenizerSpec", "QWEN2_SPLIT_REGEX"]
+__all__ = ["Tokenizer", "StreamDecoder", "TokenizerSpec", "PRE_TOKENIZERS", "QWEN2_SPLIT_REGEX"]
 
 # Qwen2's pre-tokenizer split pattern: the one in Qwen's tokenizer.json and in
 # llama.cpp for LLAMA_VOCAB_PRE_TYPE_QWEN2 (note \p{N} alone: digits split one by one).
@@ -45,22 +53,78 @@ QWEN2_SPLIT_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
     r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# GPT-2's pattern, which llama.cpp uses for LLAMA_VOCAB_PRE_TYPE_GPT2 and OLMO (case-sensitive
+# contractions, letters and digits in runs with one optional leading space).
+GPT2_SPLIT_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"
 
-SUPPORTED_MODELS = ("gpt2",)
-SUPPORTED_PRE = ("qwen2",)
+# DeepSeek-V3's three splits: digits in runs of up to 3, kana/CJK runs, then the main pattern.
+DEEPSEEK_V3_SPLIT_REGEXES = (
+    r"\p{N}{1,3}", r"[一-龥぀-ゟ゠-ヿ]+",
+    r"[!\"#$%&'()*+,\-./:;<=>?@\[\\\]^_`{|}~][A-Za-z]+|[^\r\n\p{L}\p{P}\p{S}]?[\p{L}\p{M}]+|"
+    r" ?[\p{P}\p{S}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+)
+# GLM-4's pattern: Qwen2's with digits in runs of up to 3.
+GLM4_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# o200k (GPT-4o, gpt-oss): case-aware word runs with their contractions, digits in runs of up to 3.
+O200K_SPLIT_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+@dataclass(frozen=True)
+class PreTokenizer:
+    """How llama.cpp splits text before byte-level BPE for one ``tokenizer.ggml.pre`` (llama-vocab.cpp).
+
+    ``regexes`` apply in turn, each splitting the pieces of the one before.
+    ``ignore_merges``: a piece that is a whole vocabulary entry is one token
+    (llama.cpp sets it for glm4 and llama3, among others).
+    """
+
+    regexes: tuple[str, ...]
+    ignore_merges: bool = False
+
+
+# tokenizer.ggml.pre -> its split. Adding one is an entry here with the regexes from
+# llama-vocab.cpp and a llama.cpp tokenizer oracle to check it against
+# (fixtures/make_family_tokenizer_oracle.py, tests/test_text_tokenizer_families.py).
+PRE_TOKENIZERS: dict[str, PreTokenizer] = {
+    "qwen2": PreTokenizer((QWEN2_SPLIT_REGEX,)),
+    "olmo": PreTokenizer((GPT2_SPLIT_REGEX,)),
+    "deepseek-v3": PreTokenizer(DEEPSEEK_V3_SPLIT_REGEXES),
+    "glm4": PreTokenizer((GLM4_SPLIT_REGEX,), ignore_merges=True),
+    "gpt-4o": PreTokenizer((O200K_SPLIT_REGEX,)),
+}
+
+SUPPORTED_MODELS = ("gpt2", "llama")
 
 # Token texts llama.cpp puts in its end-of-generation set whatever their ids.
+# (llama.cpp also makes them control tokens.)
 EOG_TEXTS = frozenset({
-    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>",
-    "<|endoftext|>", "<|eom_id|>", "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
 })
+# gpt-oss's harmony markers: llama.cpp makes them user-defined tokens (matched and rendered always).
+HARMONY_MARKERS = frozenset({"<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"})
+# In a vocabulary with both of a pair, llama.cpp takes <|end|> out of the end-of-generation set
+# and makes it user-defined (o200k_harmony: <|end|> ends a message, not the generation).
+END_IS_NOT_EOG = (("<|return|>", "<|call|>"), ("<|calls|>", "<|flush|>"))
 
 _TT = gguf.TokenType
 
 
 @dataclass(frozen=True)
 class TokenizerSpec:
-    """The tokenizer as the GGUF describes it, before any library object is built."""
+    """The tokenizer as the GGUF describes it, before any library object is built.
+
+    ``model``: ``gpt2`` (byte-level BPE: ``merges``, ``pre``) or ``llama``
+    (sentencepiece-style: ``scores``, ``add_space_prefix``).
+    """
 
     tokens: list[str]
     token_types: list[int]
@@ -72,6 +136,11 @@ class TokenizerSpec:
     pad_id: int | None
     add_bos: bool
     chat_template: str | None
+    model: str = "gpt2"
+    pre: str | None = "qwen2"
+    scores: list[float] | None = None
+    add_space_prefix: bool = True
+    unk_id: int | None = None
 
 
 def _field(reader: gguf.GGUFReader | GGUFHeader, key: str) -> Any:
@@ -89,15 +158,19 @@ def read_spec(reader: gguf.GGUFReader | GGUFHeader) -> TokenizerSpec:
         raise ModelFormatError(
             f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); supported: {', '.join(SUPPORTED_MODELS)}")
     pre = _field(reader, "tokenizer.ggml.pre")
-    if pre not in SUPPORTED_PRE:
+    if model == "gpt2" and pre not in PRE_TOKENIZERS:
         raise ModelFormatError(
-            f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); supported: {', '.join(SUPPORTED_PRE)}")
+            f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); supported: {', '.join(PRE_TOKENIZERS)}")
     tokens = _field(reader, "tokenizer.ggml.tokens")
     if not tokens:
         raise ModelFormatError("GGUF tokenizer has no tokens (tokenizer.ggml.tokens)")
     merges = _field(reader, "tokenizer.ggml.merges")
-    if not merges:
+    if model == "gpt2" and not merges:
         raise ModelFormatError("GGUF tokenizer has no merges (tokenizer.ggml.merges)")
+    scores = _field(reader, "tokenizer.ggml.scores")
+    if model == "llama" and (scores is None or len(scores) != len(tokens)):
+        raise ModelFormatError(f"GGUF sentencepiece tokenizer needs one score per token (tokenizer.ggml.scores): "
+                               f"{len(tokens)} tokens, {0 if scores is None else len(scores)} scores")
     types = _field(reader, "tokenizer.ggml.token_type")
     if types is None:
         types = [int(_TT.NORMAL)] * len(tokens)
@@ -115,15 +188,66 @@ def read_spec(reader: gguf.GGUFReader | GGUFHeader) -> TokenizerSpec:
             raise ModelFormatError(f"tokenizer.ggml.{key} = {v} is outside the vocabulary of {len(tokens)}")
         return int(v)
 
+    # llama.cpp's defaults when the keys are absent: sentencepiece vocabularies add BOS
+    # and a space prefix; byte-level BPE ones neither.
     add_bos = _field(reader, "tokenizer.ggml.add_bos_token")
+    space_prefix = _field(reader, "tokenizer.ggml.add_space_prefix")
     return TokenizerSpec(
-        tokens=list(tokens), token_types=[int(t) for t in types], merges=list(merges),
+        tokens=list(tokens), token_types=llamacpp_token_types(tokens, types), merges=list(merges or []),
         bos_id=token_id("bos_token_id"), eos_id=token_id("eos_token_id"),
         eot_id=token_id("eot_token_id"), eom_id=token_id("eom_token_id"),
         pad_id=token_id("padding_token_id"),
-        add_bos=bool(add_bos) if add_bos is not None else False,
+        add_bos=bool(add_bos) if add_bos is not None else model == "llama",
         chat_template=_field(reader, "tokenizer.chat_template"),
+        model=model, pre=pre, scores=None if scores is None else [float(x) for x in scores],
+        add_space_prefix=bool(space_prefix) if space_prefix is not None else True,
+        unk_id=token_id("unknown_token_id"),
     )
+
+
+def check_vocabulary(spec: TokenizerSpec) -> None:
+    """Refuse what the ``tokenizers`` library would take silently: tokens and merges that are not
+    UTF-8 text (the header keeps such bytes as lone surrogates), and a byte-level vocabulary without a
+    token for each of the 256 bytes (text with a missing byte would lose it: llama.cpp fails on it)."""
+    for key, texts in (("tokenizer.ggml.tokens", spec.tokens), ("tokenizer.ggml.merges", spec.merges)):
+        try:
+            "".join(texts).encode("utf-8")
+        except UnicodeEncodeError:
+            i = next(i for i, t in enumerate(texts) if not _is_utf8(t))
+            raise ModelFormatError(f"{key}[{i}] is not UTF-8 text: {texts[i][:40]!r}") from None
+    if spec.model != "gpt2":
+        return  # sentencepiece-style vocabularies carry bytes as <0xNN> tokens (byte fallback)
+    missing = sorted(set(_gpt2_byte_decoder()) - set(spec.tokens))
+    if missing:
+        raise ModelFormatError(f"tokenizer.ggml.tokens lacks {len(missing)} of the 256 byte-level tokens "
+                               f"(e.g. {missing[0]!r}): text with those bytes could not be tokenized")
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _end_is_user_defined(tokens: Sequence[str]) -> bool:
+    present = set(tokens)
+    return "<|end|>" in present and any(a in present and b in present for a, b in END_IS_NOT_EOG)
+
+
+def llamacpp_token_types(tokens: Sequence[str], types: Sequence[int]) -> list[int]:
+    """The token types llama.cpp uses after its fixes by token text at load: end-of-generation
+    texts become control tokens, harmony markers (and ``<|end|>`` where END_IS_NOT_EOG says)
+    user-defined ones."""
+    out = [int(t) for t in types]
+    end_user = _end_is_user_defined(tokens)
+    for i, text in enumerate(tokens):
+        if text in HARMONY_MARKERS or (end_user and text == "<|end|>"):
+            out[i] = int(_TT.USER_DEFINED)
+        elif text in EOG_TEXTS:
+            out[i] = int(_TT.CONTROL)
+    return out
 
 
 def _split_merge(merge: str) -> tuple[str, str]:
@@ -134,23 +258,63 @@ def _split_merge(merge: str) -> tuple[str, str]:
     return merge[:i], merge[i + 1:]
 
 
-def build_hf_tokenizer(spec: TokenizerSpec) -> HFTokenizer:
-    """The ``tokenizers`` pipeline equivalent to llama.cpp's gpt2/qwen2 tokenizer for ``spec``."""
+def _bpe_model(spec: TokenizerSpec) -> HFTokenizer:
+    """Byte-level BPE after the pre-tokenizer's split regexes (llama.cpp's gpt2 vocabulary)."""
     vocab = {t: i for i, t in enumerate(spec.tokens)}
     merges = [_split_merge(m) for m in spec.merges]
-    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    pre = PRE_TOKENIZERS[spec.pre]
+    tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False,
+                                 ignore_merges=pre.ignore_merges))
     tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+        *(pre_tokenizers.Split(Regex(r), behavior="isolated", invert=False) for r in pre.regexes),
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])
     tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def spm_merges(tokens: Sequence[str], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """Merges that reproduce llama.cpp's sentencepiece BPE: two adjacent pieces merge when their
+    concatenation is a token, the highest-scoring such token first.
+
+    Every way of cutting a token into two tokens is a merge, ranked by the score
+    of the token it makes (then by id, then by where the cut is).
+    """
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for i, (text, score) in enumerate(zip(tokens, scores)):
+        for cut in range(1, len(text)):
+            left, right = text[:cut], text[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-score, i, cut, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _spm_model(spec: TokenizerSpec) -> HFTokenizer:
+    """Sentencepiece-style BPE with byte fallback (llama.cpp's llama vocabulary)."""
+    assert spec.scores is not None
+    unk = spec.unk_id if spec.unk_id is not None else next(
+        (i for i, ty in enumerate(spec.token_types) if ty == _TT.UNKNOWN), None)
+    tok = HFTokenizer(models.BPE(vocab={t: i for i, t in enumerate(spec.tokens)},
+                                 merges=spm_merges(spec.tokens, spec.scores), byte_fallback=True,
+                                 fuse_unk=True, unk_token=None if unk is None else spec.tokens[unk]))
+    # Normalizers run on each piece of text between special tokens: each gets its own ▁ prefix.
+    escape = normalizers.Replace(" ", "▁")
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), escape]) if spec.add_space_prefix else escape
+    return tok
+
+
+def build_hf_tokenizer(spec: TokenizerSpec) -> HFTokenizer:
+    """The ``tokenizers`` pipeline equivalent to llama.cpp's tokenizer for ``spec``."""
+    tok = _spm_model(spec) if spec.model == "llama" else _bpe_model(spec)
     # Added tokens are cut out of the text before the regex runs, like llama.cpp's
-    # special-token partition. Control tokens are "special" so that
+    # special-token partition. Control and unknown tokens are "special" so that
     # encode_special_tokens can turn them off; user-defined ones always match.
-    control = [t for t, ty in zip(spec.tokens, spec.token_types) if ty == _TT.CONTROL]
+    special = [t for t, ty in zip(spec.tokens, spec.token_types) if ty in (_TT.CONTROL, _TT.UNKNOWN)]
     user = [t for t, ty in zip(spec.tokens, spec.token_types) if ty == _TT.USER_DEFINED]
-    if control:
-        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    if special:
+        tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in special])
     if user:
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in user])
     return tok
@@ -180,69 +344,53 @@ def _byte_level_translation() -> dict[int, int]:
 _SPECIAL_TYPES = frozenset({int(_TT.CONTROL), int(_TT.UNKNOWN), int(_TT.UNUSED)})
 
 
-def token_piece(text: str, token_type: int, translation: Mapping[int, int]) -> bytes:
-    """The raw bytes one token stands for, from its vocabulary text (``translation``: :func:`_byte_level_translation`)."""
-    if token_type == _TT.NORMAL:
+def _byte_level_piece(text: str, table: Mapping[int, int]) -> bytes:
+    """A gpt2 vocabulary's normal token: its stand-in characters back to bytes."""
+    try:
+        return text.translate(table).encode("latin-1")
+    except UnicodeEncodeError:
+        return text.encode("utf-8")  # not byte-level text: keep it as written, like llama.cpp
+
+
+def _spm_piece(text: str, ty: int) -> bytes:
+    """A llama vocabulary's token: ``<0xNN>`` byte tokens are their byte, ▁ is a space."""
+    if ty == _TT.BYTE:
+        if not (len(text) == 6 and text.startswith("<0x") and text.endswith(">")):
+            raise ModelFormatError(f"tokenizer.ggml.tokens: byte token {text[:40]!r} is not of the form <0xNN>")
         try:
-            return text.translate(translation).encode("latin-1")
-        except UnicodeEncodeError:
-            pass  # not byte-level text: keep it as written, like llama.cpp
-    # Control and user-defined tokens are stored as plain text, not byte-mapped.
-    return text.encode("utf-8")
+            return bytes([int(text[3:5], 16)])
+        except ValueError:
+            raise ModelFormatError(f"tokenizer.ggml.tokens: byte token {text!r} is not of the form <0xNN>") from None
+    return text.replace("▁", " ").encode("utf-8")
+
+
+def token_piece(spec: TokenizerSpec, token_id: int, translation: Mapping[int, int]) -> bytes:
+    """The raw bytes one token stands for (``translation``: :func:`_byte_level_translation`)."""
+    text, ty = spec.tokens[token_id], spec.token_types[token_id]
+    if spec.model == "llama" and ty in (_TT.NORMAL, _TT.BYTE):
+        return _spm_piece(text, ty)
+    if spec.model == "gpt2" and ty == _TT.NORMAL:
+        return _byte_level_piece(text, translation)
+    return text.encode("utf-8")  # control, unknown and user-defined tokens are stored as plain text
 
 
 def eog_ids(spec: TokenizerSpec) -> frozenset[int]:
     """llama.cpp's end-of-generation set: eos, eot, eom and the known end-of-turn texts."""
-    ids = {i for i in (spec.eos_id, spec.eot_id, spec.eom_id) if i is not None}
-    ids.update(i for i, t in enumerate(spec.tokens) if t in EOG_TEXTS)
+    ids = {i for i, t in enumerate(spec.tokens) if t in EOG_TEXTS}
+    if _end_is_user_defined(spec.tokens):
+        ids -= {i for i, t in enumerate(spec.tokens) if t == "<|end|>"}
+    ids.update(i for i in (spec.eos_id, spec.eot_id, spec.eom_id) if i is not None)
     return frozenset(ids)
 
 
-def _raise_exception(message: str) -> None:
-    raise TemplateError(message)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # Jinja's own tojson HTML-escapes; chat templates want the plain JSON text.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-class GenerationTag(Extension):
-    """Accepts ``{% generation %}...{% endgeneration %}`` and renders the body unchanged.
-
-    Templates written for training mark the assistant's text with this tag
-    (Hugging Face uses it to build loss masks); for inference it is a no-op.
-    """
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return nodes.Scope(body, lineno=lineno)
-
-
-def make_template_environment() -> ImmutableSandboxedEnvironment:
-    """A sandboxed Jinja environment with the helpers Hugging Face chat templates expect."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols, GenerationTag])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
 class Tokenizer:
-    """Byte-level BPE tokenizer and chat template of one GGUF model."""
+    """Tokenizer (byte-level BPE or sentencepiece-style) and chat template of one GGUF model."""
 
-    def __init__(self, spec: TokenizerSpec, hf: HFTokenizer | None = None) -> None:
-        """``hf``: the pipeline :func:`build_hf_tokenizer` makes of ``spec``, built earlier (a cache); None: build it."""
+    def __init__(self, spec: TokenizerSpec, origin: str = "", hf: HFTokenizer | None = None) -> None:
+        """``origin``: the model file, named in messages; ``hf``: the pipeline :func:`build_hf_tokenizer`
+        makes of ``spec``, built earlier (a cache); None: build it."""
         self.spec = spec
+        self.origin = origin
         self._hf = hf if hf is not None else build_hf_tokenizer(spec)
         # encode_special_tokens is a flag on the shared object; flip it under a lock.
         self._lock = threading.Lock()
@@ -250,13 +398,30 @@ class Tokenizer:
         # that took as long as building the BPE itself.
         self._translation = _byte_level_translation()
         self._pieces: dict[int, bytes] = {}
+        if spec.model == "llama":  # a malformed <0xNN> token is refused now, not when it is first decoded
+            for i in np.flatnonzero(np.asarray(spec.token_types) == _TT.BYTE):
+                self.token_bytes(int(i))
         self._eog = eog_ids(spec)
-        self._template = None
+        self._template: ChatTemplate | None = None
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader | GGUFHeader) -> Tokenizer:
-        """Build from an open GGUF; raises ModelFormatError for a missing or unsupported tokenizer."""
-        return cls(read_spec(reader))
+    def from_gguf(cls, reader: gguf.GGUFReader | GGUFHeader,
+                  pipeline: Callable[[TokenizerSpec], HFTokenizer] | None = None) -> Tokenizer:
+        """Build from an open GGUF; a missing, unsupported or broken tokenizer is one
+        ModelFormatError that names the file. ``pipeline(spec)``: the ``tokenizers`` pipeline of a
+        checked spec from elsewhere (a cache); None: build it."""
+        origin = os.fspath(getattr(reader, "path", "") or "")
+        where = f"{origin}: " if origin else ""
+        try:
+            spec = read_spec(reader)
+            check_vocabulary(spec)
+            return cls(spec, origin, None if pipeline is None else pipeline(spec))
+        except ModelFormatError as exc:
+            raise ModelFormatError(f"{where}{exc}") from None
+        except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception on a bad vocabulary
+            kind = "" if type(exc) is Exception else f"{type(exc).__name__}: "
+            raise ModelFormatError(f"{where}the tokenizer cannot be built from its tokenizer.ggml.* keys: "
+                                   f"{kind}{' '.join(str(exc).split())[:300]}") from exc
 
     @classmethod
     def from_path(cls, path: str | Path) -> Tokenizer:
@@ -314,8 +479,7 @@ class Tokenizer:
             return b""
         piece = self._pieces.get(token_id)
         if piece is None:
-            piece = self._pieces[token_id] = token_piece(self.spec.tokens[token_id], self.spec.token_types[token_id],
-                                                         self._translation)
+            piece = self._pieces[token_id] = token_piece(self.spec, token_id, self._translation)
         return piece
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
@@ -333,19 +497,17 @@ class Tokenizer:
 
         ``extra`` reaches the template as variables (e.g. ``enable_thinking``, ``tools``).
         """
+        where = f"{self.origin}: " if self.origin else ""
         if self.spec.chat_template is None:
-            raise UserError("this model has no chat template (tokenizer.chat_template); prompt it without chat")
+            raise UserError(f"{where}this model has no chat template (tokenizer.chat_template); prompt it without chat")
         if self._template is None:
-            self._template = make_template_environment().from_string(self.spec.chat_template)
+            self._template = ChatTemplate(self.spec.chat_template, self.origin)  # refuses one that does not compile
         special = {}
         for name, i in (("bos_token", self.spec.bos_id), ("eos_token", self.spec.eos_id),
                         ("pad_token", self.spec.pad_id)):
             special[name] = self.spec.tokens[i] if i is not None else ""
-        try:
-            return self._template.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                         **special, **extra)
-        except TemplateError as e:
-            raise UserError(f"chat template failed: {e}") from None
+        return self._template.render({"messages": list(messages), "add_generation_prompt": add_generation_prompt,
+                                      **special, **extra})
 
 
 class StreamDecoder:

@@ -36,7 +36,7 @@ from gguf import GGUFReader
 
 from colibri_aio.gguf.model import Model, load
 from colibri_aio.engine.mapped_source import MappedExpertSource
-from colibri_aio.arch.qwen3moe import Qwen3MoE
+from colibri_aio.arch import build_net
 from synthetic.routing import bias_coefficients
 from synthetic.tensors import CODE_CHANNELS, code_signs, tensor_rng
 
@@ -66,7 +66,7 @@ class _Probe:
 
 def _forward(model: Model, ids: np.ndarray) -> _Probe:
     probe = _Probe()
-    net = Qwen3MoE(model, MappedExpertSource(model), n_ctx=len(ids))
+    net = build_net(model, MappedExpertSource(model), n_ctx=len(ids))
     asyncio.run(net.forward(ids.tolist(), observer=probe))
     return probe
 

@@ -1,0 +1,218 @@
+"""What a model family declares to the loader: its hyper-parameters and its resident tensors.
+
+Every family module (``arch/<family>.py``) holds a :class:`ModelArgs` subclass
+of :class:`BaseArgs` read from the GGUF metadata, a ``block_tensors`` function
+naming the resident tensors of one block with their shapes, and its forward
+pass; a :class:`Family` record ties them together for the registry
+(``arch/__init__.py``). Nothing here runs a model: the loader
+(:mod:`colibri_aio.gguf.model`) imports this module, the forward passes import
+:mod:`colibri_aio.arch.layers`.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Self
+
+from colibri_aio.errors import ModelFormatError
+from colibri_aio.kernels.ops import Routing
+from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, kv_nbytes
+
+if TYPE_CHECKING:
+    from colibri_aio.gguf.header import GGUFHeader
+
+
+class Metadata:
+    """The GGUF metadata as one architecture reads it: ``need("block_count")`` is ``<arch>.block_count``."""
+
+    def __init__(self, reader: GGUFHeader, path: Path, architecture: str) -> None:
+        self.reader, self.path, self.architecture = reader, path, architecture
+        self.tensor_names = frozenset(t.name for t in reader.tensors)
+
+    def raw(self, key: str, default: Any = None) -> Any:
+        """A key by its full name (``general.*``, ``tokenizer.*``), or ``default`` when absent."""
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """``<arch>.<key>``, or ``default`` when absent."""
+        return self.raw(f"{self.architecture}.{key}", default)
+
+    def need(self, key: str) -> Any:
+        """``<arch>.<key>``; a file without it is refused."""
+        value = self.get(key)
+        if value is None:
+            raise ModelFormatError(f"{self.path}: missing metadata key {self.architecture}.{key}")
+        return value
+
+    def vocab_size(self) -> int:
+        """Tokens in the tokenizer, else rows of ``token_embd``."""
+        tokens = self.reader.fields.get("tokenizer.ggml.tokens")
+        if tokens is not None:
+            return len(tokens.value)
+        for t in self.reader.tensors:
+            if t.name == "token_embd.weight":
+                return int(t.shape[-1])
+        raise ModelFormatError(f"{self.path}: missing tensor token_embd.weight")
+
+
+@dataclass(frozen=True, slots=True)
+class BaseArgs:
+    """Hyper-parameters every family has, named as their GGUF keys; the shared code reads only these.
+
+    The first fields are positional (the original qwen3moe set); the ones with
+    defaults describe what families vary: rotated dims, routing, skipped blocks.
+    """
+
+    architecture: str
+    vocab_size: int
+    context_length: int
+    embedding_length: int
+    block_count: int            # blocks the forward pass runs
+    head_count: int
+    head_count_kv: int
+    key_length: int
+    value_length: int
+    rope_freq_base: float
+    rms_eps: float
+    expert_count: int
+    expert_used_count: int
+    expert_feed_forward_length: int
+    tied_output: bool
+    rope_dimension_count: int | None = None   # rotated dims of a head (None: all of key_length)
+    routing: Routing = Routing()
+    skipped_blocks: int = 0                   # blocks after block_count the file holds and no pass runs (NextN)
+
+    @property
+    def n_rot(self) -> int:
+        return self.rope_dimension_count or self.key_length
+
+    @classmethod
+    def common(cls, meta: Metadata, **overrides: Any) -> dict[str, Any]:
+        """The BaseArgs fields from their usual keys; ``overrides`` replace any of them.
+
+        A family that reads a field from another key (or defaults it otherwise)
+        passes it here rather than reading the usual key.
+        """
+        values: dict[str, Any] = dict(overrides)
+
+        def put(name: str, read: Callable[[], Any]) -> None:
+            if name not in values:
+                values[name] = read()
+
+        put("architecture", lambda: meta.architecture)
+        put("vocab_size", meta.vocab_size)
+        put("context_length", lambda: int(meta.need("context_length")))
+        put("embedding_length", lambda: int(meta.need("embedding_length")))
+        put("block_count", lambda: int(meta.need("block_count")))
+        put("head_count", lambda: int(meta.need("attention.head_count")))
+        put("head_count_kv", lambda: int(meta.get("attention.head_count_kv", values["head_count"])))
+        put("key_length", lambda: int(meta.get("attention.key_length",
+                                               values["embedding_length"] // max(values["head_count"], 1))))
+        put("value_length", lambda: int(meta.get("attention.value_length", values["key_length"])))
+        # llama.cpp falls back to 1e4 when the key is absent (Qwen uses 1e6), and so do we.
+        put("rope_freq_base", lambda: float(meta.get("rope.freq_base", 10000.0)))
+        put("rms_eps", lambda: float(meta.need("attention.layer_norm_rms_epsilon")))
+        put("expert_count", lambda: int(meta.need("expert_count")))
+        put("expert_used_count", lambda: int(meta.need("expert_used_count")))
+        put("expert_feed_forward_length", lambda: int(meta.need("expert_feed_forward_length")))
+        put("tied_output", lambda: "output.weight" not in meta.tensor_names)
+        rot = meta.get("rope.dimension_count")
+        put("rope_dimension_count", lambda: int(rot) if rot is not None else None)
+        return values
+
+    @classmethod
+    def from_gguf(cls, meta: Metadata) -> Self:
+        """Read from the metadata (families with keys of their own override this)."""
+        return cls(**cls.common(meta))
+
+    def check(self, path: Path) -> None:
+        """Refuse sizes the forward pass cannot run (families add their own conditions)."""
+        if self.expert_count < 1:
+            raise ModelFormatError(f"{path}: {self.architecture} without experts (expert_count "
+                                   f"{self.expert_count}) is a dense model; this engine runs mixture-of-experts models")
+        if self.expert_used_count > self.expert_count:
+            raise ModelFormatError(
+                f"{path}: expert_used_count {self.expert_used_count} > expert_count {self.expert_count}")
+        if min(self.expert_used_count, self.block_count, self.head_count, self.head_count_kv, self.key_length,
+               self.expert_feed_forward_length, self.embedding_length) < 1:
+            raise ModelFormatError(f"{path}: a size in the metadata is zero or negative")
+        if self.head_count % self.head_count_kv:
+            raise ModelFormatError(
+                f"{path}: head_count {self.head_count} is not a multiple of head_count_kv {self.head_count_kv}")
+        if self.n_rot % 2 or self.n_rot > self.key_length:
+            raise ModelFormatError(f"{path}: rope.dimension_count {self.n_rot} must be even and at most "
+                                   f"key_length {self.key_length}")
+        r = self.routing
+        if r.group_count > 1 and (self.expert_count % r.group_count or not 1 <= r.group_used <= r.group_count):
+            raise ModelFormatError(f"{path}: {self.expert_count} experts do not split into "
+                                   f"{r.group_count} groups of which {r.group_used} are used")
+
+    def kv_cache_nbytes(self, context: int, kv_type: str = DEFAULT_KV_TYPE) -> int:
+        """Bytes of the KV cache for ``context`` positions stored as ``kv_type`` (families caching otherwise
+        override)."""
+        return kv_nbytes(self.block_count, context, self.head_count_kv, self.key_length, self.value_length, kv_type)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """A resident tensor of a block: its name in the block, NumPy-order shape, and form in RAM.
+
+    ``name`` ``attn_q`` is the file's ``blk.<i>.attn_q.weight``; a name with a
+    dot is taken as written (``attn_q.bias`` is ``blk.<i>.attn_q.bias``).
+    ``dense``: dequantised to a float32 array (norms, biases, routers);
+    otherwise kept as its raw bytes (a :class:`QTensor` for the kernels).
+    ``optional``: absent from some files of the family.
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dense: bool = False
+    optional: bool = False
+
+    def file_name(self, layer: int) -> str:
+        return f"blk.{layer}.{self.name}" + ("" if "." in self.name else ".weight")
+
+
+def matrix(name: str, rows: int, cols: int, *, optional: bool = False) -> TensorSpec:
+    """A weight matrix kept as raw bytes: (rows, cols) = (output features, input features)."""
+    return TensorSpec(name, (rows, cols), optional=optional)
+
+
+def vector(name: str, *shape: int, optional: bool = False) -> TensorSpec:
+    """A float32 tensor: norm weights, biases, routers."""
+    return TensorSpec(name, tuple(shape), dense=True, optional=optional)
+
+
+def attention_tensors(a: BaseArgs) -> list[TensorSpec]:
+    """attn_norm, attn_q/k/v with their optional biases (llama.cpp's create_tensor_qkv accepts
+    them in every family here) and attn_output: the attention tensors the families share."""
+    d, q, kv, v = (a.embedding_length, a.head_count * a.key_length, a.head_count_kv * a.key_length,
+                   a.head_count_kv * a.value_length)
+    return [vector("attn_norm", d), matrix("attn_q", q, d), matrix("attn_k", kv, d), matrix("attn_v", v, d),
+            vector("attn_q.bias", q, optional=True), vector("attn_k.bias", kv, optional=True),
+            vector("attn_v.bias", v, optional=True), matrix("attn_output", d, a.head_count * a.value_length)]
+
+
+def router_tensors(a: BaseArgs) -> list[TensorSpec]:
+    """ffn_norm (the MoE input norm) and ffn_gate_inp (the router, float32)."""
+    return [vector("ffn_norm", a.embedding_length), vector("ffn_gate_inp", a.expert_count, a.embedding_length)]
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """One architecture in the registry.
+
+    ``net`` is built as ``net(model, experts, n_ctx, kv_type)``; ``moe_norm`` names the
+    block tensor that norms the MoE input (the router's input, which the
+    lookahead applies to the previous layer's hidden state); ``checked_against``
+    names the transformers class its oracle tests ran.
+    """
+
+    architecture: str
+    args: type[BaseArgs]
+    block_tensors: Callable[[Any, int], list[TensorSpec]]
+    net: type
+    checked_against: str
+    moe_norm: str = "ffn_norm"

@@ -1,0 +1,298 @@
+"""The decoder every family shares: kernels, KV cache, attention, routing, experts, prefill.
+
+Every product a forward pass computes goes through :meth:`MoETransformer.linear`,
+:meth:`~MoETransformer.linears`, :meth:`~MoETransformer.embed` and
+:meth:`~MoETransformer.expert_outputs` (here, and only here, the kernels are
+called); attention through :meth:`~MoETransformer.attend`. A family module
+subclasses :class:`MoETransformer` and writes its attention from these pieces
+(``arch/__init__.py`` says how to add one).
+
+Routed experts arrive through an :class:`~colibri_aio.experts.ExpertSource`, so
+no family knows whether their bytes came from mmap, RAM or io_uring.
+
+Shape legend: T positions in this call, D embedding_length, H head_count,
+Hkv head_count_kv, d key_length, dv value_length, E expert_count,
+k expert_used_count, V vocab_size, S context positions held in the KV cache.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Literal, Protocol
+
+import numpy as np
+
+from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, KVCache, default_context
+from colibri_aio.arch.lookahead import moe_norm, predictor_state, rank_experts, router_logits
+from colibri_aio.errors import NonFiniteError, UserError
+from colibri_aio.experts import ExpertSource, ExpertWeights
+from colibri_aio.kernels.backend import dequantize, matmul, matvec
+from colibri_aio.kernels.ops import attention, rms_norm, rope_cos_sin, route, sigmoid, swiglu
+from colibri_aio.kernels.qtensor import QTensor
+
+if TYPE_CHECKING:
+    from colibri_aio.gguf.model import BlockWeights, Model
+
+# Positions per forward step of a long prompt: bounds activation memory (and the
+# attention scores), while keeping batch-union wide enough to read each expert once.
+PREFILL_CHUNK = 256
+
+Rope = tuple[np.ndarray, np.ndarray]  # cos, sin tables (T, n_rot/2) of this call's positions
+
+
+class RouteObserver(Protocol):
+    """Receives every routing decision (used by ``trace`` and the lookahead predictor)."""
+
+    def on_layer_input(self, layer: int, x: np.ndarray) -> None:
+        """``x``: (T, D) the residual stream entering block ``layer``."""
+
+    def on_route(self, layer: int, positions: np.ndarray, residual: np.ndarray,
+                 moe_input: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> None:
+        """``residual``: (T, D) post-attention residual; ``moe_input``: (T, D) after the MoE norm;
+        ``ids``/``weights``: (T, k) chosen experts in descending weight."""
+
+
+def linear(w: QTensor, x: np.ndarray) -> np.ndarray:
+    """x (T, cols) -> (T, rows); one position takes the matvec kernel, more the matmul one."""
+    if x.shape[0] == 1:
+        return matvec(w, x[0])[None, :]
+    return matmul(w, x)
+
+
+def embed_rows(token_embd: QTensor, ids: np.ndarray) -> np.ndarray:
+    """Rows of the token embedding for ``ids``, dequantised: (T, D)."""
+    table = token_embd.data.reshape(token_embd.rows, -1)        # (V, bytes per row)
+    rows = np.ascontiguousarray(table[ids]).reshape(-1)
+    return dequantize(QTensor(rows, token_embd.ggml_type, (len(ids), token_embd.cols)))
+
+
+def expert_ffn(w: ExpertWeights, x: np.ndarray) -> np.ndarray:
+    """One routed expert on the positions routed to it: down(silu(gate x) * up x); (n, D) -> (n, D)."""
+    return linear(w.down, swiglu(linear(w.gate, x), linear(w.up, x)))
+
+
+class MoETransformer:
+    """A pre-norm MoE decoder bound to an expert source and a KV cache; families subclass it.
+
+    Per block: ``x += attention(attn_norm(x))``, then ``x += moe(moe_norm(x))``
+    where moe sums the routed experts (batch-union reads, rank-ordered sum)
+    and the family's shared expert, if any. Subclasses implement
+    :meth:`attention` and may override the hooks below it.
+    """
+
+    def __init__(self, model: Model, experts: ExpertSource, n_ctx: int | None = None,
+                 kv_type: str = DEFAULT_KV_TYPE) -> None:
+        """``n_ctx``: KV-cache positions (default: the model's, at most 4096; never more than the model's);
+        ``kv_type``: "f16" or "f32" storage of keys and values (see :mod:`colibri_aio.arch.kvcache`)."""
+        a = model.args
+        self.model, self.args, self.experts = model, a, experts
+        self.n_ctx = min(n_ctx or default_context(a.context_length), a.context_length)
+        self.kv_type = kv_type
+        self.cache = self.make_cache()
+        self.n_past = 0
+        self.ids: list[int] = []  # the token ids behind the cache: positions 0..n_past-1
+        # The hidden state that predicts the next layer's experts (see arch/lookahead.PREDICTORS);
+        # None: no hints (Placement.lookahead sets it).
+        self.lookahead: str | None = None
+
+    # --- kernels: every product of every family ------------------------------------------
+
+    def linear(self, w: QTensor, x: np.ndarray) -> np.ndarray:
+        """x (T, cols) -> (T, rows)."""
+        return linear(w, x)
+
+    def linears(self, ws: Sequence[QTensor], x: np.ndarray) -> list[np.ndarray]:
+        """Several products on one input."""
+        return [linear(w, x) for w in ws]
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """Token embedding rows (T, D)."""
+        return embed_rows(self.model.token_embd, ids)
+
+    def expert_outputs(self, layer: int, experts: Sequence[tuple[int, ExpertWeights]],
+                       xs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Each routed expert on the rows routed to it (an expert activation other than SwiGLU,
+        or expert biases, override this)."""
+        return [expert_ffn(w, x) for (_, w), x in zip(experts, xs)]
+
+    # --- shared pieces the families' attention is written with --------------------------------
+
+    def qkv(self, blk: BlockWeights, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """q (T, H, d), k (T, Hkv, d), v (T, Hkv, dv): attn_q/k/v products, plus their biases when present."""
+        a, t = self.args, h.shape[0]
+        q, k, v = (y if blk.get(n + ".bias") is None else y + blk[n + ".bias"]
+                   for n, y in zip(("attn_q", "attn_k", "attn_v"),
+                                   self.linears((blk.attn_q, blk.attn_k, blk.attn_v), h)))
+        return (q.reshape(t, a.head_count, a.key_length), k.reshape(t, a.head_count_kv, a.key_length),
+                v.reshape(t, a.head_count_kv, a.value_length))
+
+    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray,
+               **options: object) -> np.ndarray:
+        """Store k, v at ``positions``, attend over the cache, project by attn_output (+ its bias): (T, D).
+
+        ``options`` go to :func:`~colibri_aio.kernels.ops.attention` (scale, window, sinks).
+        """
+        blk = self.model.blocks[layer]
+        self.cache.store(layer, positions, k, v)
+        o = attention(q, *self.cache.upto(layer, int(positions[-1]) + 1), positions,
+                      **options)  # type: ignore[arg-type]
+        out = self.linear(blk.attn_output, o)
+        bias = blk.get("attn_output.bias")
+        return out if bias is None else out + bias
+
+    def ffn(self, blk: BlockWeights, h: np.ndarray, suffix: str = "") -> np.ndarray:
+        """A dense SwiGLU FFN of resident tensors ``ffn_{gate,up,down}<suffix>``: (T, D) -> (T, D)."""
+        gate, up = self.linears((blk["ffn_gate" + suffix], blk["ffn_up" + suffix]), h)
+        return self.linear(blk["ffn_down" + suffix], swiglu(gate, up))
+
+    def gated_shared_expert(self, layer: int, h: np.ndarray) -> np.ndarray:
+        """sigmoid(ffn_gate_inp_shexp · h) * ffn_shexp(h): the shared expert with a scalar gate per position."""
+        blk = self.model.blocks[layer]
+        gate = sigmoid(h @ blk["ffn_gate_inp_shexp"].reshape(-1))[:, None]
+        return self.ffn(blk, h, "_shexp") * gate
+
+    # --- family hooks ----------------------------------------------------------------------------
+
+    def make_cache(self) -> KVCache:
+        a = self.args
+        return KVCache(a.block_count, self.n_ctx, a.head_count_kv, a.key_length, a.value_length, self.kv_type)
+
+    def rope_tables(self, positions: np.ndarray) -> Rope:
+        """cos/sin for this call's positions (computed once per call, used by every layer)."""
+        return rope_cos_sin(positions, self.args.n_rot, self.args.rope_freq_base)
+
+    def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
+        """The family's attention on the normed input h (T, D): (T, D)."""
+        raise NotImplementedError
+
+    def shared_expert(self, layer: int, h: np.ndarray) -> np.ndarray | None:
+        """An always-on expert added to the routed sum (None: the family has none)."""
+        return None
+
+    # --- the pass -----------------------------------------------------------------------------------
+
+    async def prefill(self, ids: Sequence[int], *, logits: Literal["last", "all"] = "last",
+                      observer: RouteObserver | None = None) -> np.ndarray:
+        """``forward`` over ``ids`` in chunks of PREFILL_CHUNK positions; logits as ``forward`` gives them."""
+        rows = [await self.forward(ids[s: s + PREFILL_CHUNK], logits=logits, observer=observer)
+                for s in range(0, len(ids), PREFILL_CHUNK)]
+        if not rows:
+            raise UserError("forward needs at least one token")
+        return np.concatenate(rows, axis=0) if logits == "all" else rows[-1]
+
+    def reset(self) -> None:
+        """Forget the context (the KV cache memory is kept and overwritten)."""
+        self.rewind(0)
+
+    def rewind(self, n_past: int) -> None:
+        """Keep the first ``n_past`` positions of the context and forget the rest.
+
+        Attention reads the cache only up to the position it computes, so
+        what lies beyond ``n_past`` is never seen and is overwritten later.
+        """
+        if not 0 <= n_past <= self.n_past:
+            raise ValueError(f"cannot rewind to {n_past}: the context holds {self.n_past} positions")
+        self.n_past = n_past
+        del self.ids[n_past:]
+
+    async def forward(self, ids: Sequence[int], *, logits: Literal["last", "all"] = "last",
+                      observer: RouteObserver | None = None) -> np.ndarray:
+        """Run ``ids`` at positions n_past.. and return logits: (V,) for the last or (T, V) for all."""
+        a = self.args
+        tok = np.asarray(ids, dtype=np.int64)
+        if tok.size == 0:
+            raise UserError("forward needs at least one token")
+        if tok.min() < 0 or tok.max() >= a.vocab_size:
+            raise UserError(f"token id out of range [0, {a.vocab_size})")
+        if self.n_past + tok.size > self.n_ctx:
+            raise UserError(f"context full: {self.n_past} + {tok.size} tokens > n_ctx {self.n_ctx}")
+        self.experts.step(tok.size)
+        positions = np.arange(self.n_past, self.n_past + tok.size)
+        rope = self.rope_tables(positions)
+        x = self.embed(tok)                                                        # (T, D)
+        self._check_finite(x, "the token embedding (token_embd)", positions)
+        for layer in range(a.block_count):
+            if observer is not None:
+                observer.on_layer_input(layer, x)
+            layer_input = x
+            attn = self.attention(layer, rms_norm(x, self.model.blocks[layer].attn_norm, a.rms_eps), positions, rope)
+            self._check_finite(attn, f"layer {layer} attention", positions)
+            x = x + attn
+            h = rms_norm(x, moe_norm(self.model, layer), a.rms_eps)
+            x = x + await self._moe(layer, h, positions, layer_input, x, observer)
+        self.n_past += tok.size
+        self.ids.extend(tok.tolist())
+        rows = x if logits == "all" else x[-1:]
+        out = self.linear(self.model.output, rms_norm(rows, self.model.output_norm, a.rms_eps))
+        self._check_finite(out, "the output head (output_norm, output)", positions[-len(rows):])
+        return out if logits == "all" else out[0]
+
+    def _check_finite(self, x: np.ndarray, where: str, positions: np.ndarray) -> None:
+        """A NaN or infinity never turns into tokens: stop, naming where it appeared (broken weights)."""
+        if not np.isfinite(x).all():
+            bad = positions[~np.isfinite(x.reshape(len(positions), -1)).all(axis=1)]
+            raise NonFiniteError(f"{self.model.path}: non-finite values from {where} at position {int(bad[0])}: "
+                                 f"the model's weights there are broken (`doctor --verify` scans every tensor)")
+
+    def route(self, layer: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Experts (T, k) and weights (T, k) of router ``layer`` for h (T, D), by ``args.routing``."""
+        return route(router_logits(self.model, layer, h), self.args.expert_used_count, self.args.routing,
+                     self.model.blocks[layer].get("exp_probs_b.bias"))
+
+    async def _moe(self, layer: int, h: np.ndarray, positions: np.ndarray, layer_input: np.ndarray,
+                   residual: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
+        """Route, fetch each unique expert once (batch-union), and sum in routing order (+ the shared expert).
+
+        Experts arrive in whatever order the source delivers them; each one's
+        weighted output lands in its (position, rank) cell and the cells are
+        summed in rank order afterwards, so arrival order never changes a bit.
+        The shared expert runs once this layer's reads are submitted.
+        """
+        a = self.args
+        ids, weights = self.route(layer, h)
+        self._check_finite(weights, f"layer {layer} router (ffn_gate_inp)", positions)
+        if observer is not None:
+            observer.on_route(layer, positions, residual, h, ids, weights)
+        predicted = self._lookahead(layer, layer_input, residual, h)
+        contrib = np.zeros((h.shape[0], a.expert_used_count, a.embedding_length), np.float32)  # (T, k, D)
+        shared: np.ndarray | None = None
+        first = True
+        # aclosing: on an error mid-layer the source still drains its in-flight reads.
+        async with aclosing(self.experts.stream(layer, np.unique(ids).tolist())) as stream:
+            async for expert, w in stream:
+                if first:  # after this layer's demand reads, which went out with the first expert
+                    first = False
+                    if predicted is not None:
+                        self.experts.hint(layer + 1, predicted)
+                    shared = self.shared_expert(layer, h)
+                rows, ranks = np.nonzero(ids == expert)
+                (y,) = self.expert_outputs(layer, [(expert, w)], [h[rows]])
+                contrib[rows, ranks] = y * weights[rows, ranks][:, None]
+        out = contrib.sum(axis=1)
+        if not np.isfinite(out).all():
+            bad = np.unique(ids[~np.isfinite(contrib).all(axis=2)]).tolist()
+            self._check_finite(out, f"layer {layer} expert{'s' if len(bad) > 1 else ''} "
+                                    f"{', '.join(map(str, bad))}", positions)
+        if shared is None:
+            return out
+        self._check_finite(shared, f"layer {layer} shared expert", positions)
+        return out + shared
+
+    def _lookahead(self, layer: int, layer_input: np.ndarray, residual: np.ndarray,
+                   h: np.ndarray) -> list[int] | None:
+        """Layer + 1's likely experts from router layer + 1 on this layer's hidden state.
+
+        One position: its top 2k in router order (the scheduler policy reads
+        the first k it does not hold). Several (prefill): the union of their
+        top-k, most-voted first. None when lookahead is off or on the last layer.
+        """
+        if self.lookahead is None or layer + 1 >= self.args.block_count:
+            return None
+        state = predictor_state(self.model, self.lookahead, layer, layer_input, residual, h)
+        k = self.args.expert_used_count
+        ranked = rank_experts(self.model, layer + 1, state, 2 * k)
+        if ranked.shape[0] == 1:
+            return ranked[0].tolist()
+        ranked = ranked[:, :k]
+        ids, votes = np.unique(ranked, return_counts=True)
+        return ids[np.argsort(-votes, kind="stable")].tolist()

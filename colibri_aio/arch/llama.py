@@ -1,0 +1,45 @@
+"""llama with experts (Mixtral 8x7B, 8x22B): NORM RoPE, softmax top-k renormalised.
+
+A llama file is a mixture of experts when ``llama.expert_count`` > 0; dense llama
+files are refused. The converter permuted q/k rows for NORM RoPE (adjacent
+pairs), so the GGUF weights rotate as they are, without un-permuting.
+
+Shape legend as in :mod:`colibri_aio.arch.layers`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Self
+
+import numpy as np
+
+from colibri_aio.arch.base import BaseArgs, Family, Metadata, TensorSpec, attention_tensors, router_tensors
+from colibri_aio.arch.layers import MoETransformer, Rope
+from colibri_aio.kernels.ops import rope_norm
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelArgs(BaseArgs):
+    """Mixtral's hyper-parameters: the shared set; experts are ``feed_forward_length`` wide."""
+
+    @classmethod
+    def from_gguf(cls, meta: Metadata) -> Self:
+        # A dense llama has no expert_count: 0 here, refused by check() with a sentence of its own.
+        return cls(**cls.common(meta, expert_count=int(meta.get("expert_count", 0)),
+                                expert_used_count=int(meta.get("expert_used_count", 0)),
+                                expert_feed_forward_length=int(meta.need("feed_forward_length"))))
+
+
+def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
+    return [*attention_tensors(a), *router_tensors(a)]
+
+
+class Mixtral(MoETransformer):
+    """A llama model with experts (Mixtral) bound to an expert source and a KV cache."""
+
+    def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
+        q, k, v = self.qkv(self.model.blocks[layer], h)
+        return self.attend(layer, rope_norm(q, *rope), rope_norm(k, *rope), v, positions)
+
+
+FAMILY = Family("llama", ModelArgs, block_tensors, Mixtral, checked_against="MixtralForCausalLM")

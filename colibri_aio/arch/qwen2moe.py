@@ -1,0 +1,66 @@
+"""qwen2moe (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): q/k/v biases, NEOX RoPE, softmax top-k
+without renormalisation, and a shared expert behind a sigmoid gate.
+
+Shape legend as in :mod:`colibri_aio.arch.layers`; Fs the shared expert's width.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Self
+
+import numpy as np
+
+from colibri_aio.arch.base import (BaseArgs, Family, Metadata, TensorSpec, attention_tensors, matrix,
+                                   router_tensors, vector)
+from colibri_aio.arch.layers import MoETransformer, Rope
+from colibri_aio.errors import ModelFormatError
+from colibri_aio.kernels.ops import Routing, rope_neox
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelArgs(BaseArgs):
+    """qwen2moe's hyper-parameters: the shared set plus the shared expert's width."""
+
+    expert_shared_feed_forward_length: int
+
+    @classmethod
+    def from_gguf(cls, meta: Metadata) -> Self:
+        # llama.cpp: experts n_ff / k wide and the shared expert n_ff wide when their keys are absent.
+        ff = meta.get("feed_forward_length")
+        expert = meta.get("expert_feed_forward_length",
+                          None if ff is None else int(ff) // int(meta.need("expert_used_count")))
+        shared = meta.get("expert_shared_feed_forward_length", ff)
+        for key, value in (("expert_feed_forward_length", expert), ("expert_shared_feed_forward_length", shared)):
+            if value is None:
+                raise ModelFormatError(f"{meta.path}: missing metadata key qwen2moe.{key} "
+                                       f"(nor qwen2moe.feed_forward_length to default it from)")
+        return cls(**cls.common(meta, expert_feed_forward_length=int(expert),
+                                routing=Routing(normalize=False)),  # llama.cpp's qwen2moe never renormalises
+                   expert_shared_feed_forward_length=int(shared))
+
+    def check(self, path: Path) -> None:
+        BaseArgs.check(self, path)
+        if self.expert_shared_feed_forward_length < 1:
+            raise ModelFormatError(f"{path}: expert_shared_feed_forward_length must be positive")
+
+
+def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
+    d, fs = a.embedding_length, a.expert_shared_feed_forward_length
+    return [*attention_tensors(a), *router_tensors(a),
+            vector("ffn_gate_inp_shexp", d),  # stored {D, 1}: one gate logit per position
+            matrix("ffn_gate_shexp", fs, d), matrix("ffn_up_shexp", fs, d), matrix("ffn_down_shexp", d, fs)]
+
+
+class Qwen2MoE(MoETransformer):
+    """A qwen2moe model bound to an expert source and a KV cache."""
+
+    def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
+        q, k, v = self.qkv(self.model.blocks[layer], h)
+        return self.attend(layer, rope_neox(q, *rope), rope_neox(k, *rope), v, positions)
+
+    def shared_expert(self, layer: int, h: np.ndarray) -> np.ndarray:
+        return self.gated_shared_expert(layer, h)
+
+
+FAMILY = Family("qwen2moe", ModelArgs, block_tensors, Qwen2MoE, checked_against="Qwen2MoeForCausalLM")

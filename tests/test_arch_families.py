@@ -1,0 +1,116 @@
+"""Every family beyond qwen3moe against oracles we did not write (fixtures/families.md).
+
+The fixtures are tiny random models made by transformers (Qwen2MoeForCausalLM,
+OlmoeForCausalLM, MixtralForCausalLM), converted by llama.cpp's converter, F32
+and Q8_0. Tolerances as in test_arch_qwen3moe: the transformers oracle ran on the
+file's dequantised weights, so the NumPy kernels must agree with it to
+1e-4 x max|logit| on every fixture, prefill and one-token decode; llama.cpp also
+rounds activations to Q8_0 before each quantised product, so against it argmax
+agrees wherever its own top-2 margin is clear, and logits agree closely on F32.
+
+A family's fixtures join these tests by being in fixtures/oracle/ with an
+architecture the engine runs.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from colibri_aio.arch import SUPPORTED_ARCHITECTURES, build_net
+from colibri_aio.arch.layers import MoETransformer
+from colibri_aio.engine.mapped_source import MappedExpertSource
+from colibri_aio.gguf.model import load
+from colibri_aio.kernels import backend
+
+from support import FIXTURES, ORACLE, teacher_forced
+
+REL_TOL = 1e-4
+QUANTISED_VS_LLAMACPP = 0.05  # x max|logit|: llama.cpp's Q8_0 activations; argmax checked beyond twice this margin
+IDS = json.loads((ORACLE / "family_ids.json").read_text())["sequences"]
+
+
+def _architecture(stem: str) -> str:
+    return GGUFReader(FIXTURES / f"{stem}.gguf").fields["general.architecture"].contents()
+
+
+FAMILY_FIXTURES = sorted(
+    stem for stem in (p.name.split(".")[0] for p in ORACLE.glob("*.transformers.npz"))
+    if (FIXTURES / f"{stem}.gguf").exists() and _architecture(stem) in SUPPORTED_ARCHITECTURES
+    and _architecture(stem) != "qwen3moe")  # qwen3moe: test_arch_qwen3moe.py, with its own ids
+
+
+@pytest.fixture(autouse=True, scope="module")
+def numpy_kernels():
+    """The reference kernels, whatever $COLIBRI_KERNELS says."""
+    backend.set_backend("numpy")
+    yield
+    backend.set_backend(os.environ.get("COLIBRI_KERNELS", "auto"))
+
+
+def _net(stem: str) -> MoETransformer:
+    """The family's forward pass with a float32 KV cache, as the oracles ran (the f16 default's tolerance is
+    stated and tested in test_arch_qwen3moe.py)."""
+    model = load(FIXTURES / f"{stem}.gguf")
+    return build_net(model, MappedExpertSource(model), kv_type="f32")
+
+
+def _oracle(stem: str, kind: str) -> list[tuple[list[int], np.ndarray]]:
+    ref = np.load(ORACLE / f"{stem}.{kind}.npz")
+    return [(IDS[int(key[3:])][: ref[key].shape[0]], ref[key]) for key in sorted(ref.files)]
+
+
+def test_every_new_family_has_f32_and_quantised_fixtures() -> None:
+    families = {_architecture(s) for s in FAMILY_FIXTURES}
+    assert {"qwen2moe", "olmoe", "llama"} <= families
+    for arch in families:
+        stems = [s for s in FAMILY_FIXTURES if _architecture(s) == arch]
+        assert any(s.endswith("_f32") for s in stems) and any(not s.endswith("_f32") for s in stems), arch
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("stem", FAMILY_FIXTURES)
+def test_logits_match_transformers(stem: str, decode: bool) -> None:
+    net = _net(stem)
+    for ids, want in _oracle(stem, "transformers"):
+        got = teacher_forced(net, ids, decode=decode)
+        tol = REL_TOL * float(np.abs(want).max())
+        assert float(np.abs(got - want).max()) <= tol, stem
+        top2 = np.sort(want, axis=-1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > tol
+        np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("stem", FAMILY_FIXTURES)
+def test_argmax_matches_llamacpp(stem: str) -> None:
+    net, f32_weights = _net(stem), stem.endswith("_f32")
+    for ids, want in _oracle(stem, "llamacpp"):
+        got = teacher_forced(net, ids, decode=False)
+        scale = float(np.abs(want).max())
+        tol = (REL_TOL if f32_weights else QUANTISED_VS_LLAMACPP) * scale
+        if f32_weights:
+            assert float(np.abs(got - want).max()) <= tol, stem
+        top2 = np.sort(want, axis=-1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > 2 * tol
+        np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("stem", [s for s in FAMILY_FIXTURES if s.endswith("_f32")])
+def test_prefill_in_pieces_continues_the_same_cache(stem: str) -> None:
+    net, ids = _net(stem), IDS[0]
+    whole = teacher_forced(net, ids, decode=False)
+    net.reset()
+
+    async def pieces() -> np.ndarray:
+        return np.concatenate([await net.forward(ids[:7], logits="all"), await net.forward(ids[7:], logits="all")])
+
+    np.testing.assert_allclose(asyncio.run(pieces()), whole, rtol=0, atol=REL_TOL * float(np.abs(whole).max()))
+
+
+def test_each_family_builds_its_own_forward_pass() -> None:
+    names = {_architecture(s): type(_net(s)).__name__ for s in FAMILY_FIXTURES}
+    assert names["qwen2moe"] == "Qwen2MoE" and names["olmoe"] == "OLMoE" and names["llama"] == "Mixtral"

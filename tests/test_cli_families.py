@@ -1,0 +1,62 @@
+"""The commands on every family's fixture: logits, trace (with lookahead predictions) and run."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from colibri_aio.gguf.model import load
+from colibri_aio.text.tokenizer import Tokenizer
+
+from support import ORACLE, fixture, run_cli
+
+STEMS = ["qwen2moe_f32", "olmoe_f32", "mixtral_f32"]
+IDS = json.loads((ORACLE / "family_ids.json").read_text())["sequences"][0]
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_logits_command_gives_the_oracle_rows(stem: str, tmp_path) -> None:
+    out = tmp_path / "l.npy"
+    r = run_cli("logits", str(fixture(f"{stem}.gguf")), "--ids", ",".join(map(str, IDS)), "--out", str(out),
+                "--kernels", "numpy")
+    assert r.returncode == 0, r.stderr
+    got, want = np.load(out), np.load(ORACLE / f"{stem}.transformers.npz")["seq0"]
+    assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_trace_records_routes_and_lookahead_of_every_family(stem: str, tmp_path) -> None:
+    path, out = fixture(f"{stem}.gguf"), tmp_path / "t.jsonl"
+    r = run_cli("trace", str(path), "--prompt", "The list type is", "--max-tokens", "3", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    args = load(path, resident=False).args
+    header, *routes = [json.loads(x) for x in out.read_text().splitlines()]
+    assert (header["block_count"], header["expert_count"]) == (args.block_count, args.expert_count)
+    tok = Tokenizer.from_path(path)
+    prompt = tok.encode("The list type is", add_special=True)  # Mixtral's starts with BOS
+    assert [r["token"] for r in routes if r["phase"] == "prefill" and r["layer"] == 0] == prompt
+    for rec in routes:
+        assert len(rec["experts"]) == len(set(rec["experts"])) == args.expert_used_count
+        assert rec["weights"] == sorted(rec["weights"], reverse=True) and 0 < sum(rec["weights"]) <= 1 + 1e-5
+        assert ("predicted" in rec) == (rec["layer"] < args.block_count - 1)
+        for ranked in rec.get("predicted", {}).values():
+            assert len(ranked) == 2 * args.expert_used_count
+
+
+@pytest.mark.parametrize("stem", STEMS)
+def test_run_generates_with_each_family(stem: str) -> None:
+    r = run_cli("run", "--model", str(fixture(f"{stem}.gguf")), "--prompt", "def f(x):", "--max-tokens", "4",
+                "--io", "pread", "--cache-per-layer", "2")
+    assert r.returncode == 0, r.stderr
+
+
+async def test_a_chat_template_that_writes_bos_gives_one_bos() -> None:
+    """Mixtral's template starts with {{ bos_token }} and the file asks for BOS: the prompt starts with one."""
+    from colibri_aio.engine.engine import Engine
+
+    async with await Engine.open(fixture("mixtral_f32.gguf"), io="pread", cache_per_layer=2) as engine:
+        bos = engine.tokenizer.bos_id
+        chat = engine.prompt_ids([{"role": "user", "content": "Hello!"}])
+        assert chat[0] == bos and chat[1] != bos
+        assert engine.prompt_ids("<s>text")[:2] == [bos, bos]  # plain text is tokenized as written, like llama.cpp
