@@ -319,6 +319,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     _add_model(p)
     _add_memory(p)
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--measure", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure this machine's kernel speed for the per-token estimate (about a second, once: "
+                        "it is cached) (default: on)")
     p.set_defaults(func=_plan)
 
 
@@ -328,6 +331,7 @@ def _plan(args: argparse.Namespace) -> int:
     from colibri_aio.engine.history import HistoryFile
     from colibri_aio.engine.memory import memory_limits
     from colibri_aio.engine.placement import Placement, plan_for
+    from colibri_aio.engine.speed import decode_weights, machine_speed
     from colibri_aio.gguf.model import load
     from colibri_aio.models import default_model_path
     from colibri_aio.policy.budget import parse_size
@@ -337,7 +341,8 @@ def _plan(args: argparse.Namespace) -> int:
     model = load(_model(args) or default_model_path(), resident=False)
     past = HistoryFile.for_model(model).load() if args.history else None
     limits = memory_limits()
-    plan, _ = plan_for(model, placement, past, limits)
+    speed = machine_speed(set(decode_weights(model))) if args.measure else None
+    plan, _ = plan_for(model, placement, past, limits, speed)
     if args.json:
         print(json.dumps({**plan.as_dict(), "model": str(model.path), "ram_total": limits.total,
                           "ram_available": limits.available, "cgroup_limit": limits.cgroup_limit}, indent=1))
@@ -347,7 +352,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _plan_table(model, plan, limits) -> str:
-    from colibri_aio.engine.plan import gb
+    from colibri_aio.engine.plan import ASSUMED_DISK_BYTES_PER_S, gb
 
     a = model.args
     hit = f"n/a ({plan.hit_rate_source})" if plan.expected_hit_rate is None else \
@@ -367,7 +372,8 @@ def _plan_table(model, plan, limits) -> str:
         ("pinned", f"{plan.pinned_slots} slots = {gb(plan.pinned_slots * plan.slot_nbytes)}"),
         ("expected hit rate", hit),
         ("per token", f"compute ~{plan.compute_s_per_token * 1e3:.1f} ms, expert reads ~"
-                      f"{plan.disk_s_per_token * 1e3:.1f} ms -> bound by {plan.bottleneck}"),
+                      f"{plan.disk_s_per_token * 1e3:.1f} ms -> bound by {plan.bottleneck} "
+                      f"(compute: {plan.speed_source}; reads at an assumed {ASSUMED_DISK_BYTES_PER_S / 1e9:.1f} GB/s)"),
     ] + [("note", note) for note in plan.notes]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -16,6 +16,7 @@ from colibri_aio.gguf.model import Model, Progress
 from colibri_aio.io.reader import BACKENDS, ExpertReader
 from colibri_aio.engine.memory import MemoryLimits, memory_limits
 from colibri_aio.engine.plan import Plan, make_plan
+from colibri_aio.engine.speed import MachineSpeed, cached as cached_speed
 from colibri_aio.policy.cache import ExpertCache, Key
 from colibri_aio.policy.backpressure import BackpressureConfig, BackpressureController
 from colibri_aio.policy.predictor import LookaheadPredictor
@@ -109,17 +110,19 @@ def pin_history(model: Model, pin: str, past: UsageHistory | None) -> UsageHisto
     return read_history(Path(pin), model_fingerprint(model))
 
 
-def plan_for(model: Model, placement: Placement, past: UsageHistory | None, limits: MemoryLimits | None = None
-             ) -> tuple[Plan, UsageHistory | None]:
+def plan_for(model: Model, placement: Placement, past: UsageHistory | None, limits: MemoryLimits | None = None,
+             speed: MachineSpeed | None = None) -> tuple[Plan, UsageHistory | None]:
     """The plan for ``placement`` (its hit rate from the history pins come from, else ``past``), and that history;
-    with this machine's memory limits unless ``limits`` are given. ``run``, ``plan`` and the API all go by it."""
+    with this machine's memory limits unless ``limits`` are given, and its kernel speed as last measured unless
+    ``speed`` is given. ``run``, ``plan`` and the API all go by it."""
     pin_from = pin_history(model, placement.pin, past)
     known = pin_from if pin_from is not None else past
     counts = known.nonzero() if known is not None and known.runs >= 1 else None
     plan = make_plan(model, limits or memory_limits(), budget=placement.ram_budget, context=placement.context,
                      kv_type=placement.kv_type, cache_per_layer=placement.cache_per_layer, usage_counts=counts,
                      pin_share=PIN_SHARE if pin_from is not None else 0.0,
-                     history_tokens=known.tokens if counts is not None else None)
+                     history_tokens=known.tokens if counts is not None else None,
+                     speed=speed if speed is not None else cached_speed())
     return plan, pin_from
 
 

@@ -13,6 +13,7 @@ from colibri_aio.errors import UserError
 from colibri_aio.gguf.model import Model
 from colibri_aio.io.align import slot_nbytes_for
 from colibri_aio.engine.memory import MemoryLimits
+from colibri_aio.engine.speed import MachineSpeed, decode_weights
 from colibri_aio.policy.budget import slots_for_budget
 from colibri_aio.policy.usage import MIN_TOKENS
 from colibri_aio.arch.kvcache import DEFAULT_CONTEXT, DEFAULT_KV_TYPE, default_context
@@ -53,6 +54,7 @@ class Plan:
     bottleneck: str            # "compute" or "disk"
     compute_s_per_token: float
     disk_s_per_token: float
+    speed_source: str = "assumed rates"  # where compute_s_per_token's rates come from
     notes: tuple[str, ...] = ()  # where the plan differs from what was asked, said aloud
 
     @property
@@ -102,7 +104,7 @@ def working_nbytes(model: Model, prefill_chunk: int = PREFILL_CHUNK) -> int:
 def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, context: int | None = None,
               kv_type: str = DEFAULT_KV_TYPE, cache_per_layer: int | None = None,
               usage_counts: dict[tuple[int, int], float] | None = None, pin_share: float = 0.0,
-              history_tokens: float | None = None) -> Plan:
+              history_tokens: float | None = None, speed: MachineSpeed | None = None) -> Plan:
     """The placement for ``model`` within ``budget`` (default: a share of usable RAM).
 
     Refuses, with a :class:`UserError` that says what is missing, a budget
@@ -115,7 +117,8 @@ def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, 
     model's, a budget above the memory available now) is in ``notes``.
     ``usage_counts`` (with the ``history_tokens`` positions behind them)
     size the pins and, from a history long enough to stand for the
-    workload, the expected hit rate.
+    workload, the expected hit rate. ``speed``: this machine's measured
+    kernel rates and per-layer overhead (None: assumed rates, no overhead).
     """
     a = model.args
     notes: list[str] = []
@@ -147,11 +150,11 @@ def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, 
             f"{context} positions + working {gb(working)} + {what} ({gb(minimal * slot)}), need "
             f"{gb(reserved + minimal * slot)}")
     hit, hit_source = expected_hit_rate(usage_counts, slots, total, history_tokens)
-    compute_s, disk_s = token_times(model, 0.0 if hit is None else hit)
+    compute_s, disk_s, speed_source = token_times(model, 0.0 if hit is None else hit, speed)
     return Plan(budget, source, context, context_source, model.trunk_nbytes, kv, kv_type, working,
                 model.expert_nbytes_max,
                 slot, slots, total, pinned, hit, hit_source, "disk" if disk_s > compute_s else "compute",
-                compute_s, disk_s, tuple(notes))
+                compute_s, disk_s, speed_source, tuple(notes))
 
 
 def _context(model_context: int, asked: int | None, notes: list[str]) -> tuple[int, str]:
@@ -211,11 +214,25 @@ def expected_hit_rate(usage_counts: dict[tuple[int, int], float] | None, slots: 
     return sum(counts[:slots]) / sum(counts), "usage history"
 
 
-def token_times(model: Model, hit_rate: float) -> tuple[float, float]:
-    """Seconds per decoded token for compute and for expert reads, at the assumed rates."""
+def token_times(model: Model, hit_rate: float, speed: MachineSpeed | None = None) -> tuple[float, float, str]:
+    """Seconds per decoded token for compute and for expert reads, and where the compute rates come from.
+
+    Compute: the weights a token multiplies, by type, at ``speed``'s measured
+    rates plus its per-layer overhead; without a measurement (or for a type it
+    lacks), the active weights of the shared shape at
+    :data:`ASSUMED_WEIGHTS_PER_S` and no overhead.
+    """
     a = model.args
-    expert_weights = 3 * a.expert_feed_forward_length * a.embedding_length
-    attn_weights = (2 * a.head_count + 2 * a.head_count_kv) * a.key_length * a.embedding_length
-    active = a.block_count * (a.expert_used_count * expert_weights + attn_weights) + a.vocab_size * a.embedding_length
     miss_bytes = (1 - hit_rate) * a.block_count * a.expert_used_count * model.expert_nbytes_max
-    return active / ASSUMED_WEIGHTS_PER_S, miss_bytes / ASSUMED_DISK_BYTES_PER_S
+    disk_s = miss_bytes / ASSUMED_DISK_BYTES_PER_S
+    weights = None if speed is None else decode_weights(model)
+    if speed is None or weights is None or any(speed.rate(t) is None for t in weights):
+        expert_weights = 3 * a.expert_feed_forward_length * a.embedding_length
+        attn_weights = (2 * a.head_count + 2 * a.head_count_kv) * a.key_length * a.embedding_length
+        active = (a.block_count * (a.expert_used_count * expert_weights + attn_weights)
+                  + a.vocab_size * a.embedding_length)
+        return active / ASSUMED_WEIGHTS_PER_S, disk_s, \
+            f"assumed {ASSUMED_WEIGHTS_PER_S / 1e9:.0f} G weights/s, no per-layer overhead"
+    compute_s = sum(n / speed.rate(t) for t, n in weights.items()) + a.block_count * speed.layer_overhead_s
+    return compute_s, disk_s, (f"{speed.backend} kernels measured on this machine + "
+                               f"{speed.layer_overhead_s * 1e3:.2f} ms a layer")
