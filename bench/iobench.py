@@ -39,7 +39,9 @@ from colibri_aio.errors import UserError
 from colibri_aio.io.align import RANGES_PER_EXPERT
 from colibri_aio.policy.budget import parse_size
 
-BACKEND_CHOICES = ("uring", "uring+reg", "pread", "mmap")  # uring+reg: io_uring with registered (fixed) buffers
+# uring+reg: io_uring with registered (fixed) buffers; uring+async: every read issued by io_uring's kernel
+# workers (IOSQE_ASYNC) instead of inline in io_uring_submit
+BACKEND_CHOICES = ("uring", "uring+reg", "uring+async", "pread", "mmap")
 FIO_RANDOM_SEED = 20260
 
 
@@ -132,8 +134,8 @@ async def measure_ours(path: Path, backend: str, bs: int, qd: int, pattern: str,
 
     # Workers share one list and one cursor: with ``seq`` the disk sees one stream in order.
     locations = bench_locations(path.stat().st_size, bs, 4096, pattern, np.random.default_rng(seed))
-    reader = await ExpertReader.open(path, bs, n_slots=qd, backend=backend.removesuffix("+reg"),
-                                     register=backend.endswith("+reg"))
+    reader = await ExpertReader.open(path, bs, n_slots=qd, backend=backend.split("+")[0],
+                                     register=backend.endswith("+reg"), punt=backend.endswith("+async"))
     latencies: list[float] = []
     stop_at = 0.0
     cursor = itertools.count()

@@ -90,7 +90,8 @@ class ExpertReader:
     @classmethod
     async def open(cls, path: str | os.PathLike[str], slot_nbytes_max: int, n_slots: int, backend: str = "auto", *,
                    ring_entries: int = DEFAULT_RING_ENTRIES, max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
-                   threads: int = 8, direct: bool = True, register: bool = False) -> "ExpertReader":
+                   threads: int = 8, direct: bool = True, register: bool = False,
+                   punt: bool = False) -> "ExpertReader":
         """Open ``path`` for expert reads.
 
         ``slot_nbytes_max`` is the size of the largest expert (its three ranges
@@ -104,7 +105,8 @@ class ExpertReader:
         registers the pool with io_uring as fixed buffers (falling back to
         unregistered reads when refused); registering pins, and so faults in,
         every page of the pool at once, where unregistered reads populate it
-        as they fill it.
+        as they fill it. ``punt=True`` has io_uring issue every read from its
+        kernel workers (IOSQE_ASYNC) rather than inline in the submitting call.
         """
         if backend not in BACKENDS:
             raise UserError(f"unknown I/O backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -117,7 +119,7 @@ class ExpertReader:
                 pool = BufferPool(slot_nbytes_for(slot_nbytes_max), n_slots)
                 try:
                     chosen, reason = _pool_backend(backend, file, pool, ring_entries, max_inflight_bytes, threads,
-                                                   register)
+                                                   register, punt)
                 except BaseException:
                     pool.close()
                     raise
@@ -253,12 +255,12 @@ class ExpertReader:
 
 
 def _pool_backend(kind: str, file: ModelFile, pool: BufferPool, ring_entries: int, max_inflight_bytes: int,
-                  threads: int, register: bool) -> tuple[ReadBackend, str]:
+                  threads: int, register: bool, punt: bool = False) -> tuple[ReadBackend, str]:
     """Pick the backend for ``kind`` among those that read into the pool, with the reason why."""
     if kind == "pread":
         return PreadBackend(file, threads), "pread requested"
     try:
-        reactor = UringReactor.create(ring_entries, max_inflight_bytes)
+        reactor = UringReactor.create(ring_entries, max_inflight_bytes, punt)
     except (OSError, RuntimeError) as exc:
         if kind == "uring":
             raise UserError(f"--io uring: io_uring cannot be set up here ({_describe(exc)}); "

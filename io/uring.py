@@ -64,8 +64,11 @@ class UringReactor:
     """
 
     def __init__(self, ring: object, entries: int, eventfd: int, loop: asyncio.AbstractEventLoop,
-                 max_inflight_bytes: int) -> None:
+                 max_inflight_bytes: int, punt: bool = False) -> None:
         self._ring = ring
+        # IOSQE_ASYNC: the kernel's worker threads issue each read, so io_uring_submit returns at once
+        # instead of doing the block-layer work (and the first faults of the destination pages) inline.
+        self._sqe_flags = L.IOSQE_ASYNC if punt else 0
         self.entries = entries
         self._eventfd = eventfd
         self._loop = loop
@@ -91,8 +94,9 @@ class UringReactor:
 
     @classmethod
     def create(cls, entries: int = DEFAULT_RING_ENTRIES,
-               max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES) -> "UringReactor":
-        """Set up a ring on the running loop; raises OSError (or RuntimeError) when io_uring is unavailable."""
+               max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES, punt: bool = False) -> "UringReactor":
+        """Set up a ring on the running loop; raises OSError (or RuntimeError) when io_uring is unavailable.
+        ``punt``: every read goes to the kernel's io-wq workers (IOSQE_ASYNC) instead of being issued inline."""
         problem = layout_problem()
         if problem is not None:
             raise OSError(errno.ENOSYS, problem)
@@ -108,7 +112,7 @@ class UringReactor:
                 os.close(eventfd)
             L.io_uring_queue_exit(ring)
             raise
-        return cls(ring, entries, eventfd, loop, max_inflight_bytes)
+        return cls(ring, entries, eventfd, loop, max_inflight_bytes, punt)
 
     # -- registration -------------------------------------------------------
 
@@ -186,6 +190,8 @@ class UringReactor:
         else:
             L.io_uring_prep_readv_fixed(sqe, request.fd, request.iovec.iovec, request.buf_index, request.offset, 0)
         L.io_uring_sqe_set_data64(sqe, token)
+        if self._sqe_flags:
+            L.io_uring_sqe_set_flags(sqe, self._sqe_flags)
         if not self._table:
             self._busy_since = time.perf_counter()
         self._table[token] = request

@@ -101,6 +101,17 @@ async def test_registered_buffers_when_asked(model_file: Path) -> None:
         await reader.aclose()
 
 
+async def test_punted_reads_are_byte_exact(model_file: Path) -> None:
+    """IOSQE_ASYNC changes who issues a read, never its bytes."""
+    locs = mixed_locations(FILE_NBYTES, 24)
+    reader = await ExpertReader.open(model_file, largest(locs), n_slots=4, backend="uring", punt=True)
+    try:
+        await read_all_and_check(reader, model_file, locs)
+        assert reader.stats.reads == len(locs)
+    finally:
+        await reader.aclose()
+
+
 async def test_o_direct_refused_falls_back_to_buffered(model_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_open = os.open
 
