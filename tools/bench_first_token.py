@@ -8,6 +8,7 @@ an exclusive flock on PATH around each run only.
 
 - ours: ``Engine.open(model)`` with its defaults (context min(model, 4096),
   f16 KV cache, budget from RAM, warm start), ``prefill`` of the prompt;
+- ours-nowarm (``--arms``): the same without the warm start;
 - llama.cpp: llama-cpp-python, ``n_threads=2``, ``n_ctx=4096`` (llama-cli's
   default), mmap, ``eval`` of the prompt.
 
@@ -35,12 +36,12 @@ from bench_scale import describe_model, drop_page_cache, exclusive, proc_read_by
 from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINES = ("ours", "llama.cpp")
+ARMS = ("ours", "ours-nowarm", "llama.cpp")  # ours-nowarm: Engine.open(warm_start=False), the warm start's A/B
 PROMPT = 32
 N_CTX = 4096
 
 
-def worker_ours(model: Path, seed: int, tg: int) -> dict:
+def worker_ours(model: Path, seed: int, tg: int, warm_start: bool = True) -> dict:
     import asyncio
 
     import numpy as np
@@ -49,7 +50,7 @@ def worker_ours(model: Path, seed: int, tg: int) -> dict:
     from colibri_aio.engine.memory import peak_rss_bytes
 
     async def run() -> dict:
-        engine = await Engine.open(model)
+        engine = await Engine.open(model, warm_start=warm_start)
         t_open = time.time()
         try:
             ids = token_ids(seed, PROMPT + tg)
@@ -100,7 +101,7 @@ def worker_llama(model: Path, seed: int, tg: int) -> dict:
 def one_run(engine: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", engine, "--model", str(args.model),
            "--seed", str(args.seed), "--tg-first", str(args.tg_first), "--tg-steady", str(args.tg_steady)]
-    with exclusive(args.lock):
+    with exclusive(args.gate), exclusive(args.lock):  # the gate first: shared takers queue behind it
         dropped = drop_page_cache()
         t0 = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -123,16 +124,19 @@ def one_run(engine: str, args: argparse.Namespace) -> dict:
 
 def summarise(runs: list[dict]) -> dict:
     out: dict = {}
-    for e in ENGINES:
+    for e in ARMS:
         ok = [r for r in runs if r["engine"] == e and "error" not in r]
+        if not any(r["engine"] == e for r in runs):
+            continue
         out[e] = {k: spread([r[k] for r in ok]) for k in ("ttft_s", "load_s", "prompt_s", "first_tok_s",
                                                            "steady_tok_s", "first_vs_steady") if ok}
         out[e]["failed"] = sum(1 for r in runs if r["engine"] == e and "error" in r)
-    pairs = [(a, b) for a, b in zip([r for r in runs if r["engine"] == "ours"],
-                                     [r for r in runs if r["engine"] == "llama.cpp"])
-             if "error" not in a and "error" not in b]
-    if pairs:
-        out["ttft_ratio"] = spread([a["ttft_s"] / b["ttft_s"] for a, b in pairs])
+    for arm, ref, key in (("ours", "llama.cpp", "ttft_ratio"), ("ours", "ours-nowarm", "ttft_ratio_warm")):
+        pairs = [(a, b) for a, b in zip([r for r in runs if r["engine"] == arm],
+                                         [r for r in runs if r["engine"] == ref])
+                 if "error" not in a and "error" not in b]
+        if pairs:
+            out[key] = spread([a["ttft_s"] / b["ttft_s"] for a, b in pairs])
     return out
 
 
@@ -154,19 +158,20 @@ def markdown(receipt: dict) -> str:
              f"Then {receipt['tg_first']} + {receipt['tg_steady']} teacher-forced decode tokens.", "",
              "| engine | TTFT s | load s | prompt s | first tok/s | steady tok/s | first / steady |",
              "|---|---|---|---|---|---|---|"]
-    for e in ENGINES:
+    for e in [a for a in ARMS if a in s]:
         x = s[e]
         lines.append(f"| {e} | {_cell(x.get('ttft_s'))} | {_cell(x.get('load_s'))} | {_cell(x.get('prompt_s'))} | "
                      f"{_cell(x.get('first_tok_s'))} | {_cell(x.get('steady_tok_s'))} | "
                      f"{_cell(x.get('first_vs_steady'))} |")
     lines += ["", f"TTFT ours / llama.cpp, per round: {_cell(s.get('ttft_ratio'))}", "",
+              f"TTFT ours / ours without the warm start, per round: {_cell(s.get('ttft_ratio_warm'))}", "",
               "Every sample (TTFT s; ours: open steps, warm start):", ""]
     for r in receipt["samples"]:
         if "error" in r:
             lines.append(f"- {r['engine']}: failed: {r['error']}")
             continue
         extra = ""
-        if r["engine"] == "ours" and r.get("open"):
+        if r["engine"].startswith("ours") and r.get("open"):
             o = r["open"]
             extra = (f"; open {o['total_s']:.2f} s (trunk {o['trunk_s']:.2f}, tokenizer {o['tokenizer_s']:.2f} "
                      f"[{o['tokenizer_source']}], kernels {o['kernels_s']:.2f}, source {o['source_s']:.2f}); "
@@ -187,20 +192,27 @@ def main() -> int:
     p.add_argument("--tg-first", type=int, default=64)
     p.add_argument("--tg-steady", type=int, default=128)
     p.add_argument("--lock", type=Path, help="hold an exclusive flock on this file around each run")
+    p.add_argument("--gate", type=Path, help="hold an exclusive flock on this file while waiting for --lock (a "
+                                            "machine whose shared takers pass a gate first, so they cannot starve us)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
-    p.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
+    p.add_argument("--arms", default="ours,llama.cpp",
+                   help=f"comma-separated from {', '.join(ARMS)} (default: %(default)s)")
+    p.add_argument("--worker", choices=ARMS, help=argparse.SUPPRESS)
     args = p.parse_args()
     tg = args.tg_first + args.tg_steady
-    if args.worker == "ours":
-        print(json.dumps(worker_ours(args.model, args.seed, tg)))
+    if args.worker in ("ours", "ours-nowarm"):
+        print(json.dumps(worker_ours(args.model, args.seed, tg, warm_start=args.worker == "ours")))
         return 0
     if args.worker == "llama.cpp":
         print(json.dumps(worker_llama(args.model, args.seed, tg)))
         return 0
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    if not arms or any(a not in ARMS for a in arms):
+        p.error(f"--arms: choose from {', '.join(ARMS)}")
     runs: list[dict] = []
     for i in range(args.runs):
-        for engine in (ENGINES if i % 2 == 0 else ENGINES[::-1]):
+        for engine in (arms if i % 2 == 0 else arms[::-1]):
             r = one_run(engine, args)
             runs.append(r)
             print(f"round {i} {engine}: " + (r["error"] if "error" in r else
@@ -209,7 +221,7 @@ def main() -> int:
     receipt = {**receipt_header("tools/bench_first_token.py"), "model": str(args.model),
                "model_bytes": args.model.stat().st_size,
                "model_description": describe_model(args.model).get("description"),
-               "runs": args.runs, "prompt": PROMPT, "n_ctx_llama": N_CTX, "tg_first": args.tg_first,
+               "runs": args.runs, "arms": arms, "prompt": PROMPT, "n_ctx_llama": N_CTX, "tg_first": args.tg_first,
                "tg_steady": args.tg_steady, "summary": summarise(runs), "samples": runs}
     text = markdown(receipt)
     write_receipt(args.out, f"first_token_{receipt['date']}", receipt, text)
