@@ -181,3 +181,27 @@ async def test_usage_history_of_another_model_is_never_used(tmp_path) -> None:
     assert not engine.source.policy.cache.pinned and ours.with_name(ours.name + ".bad").exists()
     with pytest.raises(UserError, match="another model"):
         await Engine.open(fixture("tiny_f32.gguf"), pin=str(theirs))
+
+
+def test_warm_start_streams_all_experts_that_fit_else_a_long_historys_hot_set() -> None:
+    from types import SimpleNamespace
+
+    from colibri_aio.engine.placement import warm_keys
+    from colibri_aio.policy.cache import ExpertCache
+    from colibri_aio.policy.usage import MIN_TOKENS, UsageHistory
+
+    layers, experts = 2, 8
+    model = SimpleNamespace(args=SimpleNamespace(block_count=layers, expert_count=experts))
+    full = ExpertCache(layers * experts, policy="lru", scope="layer", n_layers=layers)
+    small = ExpertCache(layers * 3, policy="lru", scope="layer", n_layers=layers)
+    past = UsageHistory("f", layers, experts)
+    for _ in range(4):
+        past.record(0, [5, 6])
+        past.record(1, [1, 2, 3, 4])
+    on, off = Placement(), Placement(warm_start=False)
+    assert warm_keys(model, on, full, None) == [(l, e) for l in range(layers) for e in range(experts)]
+    assert warm_keys(model, off, full, None) == []
+    assert warm_keys(model, on, small, past) == []                 # a short history names no hot set
+    past.count_tokens(MIN_TOKENS)
+    hot = warm_keys(model, on, small, past)
+    assert sorted(hot) == [(0, 5), (0, 6), (1, 1), (1, 2), (1, 3)]  # each layer's quota of 3, most used first
