@@ -57,8 +57,8 @@ async def test_logits_are_bit_identical_across_placements(name: str) -> None:
         got, _ = await _engine_logits(name, ids, io=io, cache_per_layer=per_layer, prefetch=prefetch)
         assert np.array_equal(got, want), (io, per_layer, prefetch)
     for per_layer in (1, e):
-        got, _ = await _engine_logits(name, ids, io="uring", cache_per_layer=per_layer, warm_start=False)
-        assert np.array_equal(got, want), ("no warm start", per_layer)
+        got, _ = await _engine_logits(name, ids, io="uring", cache_per_layer=per_layer, warm_start=True)
+        assert np.array_equal(got, want), ("warm start", per_layer)
     got, _ = await _engine_logits(name, ids, ram_budget="600M")  # global cache sized by the plan
     assert np.array_equal(got, want)
 
@@ -67,13 +67,13 @@ async def test_cache_that_holds_everything_reads_each_expert_once() -> None:
     ids = oracle_ids()[0]
     model = load(fixture("tiny_q8_0.gguf"))
     got, engine = await _engine_logits("tiny_q8_0", ids + ids, io="pread", cache_per_layer=model.args.expert_count,
-                                       prefetch="off")
+                                       prefetch="off", warm_start=True)
     stats = engine.source.policy.cache.stats
     reads = engine.source.reader.stats.reads
     assert stats.misses + stats.warm_reads == reads <= model.args.block_count * model.args.expert_count
     assert stats.hit_rate > 0.5 and stats.prefetch_reads == 0
     got, engine = await _engine_logits("tiny_q8_0", ids + ids, io="pread", cache_per_layer=model.args.expert_count,
-                                       prefetch="off", warm_start=False)
+                                       prefetch="off")  # the default: no warm start
     stats = engine.source.policy.cache.stats
     assert stats.warm_reads == 0 and stats.misses == engine.source.reader.stats.reads
 
@@ -198,7 +198,7 @@ def test_warm_start_streams_all_experts_that_fit_else_a_long_historys_hot_set() 
     for _ in range(4):
         past.record(0, [5, 6])
         past.record(1, [1, 2, 3, 4])
-    on, off = Placement(), Placement(warm_start=False)
+    on, off = Placement(warm_start=True), Placement()
     assert warm_keys(model, on, full, None) == [(l, e) for l in range(layers) for e in range(experts)]
     assert warm_keys(model, off, full, None) == []
     assert warm_keys(model, on, small, past) == []                 # a short history names no hot set

@@ -8,7 +8,8 @@ an exclusive flock on PATH around each run only.
 
 - ours: ``Engine.open(model)`` with its defaults (context min(model, 4096),
   f16 KV cache, budget from RAM, warm start), ``prefill`` of the prompt;
-- ours-nowarm (``--arms``): the same without the warm start;
+- ours-nowarm (``--arms``): the same without the warm start ("ours" asks
+  for it explicitly, whatever the default);
 - llama.cpp: llama-cpp-python, ``n_threads=2``, ``n_ctx=4096`` (llama-cli's
   default), mmap, ``eval`` of the prompt.
 

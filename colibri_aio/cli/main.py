@@ -96,10 +96,11 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
                    help="read the experts router lookahead predicts for the next layer; auto keeps it on "
                         "unless the disk is saturated and decode steps measure faster with it off "
                         "(default: %(default)s)")
-    g.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
+    g.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=False,
                    help="stream experts into the expert cache from the start, behind every read the model waits "
                         "for: all of them when they fit, else the ones a long usage history uses most "
-                        "(default: on)")
+                        "(default: off; on the 8-layer cut its reads slowed the start and doubled the time to "
+                        "first token)")
     g.add_argument("--kernels", choices=("auto", "numpy", "numba"), default=None,
                    help="matrix kernels: compiled (numba) where they pay, else NumPy "
                         "(default: $COLIBRI_KERNELS or auto)")

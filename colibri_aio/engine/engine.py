@@ -107,7 +107,7 @@ class Engine:
                    ram_budget: int | str | None = None, cache_per_layer: int | None = None,
                    prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None, kv_type: str = DEFAULT_KV_TYPE,
                    kernels: str | None = None, progress: Progress | None = None,
-                   history: bool = True, warm_start: bool = True) -> "Engine":
+                   history: bool = True, warm_start: bool = False) -> "Engine":
         """Load ``path`` (default: the shipped model) and open its expert source.
 
         Placement: ``io`` (auto|uring|pread|mmap), ``ram_budget`` (bytes or a
@@ -128,7 +128,9 @@ class Engine:
         ``$XDG_CACHE_HOME/colibri_aio/usage``; False: neither read nor write it).
         ``warm_start``: stream experts into the expert cache from the start, in
         the background and behind every read the model waits for (all of them
-        when they fit, else the ones a long enough usage history uses most).
+        when they fit, else the ones a long enough usage history uses most);
+        off by default: on the 8-layer cut its reads slowed the open's cold
+        start and doubled the time to first token (evidence/first_token_*).
         """
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,

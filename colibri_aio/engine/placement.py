@@ -55,7 +55,7 @@ class Placement:
     cache_half_life: float = 4096.0
     context: int | None = None
     kv_type: str = DEFAULT_KV_TYPE  # storage of the KV cache: f16 (llama.cpp's default) or f32
-    warm_start: bool = True         # stream experts into the pool from the start (see warm_keys)
+    warm_start: bool = False        # stream experts into the pool from the start (see warm_keys); off: its A/B
     backpressure: BackpressureConfig | None = None  # thresholds of --prefetch auto (None: defaults)
 
     def __post_init__(self) -> None:
