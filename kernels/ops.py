@@ -1,4 +1,4 @@
-"""Pure NumPy kernels of the trunk: RMSNorm, RoPE (NEOX and NORM), grouped-query
+"""Pure NumPy kernels of the trunk: RMSNorm, RoPE (NEOX and NORM, YaRN tables), grouped-query
 attention, SwiGLU and the router (llama.cpp's ``build_moe_ffn`` selection). All
 float32 in, float32 out.
 
@@ -8,6 +8,7 @@ E expert_count, k expert_used_count, n_rot rotated dims of a head.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -28,6 +29,30 @@ def rope_cos_sin(positions: np.ndarray, n_rot: int, freq_base: float) -> tuple[n
     inv_freq = freq_base ** (-np.arange(0, n_rot, 2, dtype=np.float64) / n_rot)
     angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def rope_yarn_cos_sin(positions: np.ndarray, n_rot: int, freq_base: float, *, factor: float,
+                      original_context: int, beta_fast: float = 32.0, beta_slow: float = 1.0,
+                      magnitude: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin tables (T, n_rot/2) of YaRN-scaled RoPE as ggml computes them (``rope_yarn``).
+
+    Each frequency blends its interpolated angle (θ / factor) with the original one by a
+    ramp over the rotary dims: ``ramp(i) = 1 - clamp((i - low) / max(0.001, high - low), 0, 1)``
+    where ``low``/``high`` are ggml's correction dims, floored/ceiled and clamped to
+    [0, n_rot - 1]. ``magnitude`` multiplies cos and sin (ggml's mscale after its own YaRN factor:
+    families pass what their graph leaves, e.g. 1 for deepseek2, 1 + 0.1 ln(factor) for gpt-oss).
+    """
+    def corr_dim(beta: float) -> float:
+        return n_rot * math.log(original_context / (beta * 2 * math.pi)) / (2 * math.log(freq_base))
+
+    low = max(0.0, math.floor(corr_dim(beta_fast)))
+    high = min(n_rot - 1.0, math.ceil(corr_dim(beta_slow)))
+    i = np.arange(n_rot // 2, dtype=np.float64)
+    ramp = 1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)     # 1: keep θ, 0: θ / factor
+    inv_freq = freq_base ** (-2.0 * i / n_rot)
+    inv_freq = inv_freq / factor * (1.0 - ramp) + inv_freq * ramp
+    angles = positions.astype(np.float64)[:, None] * inv_freq[None, :]
+    return ((np.cos(angles) * magnitude).astype(np.float32), (np.sin(angles) * magnitude).astype(np.float32))
 
 
 def rope_neox(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
@@ -103,6 +128,15 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
     """silu(gate) * up, with silu(x) = x * sigmoid(x)."""
     with np.errstate(over="ignore"):  # exp(-x) overflows to inf for x << 0; x / inf is the right 0
         return gate / (np.float32(1.0) + np.exp(-gate)) * up
+
+
+def swiglu_oai(gate: np.ndarray, up: np.ndarray, alpha: float = 1.702, limit: float = 7.0) -> np.ndarray:
+    """gpt-oss's clamped SwiGLU (ggml's ``swiglu_oai``): g = min(gate, limit), u = clamp(up, ±limit),
+    g * sigmoid(alpha * g) * (u + 1)."""
+    g = np.minimum(gate, np.float32(limit))
+    u = np.clip(up, np.float32(-limit), np.float32(limit))
+    with np.errstate(over="ignore"):
+        return g / (np.float32(1.0) + np.exp(np.float32(-alpha) * g)) * (u + np.float32(1.0))
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:

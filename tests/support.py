@@ -59,6 +59,28 @@ def main_in_process(*args: str) -> tuple[int, str, str]:
     return status, out.buffer.getvalue().decode(), err.buffer.getvalue().decode()
 
 
+@pytest.fixture(scope="module")
+def numpy_kernels():
+    """The reference kernels for a module's tests, whatever $COLIBRI_KERNELS says
+    (``pytestmark = pytest.mark.usefixtures("numpy_kernels")`` with this name imported)."""
+    from colibri_aio.kernels import backend
+
+    backend.set_backend("numpy")
+    yield
+    backend.set_backend(os.environ.get("COLIBRI_KERNELS", "auto"))
+
+
+def model_logits(path: Path, ids: list[int]) -> np.ndarray:
+    """Teacher-forced logits of every position of ``ids`` (one prefill) from the model at ``path``, with a
+    float32 KV cache as the oracles keep theirs."""
+    from colibri_aio.arch import build_net
+    from colibri_aio.engine.mapped_source import MappedExpertSource
+    from colibri_aio.gguf.model import load
+
+    model = load(path)
+    return teacher_forced(build_net(model, MappedExpertSource(model), kv_type="f32"), ids, decode=False)
+
+
 def teacher_forced(net, ids: list[int], *, decode: bool) -> np.ndarray:
     """Logits of every position of ``ids`` from an empty context: all at once (prefill, matmul
     kernels) or one token at a time (decode, matvec kernels)."""

@@ -1,7 +1,7 @@
 """Every family beyond qwen3moe against oracles we did not write (fixtures/families.md).
 
 The fixtures are tiny random models made by transformers (Qwen2MoeForCausalLM,
-OlmoeForCausalLM, MixtralForCausalLM), converted by llama.cpp's converter, F32
+OlmoeForCausalLM, MixtralForCausalLM, DeepseekV3ForCausalLM), converted by llama.cpp's converter, F32
 and Q8_0. Tolerances as in test_arch_qwen3moe: the transformers oracle ran on the
 file's dequantised weights, so the NumPy kernels must agree with it to
 1e-4 x max|logit| on every fixture, prefill and one-token decode; llama.cpp also
@@ -66,7 +66,7 @@ def _oracle(stem: str, kind: str) -> list[tuple[list[int], np.ndarray]]:
 
 def test_every_new_family_has_f32_and_quantised_fixtures() -> None:
     families = {_architecture(s) for s in FAMILY_FIXTURES}
-    assert {"qwen2moe", "olmoe", "llama"} <= families
+    assert {"qwen2moe", "olmoe", "llama", "deepseek2"} <= families
     for arch in families:
         stems = [s for s in FAMILY_FIXTURES if _architecture(s) == arch]
         assert any(s.endswith("_f32") for s in stems) and any(not s.endswith("_f32") for s in stems), arch
@@ -114,3 +114,4 @@ def test_prefill_in_pieces_continues_the_same_cache(stem: str) -> None:
 def test_each_family_builds_its_own_forward_pass() -> None:
     names = {_architecture(s): type(_net(s)).__name__ for s in FAMILY_FIXTURES}
     assert names["qwen2moe"] == "Qwen2MoE" and names["olmoe"] == "OLMoE" and names["llama"] == "Mixtral"
+    assert names["deepseek2"] == "DeepSeek2"

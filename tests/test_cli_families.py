@@ -11,7 +11,7 @@ from colibri_aio.text.tokenizer import Tokenizer
 
 from support import ORACLE, fixture, run_cli
 
-STEMS = ["qwen2moe_f32", "olmoe_f32", "mixtral_f32"]
+STEMS = ["qwen2moe_f32", "olmoe_f32", "mixtral_f32", "deepseek2_f32"]
 IDS = json.loads((ORACLE / "family_ids.json").read_text())["sequences"][0]
 
 
@@ -30,16 +30,22 @@ def test_trace_records_routes_and_lookahead_of_every_family(stem: str, tmp_path)
     path, out = fixture(f"{stem}.gguf"), tmp_path / "t.jsonl"
     r = run_cli("trace", str(path), "--prompt", "The list type is", "--max-tokens", "3", "--out", str(out))
     assert r.returncode == 0, r.stderr
-    args = load(path, resident=False).args
+    model = load(path, resident=False)
+    args = model.args
     header, *routes = [json.loads(x) for x in out.read_text().splitlines()]
-    assert (header["block_count"], header["expert_count"]) == (args.block_count, args.expert_count)
+    assert (header["block_count"], header["expert_count"], header["leading_dense_block_count"]) == (
+        args.block_count, args.expert_count, args.leading_dense_block_count)
     tok = Tokenizer.from_path(path)
     prompt = tok.encode("The list type is", add_special=True)  # Mixtral's starts with BOS
     assert [r["token"] for r in routes if r["phase"] == "prefill" and r["layer"] == 0] == prompt
+    scale = args.routing.scale if args.routing.scale not in (0.0, 1.0) else 1.0  # deepseek2 scales by 2.5
     for rec in routes:
-        assert len(rec["experts"]) == len(set(rec["experts"])) == args.expert_used_count
-        assert rec["weights"] == sorted(rec["weights"], reverse=True) and 0 < sum(rec["weights"]) <= 1 + 1e-5
-        assert ("predicted" in rec) == (rec["layer"] < args.block_count - 1)
+        moe = args.is_moe(rec["layer"])  # a leading dense block routes nothing
+        assert len(rec["experts"]) == len(set(rec["experts"])) == (args.expert_used_count if moe else 0)
+        if moe and model.blocks[rec["layer"]].get("exp_probs_b.bias") is None:  # else: biased-score order
+            assert rec["weights"] == sorted(rec["weights"], reverse=True)
+        assert (0 < sum(rec["weights"]) <= scale + 1e-5) if moe else rec["weights"] == []
+        assert ("predicted" in rec) == (rec["layer"] < args.block_count - 1 and args.is_moe(rec["layer"] + 1))
         for ranked in rec.get("predicted", {}).values():
             assert len(ranked) == 2 * args.expert_used_count
 

@@ -24,7 +24,8 @@ from colibri_aio.engine.placement import DEFAULT_LOOKAHEAD, Placement, open_sour
 from support import fixture, oracle_ids
 
 FIXTURES = ["tiny_f32", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0", "quant_types/tiny_mxfp4",
-            "quant_types/ktiny_q2_k", "qwen2moe_q8_0", "olmoe_q8_0", "mixtral_q8_0"]  # and one of every other family
+            "quant_types/ktiny_q2_k", "qwen2moe_q8_0", "olmoe_q8_0", "mixtral_q8_0",
+            "deepseek2_q8_0", "glm4moe_q8_0", "gptoss_mxfp4"]  # and one of every other family
 
 
 async def _reference(name: str, ids: list[int]) -> np.ndarray:
@@ -157,14 +158,17 @@ async def test_budget_too_small_is_refused() -> None:
         await Engine.open(fixture("tiny_q8_0.gguf"), ram_budget="1M")
 
 
-async def test_pinning_from_usage_history_keeps_logits_and_hits() -> None:
-    ids = oracle_ids()[0]
-    want = await _reference("tiny_q8_0", ids)
-    k = load(fixture("tiny_q8_0.gguf")).args.expert_used_count
-    await _engine_logits("tiny_q8_0", ids, io="pread", cache_per_layer=k + 2)  # records the usage history
-    got, engine = await _engine_logits("tiny_q8_0", ids, io="pread", cache_per_layer=k + 2, pin="auto")
+@pytest.mark.parametrize("name", ["tiny_q8_0", "deepseek2_q8_0"])  # deepseek2: a dense block pins nothing
+async def test_pinning_from_usage_history_keeps_logits_and_hits(name: str) -> None:
+    a = load(fixture(f"{name}.gguf")).args
+    ids = [t % a.vocab_size for t in oracle_ids()[0]]
+    want = await _reference(name, ids)
+    k = a.expert_used_count
+    await _engine_logits(name, ids, io="pread", cache_per_layer=k + 2)  # records the usage history
+    got, engine = await _engine_logits(name, ids, io="pread", cache_per_layer=k + 2, pin="auto")
     assert np.array_equal(got, want)
     assert engine.source.policy.cache.pinned and engine.source.policy.cache.stats.pinned_hits > 0
+    assert all(a.is_moe(layer) for layer, _ in engine.source.policy.cache.pinned)
 
 
 async def test_usage_history_of_another_model_is_never_used(tmp_path) -> None:
@@ -191,7 +195,8 @@ def test_warm_start_streams_all_experts_that_fit_else_a_long_historys_hot_set() 
     from colibri_aio.policy.usage import MIN_TOKENS, UsageHistory
 
     layers, experts = 2, 8
-    model = SimpleNamespace(args=SimpleNamespace(block_count=layers, expert_count=experts))
+    model = SimpleNamespace(args=SimpleNamespace(block_count=layers, expert_count=experts, moe_block_count=layers,
+                                                 is_moe=lambda layer: True))
     full = ExpertCache(layers * experts, policy="lru", scope="layer", n_layers=layers)
     small = ExpertCache(layers * 3, policy="lru", scope="layer", n_layers=layers)
     past = UsageHistory("f", layers, experts)

@@ -22,6 +22,7 @@ GiB, MiB = 1 << 30, 1 << 20
 QWEN3_30B = SimpleNamespace(
     args=ModelArgs("qwen3moe", 151936, 40960, 2048, 48, 32, 4, 128, 128, 1e6, 1e-6, 128, 8, 768, False),
     trunk_nbytes=1_480_000_000,
+    block_matrix_weights=48 * 2 * (32 + 4) * 128 * 2048,  # attn_q/k/v/output of every block
     expert_nbytes_max=3 * 768 * 2048 * 34 // 32,
 )
 SLOT = -(-3 * 768 * 2048 * 34 // 32 // 4096) * 4096 + 6 * 4096  # aligned up + O_DIRECT slack
@@ -157,7 +158,7 @@ def test_kv_cache_allocates_what_the_plan_counts() -> None:
     from colibri_aio.arch.kvcache import KVCache
 
     for kv_type in ("f16", "f32"):
-        cache = KVCache(48, 64, 4, 128, kv_type=kv_type)
+        cache = KVCache(48, 64, QWEN3_30B.args.kv_layout(), kv_type=kv_type)
         assert cache.nbytes == kv_cache_nbytes(SimpleNamespace(args=QWEN3_30B.args), 64, kv_type)
     with pytest.raises(UserError, match="--kv-type"):
         make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, kv_type="q8")

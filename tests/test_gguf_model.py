@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
+from colibri_aio.arch import SUPPORTED_ARCHITECTURES
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.gguf.model import load
 
@@ -124,8 +125,9 @@ def test_shared_experts_and_their_gate_are_resident_trunk() -> None:
 
 
 def test_unsupported_architecture_lists_the_supported_ones() -> None:
+    assert SUPPORTED_ARCHITECTURES[:4] == ("qwen3moe", "qwen2moe", "olmoe", "llama")
     with pytest.raises(ModelFormatError, match="unsupported architecture 'mamba9' "
-                                               r"\(supported: qwen3moe, qwen2moe, olmoe, llama\)"):
+                                               rf"\(supported: {', '.join(SUPPORTED_ARCHITECTURES)}\)"):
         load(fixture("arch_bad.gguf"))
 
 

@@ -369,6 +369,8 @@ def markdown(receipt: dict) -> str:
              f"before each ({'yes' if receipt['page_cache_dropped'] else 'NOT permitted here'}); engines "
              "alternate, order flipped every round. Models below (synthetic ones: tools/make_synthetic_gguf.py).",
              ""]
+    if receipt.get("user_note"):
+        lines += [receipt["user_note"], ""]
     if receipt.get("llama_no_repack"):
         lines += ["llama.cpp ran without weight repacking (`--no-repack`): with it, its load allocates a "
                   "repacked copy of the K-quant weights outside the mmap, which for a model larger than RAM "
@@ -437,6 +439,7 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take")
     p.add_argument("--workdir", type=Path, default=Path("/work/artifacts"), help="where generated models go")
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
+    p.add_argument("--note", default="", help="said in the receipt (what the files are, and why)")
     p.add_argument("--worker", choices=ENGINES, help=argparse.SUPPRESS)
     p.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -505,7 +508,8 @@ def main() -> int:
                "summary": summarise(runs), "runs": runs,
                "llama_cpp": _llama_version(), "llama_no_repack": args.llama_no_repack,
                "note": "shared 2-vCPU machine; llama-cpp-python built from source, n_threads=2, mmap on, mlock off"
-               + (", weight repacking off (--no-repack)" if args.llama_no_repack else "")}
+               + (", weight repacking off (--no-repack)" if args.llama_no_repack else ""),
+               "user_note": args.note}
     write_receipt(args.out, f"scale_{receipt['date']}", receipt, markdown(receipt))
     print(markdown(receipt))
     return 0

@@ -9,6 +9,9 @@ pass with :func:`build_net`. Modules are imported only when a file needs them.
     qwen2moe       qwen2moe.py  Qwen2MoeForCausalLM
     olmoe          olmoe.py     OlmoeForCausalLM
     llama          llama.py     MixtralForCausalLM (llama files with experts)
+    deepseek2      deepseek2.py DeepseekV3ForCausalLM
+    gpt-oss        gptoss.py    GptOssForCausalLM
+    glm4moe        glm4moe.py   Glm4MoeForCausalLM
 
 How to add a family (fixtures/families.md has each one's keys, tensors and
 math as llama.cpp computes them):
@@ -22,7 +25,7 @@ math as llama.cpp computes them):
      ``routing`` (:class:`~colibri_aio.kernels.ops.Routing`: softmax, sigmoid
      or softmax-weight gating, renormalisation, scale, expert groups) and
      ``skipped_blocks`` (NextN blocks the file holds but the graph never runs);
-     ``check(path)`` adds its refusals; ``kv_cache_nbytes`` changes when the
+     ``check(path)`` adds its refusals; ``kv_layout`` changes when the
      cache holds something else than H_kv keys and values per position (MLA);
    - ``block_tensors(args, layer)``: the block's resident tensors
      (``matrix``: raw bytes for the kernels; ``vector``: float32 norms, biases,
@@ -35,7 +38,8 @@ math as llama.cpp computes them):
      (``qkv`` adds q/k/v biases when the block has them, ``attend`` keeps
      the KV cache and takes ``scale``, ``window`` and ``sinks``, ``rope_neox`` /
      ``rope_norm`` rotate the first n_rot dims). Override ``rope_tables`` for
-     scaled RoPE (YaRN), ``shared_expert`` for an always-on expert (plain or
+     scaled RoPE (or mix in ``arch.rope.ScaledRope``: llama.cpp's YaRN from
+     ``rope.scaling.*``), ``shared_expert`` for an always-on expert (plain or
      gated: ``ffn`` runs ``ffn_{gate,up,down}<suffix>``), ``expert_outputs`` for
      another expert activation or expert biases, ``make_cache`` for another
      cache layout. Routing (router logits + ``ffn_gate_inp.bias``, selection
@@ -47,10 +51,12 @@ math as llama.cpp computes them):
 2. One line in :data:`_MODULES`; oracle tests as tests/test_arch_families.py
    runs them (``FAMILY_FIXTURES``); the README's "What runs".
 
-What the shared code does not do yet: blocks without routed experts (the
-leading dense blocks of deepseek2 and glm4moe) — the loader, the plan, the
-cache's per-layer quotas and the usage history all assume every block has
-``expert_count`` experts.
+Blocks without routed experts (``leading_dense_block_count``: deepseek2's and
+glm4moe's first blocks) run ``dense_ffn``; the loader keeps no expert table for
+them and the plan, the cache's per-layer quotas and traces count blocks with experts.
+A KV cache holding something else than H_kv keys and values per position
+(MLA's latent) is a :class:`~colibri_aio.arch.base.KVLayout` from
+``ModelArgs.kv_layout``, which both the plan and the allocation read.
 """
 from __future__ import annotations
 
@@ -71,6 +77,9 @@ _MODULES = {
     "qwen2moe": "qwen2moe",
     "olmoe": "olmoe",
     "llama": "llama",
+    "deepseek2": "deepseek2",
+    "gpt-oss": "gptoss",
+    "glm4moe": "glm4moe",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODULES)
 

@@ -83,10 +83,26 @@ class BaseArgs:
     rope_dimension_count: int | None = None   # rotated dims of a head (None: all of key_length)
     routing: Routing = Routing()
     skipped_blocks: int = 0                   # blocks after block_count the file holds and no pass runs (NextN)
+    leading_dense_block_count: int = 0        # the first blocks have a dense FFN and no routed experts
 
     @property
     def n_rot(self) -> int:
         return self.rope_dimension_count or self.key_length
+
+    def is_moe(self, layer: int) -> bool:
+        """Block ``layer`` has routed experts (the leading dense blocks have none)."""
+        return layer >= self.leading_dense_block_count
+
+    @property
+    def layers_text(self) -> str:
+        """``"61 layers (3 dense)"``, or ``"48 layers"`` when every block has experts."""
+        dense = self.leading_dense_block_count
+        return f"{self.block_count} layers" + (f" ({dense} dense)" if dense else "")
+
+    @property
+    def moe_block_count(self) -> int:
+        """Blocks with routed experts: the cache keeps a quota for each, the plan counts their experts."""
+        return self.block_count - self.leading_dense_block_count
 
     @classmethod
     def common(cls, meta: Metadata, **overrides: Any) -> dict[str, Any]:
@@ -120,6 +136,7 @@ class BaseArgs:
         put("tied_output", lambda: "output.weight" not in meta.tensor_names)
         rot = meta.get("rope.dimension_count")
         put("rope_dimension_count", lambda: int(rot) if rot is not None else None)
+        put("leading_dense_block_count", lambda: int(meta.get("leading_dense_block_count", 0)))
         return values
 
     @classmethod
@@ -138,6 +155,10 @@ class BaseArgs:
         if min(self.expert_used_count, self.block_count, self.head_count, self.head_count_kv, self.key_length,
                self.expert_feed_forward_length, self.embedding_length) < 1:
             raise ModelFormatError(f"{path}: a size in the metadata is zero or negative")
+        if not 0 <= self.leading_dense_block_count < self.block_count:
+            raise ModelFormatError(f"{path}: leading_dense_block_count {self.leading_dense_block_count} leaves no "
+                                   f"block with experts among {self.block_count}; this engine runs "
+                                   f"mixture-of-experts models")
         if self.head_count % self.head_count_kv:
             raise ModelFormatError(
                 f"{path}: head_count {self.head_count} is not a multiple of head_count_kv {self.head_count_kv}")
@@ -149,10 +170,32 @@ class BaseArgs:
             raise ModelFormatError(f"{path}: {self.expert_count} experts do not split into "
                                    f"{r.group_count} groups of which {r.group_used} are used")
 
+    def kv_layout(self) -> KVLayout:
+        """What the KV cache holds per position and block: head_count_kv keys and values
+        (families caching something else, such as MLA's latent, override this)."""
+        return KVLayout(self.head_count_kv, self.key_length, self.value_length)
+
     def kv_cache_nbytes(self, context: int, kv_type: str = DEFAULT_KV_TYPE) -> int:
-        """Bytes of the KV cache for ``context`` positions stored as ``kv_type`` (families caching otherwise
-        override)."""
-        return kv_nbytes(self.block_count, context, self.head_count_kv, self.key_length, self.value_length, kv_type)
+        """Bytes of the KV cache for ``context`` positions stored as ``kv_type``: what the plan reserves
+        and the pass allocates."""
+        return kv_nbytes(self.block_count, context, self.kv_layout(), kv_type)
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The KV cache of one block at one position: ``heads`` keys of ``key_width`` floats and values of
+    ``value_width``; ``values_in_keys``: each value is the first ``value_width`` floats of its key,
+    stored once (MLA's latent is both its key's first part and its value)."""
+
+    heads: int
+    key_width: int
+    value_width: int
+    values_in_keys: bool = False
+
+    @property
+    def floats_per_position(self) -> int:
+        """Numbers stored per position and block (each value once when it lives in its key)."""
+        return self.heads * (self.key_width + (0 if self.values_in_keys else self.value_width))
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +236,13 @@ def attention_tensors(a: BaseArgs) -> list[TensorSpec]:
     return [vector("attn_norm", d), matrix("attn_q", q, d), matrix("attn_k", kv, d), matrix("attn_v", v, d),
             vector("attn_q.bias", q, optional=True), vector("attn_k.bias", kv, optional=True),
             vector("attn_v.bias", v, optional=True), matrix("attn_output", d, a.head_count * a.value_length)]
+
+
+def ffn_tensors(d: int, width: int, suffix: str = "") -> list[TensorSpec]:
+    """A SwiGLU FFN of resident matrices ``ffn_{gate,up,down}<suffix>``: a dense block's FFN (no suffix)
+    or a shared expert (``_shexp``), ``width`` wide."""
+    return [matrix("ffn_gate" + suffix, width, d), matrix("ffn_up" + suffix, width, d),
+            matrix("ffn_down" + suffix, d, width)]
 
 
 def router_tensors(a: BaseArgs) -> list[TensorSpec]:

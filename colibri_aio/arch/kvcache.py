@@ -12,9 +12,14 @@ still never changes a bit; against a float32 oracle the logits move by about
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from colibri_aio.errors import UserError
+
+if TYPE_CHECKING:
+    from colibri_aio.arch.base import KVLayout
 
 KV_TYPES: dict[str, type[np.floating]] = {"f16": np.float16, "f32": np.float32}
 DEFAULT_KV_TYPE = "f16"
@@ -36,34 +41,35 @@ def default_context(model_context: int) -> int:
     return min(model_context, DEFAULT_CONTEXT)
 
 
-def kv_nbytes(n_layer: int, n_ctx: int, n_kv: int, k_dim: int, v_dim: int | None = None,
-              kv_type: str = DEFAULT_KV_TYPE) -> int:
-    """Bytes of keys (n_kv, k_dim) and values (n_kv, v_dim, default k_dim) together, as :class:`KVCache`
-    allocates them."""
+def kv_nbytes(n_layer: int, n_ctx: int, layout: KVLayout, kv_type: str = DEFAULT_KV_TYPE) -> int:
+    """Bytes of the cache :class:`KVCache` allocates for ``layout`` stored as ``kv_type``."""
     itemsize = np.dtype(KV_TYPES[check_kv_type(kv_type)]).itemsize
-    return n_layer * n_ctx * n_kv * (k_dim + (k_dim if v_dim is None else v_dim)) * itemsize
+    return n_layer * n_ctx * layout.floats_per_position * itemsize
 
 
 class KVCache:
-    """Keys (n_kv, k_dim) and values (n_kv, v_dim) of every layer for up to ``n_ctx`` positions, allocated once."""
+    """Keys (Hkv, key_width) and values (Hkv, value_width) of every layer for up to ``n_ctx`` positions,
+    allocated once; with ``layout.values_in_keys`` each value is a view of its key's first numbers (MLA's latent)."""
 
-    def __init__(self, n_layer: int, n_ctx: int, n_kv: int, k_dim: int, v_dim: int | None = None,
-                 kv_type: str = DEFAULT_KV_TYPE) -> None:
+    def __init__(self, n_layer: int, n_ctx: int, layout: KVLayout, kv_type: str = DEFAULT_KV_TYPE) -> None:
         dtype = KV_TYPES[check_kv_type(kv_type)]
-        self.n_ctx, self.kv_type = n_ctx, kv_type
-        self.k = np.zeros((n_layer, n_ctx, n_kv, k_dim), dtype)
-        self.v = np.zeros((n_layer, n_ctx, n_kv, k_dim if v_dim is None else v_dim), dtype)
+        self.n_ctx, self.layout, self.kv_type = n_ctx, layout, kv_type
+        self.k = np.zeros((n_layer, n_ctx, layout.heads, layout.key_width), dtype)
+        self.v = (self.k[..., :layout.value_width] if layout.values_in_keys
+                  else np.zeros((n_layer, n_ctx, layout.heads, layout.value_width), dtype))
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return self.k.nbytes + (0 if self.layout.values_in_keys else self.v.nbytes)
 
-    def store(self, layer: int, positions: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-        """Keep ``k`` (T, Hkv, d) and ``v`` (T, Hkv, dv) of ``layer`` at ``positions`` (rounded to the storage type)."""
+    def store(self, layer: int, positions: np.ndarray, k: np.ndarray, v: np.ndarray | None) -> None:
+        """Keep keys (T, Hkv, key_width) and values (T, Hkv, value_width; None when they live in the keys)
+        of ``layer`` at ``positions``, rounded to the storage type."""
         self.k[layer, positions] = k
-        self.v[layer, positions] = v
+        if not self.layout.values_in_keys:
+            self.v[layer, positions] = v
 
     def upto(self, layer: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """Keys (S, Hkv, d) and values (S, Hkv, dv) of ``layer`` at positions [0, stop) as float32."""
+        """Keys (S, Hkv, key_width) and values (S, Hkv, value_width) of ``layer`` at positions [0, stop) as float32."""
         k, v = self.k[layer, :stop], self.v[layer, :stop]
         return k.astype(np.float32, copy=False), v.astype(np.float32, copy=False)

@@ -49,7 +49,9 @@ class RouteObserver(Protocol):
     def on_route(self, layer: int, positions: np.ndarray, residual: np.ndarray,
                  moe_input: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> None:
         """``residual``: (T, D) post-attention residual; ``moe_input``: (T, D) after the MoE norm;
-        ``ids``/``weights``: (T, k) chosen experts in descending weight."""
+        ``ids``/``weights``: (T, k) chosen experts in the order chosen (descending weight; descending
+        biased score where the router has a selection bias, exp_probs_b). A dense block (no routed
+        experts) reports ``ids``/``weights`` of shape (T, 0) and its FFN input as ``moe_input``."""
 
 
 def linear(w: QTensor, x: np.ndarray) -> np.ndarray:
@@ -76,8 +78,9 @@ class MoETransformer:
 
     Per block: ``x += attention(attn_norm(x))``, then ``x += moe(moe_norm(x))``
     where moe sums the routed experts (batch-union reads, rank-ordered sum)
-    and the family's shared expert, if any. Subclasses implement
-    :meth:`attention` and may override the hooks below it.
+    and the family's shared expert, if any; a leading dense block
+    (``args.is_moe(layer)`` false) runs its resident :meth:`dense_ffn` instead.
+    Subclasses implement :meth:`attention` and may override the hooks below it.
     """
 
     def __init__(self, model: Model, experts: ExpertSource, n_ctx: int | None = None,
@@ -126,16 +129,25 @@ class MoETransformer:
         return (q.reshape(t, a.head_count, a.key_length), k.reshape(t, a.head_count_kv, a.key_length),
                 v.reshape(t, a.head_count_kv, a.value_length))
 
-    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray,
-               **options: object) -> np.ndarray:
-        """Store k, v at ``positions``, attend over the cache, project by attn_output (+ its bias): (T, D).
+    def attend_heads(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray | None, positions: np.ndarray,
+                     **options: object) -> np.ndarray:
+        """Store k, v at ``positions`` and attend over the cache: (T, H * value_width), before attn_output.
 
+        ``v`` is None when the cache keeps values inside the keys (``KVLayout.values_in_keys``).
         ``options`` go to :func:`~colibri_aio.kernels.ops.attention` (scale, window, sinks).
         """
-        blk = self.model.blocks[layer]
         self.cache.store(layer, positions, k, v)
-        o = attention(q, *self.cache.upto(layer, int(positions[-1]) + 1), positions,
-                      **options)  # type: ignore[arg-type]
+        return attention(q, *self.cache.upto(layer, int(positions[-1]) + 1), positions,
+                         **options)  # type: ignore[arg-type]
+
+    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray,
+               **options: object) -> np.ndarray:
+        """:meth:`attend_heads`, projected by attn_output (+ its bias): (T, D)."""
+        return self.project_heads(layer, self.attend_heads(layer, q, k, v, positions, **options))
+
+    def project_heads(self, layer: int, o: np.ndarray) -> np.ndarray:
+        """attn_output (+ its bias) on the heads' concatenated outputs o (T, H * dv): (T, D)."""
+        blk = self.model.blocks[layer]
         out = self.linear(blk.attn_output, o)
         bias = blk.get("attn_output.bias")
         return out if bias is None else out + bias
@@ -154,8 +166,8 @@ class MoETransformer:
     # --- family hooks ----------------------------------------------------------------------------
 
     def make_cache(self) -> KVCache:
-        a = self.args
-        return KVCache(a.block_count, self.n_ctx, a.head_count_kv, a.key_length, a.value_length, self.kv_type)
+        """The KV cache of ``args.kv_layout()``: the layout the plan's ``kv_cache_nbytes`` counts."""
+        return KVCache(self.args.block_count, self.n_ctx, self.args.kv_layout(), self.kv_type)
 
     def rope_tables(self, positions: np.ndarray) -> Rope:
         """cos/sin for this call's positions (computed once per call, used by every layer)."""
@@ -168,6 +180,10 @@ class MoETransformer:
     def shared_expert(self, layer: int, h: np.ndarray) -> np.ndarray | None:
         """An always-on expert added to the routed sum (None: the family has none)."""
         return None
+
+    def dense_ffn(self, layer: int, h: np.ndarray) -> np.ndarray:
+        """The FFN of a leading dense block (no routed experts): ``ffn_{gate,up,down}``."""
+        return self.ffn(self.model.blocks[layer], h)
 
     # --- the pass -----------------------------------------------------------------------------------
 
@@ -219,7 +235,8 @@ class MoETransformer:
             self._check_finite(attn, f"layer {layer} attention", positions)
             x = x + attn
             h = rms_norm(x, moe_norm(self.model, layer), a.rms_eps)
-            x = x + await self._moe(layer, h, positions, layer_input, x, observer)
+            ffn = self._moe if a.is_moe(layer) else self._dense
+            x = x + await ffn(layer, h, positions, layer_input, x, observer)
         self.n_past += tok.size
         self.ids.extend(tok.tolist())
         rows = x if logits == "all" else x[-1:]
@@ -278,15 +295,30 @@ class MoETransformer:
         self._check_finite(shared, f"layer {layer} shared expert", positions)
         return out + shared
 
+    async def _dense(self, layer: int, h: np.ndarray, positions: np.ndarray, layer_input: np.ndarray,
+                     residual: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
+        """A leading dense block's FFN. When the next block has experts, lookahead hints them first,
+        so their reads overlap this FFN and the next block's attention."""
+        if observer is not None:
+            t = h.shape[0]
+            observer.on_route(layer, positions, residual, h, np.zeros((t, 0), np.int64), np.zeros((t, 0), np.float32))
+        predicted = self._lookahead(layer, layer_input, residual, h)
+        if predicted is not None:
+            self.experts.hint(layer + 1, predicted)
+        out = self.dense_ffn(layer, h)
+        self._check_finite(out, f"layer {layer} dense FFN", positions)
+        return out
+
     def _lookahead(self, layer: int, layer_input: np.ndarray, residual: np.ndarray,
                    h: np.ndarray) -> list[int] | None:
         """Layer + 1's likely experts from router layer + 1 on this layer's hidden state.
 
         One position: its top 2k in router order (the scheduler policy reads
         the first k it does not hold). Several (prefill): the union of their
-        top-k, most-voted first. None when lookahead is off or on the last layer.
+        top-k, most-voted first. None when lookahead is off, on the last layer, or when
+        layer + 1 is a dense block (no experts to read).
         """
-        if self.lookahead is None or layer + 1 >= self.args.block_count:
+        if self.lookahead is None or layer + 1 >= self.args.block_count or not self.args.is_moe(layer + 1):
             return None
         state = predictor_state(self.model, self.lookahead, layer, layer_input, residual, h)
         k = self.args.expert_used_count

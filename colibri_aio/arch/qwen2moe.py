@@ -11,7 +11,7 @@ from typing import Self
 
 import numpy as np
 
-from colibri_aio.arch.base import (BaseArgs, Family, Metadata, TensorSpec, attention_tensors, matrix,
+from colibri_aio.arch.base import (BaseArgs, Family, Metadata, TensorSpec, attention_tensors, ffn_tensors,
                                    router_tensors, vector)
 from colibri_aio.arch.layers import MoETransformer, Rope
 from colibri_aio.errors import ModelFormatError
@@ -49,7 +49,7 @@ def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
     d, fs = a.embedding_length, a.expert_shared_feed_forward_length
     return [*attention_tensors(a), *router_tensors(a),
             vector("ffn_gate_inp_shexp", d),  # stored {D, 1}: one gate logit per position
-            matrix("ffn_gate_shexp", fs, d), matrix("ffn_up_shexp", fs, d), matrix("ffn_down_shexp", d, fs)]
+            *ffn_tensors(d, fs, "_shexp")]
 
 
 class Qwen2MoE(MoETransformer):

@@ -49,7 +49,7 @@ def check_gguf(path: Path) -> tuple[Check, Model | None]:
     except UserError as exc:
         return Check("gguf", "fail", str(exc)), None
     a = model.args
-    return Check("gguf", "ok", f"{path.name}: {a.architecture}, {a.block_count} layers, {a.expert_count} experts "
+    return Check("gguf", "ok", f"{path.name}: {a.architecture}, {a.layers_text}, {a.expert_count} experts "
                                f"top-{a.expert_used_count}, {gb(model.identity.size)}, trunk "
                                f"{gb(model.trunk_nbytes)}, expert {gb(model.expert_nbytes_max)} (pool slot "
                                f"{gb(slot_nbytes_for(model.expert_nbytes_max))} with O_DIRECT alignment)"), model

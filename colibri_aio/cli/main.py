@@ -268,11 +268,32 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queue", type=int, default=16, metavar="N",
                    help="requests that may wait while one generates; more get 429 (default: %(default)s)")
     p.add_argument("--alias", default=None, metavar="NAME", help="model id to report (default: the file name)")
+    g = p.add_argument_group("replicas on Ray Serve (pip install 'colibri-aio[ray]')")
+    g.add_argument("--ray", action="store_true",
+                   help="serve replicas of the engine on Ray Serve behind this endpoint: a chat's next turn goes "
+                        "to the replica holding its KV cache; --max-queue is per replica")
+    g.add_argument("--replicas", type=int, default=None, metavar="N", help="engine replicas (default: 2)")
+    g.add_argument("--replica-cpus", type=float, default=None, metavar="C",
+                   help="CPUs Ray reserves for each replica, and its kernel threads (default: 1)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="deploy to this Ray cluster (default: start one on this machine, on 127.0.0.1)")
     _add_placement(p)
     p.set_defaults(func=_serve)
 
 
 def _serve(args: argparse.Namespace) -> int:
+    if args.ray:
+        from colibri_aio.cluster.launch import serve_on_ray
+
+        return serve_on_ray(_model(args), host=args.host, port=args.port, api_key=args.api_key,
+                            max_queue=args.max_queue, model_id=args.alias,
+                            replicas=2 if args.replicas is None else args.replicas,
+                            replica_cpus=1.0 if args.replica_cpus is None else args.replica_cpus,
+                            address=args.ray_address, open_options=_placement(args))
+    given = [o for o, v in (("--replicas", args.replicas), ("--replica-cpus", args.replica_cpus),
+                            ("--ray-address", args.ray_address)) if v is not None]
+    if given:
+        raise UserError(f"{given[0]} needs --ray")
     from colibri_aio.serve.server import serve
 
     return serve(_model(args), host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
@@ -359,7 +380,7 @@ def _plan_table(model, plan, limits) -> str:
     hit = f"n/a ({plan.hit_rate_source})" if plan.expected_hit_rate is None else \
         f"{plan.expected_hit_rate:.1%} ({plan.hit_rate_source})"
     rows = [
-        ("model", f"{model.path.name}: {a.architecture}, {a.block_count} layers, {a.expert_count} experts "
+        ("model", f"{model.path.name}: {a.architecture}, {a.layers_text}, {a.expert_count} experts "
                   f"(top-{a.expert_used_count}) of {gb(plan.expert_nbytes)}, file {gb(model.identity.size)}"),
         ("memory", f"RAM {gb(limits.total)}, available {gb(limits.available)}, cgroup limit "
                    f"{gb(limits.cgroup_limit) if limits.cgroup_limit else 'none'}"),

@@ -26,7 +26,7 @@ def load_traces(paths: Sequence[str], split_prefill: bool = False) -> Trace:
             h = next(records)
         except (OSError, StopIteration, ValueError) as exc:
             raise UserError(f"{path}: cannot read route trace ({exc.__class__.__name__})") from None
-        shape = ("block_count", "expert_count", "expert_used_count", "expert_nbytes")
+        shape = ("block_count", "leading_dense_block_count", "expert_count", "expert_used_count", "expert_nbytes")
         if header is not None and any(h.get(k) != header.get(k) for k in shape):
             raise UserError(f"{path}: trace of a differently shaped model than {paths[0]}")
         header = header or h
@@ -34,7 +34,8 @@ def load_traces(paths: Sequence[str], split_prefill: bool = False) -> Trace:
         steps += steps_from_records(records, run_offset=offset, split_prefill=split_prefill)
     assert header is not None
     return Trace(header["block_count"], header["expert_count"], header["expert_used_count"],
-                 header["expert_nbytes"], tuple(header.get("predictors", ())), steps)
+                 header["expert_nbytes"], tuple(header.get("predictors", ())), steps,
+                 header.get("leading_dense_block_count", 0))
 
 
 def parse_list(text: str, allowed: Sequence[str] | None, option: str) -> list[str]:

@@ -5,7 +5,9 @@ Measurement rules, each avoiding a known trap:
 - breadth counts each (run, layer, expert) once, however often it fired;
 - locality compares consecutive positions of the same run only, never across runs;
 - predictability compares layer L's prediction with layer L + 1's true top-k
-  at the same (run, position).
+  at the same (run, position); a leading dense block's prediction of the first
+  block with experts counts too;
+- leading dense blocks route nothing: they get no row of layer statistics.
 """
 from __future__ import annotations
 
@@ -78,6 +80,7 @@ def compute(records: Iterable[dict[str, Any]]) -> TraceStats:
     it = iter(records)
     header = next(it)
     e, k, n_layer = header["expert_count"], header["expert_used_count"], header["block_count"]
+    first = header.get("leading_dense_block_count", 0)  # the first layer with experts
     routes: list[dict[tuple[int, int], list[int]]] = [{} for _ in range(n_layer)]
     predicted: dict[str, dict[tuple[int, int, int], list[int]]] = defaultdict(dict)
     for rec in it:
@@ -100,8 +103,8 @@ def compute(records: Iterable[dict[str, Any]]) -> TraceStats:
             preds.append(PredictorStats(name, hits_k / (n * k), hits_2k / (n * k), hits_2k / (n * 2 * k)))
     return TraceStats(
         expert_count=e, expert_used_count=k,
-        runs=len({run for run, _ in routes[0]}), positions=len(routes[0]),
-        layers=[_layer_stats(i, r, e, k) for i, r in enumerate(routes)],
+        runs=len({run for run, _ in routes[first]}), positions=len(routes[first]),
+        layers=[_layer_stats(i, routes[i], e, k) for i in range(first, n_layer)],
         predictors=sorted(preds, key=lambda p: -p.recall_at_k),
         uniform_locality=k / e,
     )

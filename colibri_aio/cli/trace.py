@@ -4,8 +4,9 @@
 JSON object per line. The first line is a header::
 
     {"kind": "header", "format": "colibri-aio-route-trace", "version": 1,
-     "model": "...", "block_count": L, "expert_count": E, "expert_used_count": k,
-     "expert_nbytes": bytes of one expert's three ranges, "predictors": ["moe_input", "residual_next_norm", "layer_input_next_norm", "raw_residual"]}
+     "model": "...", "block_count": L, "leading_dense_block_count": n, "expert_count": E,
+     "expert_used_count": k, "expert_nbytes": bytes of one expert's three ranges,
+     "predictors": ["moe_input", "residual_next_norm", "layer_input_next_norm", "raw_residual"]}
 
 then one record per (run, position, layer)::
 
@@ -13,8 +14,12 @@ then one record per (run, position, layer)::
      "layer": 3, "experts": [5, 17], "weights": [0.61, 0.39],
      "predicted": {"moe_input": [..2k ids..], ...}}
 
-``experts`` are in descending weight. ``predicted`` (absent on the last layer)
-ranks 2k candidate experts for layer + 1, each predictor applying router
+``experts`` are in the order chosen: descending weight (descending biased score
+where the router has a selection bias, ``exp_probs_b``); a leading dense block (the first
+``leading_dense_block_count`` layers; absent from the header means 0) routes
+nothing and its records have ``experts`` and ``weights`` ``[]``. ``predicted``
+(absent on the last layer and where layer + 1 is dense) ranks 2k candidate
+experts for layer + 1, each predictor applying router
 layer + 1 (``blk.{layer+1}.ffn_gate_inp``) to a hidden state of this layer
 (the MoE norm is the family's: ``ffn_norm`` unless its module says otherwise):
 
@@ -62,7 +67,8 @@ class TraceRecorder:
         a = self.model.args
         self.out.write(json.dumps({
             "kind": "header", "format": FORMAT, "version": VERSION, "model": str(self.model.path),
-            "block_count": a.block_count, "expert_count": a.expert_count,
+            "block_count": a.block_count, "leading_dense_block_count": a.leading_dense_block_count,
+            "expert_count": a.expert_count,
             "expert_used_count": a.expert_used_count, "expert_nbytes": self.model.expert_nbytes_max,
             "predictors": list(PREDICTORS)}) + "\n")
 
@@ -73,7 +79,7 @@ class TraceRecorder:
                  moe_input: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> None:
         a = self.model.args
         predicted: dict[str, np.ndarray] = {}
-        if layer + 1 < a.block_count:
+        if layer + 1 < a.block_count and a.is_moe(layer + 1):
             assert self._layer_input is not None
             predicted = {
                 name: rank_experts(self.model, layer + 1, predictor_state(self.model, name, layer, self._layer_input,
@@ -136,6 +142,9 @@ def _check_header(rec: Any, path: str) -> dict[str, Any]:
         raise UserError(f"{path}: not a {FORMAT} v{VERSION} file")
     if not all(isinstance(rec.get(k), int) and rec[k] > 0 for k in _HEADER_COUNTS):
         raise UserError(f"{path}: a damaged header (needs positive {', '.join(_HEADER_COUNTS)})")
+    dense = rec.get("leading_dense_block_count", 0)
+    if not isinstance(dense, int) or not 0 <= dense < rec["block_count"]:
+        raise UserError(f"{path}: a damaged header (leading_dense_block_count must be in [0, block_count))")
     return rec
 
 

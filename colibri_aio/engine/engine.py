@@ -157,7 +157,7 @@ class Engine:
         kernels were chosen (a few hundred characters).
         """
         a, plan, reader, cache = self.model.args, self.plan, self.source.reader, self.source.policy.cache
-        line = (f"{self.model.path.name}: {a.block_count} layers x {a.expert_count} experts of "
+        line = (f"{self.model.path.name}: {a.layers_text} x {a.expert_count} experts of "
                 f"{gb(plan.expert_nbytes)}; KV {gb(plan.kv_cache)} {plan.kv_type} for {plan.context} ctx; "
                 f"cache {cache.n_slots} slots ({len(cache.pinned)} pinned) = {gb(cache.n_slots * plan.slot_nbytes)}; io {reader.backend}; "
                 f"prefetch {self.placement.prefetch}; kernels {backend.backend_name()}")

@@ -64,7 +64,7 @@ class OpenTimings:
 def matrix_types(model: Model) -> tuple:
     """The ggml types the forward pass multiplies (to compile or load their kernels up front)."""
     mats = [model.output, *(m for b in model.blocks for m in b.matrices())]
-    experts = {r.ggml_type for layer in model.experts for r in layer[0].ranges}
+    experts = {r.ggml_type for layer in model.experts if layer for r in layer[0].ranges}
     return tuple(sorted({m.ggml_type for m in mats} | experts))
 
 

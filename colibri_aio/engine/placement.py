@@ -87,16 +87,16 @@ PIN_SHARE = 0.5
 
 
 def cache_for(model: Model, placement: Placement, plan: Plan, pins: list[tuple[int, int]]) -> ExpertCache:
-    """The expert cache: per-layer quotas, from --cache-per-layer or from the planned slots."""
+    """The expert cache: a quota per block with experts, from --cache-per-layer or from the planned slots."""
     a = model.args
     if placement.cache_per_layer is not None:
         # Fewer slots than expert_used_count still works (each expert is read, used and
         # evicted in turn); it is a knob for experiments and tests, not a good setting.
         per_layer = min(placement.cache_per_layer, a.expert_count)
     else:
-        per_layer = (plan.slots - len(pins)) // a.block_count
-    return ExpertCache(per_layer * a.block_count + len(pins), policy=placement.cache_policy, scope="layer",
-                       n_layers=a.block_count, pinned=pins, half_life=placement.cache_half_life)
+        per_layer = (plan.slots - len(pins)) // a.moe_block_count
+    return ExpertCache(per_layer * a.moe_block_count + len(pins), policy=placement.cache_policy, scope="layer",
+                       n_layers=a.moe_block_count, pinned=pins, half_life=placement.cache_half_life)
 
 
 def pin_history(model: Model, pin: str, past: UsageHistory | None) -> UsageHistory | None:
@@ -132,7 +132,7 @@ def pins(model: Model, placement: Placement, plan: Plan, pin_from: UsageHistory 
         return []
     if placement.cache_per_layer is not None:
         per_layer = int(min(placement.cache_per_layer, model.args.expert_count) * PIN_SHARE)
-        return pin_from.hottest(per_layer * model.args.block_count, per_layer=per_layer)
+        return pin_from.hottest(per_layer * model.args.moe_block_count, per_layer=per_layer)
     return pin_from.hottest(plan.pinned_slots)
 
 
@@ -143,13 +143,13 @@ def warm_keys(model: Model, placement: Placement, cache: ExpertCache, past: Usag
     a = model.args
     if not placement.warm_start:
         return []
-    quota = cache.layer_quota if cache.layer_quota is not None else cache.n_slots // a.block_count
-    everything = [(layer, e) for layer in range(a.block_count) for e in range(a.expert_count)]
+    quota = cache.layer_quota if cache.layer_quota is not None else cache.n_slots // a.moe_block_count
+    everything = [(layer, e) for layer in range(a.block_count) if a.is_moe(layer) for e in range(a.expert_count)]
     if quota >= a.expert_count:
         return everything
     if past is None or not past.enough:
         return []
-    return past.hottest(quota * a.block_count, per_layer=quota)
+    return past.hottest(quota * a.moe_block_count, per_layer=quota)
 
 
 async def open_source(model: Model, placement: Placement, progress: Progress | None = None,

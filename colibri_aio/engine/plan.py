@@ -89,7 +89,8 @@ def gb(n: int) -> str:
 
 
 def kv_cache_nbytes(model: Model, context: int, kv_type: str = DEFAULT_KV_TYPE) -> int:
-    """Bytes of the KV cache the forward pass allocates for ``context`` positions."""
+    """Bytes of the family's KV cache the forward pass allocates for ``context`` positions (MLA's latent
+    cache is far smaller than full heads)."""
     return model.args.kv_cache_nbytes(context, kv_type)
 
 
@@ -121,6 +122,7 @@ def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, 
     kernel rates and per-layer overhead (None: assumed rates, no overhead).
     """
     a = model.args
+    layers = a.moe_block_count  # blocks with experts: the cache keeps a quota for each
     notes: list[str] = []
     context, context_source = _context(a.context_length, context, notes)
     source = "--ram-budget"
@@ -132,18 +134,18 @@ def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, 
     slot = slot_nbytes_for(model.expert_nbytes_max)
     kv, working = kv_cache_nbytes(model, context, kv_type), working_nbytes(model)
     reserved = model.trunk_nbytes + kv + working
-    total = a.block_count * a.expert_count
+    total = layers * a.expert_count
     if cache_per_layer is not None:
-        slots, pinned = _slots_per_layer(a.block_count, a.expert_count, cache_per_layer,
+        slots, pinned = _slots_per_layer(layers, a.expert_count, cache_per_layer,
                                          pin_share if usage_counts else 0.0)
         minimal, what = slots, f"{cache_per_layer} expert slots per layer as --cache-per-layer asks"
     else:
         slots = min(total, slots_for_budget(budget, slot, reserved))
-        pinned = min(int(slots * pin_share), slots - a.block_count) if usage_counts else 0
+        pinned = min(int(slots * pin_share), slots - layers) if usage_counts else 0
         pinned = max(0, pinned)
         # The cache gives every layer the same quota besides the pins: what does not divide is not allocated.
-        slots = pinned + (slots - pinned) // a.block_count * a.block_count
-        minimal, what = a.block_count, f"a minimal cache of {a.block_count} expert slots, one per layer"
+        slots = pinned + (slots - pinned) // layers * layers
+        minimal, what = layers, f"a minimal cache of {layers} expert slots, one per layer with experts"
     if reserved + minimal * slot > budget or slots < minimal:
         raise UserError(
             f"budget {gb(budget)} is too small: trunk {gb(model.trunk_nbytes)} + {kv_type} KV cache {gb(kv)} for "
@@ -223,14 +225,15 @@ def token_times(model: Model, hit_rate: float, speed: MachineSpeed | None = None
     :data:`ASSUMED_WEIGHTS_PER_S` and no overhead.
     """
     a = model.args
-    miss_bytes = (1 - hit_rate) * a.block_count * a.expert_used_count * model.expert_nbytes_max
+    routed = a.moe_block_count * a.expert_used_count
+    miss_bytes = (1 - hit_rate) * routed * model.expert_nbytes_max
     disk_s = miss_bytes / ASSUMED_DISK_BYTES_PER_S
     weights = None if speed is None else decode_weights(model)
     if speed is None or weights is None or any(speed.rate(t) is None for t in weights):
+        # Every resident matrix of the blocks (attention, dense FFNs, shared experts: whatever the
+        # family has), k routed experts per MoE block and the output head.
         expert_weights = 3 * a.expert_feed_forward_length * a.embedding_length
-        attn_weights = (2 * a.head_count + 2 * a.head_count_kv) * a.key_length * a.embedding_length
-        active = (a.block_count * (a.expert_used_count * expert_weights + attn_weights)
-                  + a.vocab_size * a.embedding_length)
+        active = model.block_matrix_weights + routed * expert_weights + a.vocab_size * a.embedding_length
         return active / ASSUMED_WEIGHTS_PER_S, disk_s, \
             f"assumed {ASSUMED_WEIGHTS_PER_S / 1e9:.0f} G weights/s, no per-layer overhead"
     compute_s = sum(n / speed.rate(t) for t, n in weights.items()) + a.block_count * speed.layer_overhead_s

@@ -21,6 +21,7 @@ plan falls back to assumed rates and says so.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import os
 import platform
@@ -94,7 +95,9 @@ def _layer_overhead() -> float:
                 times.append(time.perf_counter() - t0)
             return min(times), engine.model  # the least disturbed step: the machine is shared
 
-    seconds, model = asyncio.run(step())
+    # Its own event loop, in a thread of its own when the caller already runs one (plan called from async code).
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        seconds, model = pool.submit(asyncio.run, step()).result()
     weights = decode_weights(model)
     products = sum(n / _probe(t) for t, n in weights.items())
     return max(0.0, seconds - products) / model.args.block_count
@@ -111,7 +114,7 @@ def decode_weights(model: Any) -> dict[GGMLQuantizationType, int]:
     for layer, blk in enumerate(model.blocks):
         for m in blk.matrices():
             add(m.ggml_type, m.rows * m.cols)
-        for r in model.experts[layer][0].ranges:
+        for r in (model.experts[layer][0].ranges if model.experts[layer] else ()):  # a dense block: none
             add(r.ggml_type, a.expert_used_count * int(np.prod(r.shape)))
     add(model.output.ggml_type, model.output.rows * model.output.cols)
     return out

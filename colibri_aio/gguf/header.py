@@ -111,6 +111,12 @@ ARCH_KEY_KINDS: dict[str, Kind] = {
         "rope.freq_base", "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon",
         "expert_weights_scale", "rope.scaling.factor")},
     "expert_weights_norm": FLAG,
+    # deepseek2: MLA head sizes and YaRN
+    **{k: COUNT for k in ("attention.key_length_mla", "attention.value_length_mla",
+                          "rope.scaling.original_context_length")},
+    **{k: NUMBER for k in ("rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+                           "rope.scaling.yarn_log_multiplier", "rope.scaling.attn_factor")},
+    "rope.scaling.type": TEXT,
 }
 _TOKEN_ID_KEY = re.compile(r"tokenizer\.ggml\.\w+_token_id")
 

@@ -4,7 +4,8 @@ the dense trunk into RAM, and every routed expert as three byte ranges for the I
 The split is by tensor name, the same for every family: routed experts
 (``blk.<i>.ffn_{gate,up,down}_exps.weight``) stay on disk and are streamed;
 everything else the family lists (``block_tensors``: attention, norms, routers,
-shared experts and their gates) is the resident trunk.
+shared experts and their gates, the FFN of leading dense blocks) is the
+resident trunk. A dense block (``leading_dense_block_count``) has no experts.
 
 Everything that can be wrong with a file is checked here, once, and refused
 with a :class:`~colibri_aio.errors.ModelFormatError` whose message is one line
@@ -12,6 +13,7 @@ that names the problem.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -86,7 +88,7 @@ class Model:
     output_norm: np.ndarray              # (D,)
     output: QTensor                      # (vocab, D); token_embd when tied
     blocks: list[BlockWeights]
-    experts: list[list[ExpertLocation]]  # [layer][expert]
+    experts: list[list[ExpertLocation]]  # [layer][expert]; [] for a dense block
     reader: GGUFHeader                   # metadata (tokenizer, chat template)
     family: Family
     trunk_read: BulkStats | None = None  # how the resident trunk was read (None: views of the file)
@@ -100,6 +102,11 @@ class Model:
     @property
     def expert_nbytes_max(self) -> int:
         return max(loc.nbytes for layer in self.experts for loc in layer)
+
+    @property
+    def block_matrix_weights(self) -> int:
+        """Weights of every resident matrix of the blocks (each is used once per decoded token)."""
+        return sum(math.prod(m.shape) for b in self.blocks for m in b.matrices())
 
     def expert(self, layer: int, expert: int) -> ExpertLocation:
         return self.experts[layer][expert]
@@ -140,8 +147,9 @@ def _block_of(name: str) -> int:
 
 
 def is_routed_expert(name: str) -> bool:
-    """Whether tensor ``name`` holds routed experts (``blk.N.ffn_*_exps.*``): streamed, never resident."""
-    return "_exps." in name
+    """Whether tensor ``name`` holds routed experts' weights (``blk.N.ffn_*_exps.weight``): streamed, never
+    resident. Their biases (gpt-oss) are small and stay resident."""
+    return name.endswith("_exps.weight")
 
 
 class _Tensors:
@@ -286,7 +294,7 @@ def _build(p: Path, reader: GGUFHeader, fam: Family, args: ModelArgs, resident: 
     output = token_embd if args.tied_output else ts.resident("output.weight", (vocab, d))
     output_norm = ts.vector("output_norm.weight", (d,))
     blocks = [_block(ts, fam.block_tensors(args, i), i) for i in range(args.block_count)]
-    experts = [_expert_locations(ts, i) for i in range(args.block_count)]
+    experts = [_expert_locations(ts, i) if args.is_moe(i) else [] for i in range(args.block_count)]
     _check_every_tensor_used(ts, p)
     return Model(path=p, identity=FileIdentity.of(os.stat(p)), args=args, token_embd=token_embd,
                  output_norm=output_norm, output=output, blocks=blocks, experts=experts, reader=reader, family=fam,

@@ -71,6 +71,12 @@ class Trace:
     expert_nbytes: int
     predictors: tuple[str, ...]
     steps: list[Step]
+    leading_dense_block_count: int = 0  # blocks without experts: their steps route nothing
+
+    @property
+    def moe_block_count(self) -> int:
+        """Blocks with experts: the per-layer cache keeps a quota for each."""
+        return self.block_count - self.leading_dense_block_count
 
     @property
     def positions(self) -> int:
@@ -205,12 +211,12 @@ def usage_of(steps: Iterable[Step], block_count: int, expert_count: int) -> Usag
     return usage
 
 
-def choose_pins(usage: UsageHistory, cfg: ReplayConfig, block_count: int) -> list[Key]:
+def choose_pins(usage: UsageHistory, cfg: ReplayConfig, moe_block_count: int) -> list[Key]:
     """The hottest keys within ``pin_fraction`` of the slots (per layer with a per-layer scope)."""
     per_layer = math.floor(cfg.pin_fraction * cfg.cache_per_layer)
     if cfg.scope == "layer":
-        return usage.hottest(per_layer * block_count, per_layer=per_layer)
-    return usage.hottest(math.floor(cfg.pin_fraction * cfg.cache_per_layer * block_count))
+        return usage.hottest(per_layer * moe_block_count, per_layer=per_layer)
+    return usage.hottest(math.floor(cfg.pin_fraction * cfg.cache_per_layer * moe_block_count))
 
 
 def next_use_oracle(steps: Sequence[Step], clock: list[int]):
@@ -236,12 +242,12 @@ def replay(trace: Trace, cfg: ReplayConfig, pin_from: Trace | None = None) -> Re
         raise UserError("--cache-per-layer must be at least 1")
     if cfg.prefetch is not None and cfg.prefetch not in trace.predictors:
         raise UserError(f"unknown predictor {cfg.prefetch!r}; the trace has {', '.join(trace.predictors)}")
-    steps, n_layers = trace.steps, trace.block_count
+    steps, n_layers = trace.steps, trace.moe_block_count
     first_scored = warmup_boundary(steps, cfg.warmup)
     pins: list[Key] = []
     if cfg.policy == "pinned+lru":
         learn = pin_from.steps if pin_from is not None else steps[:first_scored]
-        pins = choose_pins(usage_of(learn, n_layers, trace.expert_count), cfg, n_layers)
+        pins = choose_pins(usage_of(learn, trace.block_count, trace.expert_count), cfg, n_layers)
     clock = [0]
     policy = "lru" if cfg.policy == "pinned+lru" else cfg.policy
     cache = ExpertCache(

@@ -316,7 +316,12 @@ class SchedulerPolicy:
         return actions
 
     def on_step(self, positions: int, now: float) -> None:
-        """A forward pass over ``positions`` positions begins (the controller times decode steps by it)."""
+        """A forward pass over ``positions`` positions begins (the controller times decode steps by it).
+
+        The pass starts again from its first layer: a hint for any layer is fresh until that layer
+        routes (leading dense blocks hint the first MoE block before any layer of the pass routes).
+        """
+        self._current_layer = -1
         self.backpressure.step(now, positions)
         if self.usage is not None:
             self.usage.count_tokens(positions)

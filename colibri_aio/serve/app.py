@@ -17,8 +17,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
+from prometheus_client import Counter
 from pydantic import Field
-from sse_starlette import EventSourceResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
@@ -43,6 +44,7 @@ from colibri_aio.serve.session import (AsyncGeneration, ContextFull, GenerationC
 T = TypeVar("T")
 log = get_logger("colibri_aio.serve")
 PUBLIC_PATHS = frozenset({"/health"})
+SSE_SEP = "\n"  # events end with a blank line, fields with "\n" (not sse-starlette's default "\r\n")
 
 
 class Service:
@@ -77,7 +79,7 @@ def build_app(service: Service) -> Starlette:
     app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.service = service
     app.add_middleware(BearerAuth, api_key=service.api_key)
-    app.add_middleware(CountRequests, service=service)  # added last: outermost, so it counts 401s too
+    app.add_middleware(CountRequests, requests=service.metrics.requests)  # added last: outermost, so it counts 401s too
     return app
 
 
@@ -156,7 +158,7 @@ async def _respond(request: Request, service: Service, gen: GenerationRequest, s
     service.metrics.last_ttft.set(ttft)
     if body.stream:
         events = _sse(service, generation, shape, first, with_logprobs, body.include_usage())
-        return EventSourceResponse(events, sep="\n", background=BackgroundTask(generation.cancel))
+        return EventSourceResponse(events, sep=SSE_SEP, background=BackgroundTask(generation.cancel))
     try:
         pieces = [first, *await until_disconnect(request.receive, _rest(generation))]
     except ClientGone:
@@ -203,6 +205,11 @@ async def _sse(service: Service, generation: AsyncGeneration, shape: ChatShape |
 
 def _data(obj: dict[str, Any]) -> dict[str, str]:
     return {"data": json.dumps(obj, ensure_ascii=False, separators=(",", ":"))}
+
+
+def sse_frame(obj: dict[str, Any]) -> bytes:
+    """One SSE event carrying ``obj``, framed as the streams of this server frame theirs."""
+    return ServerSentEvent(**_data(obj), sep=SSE_SEP).encode()
 
 
 def _record_speed(service: Service, last: GenerationPiece) -> None:
@@ -367,13 +374,13 @@ class BearerAuth:
 
 
 class CountRequests:
-    """Counts answered requests by route and status for ``/metrics``."""
+    """Counts answered requests by route and status (in ``requests``, labelled endpoint and status) for ``/metrics``."""
 
     ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
                         "/detokenize"})
 
-    def __init__(self, app: ASGIApp, service: Service) -> None:
-        self.app, self.service = app, service
+    def __init__(self, app: ASGIApp, requests: Counter) -> None:
+        self.app, self.requests = app, requests
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -391,4 +398,4 @@ class CountRequests:
             await self.app(scope, receive, send_counted)
         finally:
             path = scope["path"] if scope["path"] in self.ROUTES else "other"
-            self.service.metrics.requests.labels(path, str(status or 499)).inc()
+            self.requests.labels(path, str(status or 499)).inc()

@@ -97,22 +97,23 @@ def calibrate(path: Path, seed: int, logit_std: float, n_tokens: int = 16, passe
     model = load(path)
     signs = code_signs(seed)
     assert len(signs) == CODE_CHANNELS
-    routers = [b.ffn_gate_inp for b in model.blocks]
-    if not all(r.flags.writeable for r in routers):
+    # Leading dense blocks have no router.
+    routers = {i: b.ffn_gate_inp for i, b in enumerate(model.blocks) if model.args.is_moe(i)}
+    if not all(r.flags.writeable for r in routers.values()):
         raise RuntimeError("router arrays of the loaded model are read-only; cannot calibrate in memory")
-    c0 = [bias_coefficients(r, signs) for r in routers]
-    gauss0 = [r[:, CODE_CHANNELS:].copy() for r in routers]
+    c0 = {i: bias_coefficients(r, signs) for i, r in routers.items()}
+    gauss0 = {i: r[:, CODE_CHANNELS:].copy() for i, r in routers.items()}
     ids = tensor_rng(seed, "calibration_ids").integers(0, min(vocab_limit, model.args.vocab_size), n_tokens)
     history = []
     for _ in range(passes):
         probe = _forward(model, ids)
-        history.append([_fit_layer(i, probe.moe_input[i], routers[i], gauss0[i], c0[i], signs, logit_std)
-                        for i in range(model.args.block_count)])
+        history.append([_fit_layer(i, probe.moe_input[i], r, gauss0[i], c0[i], signs, logit_std)
+                        for i, r in routers.items()])
     _patch_routers(path, model.reader, routers)
     return history
 
 
-def _patch_routers(path: Path, reader: GGUFReader, routers: list[np.ndarray]) -> None:
+def _patch_routers(path: Path, reader: GGUFReader, routers: dict[int, np.ndarray]) -> None:
     """Write the routers back into the file's ffn_gate_inp tensors.
 
     ``reader`` is the loaded model's: parsing a 151936-token vocabulary again costs ~10 s.
@@ -120,7 +121,7 @@ def _patch_routers(path: Path, reader: GGUFReader, routers: list[np.ndarray]) ->
     offsets = {t.name: int(t.data_offset) for t in reader.tensors}
     raw = np.memmap(path, dtype=np.uint8, mode="r+")
     try:
-        for i, w in enumerate(routers):
+        for i, w in routers.items():
             start = offsets[f"blk.{i}.ffn_gate_inp.weight"]
             view = raw[start: start + w.nbytes].view("<f4").reshape(w.shape)
             view[...] = w

@@ -1,0 +1,105 @@
+"""glm4moe (GLM-4.5, GLM-4.6, GLM-4.5-Air): leading dense blocks, q/k/v biases, optional
+per-head q/k RMSNorm, partial NEOX RoPE; sigmoid routing with a selection bias
+(``exp_probs_b``), the chosen weights renormalised and scaled, plus a shared expert.
+
+The file's last ``nextn_predict_layers`` blocks are the multi-token-prediction
+layer: llama.cpp's main graph never runs them, and neither do we (they are
+neither loaded nor planned: ``skipped_blocks``).
+
+Shape legend as in :mod:`colibri_aio.arch.layers`; F_dense the dense blocks' FFN
+width, Fs the shared expert's (expert width x expert_shared_count).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Self
+
+import numpy as np
+
+from colibri_aio.arch.base import (BaseArgs, Family, Metadata, TensorSpec, attention_tensors, ffn_tensors,
+                                   vector)
+from colibri_aio.arch.deepseek2 import RopeScaling
+from colibri_aio.arch.layers import Rope
+from colibri_aio.arch.rope import ScaledRope
+from colibri_aio.errors import ModelFormatError
+from colibri_aio.kernels.ops import Routing, rms_norm, rope_neox
+
+# glm4moe.expert_gating_func as llama.cpp numbers it; 0 (unset) is sigmoid for this family.
+_GATING = {0: "sigmoid", 1: "softmax", 2: "sigmoid"}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelArgs(BaseArgs):
+    """glm4moe's hyper-parameters: the shared set (``block_count`` without the NextN blocks),
+    the dense blocks' FFN width, the shared expert count and RoPE scaling."""
+
+    feed_forward_length: int
+    expert_shared_count: int
+    rope_scaling: RopeScaling
+
+    @classmethod
+    def from_gguf(cls, meta: Metadata) -> Self:
+        gating = int(meta.get("expert_gating_func", 0))
+        if gating not in _GATING:
+            raise ModelFormatError(f"{meta.path}: glm4moe.expert_gating_func {gating} is not supported "
+                                   f"(1 softmax, 2 sigmoid)")
+        if meta.get("rope.dimension_sections") is not None:
+            raise ModelFormatError(f"{meta.path}: glm4moe with multimodal RoPE sections (rope.dimension_sections) "
+                                   f"is a vision model; this engine runs the text models")
+        routing = Routing(_GATING[gating], normalize=bool(meta.get("expert_weights_norm", False)),
+                          scale=float(meta.get("expert_weights_scale", 0.0)),
+                          group_count=max(int(meta.get("expert_group_count", 0)), 1),
+                          group_used=int(meta.get("expert_group_used_count", 0)) or 1)
+        blocks, nextn = int(meta.need("block_count")), int(meta.get("nextn_predict_layers", 0))
+        if not 0 <= nextn < blocks:
+            raise ModelFormatError(f"{meta.path}: nextn_predict_layers {nextn} leaves no trunk block "
+                                   f"among block_count {blocks}")
+        return cls(**cls.common(meta, block_count=blocks - nextn, skipped_blocks=nextn, routing=routing),
+                   feed_forward_length=int(meta.get("feed_forward_length", 0)),
+                   expert_shared_count=int(meta.need("expert_shared_count")),
+                   rope_scaling=RopeScaling.from_gguf(meta))
+
+    def check(self, path: Path) -> None:
+        BaseArgs.check(self, path)
+        if self.value_length != self.key_length:
+            raise ModelFormatError(f"{path}: glm4moe heads have equal key and value widths (key_length "
+                                   f"{self.key_length}, value_length {self.value_length})")
+        if self.leading_dense_block_count and self.feed_forward_length < 1:
+            raise ModelFormatError(f"{path}: missing metadata key glm4moe.feed_forward_length "
+                                   f"(the width of the leading dense blocks)")
+
+
+def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
+    d, e = a.embedding_length, a.expert_count
+    common = [*attention_tensors(a), vector("attn_q_norm", a.key_length, optional=True),
+              vector("attn_k_norm", a.key_length, optional=True),  # GLM-4.5 has them, GLM-4.5-Air not
+              vector("post_attention_norm", d)]                     # the FFN's input norm (no ffn_norm)
+    if not a.is_moe(layer):
+        return [*common, *ffn_tensors(d, a.feed_forward_length)]
+    shared = ffn_tensors(d, a.expert_feed_forward_length * a.expert_shared_count, "_shexp")
+    return [*common, vector("ffn_gate_inp", e, d), vector("exp_probs_b.bias", e),
+            *(shared if a.expert_shared_count else [])]
+
+
+class Glm4MoE(ScaledRope):
+    """A glm4moe model bound to an expert source and a KV cache."""
+
+    args: ModelArgs
+
+    def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
+        a, blk = self.args, self.model.blocks[layer]
+        q, k, v = self.qkv(blk, h)
+        if "attn_q_norm" in blk:
+            q = rms_norm(q, blk.attn_q_norm, a.rms_eps)
+        if "attn_k_norm" in blk:
+            k = rms_norm(k, blk.attn_k_norm, a.rms_eps)
+        return self.attend(layer, rope_neox(q, *rope), rope_neox(k, *rope), v, positions)
+
+    def shared_expert(self, layer: int, h: np.ndarray) -> np.ndarray | None:
+        blk = self.model.blocks[layer]
+        return self.ffn(blk, h, "_shexp") if "ffn_gate_shexp" in blk else None
+
+
+FAMILY = Family("glm4moe", ModelArgs, block_tensors, Glm4MoE, checked_against="Glm4MoeForCausalLM",
+                moe_norm="post_attention_norm")

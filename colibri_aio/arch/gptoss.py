@@ -1,0 +1,108 @@
+"""gpt-oss (gpt-oss-20b, gpt-oss-120b): attention with per-head sinks, a sliding window on
+alternate layers, biases on q/k/v/o, YaRN RoPE (NEOX); experts chosen by router logits
+(+ bias) and weighed by a softmax over the k chosen; the clamped SwiGLU with biases
+on every expert projection. Experts are MXFP4 in published files.
+
+llama.cpp's ``openai-moe`` graph is the reference (fixtures/families.md): its RoPE
+floors and ceils YaRN's correction range, which transformers' gpt-oss does not.
+
+Shape legend as in :mod:`colibri_aio.arch.layers`.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Self
+
+import numpy as np
+
+from colibri_aio.arch.base import BaseArgs, Family, Metadata, TensorSpec, attention_tensors, vector
+from colibri_aio.arch.deepseek2 import RopeScaling
+from colibri_aio.arch.layers import Rope
+from colibri_aio.arch.rope import ScaledRope
+from colibri_aio.errors import ModelFormatError
+from colibri_aio.experts import ExpertWeights
+from colibri_aio.kernels.ops import Routing, rope_neox, swiglu_oai
+
+# llama.cpp's default layer pattern for gpt-oss: of every 2 layers the first slides, the second sees all.
+SLIDING_PATTERN = 2
+
+
+def sliding_layers(meta: Metadata, block_count: int) -> tuple[bool, ...]:
+    """Which blocks attend through the sliding window: ``attention.sliding_window_pattern`` as
+    llama.cpp reads it (an array of flags, or a period n whose first n - 1 layers slide), else period 2."""
+    pattern = meta.get("attention.sliding_window_pattern", SLIDING_PATTERN)
+    if isinstance(pattern, list):
+        if len(pattern) != block_count or not all(isinstance(p, bool) for p in pattern):
+            raise ModelFormatError(f"{meta.path}: {meta.architecture}.attention.sliding_window_pattern must hold "
+                                   f"one boolean per block ({block_count})")
+        return tuple(pattern)
+    if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern < 0:
+        raise ModelFormatError(f"{meta.path}: {meta.architecture}.attention.sliding_window_pattern must be a "
+                               f"non-negative integer or an array of booleans")
+    return tuple(pattern == 0 or i % pattern < pattern - 1 for i in range(block_count))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelArgs(BaseArgs):
+    """gpt-oss's hyper-parameters: the shared set, the sliding window and its layers, RoPE scaling (YaRN)."""
+
+    sliding_window: int
+    sliding: tuple[bool, ...]      # per block: attends through the sliding window
+    rope_scaling: RopeScaling      # read as llama.cpp reads it for every family (deepseek2's module)
+
+    @classmethod
+    def from_gguf(cls, meta: Metadata) -> Self:
+        values = cls.common(meta, routing=Routing(gating="softmax_weight", normalize=False))
+        return cls(**values, sliding_window=int(meta.need("attention.sliding_window")),
+                   sliding=sliding_layers(meta, values["block_count"]),
+                   rope_scaling=RopeScaling.from_gguf(meta))
+
+    def check(self, path: Path) -> None:
+        BaseArgs.check(self, path)
+        if self.value_length != self.key_length or self.n_rot != self.key_length:
+            raise ModelFormatError(f"{path}: gpt-oss heads rotate and return all their dims: key_length "
+                                   f"{self.key_length}, value_length {self.value_length} and rope dims "
+                                   f"{self.n_rot} must be equal")
+        s = self.rope_scaling
+        if s.kind == "yarn" and not (s.factor >= 1.0 and s.original_context >= 1):
+            raise ModelFormatError(f"{path}: YaRN scaling of gpt-oss needs rope.scaling.factor >= 1 and "
+                                   f"original_context_length >= 1 (the file says {s.factor}, {s.original_context})")
+        if self.sliding_window < 1 and any(self.sliding):
+            raise ModelFormatError(f"{path}: attention.sliding_window {self.sliding_window} must be positive")
+
+
+def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
+    d, e, f = a.embedding_length, a.expert_count, a.expert_feed_forward_length
+    return [*attention_tensors(a), vector("attn_output.bias", d, optional=True), vector("attn_sinks", a.head_count),
+            vector("post_attention_norm", d), vector("ffn_gate_inp", e, d), vector("ffn_gate_inp.bias", e),
+            # per expert, resident: small beside the experts (F + F + D floats each)
+            vector("ffn_gate_exps.bias", e, f), vector("ffn_up_exps.bias", e, f), vector("ffn_down_exps.bias", e, d)]
+
+
+class GptOss(ScaledRope):
+    """A gpt-oss model bound to an expert source and a KV cache."""
+
+    args: ModelArgs
+
+    def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
+        a, blk = self.args, self.model.blocks[layer]
+        q, k, v = self.qkv(blk, h)
+        return self.attend(layer, rope_neox(q, *rope), rope_neox(k, *rope), v, positions,
+                           window=a.sliding_window if a.sliding[layer] else None, sinks=blk.attn_sinks)
+
+    def expert_outputs(self, layer: int, experts: Sequence[tuple[int, ExpertWeights]],
+                       xs: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """down(swiglu_oai(gate x + b_gate, up x + b_up)) + b_down, each bias the expert's row."""
+        blk = self.model.blocks[layer]
+        b_gate, b_up, b_down = blk["ffn_gate_exps.bias"], blk["ffn_up_exps.bias"], blk["ffn_down_exps.bias"]
+        outs = []
+        for (e, w), x in zip(experts, xs):
+            gate, up = self.linears((w.gate, w.up), x)
+            outs.append(self.linear(w.down, swiglu_oai(gate + b_gate[e], up + b_up[e])) + b_down[e])
+        return outs
+
+
+FAMILY = Family("gpt-oss", ModelArgs, block_tensors, GptOss, checked_against="GptOssForCausalLM",
+                moe_norm="post_attention_norm")
