@@ -7,5 +7,6 @@ its I/O layer never import it. ``receipt`` is what every benchmark receipt in
 ``evidence/`` starts with (host, commit, command, n/median/min/max) and how it
 is written; the tools in ``tools/`` use the same module. ``iobench`` measures
 expert-sized reads through each I/O backend beside fio; ``locations`` makes
-expert locations over any file, for benchmarks and tests that need no model.
+expert locations over any file, for benchmarks and tests that need no model;
+``lock`` holds the shared machine's CPU lock exclusively around each timed run.
 """

@@ -28,19 +28,11 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-import os as _os
 from pathlib import Path as _Path
 
 from colibri_aio import _source_tree
 
 _source_tree.install(_Path(__file__).resolve().parent)
-
-# The quantised kernels split rows over their own two threads; OpenBLAS threads
-# inside them oversubscribe the cores (evidence/kernels_20261129T181438Z.md:
-# f32 GEMV 2.83 vs 0.24 G weights/s median with OPENBLAS_NUM_THREADS=1 vs the
-# default, same run). Only effective if NumPy is not imported yet; an explicit
-# setting by the user wins.
-_os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 # The public names load on first use (PEP 562): the engine pulls in NumPy and the
 # kernels, which ``python -m colibri_aio --help`` and a Ctrl-C at start need not wait for.

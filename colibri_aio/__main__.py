@@ -6,7 +6,7 @@ import sys
 
 def entry() -> int:
     """The program: `python -m colibri_aio` and the `colibri-aio` script."""
-    # Importing the CLI pulls in NumPy, numba and the engine (about a second): Ctrl-C
+    # Importing the CLI pulls in NumPy and the engine (about a second): Ctrl-C
     # meanwhile ends the program as quietly as Ctrl-C during a command does.
     try:
         from colibri_aio.cli.main import EXIT_INTERRUPTED, main

@@ -21,12 +21,13 @@ PROJECTIONS = ("gate", "up", "down")
 
 @dataclass(frozen=True, slots=True)
 class TensorRange:
-    """One expert's slice of one stacked tensor: ``nbytes`` at absolute file ``offset``."""
+    """One expert's slice of one stacked tensor: ``nbytes`` at absolute ``offset`` in the model's file ``file``."""
 
     offset: int
     nbytes: int
     ggml_type: GGMLQuantizationType
     shape: tuple[int, int]  # NumPy order (rows, cols); cols is the quantised axis
+    file: int = 0           # index of the part holding it (0 for a model in one file)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,19 +58,24 @@ class ExpertWeights:
     down: QTensor
 
 
+ExpertBatch = list[tuple[int, ExpertWeights]]  # (expert id, views of its bytes), as a source yields them
+
+
 class ExpertSource(Protocol):
     """Delivers routed experts' bytes to the MoE layer.
 
-    ``stream(layer, experts)`` yields ``(expert, weights)`` for each requested
-    expert exactly once, in whatever order the bytes become ready (cached ones
-    first). The views in ``weights`` stay valid only until the iterator is
-    advanced again or closed: the consumer finishes with them before asking for
-    the next one. Compute must therefore not depend on arrival order (the MoE
-    layer sums expert outputs in routing order, so placement never changes
-    the result).
+    ``stream(layer, experts)`` yields batches of ``(expert, weights)``, each
+    requested expert exactly once, in whatever order the bytes become ready:
+    every expert ready at that moment in one batch (cached ones first), so the
+    kernels can run a batch in one call. The views in a batch stay valid only
+    until the iterator is advanced again or closed: the consumer finishes with
+    them before asking for the next batch. Compute must therefore not depend on
+    arrival order or batching (the MoE layer sums expert outputs in routing
+    order, and a backend's output for an expert does not depend on the others
+    in its batch, so placement never changes the result).
     """
 
-    def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[tuple[int, ExpertWeights]]: ...
+    def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[ExpertBatch]: ...
 
     def hint(self, layer: int, experts: Sequence[int]) -> None:
         """A prediction that ``layer`` will soon ask for ``experts`` (may be ignored)."""

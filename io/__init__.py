@@ -1,7 +1,7 @@
 """The I/O layer: io_uring reactor, registered buffer pool, fallback readers.
 
-``ExpertReader.open(path, slot_nbytes_max, n_slots, backend)`` opens a model
-file for expert reads; ``reader.start(location, slot)`` submits one expert's
+``ExpertReader.open(paths, slot_nbytes_max, n_slots, backend)`` opens a model's
+file (or the parts of a split model) for expert reads; ``reader.start(location, slot)`` submits one expert's
 reads into pool slot ``slot`` and returns a future of zero-copy views of its
 bytes. Which slot a read may use is the expert cache's decision (one
 allocator); the reader only refuses a slot the kernel still owns.

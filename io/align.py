@@ -35,6 +35,7 @@ class RangeRead:
     view_offset: int   # where the range's first byte sits in the slot
     nbytes: int        # the range's own length
     range_offset: int  # the range's own (unaligned) file offset, for error messages
+    file: int = 0      # which of the model's files (parts) it is read from
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +61,7 @@ def plan_expert(loc: ExpertLocation, align: int = ALIGN) -> ExpertPlan:
         length = align_up(end, align) - start
         reads.append(RangeRead(file_offset=start, read_nbytes=length, need_nbytes=end - start,
                                dest_offset=dest, view_offset=dest + rng.offset - start,
-                               nbytes=rng.nbytes, range_offset=rng.offset))
+                               nbytes=rng.nbytes, range_offset=rng.offset, file=rng.file))
         dest += length
     return ExpertPlan(tuple(reads), dest)
 

@@ -6,6 +6,9 @@
   faulted in from a worker thread. The page cache decides what stays, as in
   llama.cpp.
 
+A model may be in several files (the parts of a split GGUF): each backend
+holds all of them, and each range is read from the file its ``file`` index names.
+
 ``start`` takes a batch of experts, each with its slot and its ``on_done``;
 it hands their reads to the kernel (or queues them for a worker) before it
 returns, neighbouring experts of a layer coalesced into one read per
@@ -71,10 +74,11 @@ class ExpertRead:
     written into it.
     """
 
-    __slots__ = ("path", "loc", "plan", "views", "on_done", "_outstanding", "_error")
+    __slots__ = ("files", "loc", "plan", "views", "on_done", "_outstanding", "_error")
 
-    def __init__(self, path: str, loc: ExpertLocation, plan: ExpertPlan, views: ExpertBytes, on_done: OnDone) -> None:
-        self.path, self.loc, self.plan, self.views, self.on_done = path, loc, plan, views, on_done
+    def __init__(self, files: Sequence[ModelFile], loc: ExpertLocation, plan: ExpertPlan, views: ExpertBytes,
+                 on_done: OnDone) -> None:
+        self.files, self.loc, self.plan, self.views, self.on_done = files, loc, plan, views, on_done
         self._outstanding = len(plan.reads)
         self._error: ExpertReadError | None = None
 
@@ -84,7 +88,7 @@ class ExpertRead:
         reason = _failure(rr, outcome)
         if reason is not None and self._error is None:
             self._error = ExpertReadError(
-                self.path, rr.range_offset, rr.nbytes, self.loc.layer, self.loc.expert,
+                self.files[rr.file].path, rr.range_offset, rr.nbytes, self.loc.layer, self.loc.expert,
                 f"{reason} ({PROJECTIONS[index]} range; aligned read of {rr.read_nbytes} bytes at {rr.file_offset})")
         self._outstanding -= 1
         if self._outstanding == 0:
@@ -149,15 +153,15 @@ class SpanOp:
             m.range_done(p, m.plan.reads[p].need_nbytes)
 
 
-def span_ops(path: str, jobs: Sequence[Job]) -> list[SpanOp]:
+def span_ops(files: Sequence[ModelFile], jobs: Sequence[Job]) -> list[SpanOp]:
     """The coalesced reads of ``jobs`` (pool slots), in file order; each job's ExpertRead hears of its three."""
-    ops = [ExpertRead(path, j.loc, j.plan, slot_views(j.plan, j.slot), j.on_done) for j in jobs]
+    ops = [ExpertRead(files, j.loc, j.plan, slot_views(j.plan, j.slot), j.on_done) for j in jobs]
     out = []
     for run in runs([j.loc for j in jobs], [j.plan for j in jobs]):
         plans = [jobs[i].plan for i in run]
         members, slots = [ops[i] for i in run], [jobs[i].slot for i in run]
         out += [SpanOp(plan_span(plans, p), members, slots) for p in range(len(PROJECTIONS))]
-    out.sort(key=lambda op: op.span.file_offset)
+    out.sort(key=lambda op: (op.span.file, op.span.file_offset))
     return out
 
 
@@ -167,13 +171,14 @@ class UringBackend:
     name = "uring"
     uses_pool = True
 
-    def __init__(self, reactor: UringReactor, file: ModelFile) -> None:
+    def __init__(self, reactor: UringReactor, files: Sequence[ModelFile]) -> None:
         self.reactor = reactor
-        self.file = file
+        self.files = files
 
     def start(self, jobs: Sequence[Job]) -> None:
-        self.reactor.submit(*(RingRead(self.file.fd, tuple(op.segments()), op.span.file_offset, op.arena(), op.done)
-                              for op in span_ops(self.file.path, jobs)))
+        self.reactor.submit(*(RingRead(self.files[op.span.file].fd, tuple(op.segments()), op.span.file_offset,
+                                       op.arena(), op.done)
+                              for op in span_ops(self.files, jobs)))
 
     async def aclose(self) -> None:
         await self.reactor.aclose()
@@ -185,15 +190,15 @@ class PreadBackend:
     name = "pread"
     uses_pool = True
 
-    def __init__(self, file: ModelFile, threads: int = 8) -> None:
-        self.file = file
+    def __init__(self, files: Sequence[ModelFile], threads: int = 8) -> None:
+        self.files = files
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="colibri-pread")
 
     def start(self, jobs: Sequence[Job]) -> None:
         loop = asyncio.get_running_loop()
-        for op in span_ops(self.file.path, jobs):
+        for op in span_ops(self.files, jobs):
             views = [op.slots[s.member].view[s.dest_offset: s.dest_offset + s.nbytes] for s in op.span.segments]
-            job = self._pool.submit(os.preadv, self.file.fd, views, op.span.file_offset)
+            job = self._pool.submit(os.preadv, self.files[op.span.file].fd, views, op.span.file_offset)
             # The worker owns the slots until this callback fires, whatever the waiter does.
             job.add_done_callback(lambda j, op=op: loop.call_soon_threadsafe(op.done, _job_outcome(j)))
 
@@ -202,14 +207,15 @@ class PreadBackend:
 
 
 class MmapBackend:
-    """Views of a read-only mapping of the file; pages are faulted in by a worker thread."""
+    """Views of a read-only mapping of each file; pages are faulted in by a worker thread."""
 
     name = "mmap"
     uses_pool = False
 
-    def __init__(self, file: ModelFile, threads: int = 2) -> None:
-        self.file = file
-        self._map = mmap.mmap(file.fd, 0, access=mmap.ACCESS_READ) if file.size else None
+    def __init__(self, files: Sequence[ModelFile], threads: int = 2) -> None:
+        self.files = files
+        self._maps: list[mmap.mmap | None] = [mmap.mmap(f.fd, 0, access=mmap.ACCESS_READ) if f.size else None
+                                              for f in files]
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="colibri-mmap")
 
     def start(self, jobs: Sequence[Job]) -> None:
@@ -217,15 +223,16 @@ class MmapBackend:
             self._start_one(job.loc, job.on_done)
 
     def _start_one(self, loc: ExpertLocation, on_done: OnDone) -> None:
-        # Touching pages of a truncated file is SIGBUS, not an error: check before, not only after.
-        self.file.check_unchanged()
         loop = asyncio.get_running_loop()
         for index, rng in enumerate(loc.ranges):
-            if self._map is None or rng.offset + rng.nbytes > len(self._map):
+            file, mapped = self.files[rng.file], self._maps[rng.file]
+            # Touching pages of a truncated file is SIGBUS, not an error: check before, not only after.
+            file.check_unchanged()
+            if mapped is None or rng.offset + rng.nbytes > len(mapped):
                 # Touching a mapping past the end of the file is SIGBUS: refuse here.
-                error = ExpertReadError(self.file.path, rng.offset, rng.nbytes, loc.layer, loc.expert,
+                error = ExpertReadError(file.path, rng.offset, rng.nbytes, loc.layer, loc.expert,
                                         f"short read: the {PROJECTIONS[index]} range ends past the end of the "
-                                        f"{self.file.size}-byte file")
+                                        f"{file.size}-byte file")
                 loop.call_soon(on_done, error)
                 return
         job = self._pool.submit(self._fault_in, loc)
@@ -233,20 +240,22 @@ class MmapBackend:
 
     def _fault_in(self, loc: ExpertLocation) -> ExpertBytes:
         """Bring the expert's pages into memory now, off the event loop, and return views of them."""
-        assert self._map is not None
-        for rng in loc.ranges:
+        maps = [self._maps[rng.file] for rng in loc.ranges]
+        for rng, mapped in zip(loc.ranges, maps):
+            assert mapped is not None
             # Ask for the whole range at once: faults alone would read it a read-around window at a time.
             start = align_down(rng.offset, mmap.PAGESIZE)
-            self._map.madvise(mmap.MADV_WILLNEED, start, rng.offset + rng.nbytes - start)
-        for rng in loc.ranges:
+            mapped.madvise(mmap.MADV_WILLNEED, start, rng.offset + rng.nbytes - start)
+        for rng, mapped in zip(loc.ranges, maps):
+            assert mapped is not None
             start = align_down(rng.offset, mmap.PAGESIZE)
             try:
-                self._map.madvise(MADV_POPULATE_READ, start, rng.offset + rng.nbytes - start)
+                mapped.madvise(MADV_POPULATE_READ, start, rng.offset + rng.nbytes - start)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:  # EINVAL: a kernel older than 5.14; touch instead
                     raise
-                np.frombuffer(self._map, np.uint8, rng.offset + rng.nbytes - start, start)[::mmap.PAGESIZE].max()
-        g, u, d = (np.frombuffer(self._map, np.uint8, r.nbytes, r.offset) for r in loc.ranges)
+                np.frombuffer(mapped, np.uint8, rng.offset + rng.nbytes - start, start)[::mmap.PAGESIZE].max()
+        g, u, d = (np.frombuffer(m, np.uint8, r.nbytes, r.offset) for r, m in zip(loc.ranges, maps))
         return g, u, d
 
     def _finish(self, on_done: OnDone, loc: ExpertLocation, job: concurrent.futures.Future[ExpertBytes]) -> None:
@@ -254,17 +263,18 @@ class MmapBackend:
         if exc is None:
             on_done(job.result())
             return
-        on_done(ExpertReadError(self.file.path, loc.gate.offset, loc.nbytes, loc.layer, loc.expert,
+        on_done(ExpertReadError(self.files[loc.gate.file].path, loc.gate.offset, loc.nbytes, loc.layer, loc.expert,
                                 f"{type(exc).__name__}: {exc}"))
 
     async def aclose(self) -> None:
         self._pool.shutdown(wait=True)
-        if self._map is not None:
-            try:
-                self._map.close()
-            except BufferError:
-                pass  # a lease's views still use the mapping; it goes with the last of them
-            self._map = None
+        for i, mapped in enumerate(self._maps):
+            if mapped is not None:
+                try:
+                    mapped.close()
+                except BufferError:
+                    pass  # a lease's views still use the mapping; it goes with the last of them
+                self._maps[i] = None
 
 
 def _job_outcome(job: concurrent.futures.Future[int]) -> int | BaseException:

@@ -56,6 +56,14 @@ class BulkStats:
         return self.nbytes / self.seconds if self.seconds else 0.0
 
 
+def total_stats(parts: Sequence[BulkStats]) -> BulkStats | None:
+    """Several files' bulk reads (one after the other) as one; None for none."""
+    if not parts:
+        return None
+    return BulkStats(sum(p.nbytes for p in parts), sum(p.wanted for p in parts), sum(p.reads for p in parts),
+                     sum(p.seconds for p in parts), all(p.direct for p in parts))
+
+
 def plan_spans(ranges: Sequence[tuple[int, int]], merge_gap: int = MERGE_GAP) -> list[Span]:
     """Aligned spans covering every ``(offset, nbytes)`` range, merged where they lie within ``merge_gap``."""
     spans: list[Span] = []

@@ -1,4 +1,6 @@
-"""The model file as the I/O layer sees it: one descriptor, O_DIRECT when allowed, an identity to check.
+"""A model file as the I/O layer sees it: one descriptor, O_DIRECT when allowed, an identity to check.
+
+A model split into parts is several of them (:func:`open_files`), one per part.
 
 A file whose size or mtime changed after it was opened may no longer hold the
 bytes the model's index points at, so every read checks the file's identity
@@ -10,6 +12,7 @@ import errno
 import mmap
 import os
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from colibri_aio.errors import ModelFormatError, UserError
@@ -84,6 +87,20 @@ class ModelFile:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+def open_files(paths: Sequence[str | os.PathLike[str]], *, direct: bool = True) -> tuple[ModelFile, ...]:
+    """Every file of a model (the parts of a split GGUF, in order), each as :meth:`ModelFile.open` opens it;
+    none is left open if one fails."""
+    files: list[ModelFile] = []
+    try:
+        for path in paths:
+            files.append(ModelFile.open(path, direct=direct))
+    except BaseException:
+        for f in files:
+            f.close()
+        raise
+    return tuple(files)
 
 
 def _open_fd(path: str, direct: bool) -> tuple[int, bool, str]:

@@ -1,6 +1,7 @@
 """ExpertReader: ``reader.start(location, slot)`` reads one expert into one pool slot.
 
-The reader owns the model file, the buffer pool and one backend (io_uring,
+The reader owns the model's file (or files: the parts of a split GGUF, each
+expert range naming the one it is in), the buffer pool and one backend (io_uring,
 thread-pool pread or mmap). It does not choose slots: the caller's allocator
 (the expert cache) does, and the reader keeps the ownership rule: a slot is
 the kernel's from submission until its completion is reaped, even when the
@@ -22,7 +23,7 @@ from colibri_aio.errors import ExpertReadError, UserError
 from colibri_aio.experts import ExpertLocation, ExpertWeights
 from colibri_aio.io.align import ExpertPlan, plan_expert, slot_nbytes_for
 from colibri_aio.io.backends import ExpertBytes, Job, MmapBackend, PreadBackend, ReadBackend, UringBackend
-from colibri_aio.io.modelfile import ModelFile
+from colibri_aio.io.modelfile import ModelFile, open_files
 from colibri_aio.io.pool import BufferPool
 from colibri_aio.io.uring import DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_RING_ENTRIES, UringReactor
 from colibri_aio.kernels.qtensor import QTensor
@@ -49,11 +50,11 @@ class ReaderStats:
 
 
 class ExpertReader:
-    """Reads routed experts' byte ranges from one GGUF file through the chosen backend."""
+    """Reads routed experts' byte ranges from a GGUF (one file or its parts) through the chosen backend."""
 
-    def __init__(self, file: ModelFile, pool: BufferPool | None, backend: ReadBackend, reason: str,
+    def __init__(self, files: Sequence[ModelFile], pool: BufferPool | None, backend: ReadBackend, reason: str,
                  n_slots: int) -> None:
-        self.file = file
+        self.files = tuple(files)
         self.pool = pool
         self.n_slots = n_slots
         self._kernel: set[int] = set()  # slots a read is still writing into
@@ -74,9 +75,14 @@ class ExpertReader:
         return isinstance(self._backend, UringBackend) and self._backend.reactor.registered
 
     @property
+    def file(self) -> ModelFile:
+        """The model's (first) file."""
+        return self.files[0]
+
+    @property
     def direct(self) -> bool:
-        """Whether reads bypass the page cache (O_DIRECT)."""
-        return self.file.direct
+        """Whether reads bypass the page cache (O_DIRECT) in every file."""
+        return all(f.direct for f in self.files)
 
     @property
     def in_flight(self) -> int:
@@ -88,11 +94,12 @@ class ExpertReader:
         return slot in self._kernel
 
     @classmethod
-    async def open(cls, path: str | os.PathLike[str], slot_nbytes_max: int, n_slots: int, backend: str = "auto", *,
+    async def open(cls, paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], slot_nbytes_max: int,
+                   n_slots: int, backend: str = "auto", *,
                    ring_entries: int = DEFAULT_RING_ENTRIES, max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
                    threads: int = 8, direct: bool = True, register: bool = False,
                    punt: bool = False) -> "ExpertReader":
-        """Open ``path`` for expert reads.
+        """Open ``paths`` for expert reads: the model's file, or its parts in order (a range's ``file`` indexes them).
 
         ``slot_nbytes_max`` is the size of the largest expert (its three ranges
         together); the pool adds the O_DIRECT alignment slack. ``n_slots`` is
@@ -110,26 +117,30 @@ class ExpertReader:
         """
         if backend not in BACKENDS:
             raise UserError(f"unknown I/O backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-        file = ModelFile.open(path, direct=direct and backend != "mmap")
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        files = open_files(paths, direct=direct and backend != "mmap")
         try:
             if backend == "mmap":
-                reader = cls(file, None, MmapBackend(file), "mmap requested: the page cache decides what stays",
+                reader = cls(files, None, MmapBackend(files), "mmap requested: the page cache decides what stays",
                              n_slots)
             else:
                 pool = BufferPool(slot_nbytes_for(slot_nbytes_max), n_slots)
                 try:
-                    chosen, reason = _pool_backend(backend, file, pool, ring_entries, max_inflight_bytes, threads,
+                    chosen, reason = _pool_backend(backend, files, pool, ring_entries, max_inflight_bytes, threads,
                                                    register, punt)
                 except BaseException:
                     pool.close()
                     raise
-                reader = cls(file, pool, chosen, reason, n_slots)
+                reader = cls(files, pool, chosen, reason, n_slots)
         except BaseException:
-            file.close()
+            for f in files:
+                f.close()
             raise
         pool = reader.pool
-        log.info("expert reader open", path=file.path, backend=reader.backend, reason=reader.backend_reason,
-                 o_direct=file.direct, o_direct_reason=file.direct_reason,
+        first = files[0]
+        log.info("expert reader open", path=first.path, files=len(files), backend=reader.backend,
+                 reason=reader.backend_reason, o_direct=reader.direct, o_direct_reason=first.direct_reason,
                  slots=pool.n_slots if pool else 0, slot_nbytes=pool.slot_nbytes if pool else 0,
                  pool_nbytes=pool.nbytes if pool else 0)
         return reader
@@ -215,9 +226,10 @@ class ExpertReader:
         try:
             if self._closed:  # the pool is going away
                 raise ReaderClosedError("the expert reader closed while this read was in flight")
-            # One fstat per read, after it: bytes read from a file that changed before or during
-            # the read never reach compute, and a truncated file that read short is named as such.
-            self.file.check_unchanged()
+            # One fstat per file read from, after the read: bytes read from a file that changed before or
+            # during the read never reach compute, and a truncated file that read short is named as such.
+            for index in {rng.file for rng in loc.ranges}:
+                self.files[index].check_unchanged()
             if isinstance(outcome, ExpertReadError):
                 raise outcome
         except Exception as exc:  # the waiter's to raise, never lost in a loop callback
@@ -245,7 +257,8 @@ class ExpertReader:
         await self._backend.aclose()
         if self.pool is not None:
             self.pool.close()
-        self.file.close()
+        for f in self.files:
+            f.close()
 
     async def __aenter__(self) -> "ExpertReader":
         return self
@@ -254,11 +267,11 @@ class ExpertReader:
         await self.aclose()
 
 
-def _pool_backend(kind: str, file: ModelFile, pool: BufferPool, ring_entries: int, max_inflight_bytes: int,
+def _pool_backend(kind: str, files: Sequence[ModelFile], pool: BufferPool, ring_entries: int, max_inflight_bytes: int,
                   threads: int, register: bool, punt: bool = False) -> tuple[ReadBackend, str]:
     """Pick the backend for ``kind`` among those that read into the pool, with the reason why."""
     if kind == "pread":
-        return PreadBackend(file, threads), "pread requested"
+        return PreadBackend(files, threads), "pread requested"
     try:
         reactor = UringReactor.create(ring_entries, max_inflight_bytes, punt)
     except (OSError, RuntimeError) as exc:
@@ -266,10 +279,10 @@ def _pool_backend(kind: str, file: ModelFile, pool: BufferPool, ring_entries: in
             raise UserError(f"--io uring: io_uring cannot be set up here ({_describe(exc)}); "
                             f"use --io auto or --io pread") from None
         log.warning("io_uring unavailable, falling back to thread-pool pread", error=_describe(exc))
-        return PreadBackend(file, threads), f"io_uring cannot be set up ({_describe(exc)}): thread-pool pread"
+        return PreadBackend(files, threads), f"io_uring cannot be set up ({_describe(exc)}): thread-pool pread"
     if not register:
-        return UringBackend(reactor, file), ("io_uring, unregistered buffers (the pool's pages are populated by the "
-                                             "reads that fill them)")
+        return UringBackend(reactor, files), ("io_uring, unregistered buffers (the pool's pages are populated by the "
+                                              "reads that fill them)")
     try:
         reactor.register_buffers(list(zip(pool.arena_addresses, (len(a) for a in pool.arenas))))
     except OSError as exc:
@@ -277,10 +290,10 @@ def _pool_backend(kind: str, file: ModelFile, pool: BufferPool, ring_entries: in
         limit = "unlimited" if soft == resource.RLIM_INFINITY else f"{soft} bytes"
         log.warning("io_uring buffer registration refused, using unregistered reads",
                     error=_describe(exc), rlimit_memlock=limit)
-        return UringBackend(reactor, file), (f"io_uring, unregistered buffers: registration of "
+        return UringBackend(reactor, files), (f"io_uring, unregistered buffers: registration of "
                                              f"{pool.nbytes} bytes refused ({_describe(exc)}; "
                                              f"RLIMIT_MEMLOCK {limit})")
-    return UringBackend(reactor, file), (f"io_uring, {len(pool.arenas)} registered buffer(s) "
+    return UringBackend(reactor, files), (f"io_uring, {len(pool.arenas)} registered buffer(s) "
                                          f"of {pool.nbytes} bytes in all")
 
 

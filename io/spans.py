@@ -49,6 +49,7 @@ class SpanRead:
     """One projection of a run of experts: one aligned read of the file, scattered into their slots."""
 
     projection: int                  # 0 gate, 1 up, 2 down
+    file: int                        # which of the model's files (parts) it is read from
     file_offset: int
     segments: tuple[Segment, ...]    # in file order, back to back
     fixups: tuple[Fixup, ...]
@@ -60,8 +61,9 @@ class SpanRead:
 
 
 def adjacent(a: ExpertLocation, b: ExpertLocation) -> bool:
-    """Whether ``b``'s three ranges start where ``a``'s end (so one read per projection covers both)."""
-    return all(ra.offset + ra.nbytes == rb.offset for ra, rb in zip(a.ranges, b.ranges))
+    """Whether ``b``'s three ranges start where ``a``'s end, in the same file (so one read per projection
+    covers both)."""
+    return all(ra.file == rb.file and ra.offset + ra.nbytes == rb.offset for ra, rb in zip(a.ranges, b.ranges))
 
 
 def runs(locs: Sequence[ExpertLocation], plans: Sequence[ExpertPlan], max_run: int = MAX_RUN) -> list[list[int]]:
@@ -71,7 +73,7 @@ def runs(locs: Sequence[ExpertLocation], plans: Sequence[ExpertPlan], max_run: i
     neighbour and each of its ranges spans at least two aligned blocks (so a
     shared boundary block never swallows a whole range).
     """
-    order = sorted(range(len(locs)), key=lambda i: locs[i].gate.offset)
+    order = sorted(range(len(locs)), key=lambda i: (locs[i].gate.file, locs[i].gate.offset))
     out: list[list[int]] = []
     for i in order:
         run = out[-1] if out else None
@@ -98,5 +100,5 @@ def plan_span(plans: Sequence[ExpertPlan], projection: int) -> SpanRead:
                 fixups.append(Fixup(i + 1, reads[i + 1].dest_offset, i, rr.dest_offset + length, overlap))
         segments.append(Segment(i, rr.dest_offset, length))
     last = reads[-1]
-    return SpanRead(projection, reads[0].file_offset, tuple(segments), tuple(fixups),
+    return SpanRead(projection, reads[0].file, reads[0].file_offset, tuple(segments), tuple(fixups),
                     last.file_offset + last.need_nbytes)

@@ -1,7 +1,7 @@
 """The kernels' worker threads: one pool shared by every backend.
 
 A kernel call runs on the calling thread plus ``get_num_threads() - 1`` pool
-workers (NumPy and numba release the GIL). ``COLIBRI_KERNEL_THREADS`` sets
+workers (NumPy releases the GIL). ``COLIBRI_KERNEL_THREADS`` sets
 the count at start (default 2, the cores of the machines this was tuned on).
 """
 from __future__ import annotations
@@ -38,3 +38,18 @@ def workers() -> ThreadPoolExecutor:
         if _pool is None:
             _pool = ThreadPoolExecutor(max(1, _num_threads - 1), thread_name_prefix="colibri-kernel")
         return _pool
+
+
+def limit_blas_threads(n: int) -> None:
+    """Run BLAS calls (NumPy's OpenBLAS, MKL, ...) on ``n`` threads from now on, in this process.
+
+    Called when an engine starts rather than by setting OPENBLAS_NUM_THREADS at
+    import: importing the package must not change the environment, and the
+    limit works even if NumPy was loaded first. Without threadpoolctl, nothing
+    changes.
+    """
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        return
+    threadpool_limits(limits=n, user_api="blas")

@@ -59,17 +59,6 @@ def main_in_process(*args: str) -> tuple[int, str, str]:
     return status, out.buffer.getvalue().decode(), err.buffer.getvalue().decode()
 
 
-@pytest.fixture(scope="module")
-def numpy_kernels():
-    """The reference kernels for a module's tests, whatever $COLIBRI_KERNELS says
-    (``pytestmark = pytest.mark.usefixtures("numpy_kernels")`` with this name imported)."""
-    from colibri_aio.kernels import backend
-
-    backend.set_backend("numpy")
-    yield
-    backend.set_backend(os.environ.get("COLIBRI_KERNELS", "auto"))
-
-
 def model_logits(path: Path, ids: list[int]) -> np.ndarray:
     """Teacher-forced logits of every position of ``ids`` (one prefill) from the model at ``path``, with a
     float32 KV cache as the oracles keep theirs."""
@@ -94,6 +83,38 @@ def teacher_forced(net, ids: list[int], *, decode: bool) -> np.ndarray:
     return asyncio.run(one_by_one())
 
 
+async def reference_logits(path: Path, ids: list[int], split: int = 12, kernels: str = "numpy") -> np.ndarray:
+    """Logits of the plain mmap forward pass on ``kernels``: the first ``split`` ids as one batch, then the
+    rest one by one."""
+    from colibri_aio.arch import build_net
+    from colibri_aio.engine.mapped_source import MappedExpertSource
+    from colibri_aio.gguf.model import load
+    from colibri_aio.kernels.backend import open_kernels
+
+    model = load(path)
+    backend = open_kernels(kernels)
+    try:
+        net = build_net(model, MappedExpertSource(model), kernels=backend)
+        prefill = await net.forward(ids[:split], logits="all")
+        decode = [await net.forward([t]) for t in ids[split:]]
+    finally:
+        backend.close()
+    return np.concatenate([prefill, np.stack(decode)])
+
+
+async def engine_logits(path: Path, ids: list[int], split: int = 12, kernels: str = "numpy", **placement):
+    """(logits, engine) of ``Engine.open(path, kernels=kernels, **placement)``: the first ``split`` ids
+    prefilled (batch-union path), then the rest decoded one by one (lookahead path). The engine is closed
+    when this returns. NumPy kernels by default, as :func:`reference_logits`, so the two compare bit for bit."""
+    from colibri_aio.engine.engine import Engine
+
+    async with await Engine.open(path, kernels=kernels, **placement) as engine:
+        engine.net.reset()
+        prefill = await engine.net.forward(ids[:split], logits="all")
+        decode = [await engine.net.forward([t]) for t in ids[split:]]
+    return np.concatenate([prefill, np.stack(decode)]), engine
+
+
 def rewrite_gguf(src: Path, dst: Path, *, keys: dict | None = None, drop_keys: tuple[str, ...] = (),
                  tensors=None) -> Path:
     """A copy of the F32 GGUF ``src`` at ``dst`` with metadata ``keys`` set (int, float, str or bool),
@@ -106,11 +127,7 @@ def rewrite_gguf(src: Path, dst: Path, *, keys: dict | None = None, drop_keys: t
     reader = gguf.GGUFReader(src)
     writer = gguf.GGUFWriter(str(dst), keys.get("general.architecture",
                                                 reader.fields["general.architecture"].contents()))
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in drop_keys or key in keys:
-            continue
-        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+    _copy_keys(reader, writer, skip=(*drop_keys, *keys))
     for key, value in keys.items():
         if key != "general.architecture":
             writer.add_key_value(key, value, kinds[type(value)])
@@ -122,3 +139,33 @@ def rewrite_gguf(src: Path, dst: Path, *, keys: dict | None = None, drop_keys: t
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def _copy_keys(reader, writer, skip=()) -> None:
+    """Every metadata key of ``reader`` but ``skip`` (and the architecture, which the writer was made with)."""
+    import gguf
+
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in skip:
+            continue
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), field.types[0], sub_type=sub)
+
+
+def split_gguf(src: Path, dst: Path, *, max_tensors: int, small_first: bool = False) -> list[Path]:
+    """``src`` split as gguf-split does, by gguf-py's writer: parts of at most ``max_tensors`` tensors, in table
+    order, named ``<dst stem>-0000k-of-0000n.gguf``, every key in the first part, ``split.*`` keys in each;
+    ``small_first``: a first part with the metadata and no tensor (gguf-split --no-tensor-first-split)."""
+    import gguf
+
+    reader = gguf.GGUFReader(src)
+    writer = gguf.GGUFWriter(str(dst), reader.fields["general.architecture"].contents(),
+                             split_max_tensors=max_tensors, small_first_shard=small_first)
+    _copy_keys(reader, writer)
+    for t in reader.tensors:
+        writer.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return writer.format_shard_names(dst)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 
 import numpy as np
 import pytest
@@ -25,12 +24,18 @@ from colibri_aio.arch import SUPPORTED_ARCHITECTURES, build_net
 from colibri_aio.arch.layers import MoETransformer
 from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.gguf.model import load
-from colibri_aio.kernels import backend
+from colibri_aio.kernels.backend import Kernels, KernelsUnavailable, open_kernels
 
 from support import FIXTURES, ORACLE, teacher_forced
 
 REL_TOL = 1e-4
 QUANTISED_VS_LLAMACPP = 0.05  # x max|logit|: llama.cpp's Q8_0 activations; argmax checked beyond twice this margin
+GGML_VS_LLAMACPP = 1e-3  # x max|logit|: ggml and llama.cpp run the same kernels on the same rounded activations
+# Families with quantised products the forward pass runs in NumPy (deepseek2: the absorbed MLA products
+# on dequantised attn_k_b/attn_v_b), where llama.cpp rounds activations: held to the argmax check only.
+# gpt-oss's MXFP4 fixture differs from llama.cpp by 1.6% of max|logit| on ggml (6% on NumPy), the other
+# families by < 0.1%: the source of that gap is not yet found, so it is held to the argmax check too.
+PRODUCTS_OUTSIDE_THE_KERNELS = {"deepseek2", "gpt-oss"}
 IDS = json.loads((ORACLE / "family_ids.json").read_text())["sequences"]
 
 
@@ -44,19 +49,11 @@ FAMILY_FIXTURES = sorted(
     and _architecture(stem) != "qwen3moe")  # qwen3moe: test_arch_qwen3moe.py, with its own ids
 
 
-@pytest.fixture(autouse=True, scope="module")
-def numpy_kernels():
-    """The reference kernels, whatever $COLIBRI_KERNELS says."""
-    backend.set_backend("numpy")
-    yield
-    backend.set_backend(os.environ.get("COLIBRI_KERNELS", "auto"))
-
-
-def _net(stem: str) -> MoETransformer:
-    """The family's forward pass with a float32 KV cache, as the oracles ran (the f16 default's tolerance is
-    stated and tested in test_arch_qwen3moe.py)."""
+def _net(stem: str, kernels: Kernels | None = None) -> MoETransformer:
+    """The family's net on ``kernels`` (None: the NumPy reference), with a float32 KV cache, as the oracles ran
+    (the f16 default's tolerance is stated and tested in test_arch_qwen3moe.py)."""
     model = load(FIXTURES / f"{stem}.gguf")
-    return build_net(model, MappedExpertSource(model), kv_type="f32")
+    return build_net(model, MappedExpertSource(model), kernels=kernels, kv_type="f32")
 
 
 def _oracle(stem: str, kind: str) -> list[tuple[list[int], np.ndarray]]:
@@ -93,6 +90,32 @@ def test_argmax_matches_llamacpp(stem: str) -> None:
         scale = float(np.abs(want).max())
         tol = (REL_TOL if f32_weights else QUANTISED_VS_LLAMACPP) * scale
         if f32_weights:
+            assert float(np.abs(got - want).max()) <= tol, stem
+        top2 = np.sort(want, axis=-1)[:, -2:]
+        clear = (top2[:, 1] - top2[:, 0]) > 2 * tol
+        np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+@pytest.fixture(scope="module")
+def ggml() -> Kernels:
+    try:
+        kernels = open_kernels("ggml")
+    except KernelsUnavailable as e:
+        pytest.skip(str(e))
+    yield kernels
+    kernels.close()
+
+
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("stem", FAMILY_FIXTURES)
+def test_ggml_logits_match_llamacpp(stem: str, decode: bool, ggml: Kernels) -> None:
+    """ggml rounds activations as llama.cpp does: held to llama.cpp's logits (GGML_VS_LLAMACPP)."""
+    net = _net(stem, ggml)
+    close = stem.endswith("_f32") or _architecture(stem) not in PRODUCTS_OUTSIDE_THE_KERNELS
+    for ids, want in _oracle(stem, "llamacpp"):
+        got = teacher_forced(net, ids, decode=decode)
+        tol = (GGML_VS_LLAMACPP if close else QUANTISED_VS_LLAMACPP) * float(np.abs(want).max())
+        if close:
             assert float(np.abs(got - want).max()) <= tol, stem
         top2 = np.sort(want, axis=-1)[:, -2:]
         clear = (top2[:, 1] - top2[:, 0]) > 2 * tol

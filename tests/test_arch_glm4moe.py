@@ -16,11 +16,10 @@ from colibri_aio.errors import ModelFormatError
 from colibri_aio.gguf.model import load
 from colibri_aio.io.align import slot_nbytes_for
 
-from support import FIXTURES, ORACLE, main_in_process, model_logits, numpy_kernels, rewrite_gguf  # noqa: F401
+from support import FIXTURES, ORACLE, main_in_process, model_logits, rewrite_gguf
 
 F32 = FIXTURES / "glm4moe_f32.gguf"
 IDS = json.loads((ORACLE / "family_ids.json").read_text())["sequences"][0]
-pytestmark = pytest.mark.usefixtures("numpy_kernels")
 
 
 def _block(name: str) -> int:

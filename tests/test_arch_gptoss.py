@@ -11,11 +11,10 @@ from colibri_aio.errors import ModelFormatError
 from colibri_aio.gguf.model import load
 from colibri_aio.kernels.ops import rope_cos_sin, rope_yarn_cos_sin
 
-from support import FIXTURES, ORACLE, main_in_process, model_logits, numpy_kernels, rewrite_gguf  # noqa: F401
+from support import FIXTURES, ORACLE, main_in_process, model_logits, rewrite_gguf
 
 F32 = FIXTURES / "gptoss_f32.gguf"
 IDS = json.loads((ORACLE / "family_ids.json").read_text())["sequences"][0]
-pytestmark = pytest.mark.usefixtures("numpy_kernels")
 
 
 def test_hyper_parameters_come_from_the_file() -> None:

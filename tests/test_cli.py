@@ -34,16 +34,18 @@ def test_logits_writes_teacher_forced_rows(tmp_path) -> None:
     assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
 
 
-@pytest.mark.parametrize("kernels", ["numba", "auto"])
-def test_logits_of_types_without_compiled_kernels(kernels: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A Q2_K/Q3_K file opens under every backend (none compiles those types) and runs on NumPy's kernels."""
+@pytest.mark.parametrize("kernels", ["numpy", "auto"])
+def test_logits_of_k_quants_on_every_backend(kernels: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Q2_K file: the NumPy reference matches transformers (1e-4 x max|logit|); the default (ggml,
+    which rounds activations as llama.cpp does) matches llama.cpp (3e-2, test_arch_qwen3moe's bound)."""
     monkeypatch.setenv("COLIBRI_KERNELS", kernels)
-    want = np.load(FIXTURES / "quant_types" / "oracle" / "ktiny_q2_k.transformers.npz")["seq0"]
+    oracle, tol = ("transformers", 1e-4) if kernels == "numpy" else ("llamacpp", 3e-2)
+    want = np.load(FIXTURES / "quant_types" / "oracle" / f"ktiny_q2_k.{oracle}.npz")["seq0"]
     ids, out = oracle_ids()[0][: len(want)], tmp_path / "l.npy"
     r = run_cli("logits", str(fixture("quant_types/ktiny_q2_k.gguf")), "--ids", ",".join(map(str, ids)), "--out", str(out),
                 "--kv-type", "f32")
     assert r.returncode == 0, r.stderr
-    assert float(np.abs(np.load(out) - want).max()) <= 1e-4 * float(np.abs(want).max())
+    assert float(np.abs(np.load(out) - want).max()) <= tol * float(np.abs(want).max())
 
 
 @pytest.mark.parametrize("ids", ["1,x,3", "", "5,99999"])

@@ -15,73 +15,58 @@ from colibri_aio.engine.engine import Engine
 from colibri_aio.errors import ExpertReadError, UserError
 from colibri_aio.gguf.model import load
 from colibri_aio.io.reader import ReaderClosedError
-from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.policy.backpressure import BackpressureConfig
-from colibri_aio.arch import build_net
 from colibri_aio.arch.qwen3moe import Qwen3MoE
 from colibri_aio.engine.placement import DEFAULT_LOOKAHEAD, Placement, open_source
 
-from support import fixture, oracle_ids
+from support import engine_logits, fixture, oracle_ids, reference_logits
 
 FIXTURES = ["tiny_f32", "tiny_q8_0", "tiny_q4_k", "colibri-tiny-q8_0", "quant_types/tiny_mxfp4",
             "quant_types/ktiny_q2_k", "qwen2moe_q8_0", "olmoe_q8_0", "mixtral_q8_0",
             "deepseek2_q8_0", "glm4moe_q8_0", "gptoss_mxfp4"]  # and one of every other family
 
 
-async def _reference(name: str, ids: list[int]) -> np.ndarray:
-    model = load(fixture(f"{name}.gguf"))
-    net = build_net(model, MappedExpertSource(model))
-    prefill = await net.forward(ids[:12], logits="all")
-    decode = [await net.forward([t]) for t in ids[12:]]
-    return np.concatenate([prefill, np.stack(decode)])
-
-
-async def _engine_logits(name: str, ids: list[int], **placement) -> tuple[np.ndarray, Engine]:
-    """Prefill the first 12 ids (batch-union path), then decode the rest one by one (lookahead path)."""
-    async with await Engine.open(fixture(f"{name}.gguf"), **placement) as engine:
-        engine.net.reset()
-        prefill = await engine.net.forward(ids[:12], logits="all")
-        decode = [await engine.net.forward([t]) for t in ids[12:]]
-    return np.concatenate([prefill, np.stack(decode)]), engine
-
-
+@pytest.mark.parametrize("kernels", ["numpy", "ggml"])
 @pytest.mark.parametrize("name", FIXTURES)
-async def test_logits_are_bit_identical_across_placements(name: str) -> None:
+async def test_logits_are_bit_identical_across_placements(name: str, kernels: str) -> None:
+    """Every kernel backend: placement (and with it how experts are batched) never changes a bit."""
     a = load(fixture(f"{name}.gguf")).args
     ids = [t % a.vocab_size for t in oracle_ids()[2]]
-    want = await _reference(name, ids)
+    want = await reference_logits(fixture(f"{name}.gguf"), ids, kernels=kernels)
     k, e = a.expert_used_count, a.expert_count
     # Every backend with the smallest and the full cache; every prefetch mode; one size in between.
     combos = [(io, per_layer, "on") for io, per_layer in itertools.product(("uring", "pread", "mmap"), (1, k, e))]
     combos += [("uring", k, "off"), ("uring", 1, "auto"), ("pread", k + 1, "auto")]
     for io, per_layer, prefetch in combos:
-        got, _ = await _engine_logits(name, ids, io=io, cache_per_layer=per_layer, prefetch=prefetch)
+        got, _ = await engine_logits(fixture(f"{name}.gguf"), ids, kernels=kernels, io=io, cache_per_layer=per_layer,
+                                     prefetch=prefetch)
         assert np.array_equal(got, want), (io, per_layer, prefetch)
     for per_layer in (1, e):
-        got, _ = await _engine_logits(name, ids, io="uring", cache_per_layer=per_layer, warm_start=True)
+        got, _ = await engine_logits(fixture(f"{name}.gguf"), ids, kernels=kernels, io="uring",
+                                     cache_per_layer=per_layer, warm_start=True)
         assert np.array_equal(got, want), ("warm start", per_layer)
-    got, _ = await _engine_logits(name, ids, ram_budget="600M")  # global cache sized by the plan
+    got, _ = await engine_logits(fixture(f"{name}.gguf"), ids, kernels=kernels, ram_budget="600M")  # plan-sized cache
     assert np.array_equal(got, want)
 
 
 async def test_cache_that_holds_everything_reads_each_expert_once() -> None:
     ids = oracle_ids()[0]
     model = load(fixture("tiny_q8_0.gguf"))
-    got, engine = await _engine_logits("tiny_q8_0", ids + ids, io="pread", cache_per_layer=model.args.expert_count,
-                                       prefetch="off", warm_start=True)
+    got, engine = await engine_logits(fixture("tiny_q8_0.gguf"), ids + ids, io="pread",
+                                      cache_per_layer=model.args.expert_count, prefetch="off", warm_start=True)
     stats = engine.source.policy.cache.stats
     reads = engine.source.reader.stats.reads
     assert stats.misses + stats.warm_reads == reads <= model.args.block_count * model.args.expert_count
     assert stats.hit_rate > 0.5 and stats.prefetch_reads == 0
-    got, engine = await _engine_logits("tiny_q8_0", ids + ids, io="pread", cache_per_layer=model.args.expert_count,
-                                       prefetch="off")  # the default: no warm start
+    got, engine = await engine_logits(fixture("tiny_q8_0.gguf"), ids + ids, io="pread",
+                                      cache_per_layer=model.args.expert_count, prefetch="off")  # default: no warm start
     stats = engine.source.policy.cache.stats
     assert stats.warm_reads == 0 and stats.misses == engine.source.reader.stats.reads
 
 
 async def test_small_cache_evicts_and_prefetch_is_counted() -> None:
     ids = oracle_ids()[1]
-    _, engine = await _engine_logits("tiny_f32", ids, io="pread", cache_per_layer=2, prefetch="on")
+    _, engine = await engine_logits(fixture("tiny_f32.gguf"), ids, io="pread", cache_per_layer=2, prefetch="on")
     s, c = engine.source.policy.stats, engine.source.policy.cache.stats
     assert c.evictions > 0
     assert s.prefetch_reads == c.prefetch_reads > 0
@@ -91,7 +76,7 @@ async def test_small_cache_evicts_and_prefetch_is_counted() -> None:
 async def test_decode_steps_reach_the_backpressure_trial_and_never_change_logits() -> None:
     # busy_high=0: every window counts as saturated, so auto runs trials from the first decode step.
     ids = oracle_ids()[1]
-    want = await _reference("tiny_f32", ids)
+    want = await reference_logits(fixture("tiny_f32.gguf"), ids)
     model = load(fixture("tiny_f32.gguf"))
     config = BackpressureConfig(window=0.001, busy_high=0.0, trial_steps=1, hold_steps=1)
     source, _ = await open_source(model, Placement(io="pread", cache_per_layer=2, prefetch="auto",
@@ -162,10 +147,10 @@ async def test_budget_too_small_is_refused() -> None:
 async def test_pinning_from_usage_history_keeps_logits_and_hits(name: str) -> None:
     a = load(fixture(f"{name}.gguf")).args
     ids = [t % a.vocab_size for t in oracle_ids()[0]]
-    want = await _reference(name, ids)
+    want = await reference_logits(fixture(f"{name}.gguf"), ids)
     k = a.expert_used_count
-    await _engine_logits(name, ids, io="pread", cache_per_layer=k + 2)  # records the usage history
-    got, engine = await _engine_logits(name, ids, io="pread", cache_per_layer=k + 2, pin="auto")
+    await engine_logits(fixture(f"{name}.gguf"), ids, io="pread", cache_per_layer=k + 2)  # records the usage history
+    got, engine = await engine_logits(fixture(f"{name}.gguf"), ids, io="pread", cache_per_layer=k + 2, pin="auto")
     assert np.array_equal(got, want)
     assert engine.source.policy.cache.pinned and engine.source.policy.cache.stats.pinned_hits > 0
     assert all(a.is_moe(layer) for layer, _ in engine.source.policy.cache.pinned)
@@ -176,7 +161,7 @@ async def test_usage_history_of_another_model_is_never_used(tmp_path) -> None:
     from colibri_aio.engine.history import default_usage_path
     from colibri_aio.policy.usage import model_fingerprint
 
-    await _engine_logits("tiny_q8_0", oracle_ids()[0][:13], io="pread")
+    await engine_logits(fixture("tiny_q8_0.gguf"), oracle_ids()[0][:13], io="pread")
     theirs = default_usage_path(model_fingerprint(load(fixture("tiny_q8_0.gguf"))))
     ours = default_usage_path(model_fingerprint(load(fixture("tiny_f32.gguf"))))
     ours.write_bytes(theirs.read_bytes())

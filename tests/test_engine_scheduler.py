@@ -85,8 +85,12 @@ async def settle() -> None:
 
 
 async def collect(source: CachedExpertSource, layer: int, experts: list[int], got: list) -> None:
-    async for expert, weights in source.stream(layer, experts):
-        got.append((expert, weights))
+    async for batch in source.stream(layer, experts):
+        got.extend(batch)
+
+
+def ids(batch: list) -> list[int]:
+    return [expert for expert, _ in batch]
 
 
 async def test_hits_come_first_and_misses_are_submitted_before_the_first_yield() -> None:
@@ -96,13 +100,31 @@ async def test_hits_come_first_and_misses_are_submitted_before_the_first_yield()
     reader.land((0, 1))
     await warm
     stream = source.stream(0, [3, 1, 4])
-    expert, weights = await anext(stream)
+    [(expert, weights)] = await anext(stream)
     assert (expert, weights) == (1, reader.started[0].future.result())   # the hit, before any miss landed
     assert [r.key for r in reader.kernel.values()] == [(0, 3), (0, 4)]   # both misses already submitted
     reader.land((0, 4))
-    assert (await anext(stream))[0] == 4
+    assert ids(await anext(stream)) == [4]
     reader.land((0, 3))
-    assert (await anext(stream))[0] == 3
+    assert ids(await anext(stream)) == [3]
+    with pytest.raises(StopAsyncIteration):
+        await anext(stream)
+
+
+async def test_experts_ready_together_come_in_one_batch() -> None:
+    """Hits together, then the misses that landed while compute ran, together: one kernel call each."""
+    source, reader = make()
+    warm = asyncio.create_task(collect(source, 0, [1, 2], []))
+    await settle()
+    reader.land((0, 1))
+    reader.land((0, 2))
+    await warm
+    stream = source.stream(0, [2, 3, 1, 4])
+    assert sorted(ids(await anext(stream))) == [1, 2]
+    reader.land((0, 3))
+    reader.land((0, 4))
+    await settle()
+    assert sorted(ids(await anext(stream))) == [3, 4]
     with pytest.raises(StopAsyncIteration):
         await anext(stream)
 
@@ -114,16 +136,17 @@ async def test_every_slot_busy_the_next_miss_waits_for_a_slot_compute_let_go() -
     await settle()
     assert [r.key for r in reader.started] == [(0, 1), (0, 2)]          # no slot for 3 yet
     reader.land((0, 2))
-    expert, _ = await first
-    assert expert == 2 and len(reader.started) == 2                      # held by compute: still no slot
+    assert ids(await first) == [2] and len(reader.started) == 2                      # held by compute: still no slot
     second = asyncio.ensure_future(anext(stream))                        # compute is done with 2
     await settle()
     third = reader.started[-1]
     assert third.key == (0, 3) and third.slot == reader.started[1].slot  # 3 reuses the slot 2 let go
     reader.land((0, 1))
     reader.land((0, 3))
-    assert [(await second)[0], (await anext(stream))[0]] == [1, 3]
-    await stream.aclose()
+    rest = ids(await second)                                             # 1 and 3 landed together
+    async for batch in stream:
+        rest += ids(batch)
+    assert rest == [1, 3]
 
 
 async def test_a_read_failing_while_another_stream_holds_the_slot_fails_both() -> None:

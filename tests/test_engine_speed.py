@@ -10,6 +10,7 @@ from colibri_aio.engine.memory import MemoryLimits
 from colibri_aio.engine.plan import make_plan
 from colibri_aio.engine.speed import cached, decode_weights, machine_speed, measure
 from colibri_aio.gguf.model import load
+from colibri_aio.kernels.backend import open_kernels
 from colibri_aio.models import default_model_path
 
 from support import fixture
@@ -40,7 +41,11 @@ def test_estimate_is_within_2x_of_a_real_run() -> None:
     """The shipped model, the one whose per-token estimate was 40x off with assumed rates, through the engine
     (the overhead is measured without its scheduler). Tolerance: a factor of 2 either way."""
     model = load(default_model_path(), resident=False)
-    speed = measure(set(decode_weights(model)))
+    kernels = open_kernels("auto")  # what the engine below runs
+    try:
+        speed = measure(kernels, set(decode_weights(model)))
+    finally:
+        kernels.close()
     plan = make_plan(model, LIMITS, budget=1 * GiB, speed=speed)
     assert plan.all_experts_fit and "measured" in plan.speed_source
     real = _decode_step_s(model.path, [(7 * i) % model.args.vocab_size for i in range(1, 40)])
@@ -56,13 +61,17 @@ def test_without_a_measurement_the_plan_says_its_rates_are_assumed() -> None:
 def test_speed_is_measured_once_and_kept_for_this_host(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = load(fixture("tiny_q8_0.gguf"), resident=False)
-    assert cached() is None
+    kernels = open_kernels("auto")
+    assert cached(kernels.name) is None
     types = set(decode_weights(model))
-    first = machine_speed(types)
-    assert cached() == first and machine_speed(types) == first  # the second call measures nothing
+    try:
+        first = machine_speed(kernels, types)
+        assert cached(kernels.name) == first and machine_speed(kernels, types) == first  # the second measures nothing
+    finally:
+        kernels.close()
     path = next((tmp_path / "colibri_aio" / "speed").glob("*.json"))
     doc = json.loads(path.read_text())
     path.write_text(json.dumps({**doc, "host": "another machine"}))
-    assert cached() is None  # measured elsewhere: not this machine's speed
+    assert cached(kernels.name) is None  # measured elsewhere: not this machine's speed
     path.write_text("{not json")
-    assert cached() is None
+    assert cached(kernels.name) is None

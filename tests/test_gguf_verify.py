@@ -32,13 +32,13 @@ def moved(model: Model, layer: int, expert: int, proj: str, offset: int) -> list
 
 def test_a_good_file_has_no_problems(model: Model) -> None:
     size = SOURCE.stat().st_size
-    assert layout_problems(model.reader, model.experts, size) == []
+    assert layout_problems(model.reader, model.experts, [size]) == []
     assert special_token_problems(model.reader) == []
 
 
 def test_expert_ranges_reaching_into_the_header_are_found(model: Model) -> None:
-    start = model.reader.data_offset
-    problems = layout_problems(model.reader, moved(model, 1, 0, "up", start - 64), SOURCE.stat().st_size)
+    start = model.reader.parts[0].data_offset
+    problems = layout_problems(model.reader, moved(model, 1, 0, "up", start - 64), [SOURCE.stat().st_size])
     assert problems == [f"{SOURCE}: layer 1 up experts at bytes [{start - 64}, "
                         f"{model.experts[1][-1].up.offset + model.experts[1][-1].up.nbytes}) reach into the header "
                         f"and metadata (which end at {start})"]
@@ -47,22 +47,22 @@ def test_expert_ranges_reaching_into_the_header_are_found(model: Model) -> None:
 def test_overlapping_and_stray_expert_ranges_are_found(model: Model) -> None:
     size = SOURCE.stat().st_size
     e0 = model.experts[0][0].down
-    overlap = layout_problems(model.reader, moved(model, 0, 1, "down", e0.offset + e0.nbytes // 2), size)
+    overlap = layout_problems(model.reader, moved(model, 0, 1, "down", e0.offset + e0.nbytes // 2), [size])
     assert len(overlap) == 1 and overlap[0].endswith("experts 0 and 1 overlap")
     last = model.experts[0][-1].gate
-    beyond = layout_problems(model.reader, moved(model, 0, len(model.experts[0]) - 1, "gate", last.offset + 4096), size)
+    beyond = layout_problems(model.reader, moved(model, 0, len(model.experts[0]) - 1, "gate", last.offset + 4096), [size])
     assert any("gate experts" in p and "are not inside one stacked tensor" in p for p in beyond)
 
 
 def test_tensors_outside_the_file_or_over_each_other_are_found(model: Model) -> None:
     size = SOURCE.stat().st_size
     last = model.reader.tensors[-1]
-    short = layout_problems(model.reader, model.experts, size - 1)
+    short = layout_problems(model.reader, model.experts, [size - 1])
     assert any(f"tensor {last.name} at bytes" in p and "outside the data section" in p for p in short)
     header = copy.copy(model.reader)
     a, b = header.tensors[0], header.tensors[1]
     header.tensors = [a, dataclasses.replace(b, data_offset=a.data_offset + 1), *header.tensors[2:]]
-    assert f"{SOURCE}: tensors {a.name} and {b.name} overlap" in layout_problems(header, model.experts, size)
+    assert f"{SOURCE}: tensors {a.name} and {b.name} overlap" in layout_problems(header, model.experts, [size])
 
 
 def test_special_token_ids_outside_the_vocabulary_are_found(model: Model) -> None:

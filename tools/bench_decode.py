@@ -3,60 +3,51 @@
 The model must fit in RAM (this measures kernels and overheads, not the disk):
 our engine holds every expert in its cache, llama.cpp maps the file. The same
 fixed ids are fed one at a time (DESIGN's "replay" protocol, so neither engine
-can fall into a cached loop); prefill is the same ids as one batch. Arms are
-interleaved, run 0 of each arm is a warm-up (caches filled, kernels loaded) and
-not counted, then ``--runs`` timed runs each.
+can fall into a cached loop); prefill is the same ids as one batch.
 
-An arm of ours is a kernel backend (``numpy``, ``numba``, ``auto``), optionally
-with the compiled matmul path after a slash (``auto/blas``, ``auto/fused``; see
-``colibri_aio.kernels.jit.set_matmul``); without one it runs the default path.
+Every arm runs in its own worker process, started after the page cache is
+dropped (when allowed) and kept for the whole benchmark: two copies of ggml
+(ggml-python's and llama.cpp's) must not share one process, whose dynamic
+linker would bind both to one set of ``ggml_*`` symbols. The parent drives the
+workers in turn, so arms interleave run by run (the order flips every run);
+run 0 of each arm is a warm-up (caches filled, graphs built) and not counted,
+then ``--runs`` timed runs each. An arm of ours is a kernel backend
+(``numpy``, ``ggml``, ``auto``).
 
-    python tools/bench_decode.py MODEL.gguf --runs 5 --tokens 32 --arms auto/blas,auto/fused,llama.cpp
+    python tools/bench_decode.py MODEL.gguf --runs 5 --tokens 32 --prefill 128 --arms ggml,llama.cpp
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import os
-import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
 
-# colibri_aio first, as in the CLI: it sets OPENBLAS_NUM_THREADS=1 before NumPy loads OpenBLAS.
-from colibri_aio import __version__
 import numpy as np
 
-from colibri_aio.engine.engine import Engine
-from colibri_aio.kernels import backend
-from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt
+from colibri_aio.bench.lock import exclusive
+from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# --- workers: one engine each, answering {"op": "decode"|"prefill", "ids": [...]} with seconds ---
+
 class Ours:
-    """Our engine with one kernel backend (and matmul path); the arms share one engine (and its warm expert cache)."""
+    """Our engine with one kernel backend; every expert cached (a model in RAM)."""
 
-    _shared: dict[Path, tuple[asyncio.AbstractEventLoop, Engine]] = {}
+    def __init__(self, path: Path, kernels: str, n_ctx: int) -> None:
+        from colibri_aio.engine.engine import Engine
 
-    def __init__(self, path: Path, arm: str, n_ctx: int) -> None:
-        self.kernels, _, self.matmul = arm.partition("/")
-        if path not in self._shared:
-            loop = asyncio.new_event_loop()
-            engine = loop.run_until_complete(Engine.open(
-                path, prefetch="off", n_ctx=n_ctx, cache_per_layer=10**6))  # every expert fits: a model in RAM
-            self._shared[path] = (loop, engine)
-        self.loop, self.engine = self._shared[path]
-        self._select()
-        backend.warm_up()
-
-    def _select(self) -> None:
-        """This arm's backend and matmul path (the engine is shared, so before every run)."""
-        select(self.kernels, self.matmul)
+        self.loop = asyncio.new_event_loop()
+        self.engine = self.loop.run_until_complete(Engine.open(
+            path, prefetch="off", n_ctx=n_ctx, cache_per_layer=10**6, kernels=kernels))
+        self.describe = f"{self.engine.kernels.name}: {self.engine.kernels.reason}"
 
     def decode(self, ids: list[int]) -> float:
-        self._select()
         net = self.engine.net
 
         async def run() -> float:
@@ -70,7 +61,6 @@ class Ours:
         return self.loop.run_until_complete(run())
 
     def prefill(self, ids: list[int]) -> float:
-        self._select()
         net = self.engine.net
 
         async def run() -> float:
@@ -84,10 +74,12 @@ class Ours:
 
 class LlamaCpp:
     def __init__(self, path: Path, n_ctx: int) -> None:
+        import llama_cpp
         from llama_cpp import Llama
 
         self.llm = Llama(model_path=str(path), n_ctx=n_ctx, n_threads=2, n_threads_batch=2, n_batch=512,
                          logits_all=False, verbose=False)
+        self.describe = f"llama-cpp-python {llama_cpp.__version__}, n_threads=2, mmap"
 
     def decode(self, ids: list[int]) -> float:
         self.llm.reset()
@@ -104,21 +96,45 @@ class LlamaCpp:
         return time.perf_counter() - t0
 
 
-def select(kernels: str, matmul: str) -> None:
-    """Use backend ``kernels`` and, if named, the compiled matmul path ``matmul`` (else the default)."""
-    backend.set_backend(kernels)
-    if backend.backend_name() == "numba":
-        from colibri_aio.kernels import jit
-
-        jit.set_matmul(matmul or jit.DEFAULT_MATMUL)
-    elif matmul:
-        raise SystemExit(f"arm {kernels}/{matmul}: a matmul path needs the compiled kernels")
+def worker(arm: str, path: Path, n_ctx: int) -> int:
+    engine = LlamaCpp(path, n_ctx) if arm == "llama.cpp" else Ours(path, arm, n_ctx)
+    print(json.dumps({"ready": engine.describe}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        print(json.dumps({"seconds": getattr(engine, cmd["op"])(cmd["ids"])}), flush=True)
+    return 0
 
 
-def _kernels_of(arm: str) -> str:
-    kernels, _, matmul = arm.partition("/")
-    select(kernels, matmul)
-    return f"{backend.backend_name()}: {backend.backend_reason()}"
+class Worker:
+    def __init__(self, arm: str, path: Path, n_ctx: int) -> None:
+        self.arm = arm
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", arm, str(path), "--n-ctx", str(n_ctx)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.describe = self._reply()["ready"]
+
+    def _reply(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"worker {self.arm} died (exit {self.proc.wait()})")
+        return json.loads(line)
+
+    def time(self, op: str, ids: list[int]) -> float:
+        self.proc.stdin.write(json.dumps({"op": op, "ids": ids}) + "\n")
+        self.proc.stdin.flush()
+        return self._reply()["seconds"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def drop_page_cache() -> bool:
+    try:
+        subprocess.run(["sync"], check=True)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
 
 
 def _ratio(r: dict, key: str, arm: str) -> str:
@@ -126,37 +142,44 @@ def _ratio(r: dict, key: str, arm: str) -> str:
     return "1.000" if arm == "llama.cpp" else (f"{r[key]:.3f}" if key in r else "-")
 
 
-def stats(xs: list[float]) -> dict:
-    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "samples": xs}
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", type=Path)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--tokens", type=int, default=32, help="decode tokens per run (teacher-forced)")
-    p.add_argument("--prefill", type=int, default=64, help="prefill positions per run")
-    p.add_argument("--arms", default="numpy,auto,llama.cpp")
+    p.add_argument("--prefill", type=int, default=128, help="prefill positions per run")
+    p.add_argument("--arms", default="auto,llama.cpp")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
+    p.add_argument("--lock", type=Path, default=None, help="hold this lock file exclusively during each run")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--n-ctx", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.worker:
+        return worker(args.worker, args.model, args.n_ctx)
     arms = args.arms.split(",")
     rng = np.random.default_rng(args.seed)
     ids = rng.integers(3, 2048, max(args.tokens + 1, args.prefill)).tolist()
-    n_ctx = len(ids) + 8
-    engines = {a: (LlamaCpp(args.model, n_ctx) if a == "llama.cpp" else Ours(args.model, a, n_ctx)) for a in arms}
+    with exclusive(args.lock):
+        dropped = drop_page_cache()
+        workers = {a: Worker(a, args.model, len(ids) + 8) for a in arms}
     samples: dict[str, dict[str, list[float]]] = {a: {"decode_tok_s": [], "prefill_tok_s": []} for a in arms}
-    for run in range(args.runs + 1):
-        for a in arms:
-            d = engines[a].decode(ids[: args.tokens + 1])
-            pf = engines[a].prefill(ids[: args.prefill])
-            if run == 0:
-                continue  # warm-up
-            samples[a]["decode_tok_s"].append(args.tokens / d)
-            samples[a]["prefill_tok_s"].append(args.prefill / pf)
-            print(json.dumps({"arm": a, "run": run, "decode_tok_s": args.tokens / d,
-                              "prefill_tok_s": args.prefill / pf}), flush=True)
-    summary = {a: {k: stats(v) for k, v in s.items()} for a, s in samples.items()}
+    try:
+        for run in range(args.runs + 1):
+            for a in (arms if run % 2 == 0 else arms[::-1]):
+                with exclusive(args.lock):
+                    d = workers[a].time("decode", ids[: args.tokens + 1])
+                    pf = workers[a].time("prefill", ids[: args.prefill])
+                if run == 0:
+                    continue  # warm-up
+                samples[a]["decode_tok_s"].append(args.tokens / d)
+                samples[a]["prefill_tok_s"].append(args.prefill / pf)
+                print(json.dumps({"arm": a, "run": run, "decode_tok_s": args.tokens / d,
+                                  "prefill_tok_s": args.prefill / pf}), flush=True)
+    finally:
+        for w in workers.values():
+            w.close()
+    summary = {a: {k: spread(v) | {"samples": v} for k, v in s.items()} for a, s in samples.items()}
     ratios = {}
     if "llama.cpp" in summary:
         ref = summary["llama.cpp"]
@@ -166,10 +189,8 @@ def main() -> int:
     receipt = {
         **receipt_header("tools/bench_decode.py"), "model": args.model.name,
         "model_bytes": args.model.stat().st_size, "tokens": args.tokens, "prefill": args.prefill,
-        "engine_version": __version__, "openblas_num_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
-        "kernels": {a: _kernels_of(a) for a, e in engines.items() if isinstance(e, Ours)},
+        "page_cache_dropped": dropped, "arms": {a: w.describe for a, w in workers.items()},
         "summary": summary, "ratios_vs_llama_cpp": ratios,
-        "note": "shared 2-vCPU machine; llama-cpp-python 0.3.36 built from source (AVX-512), n_threads=2",
     }
     stamp = receipt["date"]
     lines = [f"# Decode and prefill, in RAM — {stamp}", "",
@@ -177,9 +198,11 @@ def main() -> int:
              f"({receipt['model_bytes'] / 1e9:.2f} GB), load average at end {receipt['load_average']}", "",
              f"Command: `{receipt['command']}`", "",
              f"Teacher-forced decode of {args.tokens} fixed ids one at a time; prefill of {args.prefill} ids as one "
-             f"batch. {args.runs} timed runs per arm after one warm-up, arms interleaved.", "",
-             "| arm | decode tok/s median [min–max] | prefill tok/s median [min–max] | decode ÷ llama.cpp | "
-             "prefill ÷ llama.cpp |", "|---|---|---|---|---|"]
+             f"batch. One worker process per arm (page cache dropped before they started: {dropped}); "
+             f"{args.runs} timed runs per arm after one warm-up, arms interleaved (order flipped every run).", ""]
+    lines += [f"- {a}: {w.describe}" for a, w in workers.items()]
+    lines += ["", "| arm | decode tok/s median [min–max] | prefill tok/s median [min–max] | decode ÷ llama.cpp | "
+              "prefill ÷ llama.cpp |", "|---|---|---|---|---|"]
     for a in arms:
         d, pf = summary[a]["decode_tok_s"], summary[a]["prefill_tok_s"]
         r = ratios.get(a, {})

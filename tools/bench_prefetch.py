@@ -237,7 +237,7 @@ def main() -> int:
         note = desc.contents() if desc is not None else "no description"
         receipt = {
             **receipt_header("bench_prefetch.py"), "model": model_path.name,
-            "model_note": note, "model_bytes": model.identity.size, "expert_count": model.args.expert_count,
+            "model_note": note, "model_bytes": model.file_nbytes, "expert_count": model.args.expert_count,
             "cache_per_layer": args.cache_per_layer, "tokens": args.tokens, "io": args.io,
             "peak_rss_bytes": peak_rss_bytes(), "arms": args.arms.split(","),
             "summary": summarise(runs, args.arms.split(",")), "runs": runs,

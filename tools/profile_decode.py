@@ -1,14 +1,24 @@
-"""Where the time of one decode step goes, per kernel backend: expert matvecs, attention
-projections, attention itself, the output head, routing, and the rest (Python overhead).
+"""Where the time of one decode step goes: native kernels versus everything Python does around them.
 
-The forward pass's ``linear`` and ``attention`` and the MoE step are wrapped
-with timers; each ``linear`` call is attributed by the tensor it multiplies
-(attn_q/k/v/output, the output head, or an expert). Routing is the MoE step
-minus its expert matvecs (router product, top-k, the cache's bookkeeping).
 Teacher-forced decode of fixed ids on a model held in RAM (every expert
-cached), after one warm-up pass; n runs, median and min–max per category.
+cached), after one warm-up pass; n runs, median and min–max per category,
+per kernel backend. Timers wrap:
 
-    python tools/profile_decode.py MODEL.gguf --runs 5 --tokens 16
+* the engine's kernel backend, per operation (``linears`` = q/k/v, ``linear``
+  split into attention output and output head, ``expert_ffns``, ``dequantize``);
+  for ggml also the native graph computation alone (``ggml_graph_compute``,
+  threads included), so a call's wrapper (graph lookup, re-pointing, output
+  arrays) shows as its own line;
+* the forward pass's NumPy trunk ops (RMSNorm, RoPE, attention, router top-k);
+* the MoE step without its kernel calls (router product, the expert source's
+  bookkeeping, scattering outputs).
+
+**Python overhead** = wall time − native kernel time: for ggml the time inside
+``ggml_graph_compute``, for NumPy the time inside kernel calls (NumPy's own
+per-call overhead counts as kernel time there, which flatters it). The
+target of issue 12 is below 5% of the step for the fast backend.
+
+    python tools/profile_decode.py MODEL.gguf --runs 5 --tokens 32 --kernels ggml
 """
 from __future__ import annotations
 
@@ -22,48 +32,60 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri_aio.arch import layers
+from colibri_aio.arch import layers, qwen3moe
 from colibri_aio.engine.engine import Engine
-from colibri_aio.kernels import backend
+from colibri_aio.bench.lock import exclusive
 from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
-CATEGORIES = ("expert matvecs", "attention projections", "attention", "output head", "routing", "python overhead")
+# The trunk's NumPy ops, as the shared forward pass (arch/layers.py) and the qwen3moe family import them.
+NUMPY_OPS = {layers: ("rms_norm", "rope_cos_sin", "attention", "route"), qwen3moe: ("rms_norm", "rope_neox")}
 
 
 class Timers:
-    """Seconds per category, filled by wrappers around the forward pass's helpers."""
+    """Seconds per category, filled by wrappers installed on one engine."""
 
-    def __init__(self, model) -> None:
+    def __init__(self) -> None:
         self.t: dict[str, float] = defaultdict(float)
-        self.kind = {id(model.output.data): "output head"}
-        for b in model.blocks:
-            for w in (b.attn_q, b.attn_k, b.attn_v, b.attn_output):
-                self.kind[id(w.data)] = "attention projections"
-        self._linear, self._attention, self._moe = layers.linear, layers.attention, layers.MoETransformer._moe
 
-    def install(self) -> None:
+    def timed(self, category, fn):
+        """``fn`` wrapped; ``category`` is a name or a function of the call's arguments."""
         timers = self
 
-        def linear(w, x):
+        def wrapper(*a, **k):
             t0 = time.perf_counter()
-            out = timers._linear(w, x)
-            timers.t[timers.kind.get(id(w.data), "expert matvecs")] += time.perf_counter() - t0
+            try:
+                return fn(*a, **k)
+            finally:
+                name = category(*a) if callable(category) else category
+                timers.t[name] += time.perf_counter() - t0
+
+        return wrapper
+
+    def install(self, engine: Engine) -> None:
+        k, model = engine.kernels, engine.model
+        head = id(model.output.data)
+        k.linears = self.timed("kernel: q/k/v (linears)", k.linears)
+        k.linear = self.timed(lambda w, x: "kernel: output head" if id(w.data) == head
+                              else "kernel: attention output", k.linear)
+        k.expert_ffns = self.timed("kernel: expert FFNs", k.expert_ffns)
+        k.dequantize = self.timed("kernel: embedding rows", k.dequantize)
+        if k.name == "ggml":
+            from colibri_aio.kernels import ggml_cpu
+            ggml_cpu._Graph.run = self.timed("native: ggml_graph_compute", ggml_cpu._Graph.run)
+        for module, names in NUMPY_OPS.items():
+            for name in names:
+                setattr(module, name, self.timed(f"numpy: {name}", getattr(module, name)))
+        moe, timers = layers.MoETransformer._moe, self
+
+        async def moe_step(net, *a, **kw):
+            t0, inner = time.perf_counter(), timers.t["kernel: expert FFNs"] + timers.t["numpy: route"]
+            out = await moe(net, *a, **kw)
+            inner = timers.t["kernel: expert FFNs"] + timers.t["numpy: route"] - inner
+            timers.t["moe step without kernels and routing"] += time.perf_counter() - t0 - inner
             return out
 
-        def attention(*a):
-            t0 = time.perf_counter()
-            out = timers._attention(*a)
-            timers.t["attention"] += time.perf_counter() - t0
-            return out
-
-        async def moe(net, *a, **k):
-            t0, before = time.perf_counter(), timers.t["expert matvecs"]
-            out = await timers._moe(net, *a, **k)
-            timers.t["moe step"] += time.perf_counter() - t0 - (timers.t["expert matvecs"] - before)
-            return out
-
-        layers.linear, layers.attention, layers.MoETransformer._moe = linear, attention, moe
+        layers.MoETransformer._moe = moe_step
 
     def take(self) -> dict[str, float]:
         out, self.t = dict(self.t), defaultdict(float)
@@ -80,53 +102,61 @@ async def one_run(engine: Engine, timers: Timers, ids: list[int]) -> dict[str, f
         await net.forward([t])
     wall = time.perf_counter() - t0
     t = timers.take()
+    kernel_calls = sum(v for k, v in t.items() if k.startswith("kernel:"))
+    native = t.get("native: ggml_graph_compute", kernel_calls)
+    t["kernel call wrappers"] = kernel_calls - native if "native: ggml_graph_compute" in t else 0.0
+    t["other (forward pass, embedding, residuals)"] = (
+        wall - kernel_calls - sum(v for k, v in t.items() if k.startswith("numpy:"))
+        - t.get("moe step without kernels and routing", 0.0))
+    t["python overhead"] = wall - native
     n = len(ids) - 1
-    per = {"expert matvecs": t.get("expert matvecs", 0.0), "attention projections": t.get("attention projections", 0.0),
-           "attention": t.get("attention", 0.0), "output head": t.get("output head", 0.0),
-           "routing": t.get("moe step", 0.0)}
-    per["python overhead"] = wall - sum(per.values())
-    return {k: v / n * 1e3 for k, v in per.items()} | {"total": wall / n * 1e3}
+    out = {k: v / n * 1e3 for k, v in t.items()}
+    out["total"] = wall / n * 1e3
+    out["python overhead %"] = 100 * (wall - native) / wall
+    return out
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("model", type=Path)
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--tokens", type=int, default=16)
-    p.add_argument("--kernels", default="numpy,auto")
+    p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--kernels", default="ggml")
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
+    p.add_argument("--lock", type=Path, default=None, help="hold this lock file exclusively during each run")
     args = p.parse_args()
     ids = np.random.default_rng(0).integers(3, 2048, args.tokens + 1).tolist()
     loop = asyncio.new_event_loop()
     engine = loop.run_until_complete(Engine.open(args.model, prefetch="off", n_ctx=len(ids) + 1,
-                                                 cache_per_layer=10**6))
-    timers = Timers(engine.model)
-    timers.install()
-    arms = args.kernels.split(",")
-    samples: dict[str, list[dict[str, float]]] = {a: [] for a in arms}
+                                                 cache_per_layer=10**6, kernels=args.kernels))
+    timers = Timers()
+    timers.install(engine)
+    samples = []
     for run in range(args.runs + 1):
-        for a in arms:
-            backend.set_backend(a)
+        with exclusive(args.lock):
             r = loop.run_until_complete(one_run(engine, timers, ids))
-            if run:
-                samples[a].append(r)
+        if run:
+            samples.append(r)
     loop.run_until_complete(engine.aclose())
-    summary = {a: {k: {"median": statistics.median(s[k] for s in xs), "min": min(s[k] for s in xs),
-                       "max": max(s[k] for s in xs)} for k in (*CATEGORIES, "total")} for a, xs in samples.items()}
-    receipt = {**receipt_header("tools/profile_decode.py"), "model": args.model.name,
-               "unit": "ms per decoded token", "summary": summary, "samples": samples}
+    keys = sorted({k for s in samples for k in s}, key=lambda k: (k in ("total", "python overhead",
+                                                                       "python overhead %"), k))
+    summary = {k: {"median": statistics.median(s.get(k, 0.0) for s in samples),
+                   "min": min(s.get(k, 0.0) for s in samples), "max": max(s.get(k, 0.0) for s in samples)}
+               for k in keys}
+    receipt = {**receipt_header("tools/profile_decode.py"), "model": args.model.name, "kernels": args.kernels,
+               "kernels_reason": engine.kernels.reason, "unit": "ms per decoded token", "summary": summary,
+               "samples": samples}
     stamp = receipt["date"]
     lines = [f"# One decode step, by category — {stamp}", "",
              f"host `{receipt['host']}`, commit `{receipt['commit']}`, model `{args.model.name}` (every expert "
-             f"cached: a model in RAM), load average at end {receipt['load_average']}", "",
-             f"Command: `{receipt['command']}`", "",
-             "ms per decoded token, median [min–max] over the runs; routing is the MoE step without its expert "
-             "work (router product, top-k, the source's bookkeeping); Python overhead is the rest of the wall time.",
-             "", "| category | " + " | ".join(arms) + " |", "|---|" + "---|" * len(arms)]
-    for k in (*CATEGORIES, "total"):
-        cells = [f"{summary[a][k]['median']:.2f} [{summary[a][k]['min']:.2f}–{summary[a][k]['max']:.2f}]"
-                 for a in arms]
-        lines.append(f"| {k} | " + " | ".join(cells) + " |")
+             f"cached: a model in RAM), kernels {engine.kernels.name} ({engine.kernels.reason}), load average "
+             f"at end {receipt['load_average']}", "", f"Command: `{receipt['command']}`", "",
+             f"ms per decoded token over {args.tokens} teacher-forced tokens, median [min–max] of {args.runs} runs. "
+             "Kernel lines include the native time inside them; **python overhead** is wall time minus native "
+             "kernel time (tools/profile_decode.py docstring).", "", "| category | ms/token |", "|---|---|"]
+    for k in keys:
+        s = summary[k]
+        lines.append(f"| {k} | {s['median']:.3f} [{s['min']:.3f}–{s['max']:.3f}] |")
     write_receipt(args.out, f"profile_decode_{stamp}", receipt, "\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

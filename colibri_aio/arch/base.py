@@ -20,13 +20,13 @@ from colibri_aio.kernels.ops import Routing
 from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, kv_nbytes
 
 if TYPE_CHECKING:
-    from colibri_aio.gguf.header import GGUFHeader
+    from colibri_aio.gguf.split import ModelHeader
 
 
 class Metadata:
     """The GGUF metadata as one architecture reads it: ``need("block_count")`` is ``<arch>.block_count``."""
 
-    def __init__(self, reader: GGUFHeader, path: Path, architecture: str) -> None:
+    def __init__(self, reader: ModelHeader, path: Path, architecture: str) -> None:
         self.reader, self.path, self.architecture = reader, path, architecture
         self.tensor_names = frozenset(t.name for t in reader.tensors)
 
@@ -254,7 +254,7 @@ def router_tensors(a: BaseArgs) -> list[TensorSpec]:
 class Family:
     """One architecture in the registry.
 
-    ``net`` is built as ``net(model, experts, n_ctx, kv_type)``; ``moe_norm`` names the
+    ``net`` is built as ``net(model, experts, n_ctx, kernels, kv_type)``; ``moe_norm`` names the
     block tensor that norms the MoE input (the router's input, which the
     lookahead applies to the previous layer's hidden state); ``checked_against``
     names the transformers class its oracle tests ran.

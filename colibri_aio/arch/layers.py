@@ -3,7 +3,8 @@
 Every product a forward pass computes goes through :meth:`MoETransformer.linear`,
 :meth:`~MoETransformer.linears`, :meth:`~MoETransformer.embed` and
 :meth:`~MoETransformer.expert_outputs` (here, and only here, the kernels are
-called); attention through :meth:`~MoETransformer.attend`. A family module
+called, on the backend the net was given: :mod:`colibri_aio.kernels.backend`);
+attention through :meth:`~MoETransformer.attend`. A family module
 subclasses :class:`MoETransformer` and writes its attention from these pieces
 (``arch/__init__.py`` says how to add one).
 
@@ -26,7 +27,7 @@ from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, KVCache, default_context
 from colibri_aio.arch.lookahead import moe_norm, predictor_state, rank_experts, router_logits
 from colibri_aio.errors import NonFiniteError, UserError
 from colibri_aio.experts import ExpertSource, ExpertWeights
-from colibri_aio.kernels.backend import dequantize, matmul, matvec
+from colibri_aio.kernels.backend import Kernels, NumpyKernels
 from colibri_aio.kernels.ops import attention, rms_norm, rope_cos_sin, route, sigmoid, swiglu
 from colibri_aio.kernels.qtensor import QTensor
 
@@ -54,23 +55,11 @@ class RouteObserver(Protocol):
         experts) reports ``ids``/``weights`` of shape (T, 0) and its FFN input as ``moe_input``."""
 
 
-def linear(w: QTensor, x: np.ndarray) -> np.ndarray:
-    """x (T, cols) -> (T, rows); one position takes the matvec kernel, more the matmul one."""
-    if x.shape[0] == 1:
-        return matvec(w, x[0])[None, :]
-    return matmul(w, x)
-
-
-def embed_rows(token_embd: QTensor, ids: np.ndarray) -> np.ndarray:
+def embed_rows(kernels: Kernels, token_embd: QTensor, ids: np.ndarray) -> np.ndarray:
     """Rows of the token embedding for ``ids``, dequantised: (T, D)."""
     table = token_embd.data.reshape(token_embd.rows, -1)        # (V, bytes per row)
     rows = np.ascontiguousarray(table[ids]).reshape(-1)
-    return dequantize(QTensor(rows, token_embd.ggml_type, (len(ids), token_embd.cols)))
-
-
-def expert_ffn(w: ExpertWeights, x: np.ndarray) -> np.ndarray:
-    """One routed expert on the positions routed to it: down(silu(gate x) * up x); (n, D) -> (n, D)."""
-    return linear(w.down, swiglu(linear(w.gate, x), linear(w.up, x)))
+    return kernels.dequantize(QTensor(rows, token_embd.ggml_type, (len(ids), token_embd.cols)))
 
 
 class MoETransformer:
@@ -84,11 +73,13 @@ class MoETransformer:
     """
 
     def __init__(self, model: Model, experts: ExpertSource, n_ctx: int | None = None,
-                 kv_type: str = DEFAULT_KV_TYPE) -> None:
+                 kernels: Kernels | None = None, kv_type: str = DEFAULT_KV_TYPE) -> None:
         """``n_ctx``: KV-cache positions (default: the model's, at most 4096; never more than the model's);
+        ``kernels``: the backend every product runs on (None: the NumPy reference); the caller owns it;
         ``kv_type``: "f16" or "f32" storage of keys and values (see :mod:`colibri_aio.arch.kvcache`)."""
         a = model.args
         self.model, self.args, self.experts = model, a, experts
+        self.kernels: Kernels = kernels if kernels is not None else NumpyKernels()
         self.n_ctx = min(n_ctx or default_context(a.context_length), a.context_length)
         self.kv_type = kv_type
         self.cache = self.make_cache()
@@ -102,21 +93,22 @@ class MoETransformer:
 
     def linear(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         """x (T, cols) -> (T, rows)."""
-        return linear(w, x)
+        return self.kernels.linear(w, x)
 
     def linears(self, ws: Sequence[QTensor], x: np.ndarray) -> list[np.ndarray]:
-        """Several products on one input."""
-        return [linear(w, x) for w in ws]
+        """Several products on one input (one graph on the ggml backend)."""
+        return self.kernels.linears(ws, x)
 
     def embed(self, ids: np.ndarray) -> np.ndarray:
         """Token embedding rows (T, D)."""
-        return embed_rows(self.model.token_embd, ids)
+        return embed_rows(self.kernels, self.model.token_embd, ids)
 
     def expert_outputs(self, layer: int, experts: Sequence[tuple[int, ExpertWeights]],
                        xs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Each routed expert on the rows routed to it (an expert activation other than SwiGLU,
-        or expert biases, override this)."""
-        return [expert_ffn(w, x) for (_, w), x in zip(experts, xs)]
+        """Each routed expert, down(silu(gate x) * up x), on the rows routed to it: (n_i, D) each;
+        one kernel call for the batch (an expert activation other than SwiGLU, or expert biases,
+        override this)."""
+        return self.kernels.expert_ffns([w for _, w in experts], xs)
 
     # --- shared pieces the families' attention is written with --------------------------------
 
@@ -260,7 +252,7 @@ class MoETransformer:
                    residual: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
         """Route, fetch each unique expert once (batch-union), and sum in routing order (+ the shared expert).
 
-        Experts arrive in whatever order the source delivers them; each one's
+        Experts arrive in batches, in whatever order the source delivers them; each one's
         weighted output lands in its (position, rank) cell and the cells are
         summed in rank order afterwards, so arrival order never changes a bit.
         The shared expert runs once this layer's reads are submitted.
@@ -276,15 +268,16 @@ class MoETransformer:
         first = True
         # aclosing: on an error mid-layer the source still drains its in-flight reads.
         async with aclosing(self.experts.stream(layer, np.unique(ids).tolist())) as stream:
-            async for expert, w in stream:
-                if first:  # after this layer's demand reads, which went out with the first expert
+            async for batch in stream:
+                if first:  # after this layer's demand reads, which went out with the first batch
                     first = False
                     if predicted is not None:
                         self.experts.hint(layer + 1, predicted)
                     shared = self.shared_expert(layer, h)
-                rows, ranks = np.nonzero(ids == expert)
-                (y,) = self.expert_outputs(layer, [(expert, w)], [h[rows]])
-                contrib[rows, ranks] = y * weights[rows, ranks][:, None]
+                cells = [np.nonzero(ids == expert) for expert, _ in batch]       # (rows, ranks) each
+                ys = self.expert_outputs(layer, batch, [h[rows] for rows, _ in cells])
+                for (rows, ranks), y in zip(cells, ys):
+                    contrib[rows, ranks] = y * weights[rows, ranks][:, None]
         out = contrib.sum(axis=1)
         if not np.isfinite(out).all():
             bad = np.unique(ids[~np.isfinite(contrib).all(axis=2)]).tolist()

@@ -14,7 +14,7 @@ import os
 import random
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -22,9 +22,10 @@ from typing import Literal
 from colibri_aio.errors import UserError, one_line
 from colibri_aio.gguf.model import Model, load
 from colibri_aio.gguf.verify import layout_problems, scan, special_token_problems
-from colibri_aio.io.modelfile import ModelFile
+from colibri_aio.io.modelfile import open_files
 from colibri_aio.io.reader import ExpertReader
 from colibri_aio.engine.memory import memory_limits
+from colibri_aio.kernels.backend import open_kernels
 from colibri_aio.engine.plan import gb
 from colibri_aio.io.align import slot_nbytes_for
 
@@ -49,28 +50,31 @@ def check_gguf(path: Path) -> tuple[Check, Model | None]:
     except UserError as exc:
         return Check("gguf", "fail", str(exc)), None
     a = model.args
+    parts = f" in {len(model.paths)} parts" if len(model.paths) > 1 else ""
     return Check("gguf", "ok", f"{path.name}: {a.architecture}, {a.layers_text}, {a.expert_count} experts "
-                               f"top-{a.expert_used_count}, {gb(model.identity.size)}, trunk "
+                               f"top-{a.expert_used_count}, {gb(model.file_nbytes)}{parts}, trunk "
                                f"{gb(model.trunk_nbytes)}, expert {gb(model.expert_nbytes_max)} (pool slot "
                                f"{gb(slot_nbytes_for(model.expert_nbytes_max))} with O_DIRECT alignment)"), model
 
 
 def check_values(model: Model, progress: Callable[[int, int], None] | None = None) -> list[Check]:
     """Every tensor decoded: one failing check per tensor with a value that is not finite, else one OK."""
-    found = [Check("values", "fail", f"{model.path}: {bad.describe()}")
-             for bad in scan(model.path, model.reader, progress)]
+    found = [Check("values", "fail", f"{bad.path}: {bad.describe()}") for bad in scan(model.reader, progress)]
     n = len(model.reader.tensors)
     return found or [Check("values", "ok", f"{n} tensors decoded: every value is finite")]
 
 
 def check_layout(model: Model) -> list[Check]:
     """Every tensor and expert byte range inside the data section, none over another."""
-    problems = layout_problems(model.reader, model.experts, os.stat(model.path).st_size)
+    problems = layout_problems(model.reader, model.experts, [os.stat(p).st_size for p in model.paths])
     if problems:
         return [Check("layout", "fail", p) for p in problems]
     n_ranges = 3 * sum(len(layer) for layer in model.experts)
-    return [Check("layout", "ok", f"{len(model.reader.tensors)} tensors and {n_ranges} expert ranges lie inside the "
-                                  f"data section (from byte {model.reader.data_offset}), none over another")]
+    starts = ", ".join(str(part.data_offset) for part in model.reader.parts)
+    where = (f"the data section (from byte {starts})" if len(model.paths) == 1
+             else f"the data sections of their {len(model.paths)} parts (from bytes {starts})")
+    return [Check("layout", "ok", f"{len(model.reader.tensors)} tensors and {n_ranges} expert ranges lie inside "
+                                  f"{where}, none over another")]
 
 
 PROBE_CHAT = [{"role": "system", "content": "You are brief."}, {"role": "user", "content": "Hello!"}]
@@ -114,19 +118,43 @@ def check_memory() -> Check:
     return Check("memory", "ok", f"RAM {gb(m.total)}, available {gb(m.available)}, {cg}; usable {gb(m.usable)}")
 
 
-def check_o_direct(path: Path) -> Check:
-    f = ModelFile.open(path, direct=True)
+def check_o_direct(paths: Sequence[Path]) -> Check:
+    """Whether every file of the model (each part of a split one) takes O_DIRECT reads."""
+    files = open_files(paths, direct=True)
     try:
-        if f.direct:
-            return Check("o_direct", "ok", f"{path.parent}: O_DIRECT reads bypass the page cache")
-        return Check("o_direct", "warn", f"{path.parent}: {f.direct_reason}; buffered reads instead")
+        for path, f in zip(paths, files):
+            if not f.direct:
+                return Check("o_direct", "warn", f"{path.parent}: {f.direct_reason}; buffered reads instead")
+        return Check("o_direct", "ok", f"{paths[0].parent}: O_DIRECT reads bypass the page cache")
     finally:
-        f.close()
+        for f in files:
+            f.close()
+
+
+def _matrix_types(model: Model) -> set:
+    """The types of every matrix the kernels multiply (trunk products and each layer's experts)."""
+    mats = [model.token_embd, model.output, *(m for b in model.blocks for m in b.matrices())]
+    return {m.ggml_type for m in mats} | {r.ggml_type for layer in model.experts if layer for r in layer[0].ranges}
+
+
+def check_kernels(model: Model | None) -> Check:
+    """Which kernels ``--kernels auto`` picks and why (NumPy is slow: a warning), and whether they
+    multiply every type in the model."""
+    kernels = open_kernels("auto")
+    try:
+        detail = f"--kernels auto picks {kernels.name}: {kernels.reason}"
+        if model is not None:
+            missing = sorted({t.name for t in _matrix_types(model)} - {t.name for t in kernels.types})
+            if missing:
+                return Check("kernels", "fail", f"{detail}; no kernel for {', '.join(missing)}")
+        return Check("kernels", "ok" if kernels.name == "ggml" else "warn", detail)
+    finally:
+        kernels.close()
 
 
 async def check_backend(model: Model) -> tuple[Check, Check]:
     """Which backend ``--io auto`` picks and why, and a short read-speed probe with it."""
-    reader = await ExpertReader.open(model.path, model.expert_nbytes_max, PROBE_SLOTS, backend="auto")
+    reader = await ExpertReader.open(model.paths, model.expert_nbytes_max, PROBE_SLOTS, backend="auto")
     try:
         verdict: Verdict = "ok" if reader.backend == "uring" else "warn"
         backend = Check("io backend", verdict, f"--io auto picks {reader.backend}: {reader.backend_reason}")
@@ -152,7 +180,7 @@ async def _probe(model: Model, reader: ExpertReader) -> Check:
 
     await asyncio.gather(*(one(slot) for slot in range(PROBE_SLOTS)))
     dt = time.perf_counter() - t0
-    note = "" if model.identity.size > 256 << 20 else " (small file: partly served from the device cache)"
+    note = "" if model.file_nbytes > 256 << 20 else " (small file: partly served from the device cache)"
     return Check("read speed", "ok", f"{done} random expert reads in {dt:.2f} s: {nbytes / dt / 1e9:.2f} GB/s, "
                                      f"{done / dt:.0f} experts/s, {PROBE_SLOTS} in flight{note}")
 
@@ -163,7 +191,7 @@ def run_checks(path: Path | None, emit: Callable[[Check], None], *, verify: bool
 
     ``verify`` adds :func:`check_layout`, :func:`check_text` and :func:`check_values` (reads the whole file).
     """
-    checks: list[Check] = [check_memory(), check_memlock()]
+    checks: list[Check] = [check_memory(), check_memlock()] + ([check_kernels(None)] if path is None else [])
     for c in checks:
         emit(c)
     failed = False
@@ -172,7 +200,8 @@ def run_checks(path: Path | None, emit: Callable[[Check], None], *, verify: bool
         emit(gguf)
         failed = gguf.verdict == "fail"
         if model is not None:
-            emit(check_o_direct(path))
+            emit(check_kernels(model))
+            emit(check_o_direct(model.paths))
             for c in asyncio.run(check_backend(model)):
                 emit(c)
             if verify:

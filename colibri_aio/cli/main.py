@@ -31,6 +31,7 @@ from colibri_aio.errors import ExpertReadError, UserError, one_line
 from colibri_aio.cli.logs import configure as configure_logs
 from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, KV_TYPES
 from colibri_aio.engine.placement import IO_CHOICES, PREFETCH_CHOICES
+from colibri_aio.kernels.backend import NAMES as KERNEL_NAMES
 
 if TYPE_CHECKING:
     from colibri_aio.cli.telemetry import StatusLine
@@ -101,8 +102,9 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
                         "for: all of them when they fit, else the ones a long usage history uses most "
                         "(default: off; on the 8-layer cut its reads slowed the start and doubled the time to "
                         "first token)")
-    g.add_argument("--kernels", choices=("auto", "numpy", "numba"), default=None,
-                   help="matrix kernels: compiled (numba) where they pay, else NumPy "
+    g.add_argument("--kernels", choices=KERNEL_NAMES, default=None,
+                   help="matrix kernels: ggml (llama.cpp's CPU kernels, activations rounded to 8 bits as "
+                        "llama.cpp does) or numpy (the float32 reference); auto picks ggml when it loads "
                         "(default: $COLIBRI_KERNELS or auto)")
 
 
@@ -353,6 +355,7 @@ def _plan(args: argparse.Namespace) -> int:
     from colibri_aio.engine.history import HistoryFile
     from colibri_aio.engine.memory import memory_limits
     from colibri_aio.engine.placement import Placement, plan_for
+    from colibri_aio.engine.opening import engine_kernels, kernels_name
     from colibri_aio.engine.speed import decode_weights, machine_speed
     from colibri_aio.gguf.model import load
     from colibri_aio.models import default_model_path
@@ -363,10 +366,17 @@ def _plan(args: argparse.Namespace) -> int:
     model = load(_model(args) or default_model_path(), resident=False)
     past = HistoryFile.for_model(model).load() if args.history else None
     limits = memory_limits()
-    speed = machine_speed(set(decode_weights(model))) if args.measure else None
+    speed = None
+    if args.measure:
+        kernels = engine_kernels(kernels_name(getattr(args, "kernels", None)))
+        try:
+            speed = machine_speed(kernels, set(decode_weights(model)))
+        finally:
+            kernels.close()
     plan, _ = plan_for(model, placement, past, limits, speed)
     if args.json:
-        print(json.dumps({**plan.as_dict(), "model": str(model.path), "ram_total": limits.total,
+        print(json.dumps({**plan.as_dict(), "model": str(model.path), "files": [str(p) for p in model.paths],
+                          "file_bytes": model.file_nbytes, "ram_total": limits.total,
                           "ram_available": limits.available, "cgroup_limit": limits.cgroup_limit}, indent=1))
     else:
         print(_plan_table(model, plan, limits))
@@ -381,7 +391,8 @@ def _plan_table(model, plan, limits) -> str:
         f"{plan.expected_hit_rate:.1%} ({plan.hit_rate_source})"
     rows = [
         ("model", f"{model.path.name}: {a.architecture}, {a.layers_text}, {a.expert_count} experts "
-                  f"(top-{a.expert_used_count}) of {gb(plan.expert_nbytes)}, file {gb(model.identity.size)}"),
+                  f"(top-{a.expert_used_count}) of {gb(plan.expert_nbytes)}, file {gb(model.file_nbytes)}"
+                  + (f" in {len(model.paths)} parts" if len(model.paths) > 1 else "")),
         ("memory", f"RAM {gb(limits.total)}, available {gb(limits.available)}, cgroup limit "
                    f"{gb(limits.cgroup_limit) if limits.cgroup_limit else 'none'}"),
         ("budget", f"{gb(plan.budget)} ({plan.budget_source})"),

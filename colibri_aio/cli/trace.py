@@ -4,7 +4,8 @@
 JSON object per line. The first line is a header::
 
     {"kind": "header", "format": "colibri-aio-route-trace", "version": 1,
-     "model": "...", "block_count": L, "leading_dense_block_count": n, "expert_count": E,
+     "model": "...", "files": [the model's files: one, or each part of a split model],
+     "block_count": L, "leading_dense_block_count": n, "expert_count": E,
      "expert_used_count": k, "expert_nbytes": bytes of one expert's three ranges,
      "predictors": ["moe_input", "residual_next_norm", "layer_input_next_norm", "raw_residual"]}
 
@@ -67,6 +68,7 @@ class TraceRecorder:
         a = self.model.args
         self.out.write(json.dumps({
             "kind": "header", "format": FORMAT, "version": VERSION, "model": str(self.model.path),
+            "files": [str(p) for p in self.model.paths],
             "block_count": a.block_count, "leading_dense_block_count": a.leading_dense_block_count,
             "expert_count": a.expert_count,
             "expert_used_count": a.expert_used_count, "expert_nbytes": self.model.expert_nbytes_max,

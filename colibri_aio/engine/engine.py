@@ -27,7 +27,7 @@ import numpy as np
 
 from colibri_aio.errors import EngineBusyError, UserError
 from colibri_aio.gguf.model import Model, Progress
-from colibri_aio.kernels import backend
+from colibri_aio.kernels.backend import Kernels
 from colibri_aio.engine.memory import peak_rss_bytes, rss_bytes
 from colibri_aio.engine.device import DeviceMonitor
 from colibri_aio.models import default_model_path
@@ -86,10 +86,10 @@ class Engine:
     """A model ready to generate. Open with :meth:`open`; close with ``async with`` or :meth:`aclose`."""
 
     def __init__(self, model: Model, tokenizer: Tokenizer, source: CachedExpertSource, plan: Plan,
-                 placement: Placement, history: HistoryFile | None = None) -> None:
+                 placement: Placement, kernels: Kernels, history: HistoryFile | None = None) -> None:
         self.model, self.tokenizer, self.source, self.plan, self.placement = model, tokenizer, source, plan, placement
-        self.history = history
-        self.net = build_net(model, source, plan.context, plan.kv_type)
+        self.kernels, self.history = kernels, history
+        self.net = build_net(model, source, plan.context, kernels, plan.kv_type)
         self.net.lookahead = placement.lookahead
         self.prompt_tokens = self.generated_tokens = self.cached_tokens = 0
         self.prefill_s = self.decode_s = 0.0
@@ -117,11 +117,11 @@ class Engine:
         default min(the model's context, 4096); more than the model's is
         clamped with a warning), ``kv_type`` (f16|f32: how keys and values are
         stored; f16 halves the KV cache, as in llama.cpp). Placement changes
-        speed, never tokens. ``kernels`` (auto|numpy|numba;
-        default: $COLIBRI_KERNELS or auto) picks the matrix kernels for the
-        process; backends differ in the last bits, so compare runs within one.
+        speed, never tokens. ``kernels`` (auto|ggml|numpy;
+        default: $COLIBRI_KERNELS or auto) picks this engine's matrix kernels;
+        backends differ in their rounding, so compare runs within one.
         ``progress(step, done, total)`` hears about the long steps (loading the
-        trunk, compiling or loading kernels, the pool, pinning), which run side
+        trunk, loading the kernels, the pool, pinning), which run side
         by side (:mod:`colibri_aio.engine.opening`); ``open_timings`` has what
         each one took. ``history``:
         read and update this model's usage history (a cache file under
@@ -135,15 +135,12 @@ class Engine:
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,
                               pin=pin, context=n_ctx, kv_type=kv_type, warm_start=warm_start)
-        if kernels is not None:
-            if kernels not in backend.NAMES:
-                raise UserError(f"unknown kernels {kernels!r} (choose from {', '.join(backend.NAMES)})")
-            backend.set_backend(kernels)
-        model, tokenizer, source, plan, store, timings = await open_parts(
-            path if path is not None else default_model_path(), placement, progress=progress, history=history)
+        model, tokenizer, source, plan, store, opened_kernels, timings = await open_parts(
+            path if path is not None else default_model_path(), placement, kernels=kernels, progress=progress,
+            history=history)
         for note in plan.notes:
             log.warning(note)
-        engine = cls(model, tokenizer, source, plan, placement, store)
+        engine = cls(model, tokenizer, source, plan, placement, opened_kernels, store)
         engine.open_timings = timings
         log.info(engine.describe(full=True))
         if engine.device is not None:
@@ -157,14 +154,16 @@ class Engine:
         kernels were chosen (a few hundred characters).
         """
         a, plan, reader, cache = self.model.args, self.plan, self.source.reader, self.source.policy.cache
-        line = (f"{self.model.path.name}: {a.layers_text} x {a.expert_count} experts of "
+        parts = len(self.model.paths)
+        line = (f"{self.model.path.name}{f' (+{parts - 1} parts)' if parts > 1 else ''}: "
+                f"{a.layers_text} x {a.expert_count} experts of "
                 f"{gb(plan.expert_nbytes)}; KV {gb(plan.kv_cache)} {plan.kv_type} for {plan.context} ctx; "
-                f"cache {cache.n_slots} slots ({len(cache.pinned)} pinned) = {gb(cache.n_slots * plan.slot_nbytes)}; io {reader.backend}; "
-                f"prefetch {self.placement.prefetch}; kernels {backend.backend_name()}")
+                f"cache {cache.n_slots} slots ({len(cache.pinned)} pinned) = {gb(cache.n_slots * plan.slot_nbytes)}; "
+                f"io {reader.backend}; prefetch {self.placement.prefetch}; kernels {self.kernels.name}")
         if not full:
             return line
         return (f"{line}; {plan.one_line()}; cache {cache.scope} {cache.policy}; io {reader.backend_reason}; "
-                f"kernels {backend.backend_reason()}")
+                f"kernels {self.kernels.reason}")
 
     def stats(self) -> EngineStats:
         """The engine's counters now: tokens and their time, cache hits, reads, prefetch state, memory."""
@@ -191,7 +190,8 @@ class Engine:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop the device watch, drain every read in flight, release the pool, save the usage history.
+        """Stop the device watch, drain every read in flight, release the pool, save the usage history,
+        release the kernels.
 
         Closing twice is harmless. Saving never raises: a history that cannot
         be written is one warning.
@@ -204,13 +204,16 @@ class Engine:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._monitor
             self._monitor = None
-        await self.source.aclose()
-        if self.history is not None and self.source.policy.usage is not None:
-            # A thread: the save may wait (a bounded time) for another run's lock on the folder.
-            try:
-                await asyncio.to_thread(self.history.save, self.source.policy.usage)
-            except RuntimeError:  # closed at interpreter exit: no new threads then, so on this one
-                self.history.save(self.source.policy.usage)
+        try:
+            await self.source.aclose()
+            if self.history is not None and self.source.policy.usage is not None:
+                # A thread: the save may wait (a bounded time) for another run's lock on the folder.
+                try:
+                    await asyncio.to_thread(self.history.save, self.source.policy.usage)
+                except RuntimeError:  # closed at interpreter exit: no new threads then, so on this one
+                    self.history.save(self.source.policy.usage)
+        finally:
+            self.kernels.close()
 
     def prompt_ids(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
         """Token ids of a prompt: plain text, chat messages rendered with the model's template, or ids as given."""

@@ -9,32 +9,35 @@ from collections.abc import AsyncIterator, Sequence
 
 import numpy as np
 
-from colibri_aio.experts import ExpertLocation, ExpertWeights
+from colibri_aio.experts import ExpertBatch, ExpertLocation, ExpertWeights
 from colibri_aio.gguf.model import Model
 from colibri_aio.kernels.qtensor import QTensor
 
 
-def weights_from(buf: np.ndarray, loc: ExpertLocation, base: int = 0) -> ExpertWeights:
-    """QTensor views of ``loc``'s three ranges inside ``buf``, which holds file byte ``base`` at index 0."""
-    gate, up, down = (QTensor(buf[r.offset - base: r.offset - base + r.nbytes], r.ggml_type, r.shape)
+def weights_from(maps: list[np.ndarray], loc: ExpertLocation) -> ExpertWeights:
+    """QTensor views of ``loc``'s three ranges inside ``maps``, the bytes of each of the model's files."""
+    gate, up, down = (QTensor(maps[r.file][r.offset: r.offset + r.nbytes], r.ggml_type, r.shape)
                       for r in loc.ranges)
     return ExpertWeights(gate, up, down)
 
 
 class MappedExpertSource:
-    """Zero-copy expert views into a read-only mmap of the model file."""
+    """Zero-copy expert views into a read-only mmap of each of the model's files."""
 
     def __init__(self, model: Model) -> None:
         self.model = model
-        self._map: np.ndarray | None = np.memmap(model.path, dtype=np.uint8, mode="r")
+        self._maps: list[np.ndarray] | None = [np.memmap(p, dtype=np.uint8, mode="r") for p in model.paths]
         self.bytes_served = 0
 
-    async def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[tuple[int, ExpertWeights]]:
-        assert self._map is not None, "source is closed"
+    async def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[ExpertBatch]:
+        """Every expert in one batch: mapped bytes are always "ready" (the page cache faults them in)."""
+        assert self._maps is not None, "source is closed"
+        batch = []
         for expert in experts:
             loc = self.model.experts[layer][expert]
             self.bytes_served += loc.nbytes
-            yield expert, weights_from(self._map, loc)
+            batch.append((expert, weights_from(self._maps, loc)))
+        yield batch
 
     def hint(self, layer: int, experts: Sequence[int]) -> None:
         """The page cache does its own read-ahead; a hint changes nothing here."""
@@ -43,4 +46,4 @@ class MappedExpertSource:
         """Nothing here is steered by step times."""
 
     async def aclose(self) -> None:
-        self._map = None
+        self._maps = None

@@ -3,7 +3,7 @@
 The header is parsed first (it says where everything is). Then, side by side:
 
 - the resident trunk is read with large aligned reads (worker threads);
-- the kernels are compiled or loaded from numba's cache (a worker thread);
+- the engine's kernels are loaded (ggml's library and thread pool; a worker thread);
 - the tokenizer is read from its cache, or built and cached (a worker thread);
 - on the event loop, the plan is made, the expert reader opens its pool and
   the warm start begins streaming experts into it.
@@ -26,7 +26,8 @@ from colibri_aio.engine.plan import Plan, gb
 from colibri_aio.engine.scheduler import CachedExpertSource
 from colibri_aio.errors import UserError
 from colibri_aio.gguf.model import Model, Progress, load, with_resident_trunk
-from colibri_aio.kernels import backend
+from colibri_aio.kernels.backend import NAMES as KERNEL_NAMES, Kernels, KernelsUnavailable, open_kernels
+from colibri_aio.kernels.threads import limit_blas_threads
 from colibri_aio.logs import get_logger
 from colibri_aio.text.cache import load_tokenizer
 from colibri_aio.text.tokenizer import Tokenizer
@@ -61,13 +62,6 @@ class OpenTimings:
                 f"({self.tokenizer_source}), kernels {self.kernels_s:.2f} s, expert source {self.source_s:.2f} s")
 
 
-def matrix_types(model: Model) -> tuple:
-    """The ggml types the forward pass multiplies (to compile or load their kernels up front)."""
-    mats = [model.output, *(m for b in model.blocks for m in b.matrices())]
-    experts = {r.ggml_type for layer in model.experts if layer for r in layer[0].ranges}
-    return tuple(sorted({m.ggml_type for m in mats} | experts))
-
-
 def _timed(func: Callable[..., T]) -> Callable[..., tuple[T, float]]:
     def run(*args: Any) -> tuple[T, float]:
         t0 = time.perf_counter()
@@ -75,44 +69,66 @@ def _timed(func: Callable[..., T]) -> Callable[..., tuple[T, float]]:
     return run
 
 
-def _warm_kernels(types: tuple, progress: Progress | None) -> None:
+def kernels_name(name: str | None) -> str:
+    """The kernels asked for (``name``, else $COLIBRI_KERNELS, else auto); an unknown name is a user error."""
+    name = name if name is not None else os.environ.get("COLIBRI_KERNELS", "auto")
+    if name not in KERNEL_NAMES:
+        raise UserError(f"unknown kernels {name!r} (choose from {', '.join(KERNEL_NAMES)})")
+    return name
+
+
+def engine_kernels(name: str, progress: Progress | None = None) -> Kernels:
+    """The engine's own kernel backend ``name``; a backend asked for by name that cannot run here is a
+    user error."""
     if progress is not None:
         progress("load kernels", 0, 1)
-    # Compiled kernels come from numba's on-disk cache (~1 s); only a cold cache compiles.
-    backend.warm_up(types)
+    try:
+        kernels = open_kernels(name)
+    except KernelsUnavailable as e:
+        raise UserError(f"--kernels {name}: {e}") from None
+    # The kernels use the cores themselves; OpenBLAS threads inside NumPy calls would
+    # oversubscribe them (evidence/kernels_20261129T181438Z.md: f32 GEMV 2.83 vs 0.24
+    # G weights/s median with one OpenBLAS thread vs its default, same run).
+    limit_blas_threads(1)
     if progress is not None:
         progress("load kernels", 1, 1)
+    return kernels
 
 
-async def open_parts(path: str | os.PathLike[str], placement: Placement, *, progress: Progress | None = None,
-                     history: bool = True, tokenizer_cache: bool = True
-                     ) -> tuple[Model, Tokenizer, CachedExpertSource, Plan, HistoryFile | None, OpenTimings]:
-    """Everything an engine is made of, read side by side (see the module's docstring)."""
+async def open_parts(path: str | os.PathLike[str], placement: Placement, *, kernels: str | None = None,
+                     progress: Progress | None = None, history: bool = True, tokenizer_cache: bool = True
+                     ) -> tuple[Model, Tokenizer, CachedExpertSource, Plan, HistoryFile | None, Kernels, OpenTimings]:
+    """Everything an engine is made of, read side by side (see the module's docstring); ``kernels``
+    names the backend (auto|ggml|numpy; None: $COLIBRI_KERNELS or auto)."""
     t0 = time.perf_counter()
+    name = kernels_name(kernels)
     described = load(path, resident=False)
     header_s = time.perf_counter() - t0
     store = HistoryFile.for_model(described) if history else None
     loop = asyncio.get_running_loop()
     threads = [loop.run_in_executor(None, _timed(with_resident_trunk), described, progress),
-               loop.run_in_executor(None, _timed(_warm_kernels), matrix_types(described), progress),
+               loop.run_in_executor(None, _timed(engine_kernels), name, progress),
                loop.run_in_executor(None, _timed(load_tokenizer), described, tokenizer_cache)]
     source: CachedExpertSource | None = None
     try:
         t1 = time.perf_counter()
         source, plan = await open_source(described, placement, progress, store)
         source_s = time.perf_counter() - t1
-        (model, trunk_s), (_, kernels_s), ((tokenizer, how), tokenizer_s) = await asyncio.gather(*threads)
+        (model, trunk_s), (opened, kernels_s), ((tokenizer, how), tokenizer_s) = await asyncio.gather(*threads)
+        if tokenizer.vocab_size != model.args.vocab_size:
+            raise UserError(f"{model.path}: tokenizer has {tokenizer.vocab_size} tokens, "
+                            f"model {model.args.vocab_size}")
     except BaseException:
         # Nothing is left running: the worker threads end, the reads in flight are drained.
         await asyncio.wait(threads)
+        kernels_thread = threads[1]
+        if kernels_thread.done() and not kernels_thread.cancelled() and kernels_thread.exception() is None:
+            kernels_thread.result()[0].close()
         if source is not None:
             await source.aclose()
         raise
-    if tokenizer.vocab_size != model.args.vocab_size:
-        await source.aclose()
-        raise UserError(f"{model.path}: tokenizer has {tokenizer.vocab_size} tokens, model {model.args.vocab_size}")
     stats = model.trunk_read
     timings = OpenTimings(header_s, trunk_s, stats.nbytes if stats else 0, bool(stats and stats.direct),
                           tokenizer_s, how, kernels_s, source_s, time.perf_counter() - t0)
     log.info(timings.one_line(), **timings.as_dict())
-    return model, tokenizer, source, plan, store, timings
+    return model, tokenizer, source, plan, store, opened, timings

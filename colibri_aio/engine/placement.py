@@ -167,7 +167,7 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
     plan = plan.with_cache(cache.n_slots, len(pinned))
     if progress is not None:
         progress("allocate pool", 0, 1)
-    reader = await ExpertReader.open(model.path, model.expert_nbytes_max, cache.n_slots, backend=placement.io)
+    reader = await ExpertReader.open(model.paths, model.expert_nbytes_max, cache.n_slots, backend=placement.io)
     if progress is not None:
         progress("allocate pool", 1, 1)
     a = model.args

@@ -30,7 +30,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from colibri_aio.experts import ExpertLocation, ExpertWeights
+from colibri_aio.experts import ExpertBatch, ExpertLocation, ExpertWeights
 from colibri_aio.io.reader import ExpertReader
 from colibri_aio.logs import get_logger
 from colibri_aio.policy.scheduler import Actions, Failed, Read, Ready, SchedulerPolicy, Wait
@@ -77,8 +77,9 @@ class CachedExpertSource:
 
     # --- the ExpertSource protocol ------------------------------------------------------------
 
-    async def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[tuple[int, ExpertWeights]]:
-        """Yield ``(expert, weights)`` for each of ``experts``: cached ones first, misses as they land."""
+    async def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[ExpertBatch]:
+        """Yield batches of ``(expert, weights)`` covering ``experts``: every expert ready now in one
+        batch (cached ones first), then misses as they land, those landed together in one batch."""
         if self._reads:
             # Let the loop reap what has landed (its callbacks start the next reads) even when every
             # expert of every layer hits and nothing below would wait.
@@ -89,10 +90,13 @@ class CachedExpertSource:
             while True:
                 event = self.policy.next_event(demand)
                 if isinstance(event, Ready):
+                    ready = [event, *self.policy.more_ready(demand)]
                     try:
-                        yield event.expert, self._weights[event.slot]
+                        yield [(e.expert, self._weights[e.slot]) for e in ready]
                     finally:
-                        self._perform(self.policy.on_used(event.slot, time.perf_counter()))
+                        now = time.perf_counter()
+                        for e in ready:
+                            self._perform(self.policy.on_used(e.slot, now))
                 elif isinstance(event, Wait):
                     await self._wait(event.slots)
                 elif isinstance(event, Failed):

@@ -6,7 +6,7 @@ attention over the cache, routing, the expert source): on a tiny model that
 overhead is all there is (the shipped model: ~16 ms a token where 3 G
 weights/s predicted 0.4 ms). Both are measured here:
 
-- ``weights_per_s[type]``: the matvec kernel of the active backend on a
+- ``weights_per_s[type]``: the matvec of the engine's kernels (a backend) on a
   2048 x 2048 matrix of that ggml type (zeros: the kernels' time does not
   depend on the values), best of a few repeats;
 - ``layer_overhead_s``: a decode step of the shipped model through the engine
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib.util
 import json
 import os
 import platform
@@ -33,7 +34,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from colibri_aio.cachefiles import cache_dir, write_atomic
-from colibri_aio.kernels import backend
+from colibri_aio.kernels.backend import Kernels
 from colibri_aio.kernels.qtensor import QTensor
 from colibri_aio.logs import get_logger
 
@@ -61,29 +62,31 @@ def _host() -> str:
     return f"{platform.node()} {platform.machine()} {os.cpu_count()} cpus"
 
 
-def _probe(ggml_type: GGMLQuantizationType) -> float:
-    """Weights per second of the active backend's matvec on a zero matrix of ``ggml_type``."""
+def _probe(kernels: Kernels, ggml_type: GGMLQuantizationType) -> float:
+    """Weights per second of ``kernels``' matvec on a zero matrix of ``ggml_type``."""
     rows, cols = PROBE_SHAPE
     block, nbytes = GGML_QUANT_SIZES[ggml_type]
     w = QTensor(np.zeros(rows * cols // block * nbytes, np.uint8), ggml_type, (rows, cols))
-    x = np.ones(cols, np.float32)
-    backend.matvec(w, x)  # compile or load the kernel, touch the memory
+    x = np.ones((1, cols), np.float32)
+    kernels.linear(w, x)  # build the graph, touch the memory
     best, spent = float("inf"), 0.0
     while spent < PROBE_SECONDS:
         t0 = time.perf_counter()
-        backend.matvec(w, x)
+        kernels.linear(w, x)
         dt = time.perf_counter() - t0
         best, spent = min(best, dt), spent + dt
     return rows * cols / best
 
 
-def _layer_overhead() -> float:
-    """Seconds per layer of a decode step of the shipped model through the engine, its products subtracted."""
+def _layer_overhead(kernels: Kernels) -> float:
+    """Seconds per layer of a decode step of the shipped model through the engine on ``kernels``' backend,
+    its products subtracted."""
     from colibri_aio.engine.engine import Engine
     from colibri_aio.models import default_model_path
 
     async def step() -> tuple[float, Any]:
-        async with await Engine.open(default_model_path(), io="pread", prefetch="off", history=False) as engine:
+        async with await Engine.open(default_model_path(), io="pread", prefetch="off", history=False,
+                                       kernels=kernels.name) as engine:
             vocab = engine.model.args.vocab_size
             await engine.prefill([1, 2, 3, 4])
             for t in range(8):  # every expert read and cached, kernels warm
@@ -99,7 +102,7 @@ def _layer_overhead() -> float:
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         seconds, model = pool.submit(asyncio.run, step()).result()
     weights = decode_weights(model)
-    products = sum(n / _probe(t) for t, n in weights.items())
+    products = sum(n / _probe(kernels, t) for t, n in weights.items())
     return max(0.0, seconds - products) / model.args.block_count
 
 
@@ -120,8 +123,8 @@ def decode_weights(model: Any) -> dict[GGMLQuantizationType, int]:
     return out
 
 
-def measure(types: set[GGMLQuantizationType]) -> MachineSpeed:
-    """Measure the active backend's rate for ``types`` and the per-layer overhead (a few seconds).
+def measure(kernels: Kernels, types: set[GGMLQuantizationType]) -> MachineSpeed:
+    """Measure ``kernels``' rate for ``types`` and the per-layer overhead (a few seconds).
 
     A type the kernels cannot multiply (a file the loader would refuse) gets
     no rate: the plan then says its rates are assumed.
@@ -129,20 +132,25 @@ def measure(types: set[GGMLQuantizationType]) -> MachineSpeed:
     rates = {}
     for t in sorted(types):
         try:
-            rates[t.name] = _probe(t)
+            rates[t.name] = _probe(kernels, t)
         except Exception as exc:  # noqa: BLE001 - whatever the kernel refuses, the estimate goes without it
             log.debug("no kernel speed", type=t.name, error=str(exc))
-    return MachineSpeed(backend.backend_name(), rates, _layer_overhead())
+    return MachineSpeed(kernels.name, rates, _layer_overhead(kernels))
 
 
 def _path(name: str):
     return cache_dir("speed", f"{name}.json")
 
 
-def cached() -> MachineSpeed | None:
-    """The measurement kept for the active backend on this host, or None."""
+def default_backend() -> str:
+    """The backend ``--kernels auto`` picks where ggml-python is installed, told without loading it."""
+    return "ggml" if importlib.util.find_spec("ggml") is not None else "numpy"
+
+
+def cached(backend: str | None = None) -> MachineSpeed | None:
+    """The measurement kept for ``backend`` (None: :func:`default_backend`) on this host, or None."""
     try:
-        doc = json.loads(_path(backend.backend_name()).read_text())
+        doc = json.loads(_path(backend or default_backend()).read_text())
         if doc.pop("format") != SPEED_FORMAT or doc.pop("version") != SPEED_VERSION:
             return None
         speed = MachineSpeed(**doc)
@@ -151,13 +159,14 @@ def cached() -> MachineSpeed | None:
     return speed if speed.host == _host() else None
 
 
-def machine_speed(types: set[GGMLQuantizationType]) -> MachineSpeed:
-    """The cached measurement when it covers ``types``, else a new one (kept for the next time)."""
-    speed = cached()
+def machine_speed(kernels: Kernels, types: set[GGMLQuantizationType]) -> MachineSpeed:
+    """The cached measurement of ``kernels``' backend when it covers ``types``, else a new one (kept for the
+    next time)."""
+    speed = cached(kernels.name)
     if speed is not None and all(t.name in speed.weights_per_s for t in types):
         return speed
     known = set() if speed is None else {GGMLQuantizationType[n] for n in speed.weights_per_s}
-    speed = measure(types | known)
+    speed = measure(kernels, types | known)
     path = _path(speed.backend)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

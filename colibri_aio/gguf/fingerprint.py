@@ -13,8 +13,12 @@ if TYPE_CHECKING:
 
 
 def model_fingerprint(model: Model) -> str:
-    """A hex digest of the GGUF's header (metadata and tensor table) and file size (never its path)."""
+    """A hex digest of the GGUF's header (metadata and tensor table) and file size (never its path); of a
+    split model, of every part's, in order (a model in one file keeps the digest it always had)."""
     h = hashlib.sha256()
-    h.update(f"size={model.identity.size}\n".encode())
-    h.update(model.reader.header_bytes)
+    for part, (identity, header) in enumerate(zip(model.identities, model.reader.parts)):
+        if part:
+            h.update(f"part={part}\n".encode())
+        h.update(f"size={identity.size}\n".encode())
+        h.update(header.header_bytes)
     return h.hexdigest()[:32]

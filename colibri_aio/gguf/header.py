@@ -97,6 +97,7 @@ KEY_KINDS: dict[str, Kind] = {
     "tokenizer.ggml.token_type": INTEGERS, "tokenizer.ggml.merges": TEXTS, "tokenizer.ggml.scores": NUMBERS,
     "tokenizer.ggml.add_bos_token": FLAG, "tokenizer.ggml.add_eos_token": FLAG,
     "tokenizer.ggml.add_space_prefix": FLAG, "tokenizer.chat_template": TEXT,
+    "split.no": COUNT, "split.count": COUNT, "split.tensors.count": COUNT,
 }
 # ... and ``<architecture>.<suffix>`` keys, the hyper-parameters every family reads.
 ARCH_KEY_KINDS: dict[str, Kind] = {
@@ -165,6 +166,7 @@ class HeaderTensor:
     n_elements: int
     n_bytes: int
     data_offset: int  # absolute file offset of the tensor's first byte
+    part: int = 0     # which file of a model in several parts holds it (gguf/split.py)
 
 
 class _Cursor:

@@ -7,6 +7,10 @@ everything else the family lists (``block_tensors``: attention, norms, routers,
 shared experts and their gates, the FFN of leading dense blocks) is the
 resident trunk. A dense block (``leading_dense_block_count``) has no experts.
 
+A model split into several files (gguf-split) is opened from its first part
+(:mod:`colibri_aio.gguf.split`); each tensor, and so each expert range, knows
+which part holds its bytes.
+
 Everything that can be wrong with a file is checked here, once, and refused
 with a :class:`~colibri_aio.errors.ModelFormatError` whose message is one line
 that names the problem.
@@ -27,8 +31,8 @@ import numpy as np
 from colibri_aio.arch import SUPPORTED_ARCHITECTURES, family
 from colibri_aio.arch.base import BaseArgs, Family, Metadata, TensorSpec
 from colibri_aio.errors import ModelFormatError
-from colibri_aio.gguf.header import GGUFHeader
-from colibri_aio.io.bulk import BulkStats, read_ranges
+from colibri_aio.gguf.split import ModelHeader, open_header
+from colibri_aio.io.bulk import BulkStats, read_ranges, total_stats
 from colibri_aio.io.modelfile import FileIdentity
 from colibri_aio.experts import ExpertLocation, TensorRange
 from colibri_aio.kernels.qtensor import QTensor
@@ -79,19 +83,30 @@ class BlockWeights:
 
 @dataclass(slots=True)
 class Model:
-    """A loaded GGUF: args, resident trunk, expert byte ranges, tokenizer metadata, its family."""
+    """A loaded GGUF (one file or the parts of a split model): args, resident trunk, expert byte ranges,
+    tokenizer metadata, its family."""
 
-    path: Path
-    identity: FileIdentity
+    path: Path                           # the model's file (of a split model: its first part)
+    identities: tuple[FileIdentity, ...]  # every file's, in part order
     args: BaseArgs
     token_embd: QTensor                  # (vocab, D)
     output_norm: np.ndarray              # (D,)
     output: QTensor                      # (vocab, D); token_embd when tied
     blocks: list[BlockWeights]
     experts: list[list[ExpertLocation]]  # [layer][expert]; [] for a dense block
-    reader: GGUFHeader                   # metadata (tokenizer, chat template)
+    reader: ModelHeader                  # metadata (tokenizer, chat template), every part's tensor table
     family: Family
     trunk_read: BulkStats | None = None  # how the resident trunk was read (None: views of the file)
+
+    @property
+    def paths(self) -> tuple[Path, ...]:
+        """Every file of the model, in part order (one for a model in one file)."""
+        return self.reader.paths
+
+    @property
+    def file_nbytes(self) -> int:
+        """Bytes of the model's files together."""
+        return sum(i.size for i in self.identities)
 
     @property
     def trunk_nbytes(self) -> int:
@@ -112,13 +127,13 @@ class Model:
         return self.experts[layer][expert]
 
 
-def _open_reader(path: Path) -> GGUFHeader:
+def _open_reader(path: Path) -> ModelHeader:
     if not path.is_file():
         raise ModelFormatError(f"{path}: no such model file")
-    return GGUFHeader(path)
+    return open_header(path)
 
 
-def family_of(reader: GGUFHeader, path: Path) -> Family:
+def family_of(reader: ModelHeader, path: Path) -> Family:
     """The registered family of the file's ``general.architecture``; anything else is refused."""
     f = reader.fields.get("general.architecture")
     arch = None if f is None else f.contents()
@@ -128,7 +143,7 @@ def family_of(reader: GGUFHeader, path: Path) -> Family:
     return family(arch)
 
 
-def read_args(reader: GGUFHeader, path: Path, fam: Family) -> BaseArgs:
+def read_args(reader: ModelHeader, path: Path, fam: Family) -> BaseArgs:
     """The family's ModelArgs from the metadata; refuses missing and inconsistent keys."""
     args = fam.args.from_gguf(Metadata(reader, path, fam.architecture))
     args.check(path)
@@ -153,34 +168,43 @@ def is_routed_expert(name: str) -> bool:
 
 
 class _Tensors:
-    """Checked access to the file's tensors: presence, type, shape, bytes within the file."""
+    """Checked access to the model's tensors: presence, type, shape, bytes within the file (part) holding each."""
 
-    def __init__(self, reader: GGUFHeader, path: Path, args: ModelArgs, copy: bool,
+    def __init__(self, reader: ModelHeader, path: Path, args: ModelArgs, copy: bool,
                  progress: Progress | None = None) -> None:
         self.by_name = {t.name: t for t in reader.tensors}
         self.used: set[str] = set()
         self.path, self.args, self.copy = path, args, copy
-        self.file_size = path.stat().st_size
-        self.raw = np.memmap(path, dtype=np.uint8, mode="r")
+        self.paths = reader.paths
+        self.file_sizes = [p.stat().st_size for p in self.paths]
+        self.raws = [np.memmap(p, dtype=np.uint8, mode="r") for p in self.paths]
         self.copies: dict[str, np.ndarray] = {}
         self.read_stats: BulkStats | None = None
         if copy:
             self._read_trunk(progress)
 
     def _read_trunk(self, progress: Progress | None) -> None:
-        """Every tensor but the routed experts, read at once with large aligned reads.
+        """Every tensor but the routed experts, read at once with large aligned reads, each from the part
+        that holds it.
 
         Not through the mmap: mapped file pages count in RSS, and copying
         through them would hold the trunk twice at peak. Tensors that reach
-        past the end of the file are left to :meth:`get`, which names them.
+        past the end of their file are left to :meth:`get`, which names them.
         """
         wanted = [t for t in self.by_name.values()
                   if not is_routed_expert(t.name) and _block_of(t.name) < self.args.block_count
-                  and t.data_offset + t.n_bytes <= self.file_size]
-        report = None if progress is None else (lambda done, total: progress("load trunk", done, total))
-        data, self.read_stats = read_ranges(self.path, [(t.data_offset, t.n_bytes) for t in wanted],
-                                            progress=report)
-        self.copies = {t.name: d for t, d in zip(wanted, data)}
+                  and t.data_offset + t.n_bytes <= self.file_sizes[t.part]]
+        parts = sorted({t.part for t in wanted})
+        stats = []
+        for n, part in enumerate(parts):
+            mine = [t for t in wanted if t.part == part]
+            report = None if progress is None else (
+                lambda done, total, n=n: progress("load trunk", n * total + done, len(parts) * total))
+            data, part_stats = read_ranges(self.paths[part], [(t.data_offset, t.n_bytes) for t in mine],
+                                           progress=report)
+            self.copies.update({t.name: d for t, d in zip(mine, data)})
+            stats.append(part_stats)
+        self.read_stats = total_stats(stats)
 
     def get(self, name: str, shape: tuple[int, ...]):
         t = self.by_name.get(name)
@@ -196,10 +220,10 @@ class _Tensors:
         got = tuple(int(n) for n in reversed(t.shape.tolist()))
         if _significant(got) != _significant(shape):
             raise ModelFormatError(f"{self.path}: tensor {name} has shape {got}, expected {shape} from the metadata")
-        if t.data_offset + t.n_bytes > self.file_size:
+        if t.data_offset + t.n_bytes > self.file_sizes[t.part]:
             raise ModelFormatError(
-                f"{self.path}: tensor {name} ends at byte {t.data_offset + t.n_bytes} "
-                f"but the file has {self.file_size} (truncated)")
+                f"{self.paths[t.part]}: tensor {name} ends at byte {t.data_offset + t.n_bytes} "
+                f"but the file has {self.file_sizes[t.part]} (truncated)")
         return t
 
     def resident(self, name: str, shape: tuple[int, ...]) -> QTensor:
@@ -207,7 +231,7 @@ class _Tensors:
         only the model's description is wanted."""
         t = self.get(name, shape)
         if not self.copy:
-            return QTensor(self.raw[t.data_offset: t.data_offset + t.n_bytes], t.tensor_type, shape)
+            return QTensor(self.raws[t.part][t.data_offset: t.data_offset + t.n_bytes], t.tensor_type, shape)
         return QTensor(self.copies[name], t.tensor_type, shape)
 
     def vector(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -240,7 +264,7 @@ def _expert_locations(ts: _Tensors, i: int) -> list[ExpertLocation]:
     def rng(proj: str, x: int) -> TensorRange:
         t = stacked[proj]
         per = t.n_bytes // e
-        return TensorRange(t.data_offset + x * per, per, t.tensor_type, shapes[proj])
+        return TensorRange(t.data_offset + x * per, per, t.tensor_type, shapes[proj], t.part)
 
     return [ExpertLocation(i, x, rng("gate", x), rng("up", x), rng("down", x)) for x in range(e)]
 
@@ -286,7 +310,7 @@ def with_resident_trunk(model: Model, progress: Progress | None = None) -> Model
     return _build(model.path, model.reader, model.family, model.args, True, progress)
 
 
-def _build(p: Path, reader: GGUFHeader, fam: Family, args: ModelArgs, resident: bool,
+def _build(p: Path, reader: ModelHeader, fam: Family, args: ModelArgs, resident: bool,
            progress: Progress | None) -> Model:
     ts = _Tensors(reader, p, args, copy=resident, progress=progress)
     vocab, d = args.vocab_size, args.embedding_length
@@ -296,6 +320,7 @@ def _build(p: Path, reader: GGUFHeader, fam: Family, args: ModelArgs, resident: 
     blocks = [_block(ts, fam.block_tensors(args, i), i) for i in range(args.block_count)]
     experts = [_expert_locations(ts, i) if args.is_moe(i) else [] for i in range(args.block_count)]
     _check_every_tensor_used(ts, p)
-    return Model(path=p, identity=FileIdentity.of(os.stat(p)), args=args, token_embd=token_embd,
+    identities = tuple(FileIdentity.of(os.stat(part)) for part in reader.paths)
+    return Model(path=p, identities=identities, args=args, token_embd=token_embd,
                  output_norm=output_norm, output=output, blocks=blocks, experts=experts, reader=reader, family=fam,
                  trunk_read=ts.read_stats)

@@ -21,14 +21,14 @@ hold it.
 from __future__ import annotations
 
 import mmap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
 from colibri_aio.experts import ExpertLocation
-from colibri_aio.gguf.header import GGUFHeader, HeaderTensor
+from colibri_aio.gguf.header import HeaderTensor
+from colibri_aio.gguf.split import ModelHeader
 from colibri_aio.kernels.qtensor import QTensor
 from colibri_aio.kernels.quant import SUPPORTED_TYPES, dequantize
 
@@ -39,6 +39,7 @@ CHUNK_WEIGHTS = 1 << 22  # weights decoded at a time: 16 MiB of float32
 class NonFinite:
     """One tensor with values that are not finite, and where they are."""
 
+    path: str          # the file (part) holding it
     tensor: str
     rows: int          # rows holding one (a row is ggml's ne[0] weights)
     total_rows: int
@@ -57,36 +58,41 @@ def _ids(ids: tuple[int, ...], shown: int = 8) -> str:
     return ", ".join(map(str, ids[:shown])) + more
 
 
-def layout_problems(header: GGUFHeader, experts: list[list[ExpertLocation]], file_size: int) -> list[str]:
-    """Every tensor and expert range that lies outside the data section or over another one (empty: none);
-    each problem is one line that starts with the file's path."""
+def layout_problems(header: ModelHeader, experts: list[list[ExpertLocation]], file_sizes: Sequence[int]
+                    ) -> list[str]:
+    """Every tensor and expert range that lies outside its file's data section or over another one (empty: none);
+    each problem is one line that starts with the path of the file (part) it is in. ``file_sizes``: each part's."""
     problems: list[str] = []
-    start = header.data_offset
-    spans = sorted((t.data_offset, t.data_offset + t.n_bytes, t.name) for t in header.tensors)
-    for lo, hi, name in spans:
-        if lo < start or hi > file_size:
-            problems.append(f"tensor {name} at bytes [{lo}, {hi}) is outside the data section [{start}, {file_size})")
-    for (_, a_hi, a), (b_lo, _, b) in zip(spans, spans[1:]):
-        if b_lo < a_hi:
-            problems.append(f"tensors {a} and {b} overlap")
-    by_start = {t.data_offset: t for t in header.tensors}
+    for part, (own, file_size) in enumerate(zip(header.parts, file_sizes)):
+        start = own.data_offset
+        spans = sorted((t.data_offset, t.data_offset + t.n_bytes, t.name) for t in header.tensors if t.part == part)
+        found = [f"tensor {name} at bytes [{lo}, {hi}) is outside the data section [{start}, {file_size})"
+                 for lo, hi, name in spans if lo < start or hi > file_size]
+        found += [f"tensors {a} and {b} overlap" for (_, a_hi, a), (b_lo, _, b) in zip(spans, spans[1:]) if b_lo < a_hi]
+        problems += [f"{own.path}: {p}" for p in found]
+    by_start = {(t.part, t.data_offset): t for t in header.tensors}
     for layer in filter(None, experts):
         for proj in range(3):
             ranges = sorted((loc.ranges[proj].offset, loc.ranges[proj].nbytes, loc.expert) for loc in layer)
+            part = layer[0].ranges[proj].file
+            own, file_size = header.parts[part], file_sizes[part]
             first, last = ranges[0][0], ranges[-1][0] + ranges[-1][1]
-            stacked = by_start.get(first)
+            stacked = by_start.get((part, first))
             where = f"layer {layer[0].layer} {('gate', 'up', 'down')[proj]} experts at bytes [{first}, {last})"
-            if first < start:
-                problems.append(f"{where} reach into the header and metadata (which end at {start})")
-            elif stacked is None or last > stacked.data_offset + stacked.n_bytes or last > file_size:
-                problems.append(f"{where} are not inside one stacked tensor of the file")
+            found = []
+            if first < own.data_offset:
+                found.append(f"{where} reach into the header and metadata (which end at {own.data_offset})")
+            elif (stacked is None or last > stacked.data_offset + stacked.n_bytes or last > file_size
+                  or any(loc.ranges[proj].file != part for loc in layer)):
+                found.append(f"{where} are not inside one stacked tensor of the file")
             for (lo, n, x), (next_lo, _, y) in zip(ranges, ranges[1:]):
                 if next_lo < lo + n:
-                    problems.append(f"{where}: experts {x} and {y} overlap")
-    return [f"{header.path}: {p}" for p in problems]
+                    found.append(f"{where}: experts {x} and {y} overlap")
+            problems += [f"{own.path}: {p}" for p in found]
+    return problems
 
 
-def special_token_problems(header: GGUFHeader) -> list[str]:
+def special_token_problems(header: ModelHeader) -> list[str]:
     """Every ``tokenizer.ggml.*_token_id`` that names no token of the vocabulary (empty: none)."""
     tokens = header.fields.get("tokenizer.ggml.tokens")
     if tokens is None:
@@ -97,30 +103,30 @@ def special_token_problems(header: GGUFHeader) -> list[str]:
             if key.startswith("tokenizer.ggml.") and key.endswith("_token_id") and not 0 <= f.value < n]
 
 
-def scan(path: Path, header: GGUFHeader, progress: Callable[[int, int], None] | None = None
-         ) -> Iterator[NonFinite]:
-    """Every tensor with a value that is not finite; ``progress(bytes done, bytes total)`` as it goes.
+def scan(header: ModelHeader, progress: Callable[[int, int], None] | None = None) -> Iterator[NonFinite]:
+    """Every tensor (in every part) with a value that is not finite; ``progress(bytes done, bytes total)`` as it goes.
 
     Tensors of types the engine cannot decode are skipped (loading the model
     refuses them anyway).
     """
     tensors = [t for t in header.tensors if t.tensor_type in SUPPORTED_TYPES]
     total, done = sum(t.n_bytes for t in tensors), 0
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        raw = np.frombuffer(mm, np.uint8)
-        try:
-            for t in tensors:
-                found = _scan_tensor(raw, t)
-                done += t.n_bytes
-                if progress is not None:
-                    progress(done, total)
-                if found is not None:
-                    yield found
-        finally:
-            del raw  # the map cannot close while a view of it lives
+    for part, own in enumerate(header.parts):
+        with open(own.path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            raw = np.frombuffer(mm, np.uint8)
+            try:
+                for t in (t for t in tensors if t.part == part):
+                    found = _scan_tensor(raw, t, own.path)
+                    done += t.n_bytes
+                    if progress is not None:
+                        progress(done, total)
+                    if found is not None:
+                        yield found
+            finally:
+                del raw  # the map cannot close while a view of it lives
 
 
-def _scan_tensor(raw: np.ndarray, t: HeaderTensor) -> NonFinite | None:
+def _scan_tensor(raw: np.ndarray, t: HeaderTensor, path: str) -> NonFinite | None:
     shape = [int(n) for n in t.shape.tolist()]  # ggml order: ne[0] is the row
     cols, rows = shape[0], t.n_elements // shape[0]
     row_bytes = t.n_bytes // rows
@@ -139,4 +145,4 @@ def _scan_tensor(raw: np.ndarray, t: HeaderTensor) -> NonFinite | None:
     experts: tuple[int, ...] = ()
     if len(shape) == 3:  # ffn_*_exps: the expert axis is outermost
         experts = tuple(int(e) for e in np.unique(bad // shape[1]))
-    return NonFinite(t.name, len(bad), rows, experts)
+    return NonFinite(path, t.name, len(bad), rows, experts)

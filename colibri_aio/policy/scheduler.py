@@ -243,6 +243,15 @@ class SchedulerPolicy:
             return Wait(())
         return DONE
 
+    def more_ready(self, demand: Demand) -> list[Ready]:
+        """After a Ready from :meth:`next_event`: every other expert of ``demand`` ready now, so the
+        consumer can compute them in one batch (none while a failed read is to be raised first)."""
+        if demand.failed:
+            return []
+        ready = [Ready(*r) for r in demand.ready]
+        demand.ready.clear()
+        return ready
+
     def on_used(self, slot: int, now: float) -> Actions:
         """Compute is done with the Ready expert in ``slot``: it may be evicted again."""
         self.cache.release(slot)

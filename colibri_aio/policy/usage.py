@@ -11,7 +11,7 @@ pins the hottest experts within a pin budget.
 
 The document is JSON, versioned, and tied to the model's identity by a
 fingerprint of its GGUF header — metadata, tensor table (names, types,
-shapes, offsets) and file size — not its path: a model moved or copied keeps
+shapes, offsets) and file size, every part's for a split model — not its path: a model moved or copied keeps
 its history, and a history never applies to a different model even at the
 same path. A document of another format version or another model, or with
 counts that are not finite and non-negative, is refused.

@@ -42,6 +42,7 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as HFTokenizer
 
 from colibri_aio.gguf.header import GGUFHeader
+from colibri_aio.gguf.split import ModelHeader, open_header
 from colibri_aio.errors import ModelFormatError, UserError
 from colibri_aio.text.chat_template import ChatTemplate
 
@@ -143,13 +144,13 @@ class TokenizerSpec:
     unk_id: int | None = None
 
 
-def _field(reader: gguf.GGUFReader | GGUFHeader, key: str) -> Any:
+def _field(reader: gguf.GGUFReader | GGUFHeader | ModelHeader, key: str) -> Any:
     """The decoded value of a metadata key, or None when the key is absent."""
     f = reader.fields.get(key)
     return None if f is None else f.contents()
 
 
-def read_spec(reader: gguf.GGUFReader | GGUFHeader) -> TokenizerSpec:
+def read_spec(reader: gguf.GGUFReader | GGUFHeader | ModelHeader) -> TokenizerSpec:
     """Read and check the ``tokenizer.*`` keys; refuse anything we cannot tokenize exactly."""
     model = _field(reader, "tokenizer.ggml.model")
     if model is None:
@@ -405,7 +406,7 @@ class Tokenizer:
         self._template: ChatTemplate | None = None
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader | GGUFHeader,
+    def from_gguf(cls, reader: gguf.GGUFReader | GGUFHeader | ModelHeader,
                   pipeline: Callable[[TokenizerSpec], HFTokenizer] | None = None) -> Tokenizer:
         """Build from an open GGUF; a missing, unsupported or broken tokenizer is one
         ModelFormatError that names the file. ``pipeline(spec)``: the ``tokenizers`` pipeline of a
@@ -428,7 +429,7 @@ class Tokenizer:
         """Build from a GGUF file on disk."""
         if not Path(path).is_file():
             raise UserError(f"{path}: no such file")
-        return cls.from_gguf(GGUFHeader(path))  # refuses a bad magic or a truncated header
+        return cls.from_gguf(open_header(path))  # refuses a bad magic, a truncated header, a later part
 
     @property
     def vocab_size(self) -> int:

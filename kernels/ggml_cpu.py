@@ -1,0 +1,443 @@
+"""Products on ggml's CPU kernels (through ggml-python), over memory we own: the fast backend.
+
+ggml serves here as a library of kernels, not as a framework. A context made
+with ``no_alloc`` holds tensor headers only; every header's ``data`` points
+at our memory (trunk arrays, buffer-pool slots, activations), so no weight is
+ever copied, and ggml never allocates anything we did not give it.
+
+A call builds (once) or reuses a small graph: :meth:`GgmlKernels.linears`
+puts several products that share one input in one graph (q/k/v),
+:meth:`GgmlKernels.expert_ffns` a whole batch of expert FFNs (gate, up,
+activation, down per expert). Graphs are cached by their *signature* (types,
+shapes, positions), not by the weights: the q/k/v graph of layer 0 serves
+every layer, the graph of eight experts every batch of eight. A call only
+re-points the leaves' ``data`` (weights, input, output) and runs
+``ggml_graph_compute``; each ctypes call here costs 0.1-2 us, a graph launch
+~5 us (evidence/ggml_overhead_*.md).
+
+Numerics are llama.cpp's, not the NumPy reference's: ggml quantises the
+activation to the weight type's partner (Q8_0 for Q8_0/Q4_0, Q8_K for the
+K-quants, F16 for F16 weights, BF16 for BF16) before each product, and its
+SiLU uses a fast exp. The relative error against float32 products of the same
+weights is ~1e-3..1e-2 (tests/test_kernels_ggml.py states it per type).
+
+Bit-identity (design invariant 1) holds within this backend: ggml computes
+each output row whole, by one thread, with unaligned loads, and splits the
+activation's quantisation on block boundaries, so neither the thread count
+nor the byte address of the weights changes a bit; an expert's output does
+not depend on which other experts share its graph (each product is its own
+node). A product of one position takes ggml's vec_dot path and one of several
+positions its tiled GEMM (llamafile), so a prefill row may differ in its last
+bits from the same position decoded alone, as in llama.cpp.
+
+ggml-python builds ggml from source at install with ``GGML_NATIVE`` on
+(``-march=native``): the instruction set is chosen at build time, for the
+machine that built it. :func:`probe` refuses a library built for features
+this CPU lacks, instead of letting it die on an illegal instruction.
+"""
+from __future__ import annotations
+
+import ctypes
+import itertools
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+import ggml.ggml as G  # ggml-python; this module is only imported when the ggml backend is asked for
+
+from colibri_aio.kernels.backend import FFNWeights
+from colibri_aio.kernels.qtensor import QTensor
+
+__all__ = ["GgmlKernels", "GgmlUnavailable", "probe", "supported_types", "version"]
+
+# Features ggml reports as compiled in (ggml_cpu_has_*) and the /proc/cpuinfo flag each needs.
+_ISA_FLAGS = {"sse3": "pni", "ssse3": "ssse3", "avx": "avx", "avx2": "avx2", "f16c": "f16c", "fma": "fma",
+              "bmi2": "bmi2", "avx_vnni": "avx_vnni", "avx512": "avx512f", "avx512_vbmi": "avx512vbmi",
+              "avx512_vnni": "avx512_vnni", "avx512_bf16": "avx512_bf16", "amx_int8": "amx_int8"}
+
+_ALIGN = 64                      # byte alignment of the activation buffers we hand to ggml
+_GRAPH_NODES = 4096              # capacity of one graph (a batch of 128 experts is 512 nodes)
+_TEMPLATES = 256                 # graphs kept per backend (least recently used dropped)
+_ADDRESSES = 1 << 15             # array addresses remembered (see _Addresses)
+PARALLEL_BYTES = 1 << 18         # graphs with fewer weight bytes run on one thread (GgmlKernels)
+
+
+class GgmlUnavailable(RuntimeError):
+    """ggml-python cannot serve on this machine; the message says why."""
+
+
+def version() -> str:
+    """ggml's own version string, and ggml-python's."""
+    fn = G.lib.ggml_version
+    fn.restype = ctypes.c_char_p
+    import ggml
+    return f"ggml {fn().decode()} (ggml-python {ggml.__version__})"
+
+
+def built_features() -> list[str]:
+    """The x86 features the library was compiled for (ggml_cpu_has_* are compile-time answers)."""
+    return [f for f in _ISA_FLAGS if getattr(G, f"ggml_cpu_has_{f}", lambda: 0)()]
+
+
+def _cpu_flags() -> set[str] | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return None
+
+
+def probe() -> str:
+    """Check that ggml can run here; returns a one-line description, raises GgmlUnavailable."""
+    flags = _cpu_flags()
+    if flags is not None:
+        missing = [f for f in built_features() if _ISA_FLAGS[f] not in flags]
+        if missing:
+            raise GgmlUnavailable(f"ggml-python was built for {', '.join(missing)}, which this CPU lacks "
+                                  f"(reinstall it on this machine: pip install --force-reinstall --no-binary "
+                                  f":all: ggml-python)")
+    return f"{version()}, built for {'/'.join(built_features()) or 'generic x86'}"
+
+
+# --- types ---
+
+def _ggml_type(t: GGMLQuantizationType) -> int | None:
+    """ggml's type id for a GGUF type when ggml's CPU backend can multiply by it, else None.
+
+    GGUF stores ggml's own enum, so the ids agree; a type counts only if ggml
+    knows it by the same name, agrees on its block geometry and has a CPU
+    dot product (the integer and F64 types have none).
+    """
+    gid = getattr(G, f"GGML_TYPE_{t.name}", None)
+    if gid is None or gid != int(t) or t not in GGML_QUANT_SIZES:
+        return None
+    block, type_size = GGML_QUANT_SIZES[t]
+    if G.ggml_blck_size(gid) != block or G.ggml_type_size(gid) != type_size:
+        return None
+    if not G.ggml_get_type_traits_cpu(gid).contents.vec_dot:
+        return None
+    if t != GGMLQuantizationType.F32 and not G.ggml_get_type_traits(gid).contents.to_float:
+        return None
+    return gid
+
+
+def supported_types() -> frozenset[GGMLQuantizationType]:
+    """Every GGUF type ggml's CPU kernels multiply (ggml 0.15: F32, F16, BF16, all Q*, IQ*, TQ*, MXFP4...)."""
+    return frozenset(t for t in GGMLQuantizationType if _ggml_type(t) is not None)
+
+
+def _keep_non_finite(x: np.ndarray, ys: list[np.ndarray]) -> None:
+    """Rows of ``x`` holding a NaN or an infinity give NaN rows in every ``ys`` (in place), as a float
+    product would: rounding the activation to 8 bits can turn them into finite numbers, and the
+    forward pass must see broken weights as non-finite values, never as plausible logits."""
+    bad = ~np.isfinite(x).all(axis=1)
+    if bad.any():
+        for y in ys:
+            y[bad] = np.nan
+
+
+# --- memory ---
+
+class _Addresses:
+    """Addresses of arrays we have seen, by identity: ``ndarray.ctypes.data`` costs ~1-2 us a call.
+
+    Weights are the same objects call after call (trunk tensors, a cached
+    expert's views), so their address is looked up, not recomputed. An entry
+    holds the array itself, so its id cannot be reused while remembered; the
+    table is emptied when it is full.
+    """
+
+    def __init__(self, capacity: int = _ADDRESSES) -> None:
+        self._known: dict[int, tuple[np.ndarray, int]] = {}
+        self._capacity = capacity
+
+    def __call__(self, a: np.ndarray) -> int:
+        hit = self._known.get(id(a))
+        if hit is not None:
+            return hit[1]
+        if len(self._known) >= self._capacity:
+            self._known.clear()
+        addr = a.ctypes.data
+        self._known[id(a)] = (a, addr)
+        return addr
+
+
+def _aligned(nbytes: int) -> tuple[np.ndarray, int]:
+    """A zeroed byte buffer of at least ``nbytes`` starting on an _ALIGN boundary, and its address."""
+    raw = np.zeros(max(nbytes, 1) + _ALIGN, np.uint8)
+    start = (-raw.ctypes.data) % _ALIGN
+    buf = raw[start:start + max(nbytes, 1)]
+    return buf, buf.ctypes.data
+
+
+def _float_buffer(n: int) -> tuple[np.ndarray, int]:
+    buf, addr = _aligned(4 * n)
+    return buf.view(np.float32), addr
+
+
+# --- graphs ---
+
+class _Graph:
+    """One ggml graph, built once: a context of tensor headers, a plan, its intermediates' memory.
+
+    ``inputs`` are the leaves re-pointed at every call, in the order the
+    caller gives addresses; ``outputs`` the result nodes, re-pointed at
+    memory the caller gives. Every other node gets a fixed place in
+    ``_arena`` when the graph is built.
+    """
+
+    def __init__(self, n_tensors: int) -> None:
+        n_tensors += 8
+        size = n_tensors * G.ggml_tensor_overhead() + G.ggml_graph_overhead_custom(_GRAPH_NODES, False)
+        self.ctx = G.ggml_init(G.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
+        if not self.ctx:
+            raise MemoryError("ggml_init failed")
+        self.gf = G.ggml_new_graph_custom(self.ctx, _GRAPH_NODES, False)
+        self.inputs: list[ctypes.Structure] = []
+        self.outputs: list[ctypes.Structure] = []
+        self.plan: G.ggml_cplan | None = None
+        self.work_size = 0
+        self._arena: np.ndarray | None = None
+
+    def leaf(self, gid: int, cols: int, rows: int) -> ctypes.Structure:
+        """A (rows, cols) tensor whose data is given at every call."""
+        t = G.ggml_new_tensor_2d(self.ctx, gid, cols, rows)
+        self.inputs.append(t.contents)
+        return t
+
+    def finish(self, outputs: Sequence, n_threads: int) -> None:
+        """Expand the graph from ``outputs``, give every intermediate a place, and plan it."""
+        for t in outputs:
+            G.ggml_build_forward_expand(self.gf, t)
+            self.outputs.append(t.contents)
+        out_ids = {ctypes.addressof(o) for o in self.outputs}
+        places, offset = [], 0
+        for i in range(G.ggml_graph_n_nodes(self.gf)):
+            node = G.ggml_graph_node(self.gf, i).contents
+            if ctypes.addressof(node) in out_ids or node.data:
+                continue
+            places.append((node, offset))
+            offset += -(-G.ggml_nbytes(ctypes.pointer(node)) // _ALIGN) * _ALIGN
+        self._arena, base = _aligned(offset)
+        for node, off in places:
+            node.data = base + off
+        self.plan = G.ggml_graph_plan(self.gf, n_threads, None)
+        self._plan_ref = ctypes.byref(self.plan)
+        self.work_size = self.plan.work_size
+
+    def run(self, work: "ctypes._Pointer[ctypes.c_uint8]") -> None:
+        self.plan.work_data = work
+        status = G.ggml_graph_compute(self.gf, self._plan_ref)
+        if status != 0:
+            raise RuntimeError(f"ggml_graph_compute failed: {G.ggml_status_to_string(status).decode()}")
+
+    def free(self) -> None:
+        if self.ctx:
+            G.ggml_free(self.ctx)
+            self.ctx = None
+
+
+@dataclass(frozen=True, slots=True)
+class _Mat:
+    """The signature of one weight in a graph: ggml type, rows, cols."""
+
+    gid: int
+    rows: int
+    cols: int
+
+    @property
+    def nbytes(self) -> int:
+        return G.ggml_row_size(self.gid, self.cols) * self.rows
+
+
+_ACTIVATIONS: dict[str, Callable] = {"swiglu": lambda ctx, g, u: G.ggml_swiglu_split(ctx, g, u)}
+
+
+class GgmlKernels:
+    """The ggml backend of one engine: its graphs, work buffer and threads.
+
+    A graph whose weights are smaller than ``parallel_bytes`` runs on one
+    thread: waking the others costs more than they save (and on a loaded
+    machine a thread that is descheduled stalls the rest at every node).
+    Thread count never changes a bit, so this is a speed choice only.
+
+    One call at a time (a lock makes concurrent calls wait); two engines
+    each have their own.
+    """
+
+    name = "ggml"
+
+    def __init__(self, n_threads: int = 2, *, parallel_bytes: int = PARALLEL_BYTES) -> None:
+        self.description = probe()
+        self.reason = self.description
+        self.n_threads = n_threads
+        self.parallel_bytes = parallel_bytes
+        self._types: dict[GGMLQuantizationType, int] = {t: gid for t in GGMLQuantizationType
+                                                         if (gid := _ggml_type(t)) is not None}
+        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._address = _Addresses()
+        self._work, self._work_ptr = self._work_buffer(1 << 20)
+        self._lock = threading.Lock()
+
+    # --- the interface the forward pass calls ---
+
+    @property
+    def types(self) -> frozenset[GGMLQuantizationType]:
+        return frozenset(self._types)
+
+    def linear(self, w: QTensor, x: np.ndarray) -> np.ndarray:
+        """``x @ W.T``: x (T, cols) float32 -> (T, rows) float32."""
+        return self._linears((w,), x)[0]
+
+    def linears(self, ws: Sequence[QTensor], x: np.ndarray) -> list[np.ndarray]:
+        """Several products on one input in one graph: [x @ W.T for W in ws]."""
+        return self._linears(ws, x)
+
+    def _linears(self, ws: Sequence[QTensor], x: np.ndarray) -> list[np.ndarray]:
+        x = self._input(x, ws[0].cols)
+        t = x.shape[0]
+        mats = tuple(self._mat(w) for w in ws)
+        for m in mats:
+            if m.cols != mats[0].cols:
+                raise ValueError(f"linears: weights of {m.cols} and {mats[0].cols} columns share one input")
+        addr = self._address
+        addrs = [addr(w.data) for w in ws]
+        addrs.append(x.ctypes.data)
+        sizes = [t * m.rows for m in mats]
+        out = self._call(("linears", mats, t), 2 * len(mats) + 1, lambda g: self._build_linears(g, mats, t),
+                         addrs, sizes, sum(m.nbytes for m in mats))
+        ends = itertools.accumulate(sizes)
+        ys = [out[e - n: e].reshape(t, m.rows) for e, n, m in zip(ends, sizes, mats)]
+        _keep_non_finite(x, ys)
+        return ys
+
+    def expert_ffns(self, experts: Sequence[FFNWeights], xs: Sequence[np.ndarray],
+                    activation: str = "swiglu") -> list[np.ndarray]:
+        """``down(act(gate x, up x))`` for each expert on its own rows; one graph for the batch.
+
+        ``xs[i]``: (n_i, D) float32, the positions routed to ``experts[i]``;
+        returns (n_i, D) each.
+        """
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"unknown activation {activation!r}")
+        sig, addrs, addr, inputs = [], [], self._address, []
+        for e, x in zip(experts, xs, strict=True):
+            gate, up, down = self._mat(e.gate), self._mat(e.up), self._mat(e.down)
+            if up != gate or down.cols != gate.rows or down.rows != gate.cols:
+                raise ValueError(f"expert FFN shapes gate {e.gate.shape}, up {e.up.shape}, down {e.down.shape} "
+                                 "do not chain")
+            x = self._input(x, gate.cols)
+            inputs.append(x)
+            sig.append((gate, down, x.shape[0]))
+            addrs += (addr(e.gate.data), addr(e.up.data), addr(e.down.data), x.ctypes.data)
+        key = ("ffn", activation, tuple(sig))
+        sizes = [n * down.rows for _, down, n in sig]
+        out = self._call(key, 8 * len(sig), lambda g: self._build_ffns(g, sig, activation), addrs, sizes,
+                         sum(2 * gate.nbytes + down.nbytes for gate, down, _ in sig))
+        ends = itertools.accumulate(sizes)
+        ys = [out[e - n: e].reshape(rows, down.rows) for e, n, (_, down, rows) in zip(ends, sizes, sig)]
+        for x, y in zip(inputs, ys):
+            _keep_non_finite(x, [y])
+        return ys
+
+    def dequantize(self, w: QTensor) -> np.ndarray:
+        """All weights of ``w`` as a new float32 array of shape ``w.shape`` (ggml's to_float, one thread)."""
+        gid = self._gid(w)
+        if w.ggml_type == GGMLQuantizationType.F32:
+            return w.data.view(np.float32).reshape(w.shape).copy()
+        out = np.empty(w.shape, np.float32)
+        data = np.ascontiguousarray(w.data)
+        G.ggml_get_type_traits(gid).contents.to_float(
+            ctypes.c_void_p(data.ctypes.data), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size)
+        return out
+
+    def close(self) -> None:
+        """Free every graph's ggml context."""
+        with self._lock:
+            for g in self._graphs.values():
+                g.free()
+            self._graphs.clear()
+
+    # --- helpers ---
+
+    def _gid(self, w: QTensor) -> int:
+        gid = self._types.get(w.ggml_type)
+        if gid is None:
+            name = getattr(w.ggml_type, "name", str(w.ggml_type))
+            raise ValueError(f"ggml's CPU backend has no kernel for {name}")
+        return gid
+
+    def _mat(self, w: QTensor) -> _Mat:
+        if len(w.shape) != 2:
+            raise ValueError(f"expected a matrix, got shape {w.shape}")
+        return _Mat(self._gid(w), w.shape[0], w.shape[1])
+
+    @staticmethod
+    def _input(x: np.ndarray, cols: int) -> np.ndarray:
+        if x.ndim != 2 or x.shape[1] != cols:
+            raise ValueError(f"input of shape {x.shape} for weights of {cols} columns")
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+        return x
+
+    @staticmethod
+    def _work_buffer(nbytes: int) -> tuple[np.ndarray, "ctypes._Pointer[ctypes.c_uint8]"]:
+        buf, addr = _aligned(nbytes)
+        return buf, ctypes.cast(addr, ctypes.POINTER(ctypes.c_uint8))
+
+    def _call(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list], addrs: list[int],
+              sizes: list[int], weight_bytes: int) -> np.ndarray:
+        """Run the graph ``key`` (built on first use) on ``addrs``; its outputs, ``sizes`` floats each,
+        land one after another in the returned array."""
+        out = np.empty(sum(sizes), np.float32)
+        out_addr = out.ctypes.data
+        with self._lock:
+            graph = self._graphs.get(key)
+            if graph is None:
+                graph = self._new_graph(key, n_tensors, build, weight_bytes)
+            else:
+                self._graphs.move_to_end(key)
+            for leaf, a in zip(graph.inputs, addrs):
+                leaf.data = a
+            for node, n in zip(graph.outputs, sizes):
+                node.data = out_addr
+                out_addr += 4 * n
+            graph.run(self._work_ptr)
+        return out
+
+    def _new_graph(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list], weight_bytes: int) -> _Graph:
+        graph = _Graph(n_tensors)
+        threads = self.n_threads if weight_bytes >= self.parallel_bytes else 1
+        graph.finish(build(graph), threads)
+        if graph.work_size > self._work.size:
+            self._work, self._work_ptr = self._work_buffer(graph.work_size)
+        self._graphs[key] = graph
+        if len(self._graphs) > _TEMPLATES:
+            self._graphs.popitem(last=False)[1].free()
+        return graph
+
+    @staticmethod
+    def _build_linears(g: _Graph, mats: tuple[_Mat, ...], t: int) -> list:
+        ws = [g.leaf(m.gid, m.cols, m.rows) for m in mats]
+        x = g.leaf(G.GGML_TYPE_F32, mats[0].cols, t)
+        return [G.ggml_mul_mat(g.ctx, w, x) for w in ws]
+
+    @staticmethod
+    def _build_ffns(g: _Graph, sig: list, activation: str) -> list:
+        act = _ACTIVATIONS[activation]
+        outs = []
+        for gate, down, n in sig:  # leaves in the order expert_ffns gives addresses: gate, up, down, x
+            wg, wu, wd = g.leaf(gate.gid, gate.cols, gate.rows), g.leaf(gate.gid, gate.cols, gate.rows), \
+                g.leaf(down.gid, down.cols, down.rows)
+            x = g.leaf(G.GGML_TYPE_F32, gate.cols, n)
+            h = act(g.ctx, G.ggml_mul_mat(g.ctx, wg, x), G.ggml_mul_mat(g.ctx, wu, x))
+            outs.append(G.ggml_mul_mat(g.ctx, wd, h))
+        return outs
+
