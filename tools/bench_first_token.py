@@ -7,9 +7,9 @@ two engines alternate, the order flipped every round. ``--lock PATH`` holds
 an exclusive flock on PATH around each run only.
 
 - ours: ``Engine.open(model)`` with its defaults (context min(model, 4096),
-  f16 KV cache, budget from RAM, warm start), ``prefill`` of the prompt;
-- ours-nowarm (``--arms``): the same without the warm start ("ours" asks
-  for it explicitly, whatever the default);
+  f16 KV cache, budget from RAM, ggml kernels, no warm start), ``prefill``
+  of the prompt;
+- ours-warm (``--arms``): the same with the warm start;
 - llama.cpp: llama-cpp-python, ``n_threads=2``, ``n_ctx=4096`` (llama-cli's
   default), mmap, ``eval`` of the prompt.
 
@@ -33,16 +33,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_scale import describe_model, drop_page_cache, exclusive, proc_read_bytes, token_ids  # noqa: E402
+from bench_scale import describe_model, drop_page_cache, proc_read_bytes, token_ids  # noqa: E402
+from colibri_aio.bench.lock import exclusive  # noqa: E402
 from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ("ours", "ours-nowarm", "llama.cpp")  # ours-nowarm: Engine.open(warm_start=False), the warm start's A/B
+ARMS = ("ours", "ours-warm", "llama.cpp")  # ours-warm: Engine.open(warm_start=True), the warm start's A/B
 PROMPT = 32
 N_CTX = 4096
 
 
-def worker_ours(model: Path, seed: int, tg: int, warm_start: bool = True) -> dict:
+def worker_ours(model: Path, seed: int, tg: int, warm_start: bool = False) -> dict:
     import asyncio
 
     import numpy as np
@@ -102,7 +103,7 @@ def worker_llama(model: Path, seed: int, tg: int) -> dict:
 def one_run(engine: str, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", engine, "--model", str(args.model),
            "--seed", str(args.seed), "--tg-first", str(args.tg_first), "--tg-steady", str(args.tg_steady)]
-    with exclusive(args.gate), exclusive(args.lock):  # the gate first: shared takers queue behind it
+    with exclusive(args.lock):
         dropped = drop_page_cache()
         t0 = time.time()
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -132,7 +133,7 @@ def summarise(runs: list[dict]) -> dict:
         out[e] = {k: spread([r[k] for r in ok]) for k in ("ttft_s", "load_s", "prompt_s", "first_tok_s",
                                                            "steady_tok_s", "first_vs_steady") if ok}
         out[e]["failed"] = sum(1 for r in runs if r["engine"] == e and "error" in r)
-    for arm, ref, key in (("ours", "llama.cpp", "ttft_ratio"), ("ours", "ours-nowarm", "ttft_ratio_warm")):
+    for arm, ref, key in (("ours", "llama.cpp", "ttft_ratio"), ("ours-warm", "ours", "ttft_ratio_warm")):
         pairs = [(a, b) for a, b in zip([r for r in runs if r["engine"] == arm],
                                          [r for r in runs if r["engine"] == ref])
                  if "error" not in a and "error" not in b]
@@ -165,7 +166,7 @@ def markdown(receipt: dict) -> str:
                      f"{_cell(x.get('first_tok_s'))} | {_cell(x.get('steady_tok_s'))} | "
                      f"{_cell(x.get('first_vs_steady'))} |")
     lines += ["", f"TTFT ours / llama.cpp, per round: {_cell(s.get('ttft_ratio'))}", "",
-              f"TTFT ours / ours without the warm start, per round: {_cell(s.get('ttft_ratio_warm'))}", "",
+              f"TTFT ours with the warm start / without it, per round: {_cell(s.get('ttft_ratio_warm'))}", "",
               "Every sample (TTFT s; ours: open steps, warm start):", ""]
     for r in receipt["samples"]:
         if "error" in r:
@@ -193,8 +194,6 @@ def main() -> int:
     p.add_argument("--tg-first", type=int, default=64)
     p.add_argument("--tg-steady", type=int, default=128)
     p.add_argument("--lock", type=Path, help="hold an exclusive flock on this file around each run")
-    p.add_argument("--gate", type=Path, help="hold an exclusive flock on this file while waiting for --lock (a "
-                                            "machine whose shared takers pass a gate first, so they cannot starve us)")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
     p.add_argument("--arms", default="ours,llama.cpp",
@@ -202,8 +201,8 @@ def main() -> int:
     p.add_argument("--worker", choices=ARMS, help=argparse.SUPPRESS)
     args = p.parse_args()
     tg = args.tg_first + args.tg_steady
-    if args.worker in ("ours", "ours-nowarm"):
-        print(json.dumps(worker_ours(args.model, args.seed, tg, warm_start=args.worker == "ours")))
+    if args.worker in ("ours", "ours-warm"):
+        print(json.dumps(worker_ours(args.model, args.seed, tg, warm_start=args.worker == "ours-warm")))
         return 0
     if args.worker == "llama.cpp":
         print(json.dumps(worker_llama(args.model, args.seed, tg)))
