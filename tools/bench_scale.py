@@ -15,7 +15,8 @@ Any family the engine runs: give the files (``--fits-model``,
 architecture and description (the synthetic generator writes what it made).
 ``--lock PATH`` holds an exclusive flock on PATH around each run and each fio
 reference (not the whole benchmark), so a shared machine is quiet while a run
-is timed and free between runs.
+is timed and free between runs; it is taken by the ``flock`` command
+(colibri_aio.bench.lock), so a site's writer-preferring ``flock`` governs it.
 
 Every run is a fresh process (so peak RSS is the run's own, and the cgroup
 limit applies to all of it) started after the page cache is dropped; the two
@@ -39,8 +40,6 @@ realistic routing) and removed at the end.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -55,6 +54,7 @@ import numpy as np
 
 from bench_prefetch import make_model
 from colibri_aio.bench.iobench import measure_fio
+from colibri_aio.bench.lock import exclusive
 from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -280,33 +280,6 @@ def one_run(engine: str, cond: Condition, args: argparse.Namespace, cgroup: Memo
     return result
 
 
-@contextlib.contextmanager
-def _flocked(path: Path):
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
-@contextlib.contextmanager
-def exclusive(lock: Path | None, gate: Path | None = None):
-    """An exclusive flock on ``lock`` for the duration (no-op without one).
-
-    With a ``gate``, the gate is held exclusively first, while waiting for the
-    lock and for the whole hold: where shared takers pass through the same
-    gate before taking the lock, a waiting run is not starved by a stream of
-    overlapping shared holders (writer preference).
-    """
-    with contextlib.ExitStack() as stack:
-        if lock is not None and gate is not None:
-            stack.enter_context(_flocked(gate))
-        if lock is not None:
-            stack.enter_context(_flocked(lock))
-        yield
-
-
 def describe_model(path: Path) -> dict:
     """What a condition's file is: its architecture, name and description (general.* keys)."""
     from gguf import GGUFReader
@@ -443,9 +416,6 @@ def main() -> int:
     p.add_argument("--shape", default="qwen3-30b-a3b", help="synthetic shape of generated models (make_synthetic_gguf)")
     p.add_argument("--type", default="q8_0", help="tensor types of generated models (make_synthetic_gguf --type)")
     p.add_argument("--lock", type=Path, help="hold an exclusive flock on this file around each run")
-    p.add_argument("--lock-gate", type=Path,
-                   help="held exclusively while waiting for --lock and during each hold, where shared takers "
-                        "pass through it first (writer preference)")
     p.add_argument("--llama-no-repack", action="store_true",
                    help="llama.cpp without weight repacking (its --no-repack): needed where the repacked copy "
                         "of a K-quant model does not fit in RAM")
@@ -494,7 +464,7 @@ def main() -> int:
             else:
                 raise SystemExit(f"unknown condition {name!r} (fits, limit, larger)")
             cgroup = MemoryCgroup(cond.limit) if cond.limit else None
-            with exclusive(args.lock, args.lock_gate):
+            with exclusive(args.lock):
                 fio = fio_reference(cond.model, args.fio_seconds)
             info[name] = {"model": cond.model.name, "model_bytes": cond.model.stat().st_size,
                           "about": describe_model(cond.model), "limit": cgroup.limit if cgroup else None,
@@ -503,7 +473,7 @@ def main() -> int:
                 for i in range(args.runs):
                     order = ENGINES if i % 2 == 0 else ENGINES[::-1]
                     for engine in order:
-                        with exclusive(args.lock, args.lock_gate):
+                        with exclusive(args.lock):
                             r = one_run(engine, cond, args, cgroup)
                         r["run"] = i
                         dropped &= r["page_cache_dropped"]
