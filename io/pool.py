@@ -4,9 +4,14 @@ The pool is one anonymous mmap (page-aligned, so 4096-aligned) cut into
 arenas of at most 1 GiB, because that is the most io_uring registers as one
 buffer. One mapping puts every slot at ``address + index * slot_nbytes``, so
 the kernels can see the experts in the pool as one 3-D tensor per matrix (one
-ggml_mul_mat_id for a layer's experts). It is allocated and touched once
-here — first touch of fresh memory is slow on these VMs — and never grown
-afterwards.
+ggml_mul_mat_id for a layer's experts). It is allocated once here and never
+grown afterwards. Its pages are populated by the reads that fill them (the
+kernel faults a page in when a read first lands in it), not touched in
+advance: touching 4.8 GiB page by page took 7.9 s of an 8-layer model's
+start, on a thread that held the interpreter while the trunk, the tokenizer
+and the kernels waited. ``populate=True`` touches every page now instead
+(MADV_POPULATE_WRITE), for callers that want first-touch costs out of their
+timings.
 
 The pool only owns the memory. Slot ``i`` is the expert cache's slot ``i``:
 which expert a slot holds, and which slot a read may use, is decided by one
@@ -47,7 +52,8 @@ class Slot:
 class BufferPool:
     """``n_slots`` slots of ``slot_nbytes`` bytes, one after another in one mapping cut into <= 1 GiB arenas."""
 
-    def __init__(self, slot_nbytes: int, n_slots: int, *, arena_max: int = MAX_ARENA_NBYTES) -> None:
+    def __init__(self, slot_nbytes: int, n_slots: int, *, arena_max: int = MAX_ARENA_NBYTES,
+                 populate: bool = False) -> None:
         if n_slots < 1:
             raise ValueError("the buffer pool needs at least one slot")
         slot_nbytes = align_up(slot_nbytes, ALIGN)
@@ -56,7 +62,8 @@ class BufferPool:
         per_arena = arena_max // slot_nbytes
         self.slot_nbytes = slot_nbytes
         self.mapping = mmap.mmap(-1, n_slots * slot_nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        touch(self.mapping)
+        if populate:
+            touch(self.mapping)
         self.address = np.frombuffer(self.mapping, dtype=np.uint8).ctypes.data
         self.arenas: list[memoryview] = []       # <= 1 GiB each, consecutive: the registered buffers
         self.arena_addresses: list[int] = []

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels.ops import Routing
+from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, kv_nbytes
 
 if TYPE_CHECKING:
     from colibri_aio.gguf.split import ModelHeader
@@ -174,9 +175,10 @@ class BaseArgs:
         (families caching something else, such as MLA's latent, override this)."""
         return KVLayout(self.head_count_kv, self.key_length, self.value_length)
 
-    def kv_cache_nbytes(self, context: int) -> int:
-        """Bytes of the float32 KV cache for ``context`` positions: what the plan reserves and the pass allocates."""
-        return self.block_count * context * self.kv_layout().nbytes_per_position
+    def kv_cache_nbytes(self, context: int, kv_type: str = DEFAULT_KV_TYPE) -> int:
+        """Bytes of the KV cache for ``context`` positions stored as ``kv_type``: what the plan reserves
+        and the pass allocates."""
+        return kv_nbytes(self.block_count, context, self.kv_layout(), kv_type)
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,8 +193,9 @@ class KVLayout:
     values_in_keys: bool = False
 
     @property
-    def nbytes_per_position(self) -> int:
-        return 4 * self.heads * (self.key_width + (0 if self.values_in_keys else self.value_width))
+    def floats_per_position(self) -> int:
+        """Numbers stored per position and block (each value once when it lives in its key)."""
+        return self.heads * (self.key_width + (0 if self.values_in_keys else self.value_width))
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +254,7 @@ def router_tensors(a: BaseArgs) -> list[TensorSpec]:
 class Family:
     """One architecture in the registry.
 
-    ``net`` is built as ``net(model, experts, n_ctx, kernels)``; ``moe_norm`` names the
+    ``net`` is built as ``net(model, experts, n_ctx, kernels, kv_type)``; ``moe_norm`` names the
     block tensor that norms the MoE input (the router's input, which the
     lookahead applies to the previous layer's hidden state); ``checked_against``
     names the transformers class its oracle tests ran.

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 
-from colibri_aio.arch.base import KVLayout
+from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, KVCache, default_context
 from colibri_aio.arch.lookahead import moe_norm, predictor_state, rank_experts, router_logits
 from colibri_aio.errors import NonFiniteError, UserError
 from colibri_aio.experts import ExpertSource, ExpertWeights
@@ -62,27 +62,6 @@ def embed_rows(kernels: Kernels, token_embd: QTensor, ids: np.ndarray) -> np.nda
     return kernels.dequantize(QTensor(rows, token_embd.ggml_type, (len(ids), token_embd.cols)))
 
 
-class KVCache:
-    """Keys (Hkv, key_width) and values (Hkv, value_width) of every layer for up to ``n_ctx`` positions,
-    allocated once; with ``values_in_keys`` each value is a view of its key's first floats (MLA's latent)."""
-
-    def __init__(self, n_layer: int, n_ctx: int, layout: KVLayout) -> None:
-        self.n_ctx, self.layout = n_ctx, layout
-        self.k = np.zeros((n_layer, n_ctx, layout.heads, layout.key_width), np.float32)
-        self.v = (self.k[..., :layout.value_width] if layout.values_in_keys
-                  else np.zeros((n_layer, n_ctx, layout.heads, layout.value_width), np.float32))
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + (0 if self.layout.values_in_keys else self.v.nbytes)
-
-    def store(self, layer: int, positions: np.ndarray, k: np.ndarray, v: np.ndarray | None) -> None:
-        """Keys (T, Hkv, key_width) and values (T, Hkv, value_width; None when they live in the keys)."""
-        self.k[layer, positions] = k
-        if not self.layout.values_in_keys:
-            self.v[layer, positions] = v
-
-
 class MoETransformer:
     """A pre-norm MoE decoder bound to an expert source and a KV cache; families subclass it.
 
@@ -94,12 +73,15 @@ class MoETransformer:
     """
 
     def __init__(self, model: Model, experts: ExpertSource, n_ctx: int | None = None,
-                 kernels: Kernels | None = None) -> None:
-        """``kernels``: the backend every product runs on (None: the NumPy reference); the caller owns it."""
+                 kernels: Kernels | None = None, kv_type: str = DEFAULT_KV_TYPE) -> None:
+        """``n_ctx``: KV-cache positions (default: the model's, at most 4096; never more than the model's);
+        ``kernels``: the backend every product runs on (None: the NumPy reference); the caller owns it;
+        ``kv_type``: "f16" or "f32" storage of keys and values (see :mod:`colibri_aio.arch.kvcache`)."""
         a = model.args
         self.model, self.args, self.experts = model, a, experts
         self.kernels: Kernels = kernels if kernels is not None else NumpyKernels()
-        self.n_ctx = min(n_ctx or a.context_length, a.context_length)
+        self.n_ctx = min(n_ctx or default_context(a.context_length), a.context_length)
+        self.kv_type = kv_type
         self.cache = self.make_cache()
         self.n_past = 0
         self.ids: list[int] = []  # the token ids behind the cache: positions 0..n_past-1
@@ -147,8 +129,7 @@ class MoETransformer:
         ``options`` go to :func:`~colibri_aio.kernels.ops.attention` (scale, window, sinks).
         """
         self.cache.store(layer, positions, k, v)
-        s = int(positions[-1]) + 1
-        return attention(q, self.cache.k[layer, :s], self.cache.v[layer, :s], positions,
+        return attention(q, *self.cache.upto(layer, int(positions[-1]) + 1), positions,
                          **options)  # type: ignore[arg-type]
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray,
@@ -178,7 +159,7 @@ class MoETransformer:
 
     def make_cache(self) -> KVCache:
         """The KV cache of ``args.kv_layout()``: the layout the plan's ``kv_cache_nbytes`` counts."""
-        return KVCache(self.args.block_count, self.n_ctx, self.args.kv_layout())
+        return KVCache(self.args.block_count, self.n_ctx, self.args.kv_layout(), self.kv_type)
 
     def rope_tables(self, positions: np.ndarray) -> Rope:
         """cos/sin for this call's positions (computed once per call, used by every layer)."""
