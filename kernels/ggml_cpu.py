@@ -367,20 +367,35 @@ class GgmlKernels:
         return self._linears(ws, x)
 
     def _linears(self, ws: Sequence[QTensor], x: np.ndarray) -> list[np.ndarray]:
+        """Weights that follow each other in memory with one type (a block's q, k and v as a GGUF stores
+        them) run as one product over their rows together: one graph node, one pass of the threads."""
         x = self._input(x, ws[0].cols)
         t = x.shape[0]
-        mats = tuple(self._mat(w) for w in ws)
+        mats = [self._mat(w) for w in ws]
         for m in mats:
             if m.cols != mats[0].cols:
                 raise ValueError(f"linears: weights of {m.cols} and {mats[0].cols} columns share one input")
         addr = self._address
         addrs = [addr(w.data) for w in ws]
-        addrs.append(x.ctypes.data)
-        sizes = [t * m.rows for m in mats]
-        out = self._call(("linears", mats, t), 2 * len(mats) + 1, lambda g: self._build_linears(g, mats, t),
-                         addrs, sizes, sum(m.nbytes for m in mats))
-        ends = itertools.accumulate(sizes)
-        ys = [out[e - n: e].reshape(t, m.rows) for e, n, m in zip(ends, sizes, mats)]
+        runs: list[list[int]] = []                      # indices of ws whose bytes follow each other
+        for i, (w, m) in enumerate(zip(ws, mats)):
+            if runs and m.gid == mats[i - 1].gid and addrs[i - 1] + ws[i - 1].nbytes == addrs[i]:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        fused = tuple(_Mat(mats[r[0]].gid, sum(mats[i].rows for i in r), mats[r[0]].cols) for r in runs)
+        sizes = [t * m.rows for m in fused]
+        out = self._call(("linears", fused, t), 2 * len(fused) + 1, lambda g: self._build_linears(g, fused, t),
+                         [addrs[r[0]] for r in runs] + [x.ctypes.data], sizes, sum(m.nbytes for m in fused))
+        ys: list[np.ndarray] = []
+        start = 0
+        for r, m in zip(runs, fused):
+            y = out[start: start + t * m.rows].reshape(t, m.rows)
+            start += t * m.rows
+            col = 0
+            for i in r:
+                ys.append(y[:, col: col + mats[i].rows])
+                col += mats[i].rows
         _keep_non_finite(x, ys)
         return ys
 
@@ -518,7 +533,7 @@ class GgmlKernels:
         return graph
 
     @staticmethod
-    def _build_linears(g: _Graph, mats: tuple[_Mat, ...], t: int) -> list:
+    def _build_linears(g: _Graph, mats: Sequence[_Mat], t: int) -> list:
         ws = [g.leaf(m.gid, m.cols, m.rows) for m in mats]
         x = g.leaf(G.GGML_TYPE_F32, mats[0].cols, t)
         return [G.ggml_mul_mat(g.ctx, w, x) for w in ws]

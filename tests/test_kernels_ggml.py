@@ -130,6 +130,20 @@ def test_linears_equal_single_products_bit_for_bit(kernels) -> None:
             assert np.array_equal(y, kernels.linear(w, x))
 
 
+def test_linears_of_weights_that_follow_each_other_equal_single_products_bit_for_bit(kernels) -> None:
+    """q, k and v stored one after another run as one product: it must give the bits of three."""
+    ws = [quantised(T.Q8_0, (rows, 256), 20 + rows) for rows in (64, 16, 16)]
+    block = np.concatenate([w.data for w in ws])
+    adjacent, start = [], 0
+    for w in ws:
+        adjacent.append(QTensor(block[start: start + w.nbytes], w.ggml_type, w.shape))
+        start += w.nbytes
+    for n in (1, 5):
+        x = np.random.default_rng(n).standard_normal((n, 256)).astype(np.float32)
+        for w, y in zip(ws, kernels.linears(adjacent, x)):
+            assert y.shape == (n, w.rows) and np.array_equal(y, kernels.linear(w, x))
+
+
 def _expert(t: T, d: int, f: int, seed: int) -> ExpertWeights:
     return ExpertWeights(quantised(t, (f, d), seed), quantised(t, (f, d), seed + 1), quantised(t, (d, f), seed + 2))
 
