@@ -450,8 +450,7 @@ class GgmlKernels:
         for m in order:
             ys[m] = out[start: start + counts[m] * down.rows].reshape(counts[m], down.rows)
             start += counts[m] * down.rows
-        for x_i, y in zip(inputs, ys):
-            _keep_non_finite(x_i, [y])
+        _keep_non_finite(x, [out.reshape(-1, down.rows)])  # the output's rows are x's, one for one
         return ys
 
     def dequantize(self, w: QTensor) -> np.ndarray:
