@@ -6,12 +6,15 @@ at our memory (trunk arrays, buffer-pool slots, activations), so no weight is
 ever copied, and ggml never allocates anything we did not give it.
 
 A call builds (once) or reuses a small graph: :meth:`GgmlKernels.linears`
-puts several products that share one input in one graph (q/k/v),
-:meth:`GgmlKernels.expert_ffns` a whole batch of expert FFNs (gate, up,
-activation, down per expert). Graphs are cached by their *signature* (types,
-shapes, positions), not by the weights: the q/k/v graph of layer 0 serves
-every layer, the graph of eight experts every batch of eight. A call only
-re-points the leaves' ``data`` (weights, input, output) and runs
+puts several products that share one input in one graph (q/k/v; weights
+that follow each other in memory as one product), :meth:`GgmlKernels.expert_ffns`
+a whole batch of expert FFNs as llama.cpp runs a layer's experts: one
+``ggml_mul_mat_id`` per matrix over the experts seen as one 3-D tensor (pool
+slots one stride apart), one row per (expert, position) cell. Graphs are
+cached by their *signature* (types, shapes, positions), not by the weights:
+the q/k/v graph of layer 0 serves every layer, the graph of eight cells every
+batch of eight. A call only re-points the leaves' ``data`` (weights, input,
+output; a stack's stride) and runs
 ``ggml_graph_compute``; each ctypes call here costs 0.1-2 us, a graph launch
 ~5 us (evidence/ggml_overhead_*.md).
 
@@ -25,10 +28,11 @@ Bit-identity (design invariant 1) holds within this backend: ggml computes
 each output row whole, by one thread, with unaligned loads, and splits the
 activation's quantisation on block boundaries, so neither the thread count
 nor the byte address of the weights changes a bit; an expert's output does
-not depend on which other experts share its graph (each product is its own
-node). A product of one position takes ggml's vec_dot path and one of several
-positions its tiled GEMM (llamafile), so a prefill row may differ in its last
-bits from the same position decoded alone, as in llama.cpp.
+not depend on which other experts share its graph or its stack (every
+(expert, position) cell is its own vec_dot products). A trunk product of one
+position takes ggml's vec_dot path and one of several positions its tiled
+GEMM (llamafile), so a prefill row may differ in its last bits from the same
+position decoded alone, as in llama.cpp.
 
 ggml-python builds ggml from source at install with ``GGML_NATIVE`` on
 (``-march=native``): the instruction set is chosen at build time, for the
