@@ -35,6 +35,7 @@ import structlog
 from colibri_aio.bench import receipt
 from colibri_aio.cachefiles import cache_dir
 from colibri_aio.bench.locations import split_expert
+from colibri_aio.bench.lock import exclusive
 from colibri_aio.errors import UserError
 from colibri_aio.io.align import RANGES_PER_EXPERT
 from colibri_aio.policy.budget import parse_size
@@ -87,6 +88,8 @@ def add_iobench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=2.0, help="length of each measurement (default: %(default)s)")
     parser.add_argument("--size", type=positive_size, default=4 << 30,
                         help="size of the temporary test file when no FILE is given (default: 4G)")
+    parser.add_argument("--lock", type=Path, default=None, metavar="PATH",
+                        help="hold an exclusive flock on PATH around each interleaved pair (a machine others share)")
     parser.add_argument("--no-fio", action="store_true", help="do not run fio even if it is installed")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     parser.add_argument("--receipt", type=Path, nargs="?", const=Path("evidence"), default=None, metavar="DIR",
@@ -232,7 +235,8 @@ async def bench(path: Path, args: argparse.Namespace, use_fio: bool, progress) -
     samples: dict[tuple[str, int, int], list[dict[str, dict[str, Any]]]] = {s: [] for s in settings}
     for run in range(args.runs):
         for backend, bs, qd in settings:
-            pair = await measure_pair(path, args, backend, bs, qd, run, use_fio)
+            with exclusive(getattr(args, "lock", None)):
+                pair = await measure_pair(path, args, backend, bs, qd, run, use_fio)
             samples[(backend, bs, qd)].append(pair)
             progress(run, backend, bs, qd, pair)
     return [summarise(backend, bs, qd, args.pattern, pairs) for (backend, bs, qd), pairs in samples.items()]
