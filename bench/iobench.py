@@ -35,6 +35,7 @@ import structlog
 from colibri_aio.bench import receipt
 from colibri_aio.cachefiles import cache_dir
 from colibri_aio.bench.locations import split_expert
+from colibri_aio.bench.lock import exclusive
 from colibri_aio.errors import UserError
 from colibri_aio.io.align import RANGES_PER_EXPERT
 from colibri_aio.policy.budget import parse_size
@@ -87,6 +88,8 @@ def add_iobench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seconds", type=float, default=2.0, help="length of each measurement (default: %(default)s)")
     parser.add_argument("--size", type=positive_size, default=4 << 30,
                         help="size of the temporary test file when no FILE is given (default: 4G)")
+    parser.add_argument("--lock", type=Path, default=None, metavar="PATH",
+                        help="hold an exclusive flock on PATH around each interleaved pair (a machine others share)")
     parser.add_argument("--no-fio", action="store_true", help="do not run fio even if it is installed")
     parser.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
     parser.add_argument("--receipt", type=Path, nargs="?", const=Path("evidence"), default=None, metavar="DIR",
@@ -126,9 +129,20 @@ def drop_cached_pages(path: Path) -> None:
 
 # -- one measurement of ours ---------------------------------------------------
 
+RAMP_S = 0.1  # as fio's --ramp_time: reads that end before it are not counted
+
+
 async def measure_ours(path: Path, backend: str, bs: int, qd: int, pattern: str, seconds: float,
                        seed: int) -> dict[str, Any]:
-    """``qd`` workers each read one expert of ``bs`` bytes after another for ``seconds``."""
+    """``qd`` workers each read one expert of ``bs`` bytes after another, measured as fio measures.
+
+    The workers run without a pause from the first read to the last: after
+    RAMP_S of ramp, the reads that end within the next ``seconds`` count, over
+    exactly ``seconds``, so the queue is full the whole window, as fio's is
+    (``--ramp_time``, ``--time_based``). ``gbps_whole`` counts every read over
+    the whole run, ramp-up and final drain included (a stopped queue at both
+    ends), which is how earlier versions measured ours.
+    """
     from colibri_aio.bench.locations import bench_locations
     from colibri_aio.io import ExpertReader
 
@@ -136,7 +150,7 @@ async def measure_ours(path: Path, backend: str, bs: int, qd: int, pattern: str,
     locations = bench_locations(path.stat().st_size, bs, 4096, pattern, np.random.default_rng(seed))
     reader = await ExpertReader.open(path, bs, n_slots=qd, backend=backend.split("+")[0],
                                      register=backend.endswith("+reg"), punt=backend.endswith("+async"))
-    latencies: list[float] = []
+    reads: list[tuple[float, float]] = []  # (start, end) of every read
     stop_at = 0.0
     cursor = itertools.count()
 
@@ -146,25 +160,26 @@ async def measure_ours(path: Path, backend: str, bs: int, qd: int, pattern: str,
             if now >= stop_at:
                 return
             await reader.start(locations[next(cursor) % len(locations)], slot)
-            latencies.append(time.perf_counter() - now)
+            reads.append((now, time.perf_counter()))
 
     try:
-        stop_at = time.perf_counter() + 0.1  # warm-up: first touches of the ring and the slots
-        await asyncio.gather(*(worker(slot) for slot in range(qd)))
-        latencies.clear()
-        cpu0, t0 = time.process_time(), time.perf_counter()
+        start = time.perf_counter()
+        t0 = start + RAMP_S
         stop_at = t0 + seconds
+        cpu0 = time.process_time()
         await asyncio.gather(*(worker(slot) for slot in range(qd)))
-        elapsed, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+        end, cpu = time.perf_counter(), time.process_time() - cpu0
         info = {"backend": reader.backend, "reason": reader.backend_reason,
                 "registered": reader.registered, "o_direct": reader.direct}
     finally:
         await reader.aclose()
-    reads = len(latencies)
-    lat = np.array(latencies) if latencies else np.zeros(1)
-    return {"reads": reads, "seconds": elapsed, "gbps": reads * bs / elapsed / 1e9, "iops": reads / elapsed,
+    window = [e - s for s, e in reads if t0 <= e < stop_at]
+    n = len(window)
+    lat = np.array(window) if window else np.zeros(1)
+    return {"reads": n, "seconds": seconds, "gbps": n * bs / seconds / 1e9, "iops": n / seconds,
+            "gbps_whole": len(reads) * bs / (end - start) / 1e9,
             "lat_p50_ms": float(np.percentile(lat, 50) * 1e3), "lat_p99_ms": float(np.percentile(lat, 99) * 1e3),
-            "cpu_us_per_read": cpu / max(reads, 1) * 1e6, **info}
+            "cpu_us_per_read": cpu / max(len(reads), 1) * 1e6, **info}
 
 
 # -- one measurement of fio ----------------------------------------------------
@@ -232,7 +247,8 @@ async def bench(path: Path, args: argparse.Namespace, use_fio: bool, progress) -
     samples: dict[tuple[str, int, int], list[dict[str, dict[str, Any]]]] = {s: [] for s in settings}
     for run in range(args.runs):
         for backend, bs, qd in settings:
-            pair = await measure_pair(path, args, backend, bs, qd, run, use_fio)
+            with exclusive(getattr(args, "lock", None)):
+                pair = await measure_pair(path, args, backend, bs, qd, run, use_fio)
             samples[(backend, bs, qd)].append(pair)
             progress(run, backend, bs, qd, pair)
     return [summarise(backend, bs, qd, args.pattern, pairs) for (backend, bs, qd), pairs in samples.items()]
@@ -251,6 +267,8 @@ def summarise(backend: str, bs: int, qd: int, pattern: str, pairs: list[dict[str
         row[f"{arm}_samples"] = runs
         row[f"{arm}_ratio"] = receipt.spread(ratios)
         row[f"{arm}_ratio_samples"] = ratios
+        if arm == "fio" and all("gbps_whole" in o for o in ours):
+            row["fio_ratio_whole"] = receipt.spread([p["ours"]["gbps_whole"] / p[arm]["gbps"] for p in pairs])
     return row
 
 
@@ -263,6 +281,7 @@ def render_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| backend | bs | QD | ours GB/s | IOPS | p50 ms | p99 ms | CPU us/read "
              "| fio GB/s | ours/fio | fio split GB/s | ours/fio split |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    whole = []
     for r in rows:
         o = r["ours"]
         cells = [r["backend"], f"{r['bs'] >> 10} KiB", str(r["qd"]), _fmt(o["gbps"]),
@@ -271,7 +290,11 @@ def render_table(rows: list[dict[str, Any]]) -> str:
         for arm in ("fio", "fio_split"):
             cells += [_fmt(r[arm]["gbps"]), _fmt(r[f"{arm}_ratio"], 3)] if arm in r else ["-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        if "fio_ratio_whole" in r:
+            whole.append(f"- {r['backend']} {r['bs'] >> 10} KiB QD {r['qd']}: ours/fio "
+                         f"{_fmt(r['fio_ratio_whole'], 3)} counting ours over its whole run, ramp-up and drain "
+                         f"included (the window above counts as fio does)")
+    return "\n".join(lines + ([""] + whole if whole else []))
 
 
 def write_receipt(directory: Path, document: dict[str, Any]) -> tuple[Path, Path]:
