@@ -15,7 +15,8 @@ Any family the engine runs: give the files (``--fits-model``,
 architecture and description (the synthetic generator writes what it made).
 ``--lock PATH`` holds an exclusive flock on PATH around each run and each fio
 reference (not the whole benchmark), so a shared machine is quiet while a run
-is timed and free between runs.
+is timed and free between runs; it is taken by the ``flock`` command
+(colibri_aio.bench.lock), so a site's writer-preferring ``flock`` governs it.
 
 Every run is a fresh process (so peak RSS is the run's own, and the cgroup
 limit applies to all of it) started after the page cache is dropped; the two
@@ -39,8 +40,6 @@ realistic routing) and removed at the end.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
 import os
 import shutil
@@ -55,6 +54,7 @@ import numpy as np
 
 from bench_prefetch import make_model
 from colibri_aio.bench.iobench import measure_fio
+from colibri_aio.bench.lock import exclusive
 from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -278,20 +278,6 @@ def one_run(engine: str, cond: Condition, args: argparse.Namespace, cgroup: Memo
         return result
     result.update(json.loads(lines[-1]))
     return result
-
-
-@contextlib.contextmanager
-def exclusive(lock: Path | None):
-    """An exclusive flock on ``lock`` for the duration (no-op without one)."""
-    if lock is None:
-        yield
-        return
-    with open(lock, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def describe_model(path: Path) -> dict:
