@@ -33,10 +33,10 @@ def test_kv_cache_holds_one_latent_per_position_and_block() -> None:
     a = model.args
     net = build_net(model, MappedExpertSource(model), n_ctx=100)
     latent = a.block_count * 100 * (a.kv_lora_rank + a.n_rot) * 4                   # 3 x 100 x (32 + 16) floats
-    assert net.cache.nbytes == _owned_nbytes(net.cache.k, net.cache.v) == a.kv_cache_nbytes(100) == latent
+    assert net.cache.nbytes == _owned_nbytes(*net.cache.k, *net.cache.v) == a.kv_cache_nbytes(100) == latent
     full_heads = a.block_count * 100 * a.head_count * (a.head_k + a.v_head) * 4      # what MHA would cache
     assert latent * 5 < full_heads
-    assert np.shares_memory(net.cache.v, net.cache.k)  # the value is the latent, stored once
+    assert all(np.shares_memory(v, k) for k, v in zip(net.cache.k, net.cache.v))  # the value is the latent, stored once
 
 
 async def test_plan_figures_are_what_the_engine_allocates() -> None:
@@ -47,7 +47,7 @@ async def test_plan_figures_are_what_the_engine_allocates() -> None:
     doc = json.loads(out)
     async with await Engine.open(path, io="pread", ram_budget="600M", n_ctx=200) as engine:
         m, cache = engine.model, engine.net.cache
-        assert doc["kv_cache"] == _owned_nbytes(cache.k, cache.v) == 3 * 200 * (32 + 16) * 4
+        assert doc["kv_cache"] == _owned_nbytes(*cache.k, *cache.v) == 3 * 200 * (32 + 16) * 4
         resident = [m.token_embd.data, m.output.data, m.output_norm]
         resident += [t if isinstance(t, np.ndarray) else t.data for b in m.blocks for t in b.tensors.values()]
         assert doc["trunk"] == sum(r.nbytes for r in resident)

@@ -174,9 +174,24 @@ class BaseArgs:
         (families caching something else, such as MLA's latent, override this)."""
         return KVLayout(self.head_count_kv, self.key_length, self.value_length)
 
+    def kv_window(self, layer: int) -> int | None:
+        """The sliding window of block ``layer`` (a query at p sees keys at p' > p - window, and the cache
+        keeps that many positions), or None: it attends to the whole context."""
+        return None
+
+    def kv_positions(self, layer: int, context: int) -> int:
+        """Positions block ``layer``'s KV cache holds for a context of ``context``: all of them, or its window."""
+        return held_positions(context, self.kv_window(layer))
+
     def kv_cache_nbytes(self, context: int) -> int:
         """Bytes of the float32 KV cache for ``context`` positions: what the plan reserves and the pass allocates."""
-        return self.block_count * context * self.kv_layout().nbytes_per_position
+        return sum(self.kv_positions(layer, context) for layer in range(self.block_count)) \
+            * self.kv_layout().nbytes_per_position
+
+
+def held_positions(context: int, window: int | None) -> int:
+    """Positions a block's KV cache holds: the whole context, or its sliding window (a ring) when shorter."""
+    return context if window is None else min(context, window)
 
 
 @dataclass(frozen=True, slots=True)

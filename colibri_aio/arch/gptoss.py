@@ -59,6 +59,9 @@ class ModelArgs(BaseArgs):
                    sliding=sliding_layers(meta, values["block_count"]),
                    rope_scaling=RopeScaling.from_gguf(meta))
 
+    def kv_window(self, layer: int) -> int | None:
+        return self.sliding_window if self.sliding[layer] else None
+
     def check(self, path: Path) -> None:
         BaseArgs.check(self, path)
         if self.value_length != self.key_length or self.n_rot != self.key_length:
@@ -87,10 +90,9 @@ class GptOss(ScaledRope):
     args: ModelArgs
 
     def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
-        a, blk = self.args, self.model.blocks[layer]
-        q, k, v = self.qkv(blk, h)
-        return self.attend(layer, rope_neox(q, *rope), rope_neox(k, *rope), v, positions,
-                           window=a.sliding_window if a.sliding[layer] else None, sinks=blk.attn_sinks)
+        blk = self.model.blocks[layer]
+        q, k, v = self.qkv(blk, h)   # the sliding window is the cache's (ModelArgs.kv_window)
+        return self.attend(layer, rope_neox(q, *rope), rope_neox(k, *rope), v, positions, sinks=blk.attn_sinks)
 
     def expert_outputs(self, layer: int, experts: Sequence[tuple[int, ExpertWeights]],
                        xs: Sequence[np.ndarray]) -> list[np.ndarray]:

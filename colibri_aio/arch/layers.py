@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 
-from colibri_aio.arch.base import KVLayout
+from colibri_aio.arch.base import KVLayout, held_positions
 from colibri_aio.arch.lookahead import moe_norm, predictor_state, rank_experts, router_logits
 from colibri_aio.errors import NonFiniteError, UserError
 from colibri_aio.experts import ExpertSource, ExpertWeights
@@ -63,24 +63,76 @@ def embed_rows(kernels: Kernels, token_embd: QTensor, ids: np.ndarray) -> np.nda
 
 
 class KVCache:
-    """Keys (Hkv, key_width) and values (Hkv, value_width) of every layer for up to ``n_ctx`` positions,
-    allocated once; with ``values_in_keys`` each value is a view of its key's first floats (MLA's latent)."""
+    """Keys (Hkv, key_width) and values (Hkv, value_width) of every layer, allocated once; with
+    ``values_in_keys`` each value is a view of its key's first floats (MLA's latent).
 
-    def __init__(self, n_layer: int, n_ctx: int, layout: KVLayout) -> None:
-        self.n_ctx, self.layout = n_ctx, layout
-        self.k = np.zeros((n_layer, n_ctx, layout.heads, layout.key_width), np.float32)
-        self.v = (self.k[..., :layout.value_width] if layout.values_in_keys
-                  else np.zeros((n_layer, n_ctx, layout.heads, layout.value_width), np.float32))
+    A layer with a sliding window of w positions keeps only the last min(n_ctx, w) positions, in a
+    ring (position p in slot p mod w): its queries never see an older key. Other layers keep
+    ``n_ctx`` positions. ``held[layer]`` is the range of positions a layer's arrays hold, so the
+    net can tell which prefixes it can continue from after a rewind.
+    """
+
+    def __init__(self, n_ctx: int, layout: KVLayout, windows: Sequence[int | None]) -> None:
+        self.n_ctx, self.layout, self.windows = n_ctx, layout, tuple(windows)
+        self.k: list[np.ndarray] = []
+        self.v: list[np.ndarray] = []
+        for window in self.windows:
+            k = np.zeros((held_positions(n_ctx, window), layout.heads, layout.key_width), np.float32)
+            self.k.append(k)
+            self.v.append(k[..., :layout.value_width] if layout.values_in_keys
+                          else np.zeros((len(k), layout.heads, layout.value_width), np.float32))
+        self.held = [(0, 0)] * len(self.windows)   # per layer: positions [first, end) in its arrays
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + (0 if self.layout.values_in_keys else self.v.nbytes)
+        return sum(k.nbytes + (0 if self.layout.values_in_keys else v.nbytes) for k, v in zip(self.k, self.v))
 
-    def store(self, layer: int, positions: np.ndarray, k: np.ndarray, v: np.ndarray | None) -> None:
-        """Keys (T, Hkv, key_width) and values (T, Hkv, value_width; None when they live in the keys)."""
-        self.k[layer, positions] = k
+    def is_ring(self, layer: int) -> bool:
+        return len(self.k[layer]) < self.n_ctx
+
+    def update(self, layer: int, positions: np.ndarray, k: np.ndarray,
+               v: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """Store keys (T, Hkv, key_width) and values (T, Hkv, value_width; None when they live in the keys)
+        at ``positions`` (consecutive, from the context's end) and return what the queries at those
+        positions attend over: keys, values and their positions (None: 0..positions[-1]).
+
+        A ring's keys for the chunk are gathered before the chunk's own writes reuse their slots.
+        """
+        keys, values = self.k[layer], self.v[layer]
+        first, end = int(positions[0]), int(positions[-1]) + 1
+        held_first = self.held[layer][0]
+        if not self.is_ring(layer):
+            self._write(layer, positions, k, v)
+            self.held[layer] = (held_first, end)
+            return keys[:end], values[:end], None
+        window, size = self.windows[layer], len(keys)
+        older = np.arange(max(0, first - window + 1), first)              # earlier positions the chunk sees
+        slots = older % size
+        new_v = k[..., :self.layout.value_width] if v is None else v
+        out_k = np.concatenate([keys[slots], k])
+        out_v = np.concatenate([values[slots], new_v])
+        keep = slice(max(0, len(positions) - size), None)                 # the chunk's last `size` positions
+        self._write(layer, positions[keep] % size, k[keep], None if v is None else v[keep])
+        self.held[layer] = (max(held_first, end - size), end)
+        return out_k, out_v, np.concatenate([older, positions])
+
+    def _write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray | None) -> None:
+        self.k[layer][slots] = k
         if not self.layout.values_in_keys:
-            self.v[layer, positions] = v
+            self.v[layer][slots] = v
+
+    def can_continue(self, n_past: int) -> bool:
+        """Whether the next position n_past finds every key it attends to: positions max(0, n_past - w + 1)
+        .. n_past - 1 of each layer (w its window, or the whole context) are in its arrays."""
+        for (first, end), window in zip(self.held, self.windows):
+            need = 0 if window is None else max(0, n_past - window + 1)
+            if n_past and (need < first or n_past > end):
+                return False
+        return True
+
+    def forget_after(self, n_past: int) -> None:
+        """Positions from n_past on are no longer part of the context."""
+        self.held = [(min(first, n_past), min(end, n_past)) for first, end in self.held]
 
 
 class MoETransformer:
@@ -144,11 +196,11 @@ class MoETransformer:
         """Store k, v at ``positions`` and attend over the cache: (T, H * value_width), before attn_output.
 
         ``v`` is None when the cache keeps values inside the keys (``KVLayout.values_in_keys``).
-        ``options`` go to :func:`~colibri_aio.kernels.ops.attention` (scale, window, sinks).
+        ``options`` go to :func:`~colibri_aio.kernels.ops.attention` (scale, sinks); the layer's sliding
+        window is ``args.kv_window(layer)``, which the cache holds.
         """
-        self.cache.store(layer, positions, k, v)
-        s = int(positions[-1]) + 1
-        return attention(q, self.cache.k[layer, :s], self.cache.v[layer, :s], positions,
+        keys, values, key_positions = self.cache.update(layer, positions, k, v)
+        return attention(q, keys, values, positions, window=self.cache.windows[layer], key_positions=key_positions,
                          **options)  # type: ignore[arg-type]
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray,
@@ -177,8 +229,9 @@ class MoETransformer:
     # --- family hooks ----------------------------------------------------------------------------
 
     def make_cache(self) -> KVCache:
-        """The KV cache of ``args.kv_layout()``: the layout the plan's ``kv_cache_nbytes`` counts."""
-        return KVCache(self.args.block_count, self.n_ctx, self.args.kv_layout())
+        """The KV cache of ``args.kv_layout()`` and ``args.kv_window``: what the plan's ``kv_cache_nbytes`` counts."""
+        a = self.args
+        return KVCache(self.n_ctx, a.kv_layout(), [a.kv_window(layer) for layer in range(a.block_count)])
 
     def rope_tables(self, positions: np.ndarray) -> Rope:
         """cos/sin for this call's positions (computed once per call, used by every layer)."""
@@ -216,11 +269,26 @@ class MoETransformer:
 
         Attention reads the cache only up to the position it computes, so
         what lies beyond ``n_past`` is never seen and is overwritten later.
+        A sliding-window layer holds only its last window of positions: ``n_past``
+        must be one it can continue from (:meth:`resumable`).
         """
         if not 0 <= n_past <= self.n_past:
             raise ValueError(f"cannot rewind to {n_past}: the context holds {self.n_past} positions")
+        if not self.cache.can_continue(n_past):
+            raise ValueError(f"cannot rewind to {n_past}: the sliding-window layers no longer hold the keys "
+                             f"before it (resumable({n_past}) = {self.resumable(n_past)})")
+        self._truncate(n_past)
+
+    def resumable(self, n_past: int) -> int:
+        """The longest prefix of at most ``n_past`` positions the cache can continue from: ``n_past``, or 0
+        when a sliding-window layer has let go of keys position ``n_past`` would see (the ring holds the
+        last window of positions: rewinding past one position beyond it means running the prefix again)."""
+        return n_past if self.cache.can_continue(min(n_past, self.n_past)) else 0
+
+    def _truncate(self, n_past: int) -> None:
         self.n_past = n_past
         del self.ids[n_past:]
+        self.cache.forget_after(n_past)
 
     async def forward(self, ids: Sequence[int], *, logits: Literal["last", "all"] = "last",
                       observer: RouteObserver | None = None) -> np.ndarray:
@@ -235,6 +303,23 @@ class MoETransformer:
             raise UserError(f"context full: {self.n_past} + {tok.size} tokens > n_ctx {self.n_ctx}")
         self.experts.step(tok.size)
         positions = np.arange(self.n_past, self.n_past + tok.size)
+        try:
+            x = await self._blocks(tok, positions, observer)
+        except BaseException:
+            # A ring may have taken this call's keys in the slots of ones the context still needs.
+            if not self.cache.can_continue(self.n_past):
+                self._truncate(0)
+            raise
+        self.n_past += tok.size
+        self.ids.extend(tok.tolist())
+        rows = x if logits == "all" else x[-1:]
+        out = self.linear(self.model.output, rms_norm(rows, self.model.output_norm, a.rms_eps))
+        self._check_finite(out, "the output head (output_norm, output)", positions[-len(rows):])
+        return out if logits == "all" else out[0]
+
+    async def _blocks(self, tok: np.ndarray, positions: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
+        """The residual stream (T, D) after every block, the KV cache written at ``positions``."""
+        a = self.args
         rope = self.rope_tables(positions)
         x = self.embed(tok)                                                        # (T, D)
         self._check_finite(x, "the token embedding (token_embd)", positions)
@@ -248,12 +333,7 @@ class MoETransformer:
             h = rms_norm(x, moe_norm(self.model, layer), a.rms_eps)
             ffn = self._moe if a.is_moe(layer) else self._dense
             x = x + await ffn(layer, h, positions, layer_input, x, observer)
-        self.n_past += tok.size
-        self.ids.extend(tok.tolist())
-        rows = x if logits == "all" else x[-1:]
-        out = self.linear(self.model.output, rms_norm(rows, self.model.output_norm, a.rms_eps))
-        self._check_finite(out, "the output head (output_norm, output)", positions[-len(rows):])
-        return out if logits == "all" else out[0]
+        return x
 
     def _check_finite(self, x: np.ndarray, where: str, positions: np.ndarray) -> None:
         """A NaN or infinity never turns into tokens: stop, naming where it appeared (broken weights)."""
