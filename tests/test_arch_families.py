@@ -1,8 +1,9 @@
 """Every family beyond qwen3moe against oracles we did not write (fixtures/families.md).
 
 The fixtures are tiny random models made by transformers (Qwen2MoeForCausalLM,
-OlmoeForCausalLM, MixtralForCausalLM, DeepseekV3ForCausalLM), converted by llama.cpp's converter, F32
-and Q8_0. Tolerances as in test_arch_qwen3moe: the transformers oracle ran on the
+OlmoeForCausalLM, MixtralForCausalLM, DeepseekV3ForCausalLM, DeepseekV2ForCausalLM without
+q LoRA, Glm4MoeForCausalLM, GptOssForCausalLM), converted by llama.cpp's converter, F32
+and Q8_0 (gpt-oss: MXFP4 experts). Tolerances as in test_arch_qwen3moe: the transformers oracle ran on the
 file's dequantised weights, so the NumPy kernels must agree with it to
 1e-4 x max|logit| on every fixture, prefill and one-token decode; llama.cpp also
 rounds activations to Q8_0 before each quantised product, so against it argmax

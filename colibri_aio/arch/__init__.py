@@ -9,7 +9,7 @@ pass with :func:`build_net`. Modules are imported only when a file needs them.
     qwen2moe       qwen2moe.py  Qwen2MoeForCausalLM
     olmoe          olmoe.py     OlmoeForCausalLM
     llama          llama.py     MixtralForCausalLM (llama files with experts)
-    deepseek2      deepseek2.py DeepseekV3ForCausalLM
+    deepseek2      deepseek2.py DeepseekV3ForCausalLM, DeepseekV2ForCausalLM (lite: no q LoRA)
     gpt-oss        gptoss.py    GptOssForCausalLM
     glm4moe        glm4moe.py   Glm4MoeForCausalLM
 

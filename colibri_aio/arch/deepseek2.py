@@ -1,5 +1,6 @@
-"""deepseek2 (DeepSeek-V2/V2.5/V3/R1, Kimi K2): multi-head latent attention, leading dense
-blocks, a shared expert, sigmoid routing with a selection bias and expert groups, YaRN RoPE.
+"""deepseek2 (DeepSeek-V2/V2-Lite/V2.5/V3/R1, Kimi K2): multi-head latent attention (queries through
+a q LoRA, or one attn_q in lite files), leading dense blocks, a shared expert, softmax or sigmoid
+routing with a selection bias and expert groups, YaRN RoPE.
 
 Attention is MLA in the absorbed form llama.cpp runs: the KV cache holds, per
 position and block, one latent ``RMSNorm(c_kv)`` (kv_lora floats) and one
@@ -113,7 +114,7 @@ class ModelArgs(BaseArgs):
     else one ``attn_kv_b`` (older files).
     """
 
-    q_lora_rank: int
+    q_lora_rank: int              # 0: no q LoRA, one attn_q (DeepSeek-V2-Lite)
     kv_lora_rank: int
     qk_nope: int
     v_head: int
@@ -125,10 +126,13 @@ class ModelArgs(BaseArgs):
     @classmethod
     def from_gguf(cls, meta: Metadata) -> Self:
         blocks, vocab = int(meta.need("block_count")), meta.vocab_size()
-        # llama.cpp tells lite variants (DeepSeek-V2-Lite & co: one attn_q, no q LoRA) by their block count.
-        if blocks in (26, 27) or (blocks == 48 and vocab == 128256):
-            raise ModelFormatError(f"{meta.path}: lite deepseek2 files (no q LoRA, block_count {blocks}) are "
-                                   f"not supported")
+        # llama.cpp tells lite variants (DeepSeek-V2-Lite & co: one attn_q, no q LoRA) by their block count
+        # and reads no q_lora_rank for them; other files without the key have no q LoRA either.
+        lite = blocks in (26, 27) or (blocks == 48 and vocab == 128256)
+        if lite or (meta.get("attention.q_lora_rank") is None and "blk.0.attn_q.weight" in meta.tensor_names):
+            q_lora_rank = 0
+        else:
+            q_lora_rank = int(meta.need("attention.q_lora_rank"))
         gating = int(meta.get("expert_gating_func", 0))
         if gating == 0:  # older DeepSeek-V2 files: softmax; GLM-4.7-Lite written as deepseek2: sigmoid
             gating = 2 if blocks in (47, 48) and vocab == 154880 else 1
@@ -145,7 +149,7 @@ class ModelArgs(BaseArgs):
         head_k = int(k_mla) if split else common["key_length"]
         n_rot = common["rope_dimension_count"] or common["key_length"]
         return cls(**common,
-                   q_lora_rank=int(meta.need("attention.q_lora_rank")),
+                   q_lora_rank=q_lora_rank,
                    kv_lora_rank=int(meta.need("attention.kv_lora_rank")),
                    qk_nope=head_k - n_rot,
                    v_head=int(v_mla) if split else common["value_length"],
@@ -156,7 +160,7 @@ class ModelArgs(BaseArgs):
 
     def check(self, path: Path) -> None:
         BaseArgs.check(self, path)
-        if min(self.q_lora_rank, self.kv_lora_rank, self.qk_nope, self.v_head) < 1:
+        if min(self.kv_lora_rank, self.qk_nope, self.v_head) < 1 or self.q_lora_rank < 0:
             raise ModelFormatError(f"{path}: MLA sizes must be positive (q_lora_rank {self.q_lora_rank}, "
                                    f"kv_lora_rank {self.kv_lora_rank}, "
                                    f"key_length_mla - rope.dimension_count = {self.qk_nope}, value "
@@ -189,8 +193,11 @@ class ModelArgs(BaseArgs):
 
 def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
     d, h, kl = a.embedding_length, a.head_count, a.kv_lora_rank
-    query = [matrix("attn_q_a", a.q_lora_rank, d), vector("attn_q_a_norm", a.q_lora_rank),
-             matrix("attn_q_b", h * a.head_k, a.q_lora_rank)]
+    if a.q_lora_rank:
+        query = [matrix("attn_q_a", a.q_lora_rank, d), vector("attn_q_a_norm", a.q_lora_rank),
+                 matrix("attn_q_b", h * a.head_k, a.q_lora_rank)]
+    else:
+        query = [matrix("attn_q", h * a.head_k, d)]
     # k_b/v_b are used per head (batched products of small matrices): kept as float32.
     if a.split_kv_b:
         lift = [vector("attn_k_b", h, kl, a.qk_nope), vector("attn_v_b", h, a.v_head, kl)]
@@ -222,9 +229,12 @@ class DeepSeek2(MoETransformer):
         return kv_b[:, :a.qk_nope].transpose(0, 2, 1), kv_b[:, a.qk_nope:]
 
     def query(self, layer: int, h: np.ndarray) -> np.ndarray:
-        """q (T, H, dn + dr) through the q LoRA: attn_q_b · RMSNorm(attn_q_a · h)."""
+        """q (T, H, dn + dr) through the q LoRA, attn_q_b · RMSNorm(attn_q_a · h), or attn_q · h without one."""
         a, blk = self.args, self.model.blocks[layer]
-        q = self.linear(blk.attn_q_b, rms_norm(self.linear(blk.attn_q_a, h), blk.attn_q_a_norm, a.rms_eps))
+        if a.q_lora_rank:
+            q = self.linear(blk.attn_q_b, rms_norm(self.linear(blk.attn_q_a, h), blk.attn_q_a_norm, a.rms_eps))
+        else:
+            q = self.linear(blk.attn_q, h)
         return q.reshape(h.shape[0], a.head_count, a.head_k)
 
     def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
@@ -247,4 +257,5 @@ class DeepSeek2(MoETransformer):
         return self.ffn(self.model.blocks[layer], h, "_shexp")
 
 
-FAMILY = Family("deepseek2", ModelArgs, block_tensors, DeepSeek2, checked_against="DeepseekV3ForCausalLM")
+FAMILY = Family("deepseek2", ModelArgs, block_tensors, DeepSeek2,
+                checked_against="DeepseekV3ForCausalLM, DeepseekV2ForCausalLM (lite)")
