@@ -18,9 +18,8 @@ from typing import Self
 import numpy as np
 
 from colibri_aio.arch.base import BaseArgs, Family, Metadata, TensorSpec, attention_tensors, vector
-from colibri_aio.arch.deepseek2 import RopeScaling
 from colibri_aio.arch.layers import Rope
-from colibri_aio.arch.rope import ScaledRope
+from colibri_aio.arch.rope import RopeScaling, ScaledRope
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.experts import ExpertWeights
 from colibri_aio.kernels.ops import Routing, rope_neox, swiglu_oai
@@ -50,7 +49,7 @@ class ModelArgs(BaseArgs):
 
     sliding_window: int
     sliding: tuple[bool, ...]      # per block: attends through the sliding window
-    rope_scaling: RopeScaling      # read as llama.cpp reads it for every family (deepseek2's module)
+    rope_scaling: RopeScaling      # read as llama.cpp reads it for every family
 
     @classmethod
     def from_gguf(cls, meta: Metadata) -> Self:
