@@ -33,12 +33,15 @@ import numpy as np
 import structlog
 
 from colibri_aio.bench import receipt
+from colibri_aio.cachefiles import cache_dir
 from colibri_aio.bench.locations import split_expert
 from colibri_aio.errors import UserError
 from colibri_aio.io.align import RANGES_PER_EXPERT
 from colibri_aio.policy.budget import parse_size
 
-BACKEND_CHOICES = ("uring", "pread", "mmap")
+# uring+reg: io_uring with registered (fixed) buffers; uring+async: every read issued by io_uring's kernel
+# workers (IOSQE_ASYNC) instead of inline in io_uring_submit
+BACKEND_CHOICES = ("uring", "uring+reg", "uring+async", "pread", "mmap")
 FIO_RANDOM_SEED = 20260
 
 
@@ -92,12 +95,6 @@ def add_iobench_arguments(parser: argparse.ArgumentParser) -> None:
 
 # -- the test file -------------------------------------------------------------
 
-def default_cache_dir() -> Path:
-    """Where models are cached by default; the temporary file goes on the same file system."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "colibri_aio"
-
-
 def make_test_file(directory: Path, size: int) -> Path:
     """A file of ``size`` random bytes (real data: unwritten extents would read back without touching the disk)."""
     directory.mkdir(parents=True, exist_ok=True)
@@ -137,7 +134,8 @@ async def measure_ours(path: Path, backend: str, bs: int, qd: int, pattern: str,
 
     # Workers share one list and one cursor: with ``seq`` the disk sees one stream in order.
     locations = bench_locations(path.stat().st_size, bs, 4096, pattern, np.random.default_rng(seed))
-    reader = await ExpertReader.open(path, bs, n_slots=qd, backend=backend)
+    reader = await ExpertReader.open(path, bs, n_slots=qd, backend=backend.split("+")[0],
+                                     register=backend.endswith("+reg"), punt=backend.endswith("+async"))
     latencies: list[float] = []
     stop_at = 0.0
     cursor = itertools.count()
@@ -267,7 +265,7 @@ def render_table(rows: list[dict[str, Any]]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         o = r["ours"]
-        cells = [r["ours_backend"], f"{r['bs'] >> 10} KiB", str(r["qd"]), _fmt(o["gbps"]),
+        cells = [r["backend"], f"{r['bs'] >> 10} KiB", str(r["qd"]), _fmt(o["gbps"]),
                  f"{o['iops']['median']:.0f}", _fmt(o["lat_p50_ms"]), _fmt(o["lat_p99_ms"]),
                  f"{o['cpu_us_per_read']['median']:.0f}"]
         for arm in ("fio", "fio_split"):
@@ -291,7 +289,7 @@ def write_receipt(directory: Path, document: dict[str, Any]) -> tuple[Path, Path
           f"- event loop: {document['event_loop']}",
           f"- {document['note']}", "", render_table(document["results"]), ""]
     for r in document["results"]:
-        md.append(f"- {r['ours_backend']} {r['bs'] >> 10} KiB QD {r['qd']}: {r['ours_reason']}")
+        md.append(f"- {r['backend']} {r['bs'] >> 10} KiB QD {r['qd']}: {r['ours_reason']}")
     return receipt.write(directory, name, document, "\n".join(md) + "\n")
 
 
@@ -318,7 +316,7 @@ def _run_iobench(args: argparse.Namespace) -> int:
         raise UserError("--runs must be >= 1 and --seconds > 0")
     use_fio = not args.no_fio and shutil.which("fio") is not None
     temporary = args.file is None
-    path = make_test_file(default_cache_dir(), args.size) if temporary else args.file
+    path = make_test_file(cache_dir(), args.size) if temporary else args.file
     if not path.is_file():
         raise UserError(f"{path}: no such file")
     load_start = os.getloadavg()

@@ -9,9 +9,12 @@
 A model may be in several files (the parts of a split GGUF): each backend
 holds all of them, and each range is read from the file its ``file`` index names.
 
-``start`` hands the reads to the kernel (or queues them for a worker) before
-it returns, and calls ``on_done`` exactly once, when every range's read is
-over (the kernel or the worker thread no longer touches the slot), with the
+``start`` takes a batch of experts, each with its slot and its ``on_done``;
+it hands their reads to the kernel (or queues them for a worker) before it
+returns, neighbouring experts of a layer coalesced into one read per
+projection (:mod:`colibri_aio.io.spans`), and calls each expert's
+``on_done`` exactly once, when every read that writes into its slot is over
+(the kernel or the worker thread no longer touches the slot), with the
 three uint8 views of the expert's tensors or with an ExpertReadError. It
 cannot be called off: a reader whose waiter went away still waits for
 ``on_done`` before the slot can be reused.
@@ -24,6 +27,7 @@ import errno
 import mmap
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -31,6 +35,7 @@ import numpy as np
 from colibri_aio.errors import ExpertReadError
 from colibri_aio.experts import PROJECTIONS, ExpertLocation
 from colibri_aio.io.align import ExpertPlan, RangeRead, align_down
+from colibri_aio.io.spans import SpanRead, plan_span, runs
 from colibri_aio.io.modelfile import ModelFile
 from colibri_aio.io.pool import Slot
 from colibri_aio.io.uring import RingRead, UringReactor
@@ -40,13 +45,23 @@ OnDone = Callable[["ExpertBytes | ExpertReadError"], None]
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 
 
+@dataclass(frozen=True, slots=True)
+class Job:
+    """One expert to read: where it is, its aligned layout, its slot (None for mmap), whom to tell."""
+
+    loc: ExpertLocation
+    plan: ExpertPlan
+    slot: Slot | None
+    on_done: OnDone
+
+
 class ReadBackend(Protocol):
-    """How one expert's aligned range reads reach memory."""
+    """How experts' aligned range reads reach memory."""
 
     name: str
     uses_pool: bool
 
-    def start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None, on_done: OnDone) -> None: ...
+    def start(self, jobs: Sequence[Job]) -> None: ...
 
     async def aclose(self) -> None: ...
 
@@ -101,9 +116,53 @@ def slot_views(plan: ExpertPlan, slot: Slot) -> ExpertBytes:
     return g, u, d
 
 
-def slot_dest(rr: RangeRead, slot: Slot) -> memoryview:
-    """Where the aligned read for ``rr`` lands in the slot."""
-    return slot.view[rr.dest_offset: rr.dest_offset + rr.read_nbytes]
+class SpanOp:
+    """One coalesced read (:class:`~colibri_aio.io.spans.SpanRead`) and the experts whose slots it writes."""
+
+    __slots__ = ("span", "members", "slots")
+
+    def __init__(self, span: SpanRead, members: list[ExpertRead], slots: list[Slot]) -> None:
+        self.span, self.members, self.slots = span, members, slots
+
+    def segments(self) -> list[tuple[int, int]]:
+        """(address, nbytes) of each piece of the read, in file order."""
+        return [(self.slots[s.member].address + s.dest_offset, s.nbytes) for s in self.span.segments]
+
+    def arena(self) -> int | None:
+        """The one arena every piece lands in (for a fixed-buffer read), or None."""
+        arenas = {self.slots[s.member].arena for s in self.span.segments}
+        return arenas.pop() if len(arenas) == 1 else None
+
+    def done(self, outcome: int | BaseException) -> None:
+        """The read is over (bytes read, ``-errno`` or a worker's exception): finish the boundaries, tell each expert."""
+        p, span = self.span.projection, self.span
+        if isinstance(outcome, BaseException) or outcome < 0:
+            for m in self.members:
+                m.range_done(p, outcome)
+            return
+        arrived = span.file_offset + outcome
+        if arrived < span.need_end:  # short: the file ended early; no member is trusted
+            for m in self.members:
+                rr = m.plan.reads[p]
+                m.range_done(p, max(0, min(arrived - rr.file_offset, rr.need_nbytes - 1)))
+            return
+        for f in span.fixups:
+            src, dst = self.slots[f.src].array, self.slots[f.dst].array
+            dst[f.dst_offset: f.dst_offset + f.nbytes] = src[f.src_offset: f.src_offset + f.nbytes]
+        for m in self.members:
+            m.range_done(p, m.plan.reads[p].need_nbytes)
+
+
+def span_ops(files: Sequence[ModelFile], jobs: Sequence[Job]) -> list[SpanOp]:
+    """The coalesced reads of ``jobs`` (pool slots), in file order; each job's ExpertRead hears of its three."""
+    ops = [ExpertRead(files, j.loc, j.plan, slot_views(j.plan, j.slot), j.on_done) for j in jobs]
+    out = []
+    for run in runs([j.loc for j in jobs], [j.plan for j in jobs]):
+        plans = [jobs[i].plan for i in run]
+        members, slots = [ops[i] for i in run], [jobs[i].slot for i in run]
+        out += [SpanOp(plan_span(plans, p), members, slots) for p in range(len(PROJECTIONS))]
+    out.sort(key=lambda op: (op.span.file, op.span.file_offset))
+    return out
 
 
 class UringBackend:
@@ -116,12 +175,10 @@ class UringBackend:
         self.reactor = reactor
         self.files = files
 
-    def start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None, on_done: OnDone) -> None:
-        assert slot is not None
-        op = ExpertRead(self.files, loc, plan, slot_views(plan, slot), on_done)
-        self.reactor.submit(*(RingRead(self.files[rr.file].fd, slot.address + rr.dest_offset, rr.read_nbytes, rr.file_offset,
-                                       slot.arena, lambda res, i=index: op.range_done(i, res))
-                              for index, rr in enumerate(plan.reads)))
+    def start(self, jobs: Sequence[Job]) -> None:
+        self.reactor.submit(*(RingRead(self.files[op.span.file].fd, tuple(op.segments()), op.span.file_offset,
+                                       op.arena(), op.done)
+                              for op in span_ops(self.files, jobs)))
 
     async def aclose(self) -> None:
         await self.reactor.aclose()
@@ -137,15 +194,13 @@ class PreadBackend:
         self.files = files
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="colibri-pread")
 
-    def start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None, on_done: OnDone) -> None:
-        assert slot is not None
+    def start(self, jobs: Sequence[Job]) -> None:
         loop = asyncio.get_running_loop()
-        op = ExpertRead(self.files, loc, plan, slot_views(plan, slot), on_done)
-        for index, rr in enumerate(plan.reads):
-            job = self._pool.submit(os.preadv, self.files[rr.file].fd, [slot_dest(rr, slot)], rr.file_offset)
-            # The worker owns the slot until this callback fires, whatever the waiter does.
-            job.add_done_callback(
-                lambda j, i=index: loop.call_soon_threadsafe(op.range_done, i, _job_outcome(j)))
+        for op in span_ops(self.files, jobs):
+            views = [op.slots[s.member].view[s.dest_offset: s.dest_offset + s.nbytes] for s in op.span.segments]
+            job = self._pool.submit(os.preadv, self.files[op.span.file].fd, views, op.span.file_offset)
+            # The worker owns the slots until this callback fires, whatever the waiter does.
+            job.add_done_callback(lambda j, op=op: loop.call_soon_threadsafe(op.done, _job_outcome(j)))
 
     async def aclose(self) -> None:
         self._pool.shutdown(wait=True)
@@ -163,7 +218,11 @@ class MmapBackend:
                                               for f in files]
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="colibri-mmap")
 
-    def start(self, loc: ExpertLocation, plan: ExpertPlan, slot: Slot | None, on_done: OnDone) -> None:
+    def start(self, jobs: Sequence[Job]) -> None:
+        for job in jobs:
+            self._start_one(job.loc, job.on_done)
+
+    def _start_one(self, loc: ExpertLocation, on_done: OnDone) -> None:
         loop = asyncio.get_running_loop()
         for index, rng in enumerate(loc.ranges):
             file, mapped = self.files[rng.file], self._maps[rng.file]

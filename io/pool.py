@@ -2,8 +2,13 @@
 
 Arenas are anonymous mmaps (page-aligned, so 4096-aligned), each at most
 1 GiB because that is the most io_uring registers as one buffer. They are
-allocated and touched once here — first touch of fresh memory is slow on
-these VMs — and never grown afterwards.
+allocated once here and never grown afterwards. Their pages are populated by
+the reads that fill them (the kernel faults a page in when a read first
+lands in it), not touched in advance: touching 4.8 GiB page by page took
+7.9 s of an 8-layer model's start, on a thread that held the interpreter
+while the trunk, the tokenizer and the kernels waited. ``populate=True``
+touches every page now instead (MADV_POPULATE_WRITE), for callers that
+want first-touch costs out of their timings.
 
 The pool only owns the memory. Slot ``i`` is the expert cache's slot ``i``:
 which expert a slot holds, and which slot a read may use, is decided by one
@@ -44,7 +49,8 @@ class Slot:
 class BufferPool:
     """``n_slots`` slots of ``slot_nbytes`` bytes in <= 1 GiB page-aligned arenas."""
 
-    def __init__(self, slot_nbytes: int, n_slots: int, *, arena_max: int = MAX_ARENA_NBYTES) -> None:
+    def __init__(self, slot_nbytes: int, n_slots: int, *, arena_max: int = MAX_ARENA_NBYTES,
+                 populate: bool = False) -> None:
         if n_slots < 1:
             raise ValueError("the buffer pool needs at least one slot")
         slot_nbytes = align_up(slot_nbytes, ALIGN)
@@ -59,12 +65,13 @@ class BufferPool:
         remaining = n_slots
         while remaining:
             count = min(per_arena, remaining)
-            self._add_arena(count)
+            self._add_arena(count, populate)
             remaining -= count
 
-    def _add_arena(self, count: int) -> None:
+    def _add_arena(self, count: int, populate: bool) -> None:
         arena = mmap.mmap(-1, count * self.slot_nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        touch(arena)
+        if populate:
+            touch(arena)
         arena_view = memoryview(arena)
         whole = np.frombuffer(arena, dtype=np.uint8)
         index = len(self.arenas)

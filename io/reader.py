@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from colibri_aio.errors import ExpertReadError, UserError
 from colibri_aio.experts import ExpertLocation, ExpertWeights
 from colibri_aio.io.align import ExpertPlan, plan_expert, slot_nbytes_for
-from colibri_aio.io.backends import ExpertBytes, MmapBackend, PreadBackend, ReadBackend, UringBackend
+from colibri_aio.io.backends import ExpertBytes, Job, MmapBackend, PreadBackend, ReadBackend, UringBackend
 from colibri_aio.io.modelfile import ModelFile, open_files
 from colibri_aio.io.pool import BufferPool
 from colibri_aio.io.uring import DEFAULT_MAX_INFLIGHT_BYTES, DEFAULT_RING_ENTRIES, UringReactor
@@ -97,18 +97,23 @@ class ExpertReader:
     async def open(cls, paths: str | os.PathLike[str] | Sequence[str | os.PathLike[str]], slot_nbytes_max: int,
                    n_slots: int, backend: str = "auto", *,
                    ring_entries: int = DEFAULT_RING_ENTRIES, max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
-                   threads: int = 8, direct: bool = True) -> "ExpertReader":
+                   threads: int = 8, direct: bool = True, register: bool = False,
+                   punt: bool = False) -> "ExpertReader":
         """Open ``paths`` for expert reads: the model's file, or its parts in order (a range's ``file`` indexes them).
 
         ``slot_nbytes_max`` is the size of the largest expert (its three ranges
         together); the pool adds the O_DIRECT alignment slack. ``n_slots`` is
         how many experts can be in flight or held at once (slots 0..n_slots-1;
         with mmap they are only names, the bytes stay in the mapping). ``backend`` is
-        one of ``auto|uring|pread|mmap``; ``auto`` tries io_uring with
-        registered buffers, then io_uring without them, then pread.
+        one of ``auto|uring|pread|mmap``; ``auto`` tries io_uring, then pread.
         ``ring_entries`` and ``max_inflight_bytes`` bound the reads io_uring
         has in flight; ``threads`` is the pread worker count; ``direct=False``
-        reads through the page cache instead of O_DIRECT.
+        reads through the page cache instead of O_DIRECT. ``register=True``
+        registers the pool with io_uring as fixed buffers (falling back to
+        unregistered reads when refused); registering pins, and so faults in,
+        every page of the pool at once, where unregistered reads populate it
+        as they fill it. ``punt=True`` has io_uring issue every read from its
+        kernel workers (IOSQE_ASYNC) rather than inline in the submitting call.
         """
         if backend not in BACKENDS:
             raise UserError(f"unknown I/O backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -122,7 +127,8 @@ class ExpertReader:
             else:
                 pool = BufferPool(slot_nbytes_for(slot_nbytes_max), n_slots)
                 try:
-                    chosen, reason = _pool_backend(backend, files, pool, ring_entries, max_inflight_bytes, threads)
+                    chosen, reason = _pool_backend(backend, files, pool, ring_entries, max_inflight_bytes, threads,
+                                                   register, punt)
                 except BaseException:
                     pool.close()
                     raise
@@ -148,35 +154,52 @@ class ExpertReader:
         nothing: the slot stays the kernel's until the read is over
         (:meth:`in_kernel`), and ``start`` refuses such a slot.
         """
+        return self.start_many([(loc, slot)])[0]
+
+    def start_many(self, items: Sequence[tuple[ExpertLocation, int]]) -> list[asyncio.Future[ExpertWeights]]:
+        """:meth:`start` for several experts at once, one future each, in the order given.
+
+        Neighbouring experts of a layer are read together: one request per
+        projection for the whole run (:mod:`colibri_aio.io.spans`). Every
+        item is checked before any read is submitted, so a refusal (a slot
+        still in flight, a slot out of range) submits nothing.
+        """
         if self._closed:
             raise ReaderClosedError("the expert reader is closed")
-        if not 0 <= slot < self.n_slots:
-            raise ValueError(f"slot {slot} is not one of this reader's {self.n_slots} slots")
-        if slot in self._kernel:
-            raise RuntimeError(f"slot {slot} still has a read in flight; its memory is not free yet")
-        plan = plan_expert(loc)
-        pool_slot = None
-        if self.pool is not None:
-            if plan.span > self.pool.slot_nbytes:
+        jobs_in: list[tuple[ExpertLocation, ExpertPlan, int]] = []
+        seen: set[int] = set()
+        for loc, slot in items:
+            if not 0 <= slot < self.n_slots:
+                raise ValueError(f"slot {slot} is not one of this reader's {self.n_slots} slots")
+            if slot in self._kernel or slot in seen:
+                raise RuntimeError(f"slot {slot} still has a read in flight; its memory is not free yet")
+            seen.add(slot)
+            plan = plan_expert(loc)
+            if self.pool is not None and plan.span > self.pool.slot_nbytes:
                 raise ValueError(f"layer {loc.layer} expert {loc.expert} needs {plan.span} slot bytes; "
                                  f"slots hold {self.pool.slot_nbytes} (slot_nbytes_max too small)")
-            pool_slot = self.pool.slots[slot]
-        future: asyncio.Future[ExpertWeights] = self._loop.create_future()
-        self._begin(slot)
-        over = False
+            jobs_in.append((loc, plan, slot))
+        futures: list[asyncio.Future[ExpertWeights]] = []
+        jobs: list[Job] = []
+        over: set[int] = set()
+        for loc, plan, slot in jobs_in:
+            future: asyncio.Future[ExpertWeights] = self._loop.create_future()
+            futures.append(future)
+            self._begin(slot)
 
-        def on_done(outcome: ExpertBytes | ExpertReadError) -> None:
-            nonlocal over
-            over = True
-            self._read_over(future, loc, plan, slot, outcome)
+            def on_done(outcome: ExpertBytes | ExpertReadError, future=future, loc=loc, plan=plan, slot=slot) -> None:
+                over.add(slot)
+                self._read_over(future, loc, plan, slot, outcome)
 
+            jobs.append(Job(loc, plan, self.pool.slots[slot] if self.pool is not None else None, on_done))
         try:
-            self._backend.start(loc, plan, pool_slot, on_done)
+            self._backend.start(jobs)
         except BaseException:
-            if not over:  # nothing reached the kernel
-                self._end(slot)
+            for _, _, slot in jobs_in:
+                if slot not in over:  # nothing of it reached the kernel
+                    self._end(slot)
             raise
-        return future
+        return futures
 
     def _begin(self, slot: int) -> None:
         self._kernel.add(slot)
@@ -245,18 +268,21 @@ class ExpertReader:
 
 
 def _pool_backend(kind: str, files: Sequence[ModelFile], pool: BufferPool, ring_entries: int, max_inflight_bytes: int,
-                  threads: int) -> tuple[ReadBackend, str]:
+                  threads: int, register: bool, punt: bool = False) -> tuple[ReadBackend, str]:
     """Pick the backend for ``kind`` among those that read into the pool, with the reason why."""
     if kind == "pread":
         return PreadBackend(files, threads), "pread requested"
     try:
-        reactor = UringReactor.create(ring_entries, max_inflight_bytes)
+        reactor = UringReactor.create(ring_entries, max_inflight_bytes, punt)
     except (OSError, RuntimeError) as exc:
         if kind == "uring":
             raise UserError(f"--io uring: io_uring cannot be set up here ({_describe(exc)}); "
                             f"use --io auto or --io pread") from None
         log.warning("io_uring unavailable, falling back to thread-pool pread", error=_describe(exc))
         return PreadBackend(files, threads), f"io_uring cannot be set up ({_describe(exc)}): thread-pool pread"
+    if not register:
+        return UringBackend(reactor, files), ("io_uring, unregistered buffers (the pool's pages are populated by the "
+                                              "reads that fill them)")
     try:
         reactor.register_buffers(list(zip(pool.arena_addresses, (len(a) for a in pool.arenas))))
     except OSError as exc:

@@ -39,15 +39,18 @@ class ReactorClosedError(RuntimeError):
 
 @dataclass(eq=False, slots=True)
 class RingRead:
-    """One read for the ring: ``nbytes`` at ``offset`` of ``fd`` into ``address``."""
+    """One (vectored) read for the ring: the file bytes at ``offset`` of ``fd``, in order, into ``segments``."""
 
     fd: int
-    address: int            # where the bytes go
-    nbytes: int
+    segments: tuple[tuple[int, int], ...]  # (address, nbytes) where the bytes go, back to back in the file
     offset: int             # file offset
-    buf_index: int | None   # registered buffer holding the destination, or None for a plain readv
+    buf_index: int | None   # registered buffer holding every segment, or None for a plain readv
     on_complete: Callable[[int], None]  # called once with bytes read or -errno, from the loop
     iovec: PointedIovec | None = None  # alive (and not reused) until the completion is reaped
+    nbytes: int = 0         # set from the segments
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(n for _, n in self.segments)
 
 
 class UringReactor:
@@ -61,8 +64,11 @@ class UringReactor:
     """
 
     def __init__(self, ring: object, entries: int, eventfd: int, loop: asyncio.AbstractEventLoop,
-                 max_inflight_bytes: int) -> None:
+                 max_inflight_bytes: int, punt: bool = False) -> None:
         self._ring = ring
+        # IOSQE_ASYNC: the kernel's worker threads issue each read, so io_uring_submit returns at once
+        # instead of doing the block-layer work (and the first faults of the destination pages) inline.
+        self._sqe_flags = L.IOSQE_ASYNC if punt else 0
         self.entries = entries
         self._eventfd = eventfd
         self._loop = loop
@@ -88,8 +94,9 @@ class UringReactor:
 
     @classmethod
     def create(cls, entries: int = DEFAULT_RING_ENTRIES,
-               max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES) -> "UringReactor":
-        """Set up a ring on the running loop; raises OSError (or RuntimeError) when io_uring is unavailable."""
+               max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES, punt: bool = False) -> "UringReactor":
+        """Set up a ring on the running loop; raises OSError (or RuntimeError) when io_uring is unavailable.
+        ``punt``: every read goes to the kernel's io-wq workers (IOSQE_ASYNC) instead of being issued inline."""
         problem = layout_problem()
         if problem is not None:
             raise OSError(errno.ENOSYS, problem)
@@ -105,7 +112,7 @@ class UringReactor:
                 os.close(eventfd)
             L.io_uring_queue_exit(ring)
             raise
-        return cls(ring, entries, eventfd, loop, max_inflight_bytes)
+        return cls(ring, entries, eventfd, loop, max_inflight_bytes, punt)
 
     # -- registration -------------------------------------------------------
 
@@ -173,13 +180,18 @@ class UringReactor:
     def _prepare(self, sqe: object, request: RingRead) -> None:
         token = self._next_token
         self._next_token += 1
-        request.iovec = self._iovecs.pop()
-        request.iovec.point(0, request.address, request.nbytes)
+        count = len(request.segments)
+        # One-piece reads reuse the ring's iovecs; a coalesced read has its own for as long as it is in flight.
+        request.iovec = self._iovecs.pop() if count == 1 else PointedIovec(count)
+        for index, (address, nbytes) in enumerate(request.segments):
+            request.iovec.point(index, address, nbytes)
         if request.buf_index is None:
             L.io_uring_prep_readv(sqe, request.fd, request.iovec.iovec, request.offset, 0)
         else:
             L.io_uring_prep_readv_fixed(sqe, request.fd, request.iovec.iovec, request.buf_index, request.offset, 0)
         L.io_uring_sqe_set_data64(sqe, token)
+        if self._sqe_flags:
+            L.io_uring_sqe_set_flags(sqe, self._sqe_flags)
         if not self._table:
             self._busy_since = time.perf_counter()
         self._table[token] = request
@@ -252,7 +264,8 @@ class UringReactor:
         if request is None:
             return
         self._inflight_bytes -= request.nbytes
-        self._iovecs.append(request.iovec)
+        if request.iovec is not None and request.iovec.count == 1:
+            self._iovecs.append(request.iovec)
         request.iovec = None
         if not self._table:
             self.busy_s += time.perf_counter() - self._busy_since

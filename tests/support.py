@@ -60,13 +60,14 @@ def main_in_process(*args: str) -> tuple[int, str, str]:
 
 
 def model_logits(path: Path, ids: list[int]) -> np.ndarray:
-    """Teacher-forced logits of every position of ``ids`` (one prefill) from the model at ``path``."""
+    """Teacher-forced logits of every position of ``ids`` (one prefill) from the model at ``path``, with a
+    float32 KV cache as the oracles keep theirs."""
     from colibri_aio.arch import build_net
     from colibri_aio.engine.mapped_source import MappedExpertSource
     from colibri_aio.gguf.model import load
 
     model = load(path)
-    return teacher_forced(build_net(model, MappedExpertSource(model)), ids, decode=False)
+    return teacher_forced(build_net(model, MappedExpertSource(model), kv_type="f32"), ids, decode=False)
 
 
 def teacher_forced(net, ids: list[int], *, decode: bool) -> np.ndarray:

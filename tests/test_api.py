@@ -98,9 +98,11 @@ async def test_progress_hears_each_long_step(tmp_path) -> None:
     async with await Engine.open(MODEL, io="pread", cache_per_layer=4, pin="auto",
                                  progress=lambda *a: steps.append(a)):
         pass
-    names = [s[0] for s in steps]
-    assert names.count("load trunk") == 2 and steps[1] == ("load trunk", 2, 2)
-    assert ("allocate pool", 1, 1) in steps
+    # The steps run side by side: each one's reports are in order, the steps' are interleaved.
+    for name in ("load trunk", "allocate pool", "load kernels"):
+        mine = [s for s in steps if s[0] == name]
+        assert mine and mine[-1][1] == mine[-1][2] > 0, name
+        assert [s[1] for s in mine] == sorted(s[1] for s in mine), name
     pins = [s for s in steps if s[0] == "pin experts"]
     assert pins and pins[-1][1] == pins[-1][2] > 0
 

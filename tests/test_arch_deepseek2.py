@@ -32,9 +32,9 @@ def test_kv_cache_holds_one_latent_per_position_and_block() -> None:
     model = load(F32)
     a = model.args
     net = build_net(model, MappedExpertSource(model), n_ctx=100)
-    latent = a.block_count * 100 * (a.kv_lora_rank + a.n_rot) * 4                   # 3 x 100 x (32 + 16) floats
+    latent = a.block_count * 100 * (a.kv_lora_rank + a.n_rot) * 2                   # 3 x 100 x (32 + 16) f16
     assert net.cache.nbytes == _owned_nbytes(*net.cache.k, *net.cache.v) == a.kv_cache_nbytes(100) == latent
-    full_heads = a.block_count * 100 * a.head_count * (a.head_k + a.v_head) * 4      # what MHA would cache
+    full_heads = a.block_count * 100 * a.head_count * (a.head_k + a.v_head) * 2      # what MHA would cache
     assert latent * 5 < full_heads
     assert all(np.shares_memory(v, k) for k, v in zip(net.cache.k, net.cache.v))  # the value is the latent, stored once
 
@@ -53,7 +53,8 @@ async def test_plan_figures_are_what_the_engine_allocates(stem: str) -> None:
     doc = json.loads(out)
     async with await Engine.open(path, io="pread", ram_budget="600M", n_ctx=200) as engine:
         m, cache = engine.model, engine.net.cache
-        assert doc["kv_cache"] == _owned_nbytes(*cache.k, *cache.v) == blocks * 200 * (32 + 16) * 4
+        # f16, the default
+        assert doc["kv_cache"] == _owned_nbytes(*cache.k, *cache.v) == blocks * 200 * (32 + 16) * 2
         resident = [m.token_embd.data, m.output.data, m.output_norm]
         resident += [t if isinstance(t, np.ndarray) else t.data for b in m.blocks for t in b.tensors.values()]
         assert doc["trunk"] == sum(r.nbytes for r in resident)
@@ -130,7 +131,7 @@ def test_older_attn_kv_b_files_give_the_same_logits(tmp_path) -> None:
     model = load(path)
     assert not model.args.split_kv_b and "attn_kv_b" in model.blocks[1].tensors
     want = np.load(ORACLE / "deepseek2_f32.transformers.npz")["seq0"]
-    got = teacher_forced(build_net(model, MappedExpertSource(model)), IDS[: want.shape[0]], decode=True)
+    got = teacher_forced(build_net(model, MappedExpertSource(model), kv_type="f32"), IDS[: want.shape[0]], decode=True)
     assert float(np.abs(got - want).max()) <= 1e-4 * float(np.abs(want).max())
 
 

@@ -20,6 +20,7 @@ from colibri_aio.kernels.ops import rope_cos_sin, rope_yarn_cos_sin
 from support import FIXTURES, ORACLE, main_in_process, model_logits, rewrite_gguf
 
 F32 = FIXTURES / "gptoss_f32.gguf"
+KV_F16_TOL = 3e-3  # x max|logit|: keys and values rounded to float16, as test_arch_qwen3moe (measured 8e-4)
 IDS = json.loads((ORACLE / "family_ids.json").read_text())["sequences"][0]
 
 
@@ -94,9 +95,10 @@ def test_gptoss_files_that_cannot_run_are_refused_in_one_line(case: str, tmp_pat
     assert status == 2 and len(lines) == 1 and phrase in lines[0] and "Traceback" not in err, err
 
 
-def _net(path=F32, n_ctx: int | None = None):
+def _net(path=F32, n_ctx: int | None = None, kv_type: str = "f32"):
+    """The net with a float32 KV cache (the oracles' precision) unless asked otherwise."""
     model = load(path)
-    return build_net(model, MappedExpertSource(model), n_ctx=n_ctx)
+    return build_net(model, MappedExpertSource(model), n_ctx=n_ctx, kv_type=kv_type)
 
 
 def _transformers_oracle() -> np.ndarray:
@@ -106,9 +108,9 @@ def _transformers_oracle() -> np.ndarray:
 
 def test_sliding_layers_keep_only_their_window_and_the_plan_counts_that() -> None:
     """Layer 0 slides (window 8): a ring of 8 positions; layer 1 keeps the whole context."""
-    net = _net(n_ctx=200)
+    net = _net(n_ctx=200, kv_type="f16")
     a, cache = net.args, net.cache
-    per_position = a.head_count_kv * (a.key_length + a.value_length) * 4           # 2 heads x (16 + 16) floats
+    per_position = a.head_count_kv * (a.key_length + a.value_length) * 2           # 2 heads x (16 + 16) f16
     assert [len(k) for k in cache.k] == [len(v) for v in cache.v] == [8, 200]
     assert cache.nbytes == sum(k.nbytes + v.nbytes for k, v in zip(cache.k, cache.v)) == (8 + 200) * per_position
     assert a.kv_cache_nbytes(200) == cache.nbytes < a.block_count * 200 * per_position
@@ -122,7 +124,7 @@ async def test_plan_kv_figure_is_the_engines_allocation() -> None:
     async with await Engine.open(path, io="pread", ram_budget="600M", n_ctx=300) as engine:
         cache = engine.net.cache
         owned = sum(k.nbytes + v.nbytes for k, v in zip(cache.k, cache.v))
-        assert json.loads(out)["kv_cache"] == engine.plan.kv_cache == owned == (8 + 300) * 2 * (16 + 16) * 4
+        assert json.loads(out)["kv_cache"] == engine.plan.kv_cache == owned == (8 + 300) * 2 * (16 + 16) * 2  # f16
 
 
 def test_a_ring_that_wrapped_still_gives_the_oracles_logits_in_any_split() -> None:
@@ -139,6 +141,12 @@ def test_a_ring_that_wrapped_still_gives_the_oracles_logits_in_any_split() -> No
 
     for splits in ([], [3], [10], [7, 8, 17], [9, 12, 13, 14, 20]):
         assert float(np.abs(asyncio.run(run(splits)) - want).max()) <= tol, splits
+    # the default f16 cache: the ring keeps keys rounded as a full cache would, and every split reads them alike
+    net = _net(kv_type="f16")
+    whole = asyncio.run(run([]))
+    assert float(np.abs(whole - want).max()) <= KV_F16_TOL * float(np.abs(want).max())
+    for splits in ([3], [10], [7, 8, 17]):
+        np.testing.assert_allclose(asyncio.run(run(splits)), whole, rtol=0, atol=tol)
 
 
 def test_rewind_within_the_ring_continues_and_beyond_it_is_refused() -> None:

@@ -26,7 +26,8 @@ def test_help_explains_every_command() -> None:
 def test_logits_writes_teacher_forced_rows(tmp_path) -> None:
     ids = oracle_ids()[1]
     out = tmp_path / "l.npy"
-    r = run_cli("logits", str(fixture("tiny_f32.gguf")), "--ids", ",".join(map(str, ids)), "--out", str(out))
+    r = run_cli("logits", str(fixture("tiny_f32.gguf")), "--ids", ",".join(map(str, ids)), "--out", str(out),
+                "--kv-type", "f32")  # the oracle ran with a float32 KV cache
     assert r.returncode == 0, r.stderr
     got, want = np.load(out), np.load(ORACLE / "tiny_f32.transformers.npz")["seq1"]
     assert got.dtype == np.float32 and got.shape == (len(ids), 2048)
@@ -41,7 +42,8 @@ def test_logits_of_k_quants_on_every_backend(kernels: str, tmp_path, monkeypatch
     oracle, tol = ("transformers", 1e-4) if kernels == "numpy" else ("llamacpp", 3e-2)
     want = np.load(FIXTURES / "quant_types" / "oracle" / f"ktiny_q2_k.{oracle}.npz")["seq0"]
     ids, out = oracle_ids()[0][: len(want)], tmp_path / "l.npy"
-    r = run_cli("logits", str(fixture("quant_types/ktiny_q2_k.gguf")), "--ids", ",".join(map(str, ids)), "--out", str(out))
+    r = run_cli("logits", str(fixture("quant_types/ktiny_q2_k.gguf")), "--ids", ",".join(map(str, ids)), "--out", str(out),
+                "--kv-type", "f32")
     assert r.returncode == 0, r.stderr
     assert float(np.abs(np.load(out) - want).max()) <= tol * float(np.abs(want).max())
 

@@ -167,7 +167,7 @@ def test_flags_mean_the_same_in_every_command(files: Path) -> None:
     a = main_in_process("run", "--model", MODEL, "--ctx", "64", "--max-tokens", "3")
     b = main_in_process("run", MODEL, "--context", "64", "--max-tokens", "3")
     assert a[0] == b[0] == 0 and a[1] == b[1]
-    assert "KV 64 ctx" in a[2] and "KV 64 ctx" in b[2]
+    assert "f16 for 64 ctx" in a[2] and "f16 for 64 ctx" in b[2]
     for cmd in ("logits", "trace", "plan"):
         extra = {"logits": ("--ids", "1,2", "--out", str(files / "l.npy")),
                  "trace": ("--prompt", "a", "--max-tokens", "1", "--out", str(files / "t.jsonl")),

@@ -41,6 +41,10 @@ async def test_logits_are_bit_identical_across_placements(name: str, kernels: st
         got, _ = await engine_logits(fixture(f"{name}.gguf"), ids, kernels=kernels, io=io, cache_per_layer=per_layer,
                                      prefetch=prefetch)
         assert np.array_equal(got, want), (io, per_layer, prefetch)
+    for per_layer in (1, e):
+        got, _ = await engine_logits(fixture(f"{name}.gguf"), ids, kernels=kernels, io="uring",
+                                     cache_per_layer=per_layer, warm_start=True)
+        assert np.array_equal(got, want), ("warm start", per_layer)
     got, _ = await engine_logits(fixture(f"{name}.gguf"), ids, kernels=kernels, ram_budget="600M")  # plan-sized cache
     assert np.array_equal(got, want)
 
@@ -49,10 +53,15 @@ async def test_cache_that_holds_everything_reads_each_expert_once() -> None:
     ids = oracle_ids()[0]
     model = load(fixture("tiny_q8_0.gguf"))
     got, engine = await engine_logits(fixture("tiny_q8_0.gguf"), ids + ids, io="pread",
-                                      cache_per_layer=model.args.expert_count, prefetch="off")
+                                      cache_per_layer=model.args.expert_count, prefetch="off", warm_start=True)
     stats = engine.source.policy.cache.stats
-    assert stats.misses == engine.source.reader.stats.reads <= model.args.block_count * model.args.expert_count
+    reads = engine.source.reader.stats.reads
+    assert stats.misses + stats.warm_reads == reads <= model.args.block_count * model.args.expert_count
     assert stats.hit_rate > 0.5 and stats.prefetch_reads == 0
+    got, engine = await engine_logits(fixture("tiny_q8_0.gguf"), ids + ids, io="pread",
+                                      cache_per_layer=model.args.expert_count, prefetch="off")  # default: no warm start
+    stats = engine.source.policy.cache.stats
+    assert stats.warm_reads == 0 and stats.misses == engine.source.reader.stats.reads
 
 
 async def test_small_cache_evicts_and_prefetch_is_counted() -> None:
@@ -106,18 +115,20 @@ async def test_cancelled_generation_drains_reads_and_closes() -> None:
 async def test_read_error_names_the_expert(monkeypatch) -> None:
     engine = await Engine.open(fixture("tiny_q8_0.gguf"), io="pread", cache_per_layer=2, prefetch="off")
     reader = engine.source.reader
-    real = reader.start
+    real = reader.start_many
 
-    def failing(loc, slot):
-        future = real(loc, slot)
-        if (loc.layer, loc.expert) != (1, 3):
-            return future
-        error = ExpertReadError(reader.file.path, loc.gate.offset, loc.nbytes, loc.layer, loc.expert, "injected")
-        broken = asyncio.get_running_loop().create_future()
-        future.add_done_callback(lambda _: broken.set_exception(error))  # fails once the kernel is done
-        return broken
+    def failing(items):
+        futures = real(items)
+        for i, ((loc, _), future) in enumerate(zip(items, futures)):
+            if (loc.layer, loc.expert) == (1, 3):
+                error = ExpertReadError(reader.file.path, loc.gate.offset, loc.nbytes, loc.layer, loc.expert,
+                                        "injected")
+                broken = asyncio.get_running_loop().create_future()
+                future.add_done_callback(lambda _, b=broken, e=error: b.set_exception(e))  # once the kernel is done
+                futures[i] = broken
+        return futures
 
-    monkeypatch.setattr(reader, "start", failing)
+    monkeypatch.setattr(reader, "start_many", failing)
     try:
         with pytest.raises(ExpertReadError, match="layer 1 expert 3"):
             for ids in oracle_ids():
@@ -159,3 +170,28 @@ async def test_usage_history_of_another_model_is_never_used(tmp_path) -> None:
     assert not engine.source.policy.cache.pinned and ours.with_name(ours.name + ".bad").exists()
     with pytest.raises(UserError, match="another model"):
         await Engine.open(fixture("tiny_f32.gguf"), pin=str(theirs))
+
+
+def test_warm_start_streams_all_experts_that_fit_else_a_long_historys_hot_set() -> None:
+    from types import SimpleNamespace
+
+    from colibri_aio.engine.placement import warm_keys
+    from colibri_aio.policy.cache import ExpertCache
+    from colibri_aio.policy.usage import MIN_TOKENS, UsageHistory
+
+    layers, experts = 2, 8
+    model = SimpleNamespace(args=SimpleNamespace(block_count=layers, expert_count=experts, moe_block_count=layers,
+                                                 is_moe=lambda layer: True))
+    full = ExpertCache(layers * experts, policy="lru", scope="layer", n_layers=layers)
+    small = ExpertCache(layers * 3, policy="lru", scope="layer", n_layers=layers)
+    past = UsageHistory("f", layers, experts)
+    for _ in range(4):
+        past.record(0, [5, 6])
+        past.record(1, [1, 2, 3, 4])
+    on, off = Placement(warm_start=True), Placement()
+    assert warm_keys(model, on, full, None) == [(l, e) for l in range(layers) for e in range(experts)]
+    assert warm_keys(model, off, full, None) == []
+    assert warm_keys(model, on, small, past) == []                 # a short history names no hot set
+    past.count_tokens(MIN_TOKENS)
+    hot = warm_keys(model, on, small, past)
+    assert sorted(hot) == [(0, 5), (0, 6), (1, 1), (1, 2), (1, 3)]  # each layer's quota of 3, most used first

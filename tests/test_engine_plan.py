@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +12,9 @@ from colibri_aio.errors import UserError
 from colibri_aio.gguf.model import ModelArgs
 from colibri_aio.engine.memory import MemoryLimits
 from colibri_aio.engine.plan import kv_cache_nbytes, make_plan, working_nbytes
+from colibri_aio.policy.usage import MIN_TOKENS
 
+from sparse_gguf import write_sparse_qwen3moe
 from support import fixture, run_cli
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -36,8 +40,8 @@ def _per_layer(slots: int) -> int:
 
 
 @pytest.mark.parametrize("budget,context,slots,bottleneck", [
-    (4 * GiB, 4096, _per_layer((4 * GiB - _reserved(4096)) // SLOT), "disk"),     # 240 of 6144 experts
-    (12 * GiB, 4096, _per_layer((12 * GiB - _reserved(4096)) // SLOT), "disk"),   # 1968: a third of them
+    (4 * GiB, 4096, _per_layer((4 * GiB - _reserved(4096)) // SLOT), "disk"),     # 336 of 6144 experts
+    (12 * GiB, 4096, _per_layer((12 * GiB - _reserved(4096)) // SLOT), "disk"),   # 2064: a third of them
     (12 * GiB, 32768, _per_layer((12 * GiB - _reserved(32768)) // SLOT), "disk"),  # a longer context costs slots
     (40 * GiB, 4096, 6144, "compute"),                                             # every expert fits
 ])
@@ -45,7 +49,7 @@ def test_budget_matrix(budget: int, context: int, slots: int, bottleneck: str) -
     plan = make_plan(QWEN3_30B, BIG, budget=budget, context=context)
     assert plan.slot_nbytes == SLOT
     assert plan.slots == slots and plan.bottleneck == bottleneck
-    assert plan.kv_cache == 2 * 48 * context * 4 * 128 * 4
+    assert plan.kv_cache == 2 * 48 * context * 4 * 128 * 2  # f16 keys and values
     assert plan.trunk + plan.kv_cache + plan.working + plan.pool <= budget
     assert plan.all_experts_fit == (slots == 48 * 128)
 
@@ -53,8 +57,8 @@ def test_budget_matrix(budget: int, context: int, slots: int, bottleneck: str) -
 def test_expected_matrix_values_are_the_ones_written_down() -> None:
     """The first rows above, spelled out, so a change of the arithmetic shows."""
     assert SLOT == 5_038_080
-    assert make_plan(QWEN3_30B, LIMITS, budget=4 * GiB, context=4096).slots == 240    # 285 fit, 5 per layer
-    assert make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, context=4096).slots == 1968  # 1990 fit, 41 per layer
+    assert make_plan(QWEN3_30B, LIMITS, budget=4 * GiB, context=4096).slots == 336    # 365 fit, 7 per layer
+    assert make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, context=4096).slots == 2064  # 2070 fit, 43 per layer
 
 
 def test_default_budget_follows_the_cgroup_limit() -> None:
@@ -65,11 +69,23 @@ def test_default_budget_follows_the_cgroup_limit() -> None:
 
 def test_usage_history_gives_an_expected_hit_rate() -> None:
     counts = {(layer, e): (100.0 if e < 16 else 1.0) for layer in range(48) for e in range(128)}
-    plan = make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, context=4096, usage_counts=counts, pin_share=0.5)
+    plan = make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, context=4096, usage_counts=counts, pin_share=0.5,
+                     history_tokens=MIN_TOKENS)
     hot = 48 * 16 * 100.0
     assert plan.expected_hit_rate == pytest.approx((hot + (plan.slots - 48 * 16)) / (hot + 48 * 112))
     fit = (12 * GiB - _reserved(4096)) // SLOT
     assert plan.pinned_slots == fit // 2 and (plan.slots - plan.pinned_slots) % 48 == 0
+
+
+def test_a_short_usage_history_gives_no_hit_rate() -> None:
+    """A history of a few positions has seen few experts: they would all seem to fit, so the plan says so."""
+    counts = {(layer, e): 1.0 for layer in range(48) for e in range(8)}
+    plan = make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, context=4096, usage_counts=counts,
+                     history_tokens=MIN_TOKENS - 1)
+    assert plan.expected_hit_rate is None and "too few" in plan.hit_rate_source
+    plan = make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, context=4096, usage_counts=counts,
+                     history_tokens=MIN_TOKENS)
+    assert plan.expected_hit_rate == 1.0 and plan.hit_rate_source == "usage history"
 
 
 def test_planted_over_budget_is_refused() -> None:
@@ -120,3 +136,29 @@ def test_context_default_clamp_and_refusal() -> None:
     for bad in (0, -5):
         with pytest.raises(UserError, match="--ctx must be >= 1"):
             make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, context=bad)
+
+
+def test_plan_of_the_48_layer_30b_file_keeps_a_default_kv_cache_under_half_a_gib(tmp_path) -> None:
+    """The real header of Qwen3-30B-A3B Q8_0 (48 layers, context 40960) in a sparse file: defaults give
+    4096 positions of f16 KV = 0.375 GiB (f32 at the model's context would be 7.5 GiB)."""
+    path = write_sparse_qwen3moe(tmp_path / "q30b_48_header.gguf", layers=48)
+    assert path.stat().st_size > 30 * GiB and os.stat(path).st_blocks * 512 < 64 * MiB
+    r = run_cli("plan", str(path), "--ram-budget", "12G", "--json")
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert (doc["context"], doc["kv_type"]) == (4096, "f16")
+    assert doc["kv_cache"] == 2 * 48 * 4096 * 4 * 128 * 2 < GiB / 2
+    table = run_cli("plan", str(path), "--ram-budget", "12G").stdout
+    assert re.search(r"KV cache +0\.38 GiB f16 for 4096 positions \(default; the model allows 40960\)", table), table
+    f32 = json.loads(run_cli("plan", str(path), "--ram-budget", "12G", "--kv-type", "f32", "--json").stdout)
+    assert f32["kv_cache"] == 2 * doc["kv_cache"]
+
+
+def test_kv_cache_allocates_what_the_plan_counts() -> None:
+    from colibri_aio.arch.kvcache import KVCache
+
+    for kv_type in ("f16", "f32"):
+        cache = KVCache(48, 64, QWEN3_30B.args.kv_layout(), kv_type=kv_type)
+        assert cache.nbytes == kv_cache_nbytes(SimpleNamespace(args=QWEN3_30B.args), 64, kv_type)
+    with pytest.raises(UserError, match="--kv-type"):
+        make_plan(QWEN3_30B, LIMITS, budget=12 * GiB, kv_type="q8")

@@ -46,6 +46,13 @@ class FakeReader:
         self.kernel[slot] = read
         return read.future
 
+    def start_many(self, items: list[tuple[tuple[int, int], int]]) -> list[asyncio.Future]:
+        """Like the real reader: every item is checked before any read starts."""
+        for _, slot in items:
+            if slot in self.kernel:
+                raise RuntimeError(f"slot {slot} still has a read in flight")
+        return [self.start(key, slot) for key, slot in items]
+
     def in_flight(self, key: tuple[int, int]) -> FakeRead:
         return next(r for r in self.kernel.values() if r.key == key)
 

@@ -207,7 +207,7 @@ async def test_reactor_reaps_every_completion_behind_coalesced_wakeups(model_fil
     loop.remove_reader(reactor._eventfd)
     loop.add_reader(reactor._eventfd, counted_wake)
     try:
-        reactor.submit(*(RingRead(fd, slot.address, 4096, slot.index * 8192, None,
+        reactor.submit(*(RingRead(fd, ((slot.address, 4096),), slot.index * 8192, None,
                                   lambda res, i=slot.index: results.__setitem__(i, res)) for slot in pool.slots))
         time.sleep(0.3)  # the loop looks away while all 64 complete: their wake-ups coalesce
         async with asyncio.timeout(10):

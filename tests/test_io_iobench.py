@@ -33,7 +33,7 @@ def test_defaults_follow_the_issue() -> None:
     args = parse([])
     assert (args.file, args.bs, args.qd, args.backend, args.pattern) == (None, [1 << 20, 4 << 20], [1, 8, 32],
                                                                         ["uring"], "rand")
-    assert parse(["--backend", "all"]).backend == ["uring", "pread", "mmap"]
+    assert parse(["--backend", "all"]).backend == ["uring", "uring+reg", "uring+async", "pread", "mmap"]
     with pytest.raises(SystemExit):
         parse(["--backend", "aio"])
 
@@ -51,7 +51,8 @@ def test_every_backend_is_measured(small_file: Path, capsys: pytest.CaptureFixtu
     assert run_iobench(args) == 0
     doc = json.loads(capsys.readouterr().out)
     rows = {(r["backend"], r["qd"]): r for r in doc["results"]}
-    assert set(rows) == {(b, q) for b in ("uring", "pread", "mmap") for q in (1, 4)}
+    assert set(rows) == {(b, q) for b in ("uring", "uring+reg", "uring+async", "pread", "mmap") for q in (1, 4)}
+    assert [rows[(b, 1)]["ours_samples"][0]["registered"] for b in ("uring", "uring+reg")] == [False, True]
     for row in rows.values():
         assert row["ours"]["gbps"]["median"] > 0 and row["ours"]["lat_p99_ms"]["median"] > 0
         assert row["ours_samples"][0]["reads"] > 0 and "fio" not in row

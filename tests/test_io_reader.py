@@ -82,11 +82,32 @@ async def test_reads_are_byte_exact(model_file: Path, backend: str) -> None:
         await reader.aclose()
 
 
-async def test_auto_uses_registered_o_direct_io_uring_here(model_file: Path) -> None:
+async def test_auto_uses_o_direct_io_uring_here(model_file: Path) -> None:
     reader = await ExpertReader.open(model_file, 1 << 20, n_slots=2)
     try:
-        assert (reader.backend, reader.registered, reader.direct) == ("uring", True, True)
-        assert "registered" in reader.backend_reason
+        assert (reader.backend, reader.registered, reader.direct) == ("uring", False, True)
+        assert "unregistered" in reader.backend_reason
+    finally:
+        await reader.aclose()
+
+
+async def test_registered_buffers_when_asked(model_file: Path) -> None:
+    locs = mixed_locations(FILE_NBYTES, 12)
+    reader = await ExpertReader.open(model_file, largest(locs), n_slots=3, register=True)
+    try:
+        assert (reader.backend, reader.registered) == ("uring", True) and "registered" in reader.backend_reason
+        await read_all_and_check(reader, model_file, locs)
+    finally:
+        await reader.aclose()
+
+
+async def test_punted_reads_are_byte_exact(model_file: Path) -> None:
+    """IOSQE_ASYNC changes who issues a read, never its bytes."""
+    locs = mixed_locations(FILE_NBYTES, 24)
+    reader = await ExpertReader.open(model_file, largest(locs), n_slots=4, backend="uring", punt=True)
+    try:
+        await read_all_and_check(reader, model_file, locs)
+        assert reader.stats.reads == len(locs)
     finally:
         await reader.aclose()
 
@@ -138,7 +159,7 @@ async def test_registration_refused_falls_back_to_unregistered_reads(
     monkeypatch.setattr(L, "io_uring_register_buffers", refuse)
     locs = mixed_locations(FILE_NBYTES, 20)
     with structlog.testing.capture_logs() as logs:
-        reader = await ExpertReader.open(model_file, largest(locs), n_slots=4)
+        reader = await ExpertReader.open(model_file, largest(locs), n_slots=4, register=True)
     assert any(e["log_level"] == "warning" and "registration refused" in e["event"] for e in logs)
     try:
         assert (reader.backend, reader.registered) == ("uring", False)
@@ -156,7 +177,7 @@ from colibri_aio.bench.locations import random_locations
 path = sys.argv[1]
 async def main():
     locs = random_locations(os.path.getsize(path), 16, np.random.default_rng(5), shape=(64, 256))
-    reader = await ExpertReader.open(path, max(l.nbytes for l in locs), n_slots=64)
+    reader = await ExpertReader.open(path, max(l.nbytes for l in locs), n_slots=64, register=True)
     fd = os.open(path, os.O_RDONLY)
     for loc in locs:
         weights = await reader.start(loc, 0)

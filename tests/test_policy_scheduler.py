@@ -219,3 +219,52 @@ def test_decode_steps_and_device_samples_reach_the_controller() -> None:
                                  read_bps=2e9, reads=100))
     p.on_route(0, [1], 2.5)
     assert p.on_hint(1, [4, 5], 2.5).reads == [] and p.prefetch_reason.startswith("device-busy")
+
+
+def make_warm(per_layer: int = 4, window: int = 3 * NBYTES, run: int = 2) -> SchedulerPolicy:
+    cache = ExpertCache(per_layer * LAYERS, policy="lru", scope="layer", n_layers=LAYERS)
+    return SchedulerPolicy(cache, BackpressureController(mode="on", start=0.0), LookaheadPredictor(K, EXPERTS),
+                           expert_nbytes=lambda key: NBYTES, prefetch_count=K, warm_inflight_bytes=window,
+                           warm_run=run)
+
+
+def land_all(policy: SchedulerPolicy, actions: Actions) -> list[tuple[int, int]]:
+    """Land reads until none is asked for; the keys read, in order."""
+    keys = []
+    while actions.reads:
+        keys += [r.key for r in actions.reads]
+        assert len(actions.reads) * NBYTES <= policy.warm_inflight_bytes
+        actions = land(policy, actions)
+    return keys
+
+
+def test_warm_start_reads_every_key_into_free_slots_within_its_window() -> None:
+    p = make_warm()
+    keys = [(layer, e) for layer in range(LAYERS) for e in (0, 1, 2, 5)]
+    first = p.start_warm(keys[::-1], 0.0)
+    assert {r.kind for r in first.reads} == {"warm"} and len(first.reads) * NBYTES <= p.warm_inflight_bytes
+    assert [r.key for r in first.reads] == sorted(r.key for r in first.reads)     # file order
+    got = land_all(p, first)
+    assert sorted(got) == sorted(keys) and p.warm_pending == 0 and p.reads_in_flight == 0
+    assert all(p.cache.slot_of(k) is not None for k in keys)
+    assert p.cache.stats.evictions == 0 and p.cache.stats.misses == 0 and p.stats.warm_reads == len(keys)
+
+
+def test_warm_start_gives_way_to_demand_reads() -> None:
+    p = make_warm()
+    demand, urgent = p.on_route(1, [7], 0.0)
+    assert [r.kind for r in urgent.reads] == ["demand"]
+    assert p.start_warm([(2, 0), (2, 1)], 0.0).reads == []      # a demand read is in flight: nothing starts
+    after = land(p, urgent)                                       # it lands: the warm start goes on
+    assert [(r.kind, r.key) for r in after.reads] == [("warm", (2, 0)), ("warm", (2, 1))]
+    assert consume(p, demand) == [7]
+    p.on_end(demand, 0.0)
+
+
+def test_warm_start_skips_what_is_cached_and_never_evicts() -> None:
+    p = make_warm(per_layer=2)
+    warm(p, 0, [1])
+    got = land_all(p, p.start_warm([(0, 1), (0, 2), (0, 3)], 0.0))
+    assert got == [(0, 2)]                                        # (0, 1) cached; (0, 3) finds its layer full
+    assert p.stats.warm_skipped == 2 and p.cache.stats.evictions == 0
+    assert p.cache.slot_of((0, 1)) is not None and p.cache.slot_of((0, 3)) is None

@@ -66,6 +66,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
+from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE
+
 if TYPE_CHECKING:
     from colibri_aio.arch.base import Family
     from colibri_aio.arch.layers import MoETransformer
@@ -93,7 +95,7 @@ def family(architecture: str) -> Family:
 
 
 def build_net(model: Model, experts: ExpertSource, n_ctx: int | None = None,
-              kernels: Kernels | None = None) -> MoETransformer:
-    """The forward pass of ``model``'s family, bound to ``experts`` and a KV cache of ``n_ctx`` positions,
-    its products on ``kernels`` (None: the NumPy reference)."""
-    return model.family.net(model, experts, n_ctx, kernels)
+              kernels: Kernels | None = None, kv_type: str = DEFAULT_KV_TYPE) -> MoETransformer:
+    """The forward pass of ``model``'s family, bound to ``experts`` and a KV cache of ``n_ctx`` positions
+    stored as ``kv_type``, its products on ``kernels`` (None: the NumPy reference)."""
+    return model.family.net(model, experts, n_ctx, kernels, kv_type)

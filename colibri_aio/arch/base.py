@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Self
 
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels.ops import Routing
+from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, kv_nbytes
 
 if TYPE_CHECKING:
     from colibri_aio.gguf.split import ModelHeader
@@ -179,19 +180,14 @@ class BaseArgs:
         keeps that many positions), or None: it attends to the whole context."""
         return None
 
-    def kv_positions(self, layer: int, context: int) -> int:
-        """Positions block ``layer``'s KV cache holds for a context of ``context``: all of them, or its window."""
-        return held_positions(context, self.kv_window(layer))
+    def kv_windows(self) -> list[int | None]:
+        """:meth:`kv_window` of every block, as the cache and the plan take them."""
+        return [self.kv_window(layer) for layer in range(self.block_count)]
 
-    def kv_cache_nbytes(self, context: int) -> int:
-        """Bytes of the float32 KV cache for ``context`` positions: what the plan reserves and the pass allocates."""
-        return sum(self.kv_positions(layer, context) for layer in range(self.block_count)) \
-            * self.kv_layout().nbytes_per_position
-
-
-def held_positions(context: int, window: int | None) -> int:
-    """Positions a block's KV cache holds: the whole context, or its sliding window (a ring) when shorter."""
-    return context if window is None else min(context, window)
+    def kv_cache_nbytes(self, context: int, kv_type: str = DEFAULT_KV_TYPE) -> int:
+        """Bytes of the KV cache for ``context`` positions stored as ``kv_type`` (a sliding-window block
+        holds its window): what the plan reserves and the pass allocates."""
+        return kv_nbytes(self.block_count, context, self.kv_layout(), kv_type, self.kv_windows())
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,8 +202,9 @@ class KVLayout:
     values_in_keys: bool = False
 
     @property
-    def nbytes_per_position(self) -> int:
-        return 4 * self.heads * (self.key_width + (0 if self.values_in_keys else self.value_width))
+    def floats_per_position(self) -> int:
+        """Numbers stored per position and block (each value once when it lives in its key)."""
+        return self.heads * (self.key_width + (0 if self.values_in_keys else self.value_width))
 
 
 @dataclass(frozen=True, slots=True)
@@ -266,7 +263,7 @@ def router_tensors(a: BaseArgs) -> list[TensorSpec]:
 class Family:
     """One architecture in the registry.
 
-    ``net`` is built as ``net(model, experts, n_ctx, kernels)``; ``moe_norm`` names the
+    ``net`` is built as ``net(model, experts, n_ctx, kernels, kv_type)``; ``moe_norm`` names the
     block tensor that norms the MoE input (the router's input, which the
     lookahead applies to the previous layer's hidden state); ``checked_against``
     names the transformers class its oracle tests ran.

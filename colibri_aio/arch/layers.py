@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 
-from colibri_aio.arch.base import KVLayout, held_positions
+from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, KVCache, default_context
 from colibri_aio.arch.lookahead import moe_norm, predictor_state, rank_experts, router_logits
 from colibri_aio.errors import NonFiniteError, UserError
 from colibri_aio.experts import ExpertSource, ExpertWeights
@@ -62,79 +62,6 @@ def embed_rows(kernels: Kernels, token_embd: QTensor, ids: np.ndarray) -> np.nda
     return kernels.dequantize(QTensor(rows, token_embd.ggml_type, (len(ids), token_embd.cols)))
 
 
-class KVCache:
-    """Keys (Hkv, key_width) and values (Hkv, value_width) of every layer, allocated once; with
-    ``values_in_keys`` each value is a view of its key's first floats (MLA's latent).
-
-    A layer with a sliding window of w positions keeps only the last min(n_ctx, w) positions, in a
-    ring (position p in slot p mod w): its queries never see an older key. Other layers keep
-    ``n_ctx`` positions. ``held[layer]`` is the range of positions a layer's arrays hold, so the
-    net can tell which prefixes it can continue from after a rewind.
-    """
-
-    def __init__(self, n_ctx: int, layout: KVLayout, windows: Sequence[int | None]) -> None:
-        self.n_ctx, self.layout, self.windows = n_ctx, layout, tuple(windows)
-        self.k: list[np.ndarray] = []
-        self.v: list[np.ndarray] = []
-        for window in self.windows:
-            k = np.zeros((held_positions(n_ctx, window), layout.heads, layout.key_width), np.float32)
-            self.k.append(k)
-            self.v.append(k[..., :layout.value_width] if layout.values_in_keys
-                          else np.zeros((len(k), layout.heads, layout.value_width), np.float32))
-        self.held = [(0, 0)] * len(self.windows)   # per layer: positions [first, end) in its arrays
-
-    @property
-    def nbytes(self) -> int:
-        return sum(k.nbytes + (0 if self.layout.values_in_keys else v.nbytes) for k, v in zip(self.k, self.v))
-
-    def is_ring(self, layer: int) -> bool:
-        return len(self.k[layer]) < self.n_ctx
-
-    def update(self, layer: int, positions: np.ndarray, k: np.ndarray,
-               v: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """Store keys (T, Hkv, key_width) and values (T, Hkv, value_width; None when they live in the keys)
-        at ``positions`` (consecutive, from the context's end) and return what the queries at those
-        positions attend over: keys, values and their positions (None: 0..positions[-1]).
-
-        A ring's keys for the chunk are gathered before the chunk's own writes reuse their slots.
-        """
-        keys, values = self.k[layer], self.v[layer]
-        first, end = int(positions[0]), int(positions[-1]) + 1
-        held_first = self.held[layer][0]
-        if not self.is_ring(layer):
-            self._write(layer, positions, k, v)
-            self.held[layer] = (held_first, end)
-            return keys[:end], values[:end], None
-        window, size = self.windows[layer], len(keys)
-        older = np.arange(max(0, first - window + 1), first)              # earlier positions the chunk sees
-        slots = older % size
-        new_v = k[..., :self.layout.value_width] if v is None else v
-        out_k = np.concatenate([keys[slots], k])
-        out_v = np.concatenate([values[slots], new_v])
-        keep = slice(max(0, len(positions) - size), None)                 # the chunk's last `size` positions
-        self._write(layer, positions[keep] % size, k[keep], None if v is None else v[keep])
-        self.held[layer] = (max(held_first, end - size), end)
-        return out_k, out_v, np.concatenate([older, positions])
-
-    def _write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray | None) -> None:
-        self.k[layer][slots] = k
-        if not self.layout.values_in_keys:
-            self.v[layer][slots] = v
-
-    def can_continue(self, n_past: int) -> bool:
-        """Whether the next position n_past finds every key it attends to: positions max(0, n_past - w + 1)
-        .. n_past - 1 of each layer (w its window, or the whole context) are in its arrays."""
-        for (first, end), window in zip(self.held, self.windows):
-            need = 0 if window is None else max(0, n_past - window + 1)
-            if n_past and (need < first or n_past > end):
-                return False
-        return True
-
-    def forget_after(self, n_past: int) -> None:
-        """Positions from n_past on are no longer part of the context."""
-        self.held = [(min(first, n_past), min(end, n_past)) for first, end in self.held]
-
-
 class MoETransformer:
     """A pre-norm MoE decoder bound to an expert source and a KV cache; families subclass it.
 
@@ -146,12 +73,15 @@ class MoETransformer:
     """
 
     def __init__(self, model: Model, experts: ExpertSource, n_ctx: int | None = None,
-                 kernels: Kernels | None = None) -> None:
-        """``kernels``: the backend every product runs on (None: the NumPy reference); the caller owns it."""
+                 kernels: Kernels | None = None, kv_type: str = DEFAULT_KV_TYPE) -> None:
+        """``n_ctx``: KV-cache positions (default: the model's, at most 4096; never more than the model's);
+        ``kernels``: the backend every product runs on (None: the NumPy reference); the caller owns it;
+        ``kv_type``: "f16" or "f32" storage of keys and values (see :mod:`colibri_aio.arch.kvcache`)."""
         a = model.args
         self.model, self.args, self.experts = model, a, experts
         self.kernels: Kernels = kernels if kernels is not None else NumpyKernels()
-        self.n_ctx = min(n_ctx or a.context_length, a.context_length)
+        self.n_ctx = min(n_ctx or default_context(a.context_length), a.context_length)
+        self.kv_type = kv_type
         self.cache = self.make_cache()
         self.n_past = 0
         self.ids: list[int] = []  # the token ids behind the cache: positions 0..n_past-1
@@ -229,9 +159,10 @@ class MoETransformer:
     # --- family hooks ----------------------------------------------------------------------------
 
     def make_cache(self) -> KVCache:
-        """The KV cache of ``args.kv_layout()`` and ``args.kv_window``: what the plan's ``kv_cache_nbytes`` counts."""
+        """The KV cache of ``args.kv_layout()`` and ``args.kv_windows()``: what the plan's ``kv_cache_nbytes``
+        counts."""
         a = self.args
-        return KVCache(self.n_ctx, a.kv_layout(), [a.kv_window(layer) for layer in range(a.block_count)])
+        return KVCache(a.block_count, self.n_ctx, a.kv_layout(), self.kv_type, a.kv_windows())
 
     def rope_tables(self, positions: np.ndarray) -> Rope:
         """cos/sin for this call's positions (computed once per call, used by every layer)."""

@@ -29,6 +29,7 @@ from typing import IO, TYPE_CHECKING, NoReturn
 from colibri_aio import __version__
 from colibri_aio.errors import ExpertReadError, UserError, one_line
 from colibri_aio.cli.logs import configure as configure_logs
+from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, KV_TYPES
 from colibri_aio.engine.placement import IO_CHOICES, PREFETCH_CHOICES
 from colibri_aio.kernels.backend import NAMES as KERNEL_NAMES
 
@@ -78,6 +79,9 @@ def _add_memory(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--ctx", "--context", dest="ctx", type=int, default=None, metavar="N",
                    help="context positions to allocate in the KV cache (default: the model's context_length, "
                         "at most 4096; more than the model's is clamped, with a warning)")
+    g.add_argument("--kv-type", choices=tuple(KV_TYPES), default=DEFAULT_KV_TYPE,
+                   help="how the KV cache stores keys and values: f16 halves its memory (as llama.cpp), f32 "
+                        "keeps every bit (default: %(default)s)")
     g.add_argument("--history", action=argparse.BooleanOptionalAction, default=True,
                    help="read and update this model's usage history, a cache file under "
                         "$XDG_CACHE_HOME/colibri_aio/usage (default: on)")
@@ -93,6 +97,11 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
                    help="read the experts router lookahead predicts for the next layer; auto keeps it on "
                         "unless the disk is saturated and decode steps measure faster with it off "
                         "(default: %(default)s)")
+    g.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=False,
+                   help="stream experts into the expert cache from the start, behind every read the model waits "
+                        "for: all of them when they fit, else the ones a long usage history uses most "
+                        "(default: off; on the 8-layer cut its reads slowed the start and doubled the time to "
+                        "first token)")
     g.add_argument("--kernels", choices=KERNEL_NAMES, default=None,
                    help="matrix kernels: ggml (llama.cpp's CPU kernels, activations rounded to 8 bits as "
                         "llama.cpp does) or numpy (the float32 reference); auto picks ggml when it loads "
@@ -102,7 +111,8 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
 def _placement(args: argparse.Namespace) -> dict:
     """Engine.open's keyword arguments from the placement options."""
     return dict(io=args.io, ram_budget=args.ram_budget, cache_per_layer=args.cache_per_layer,
-                prefetch=args.prefetch, pin=args.pin, kernels=args.kernels, n_ctx=args.ctx, history=args.history,
+                prefetch=args.prefetch, pin=args.pin, kernels=args.kernels, n_ctx=args.ctx, kv_type=args.kv_type,
+                history=args.history, warm_start=args.warm_start,
                 progress=_progress if sys.stderr.isatty() else None)
 
 
@@ -333,6 +343,9 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
     _add_model(p)
     _add_memory(p)
     p.add_argument("--json", action="store_true", help="print one JSON document")
+    p.add_argument("--measure", action=argparse.BooleanOptionalAction, default=True,
+                   help="measure this machine's kernel speed for the per-token estimate (about a second, once: "
+                        "it is cached) (default: on)")
     p.set_defaults(func=_plan)
 
 
@@ -342,16 +355,25 @@ def _plan(args: argparse.Namespace) -> int:
     from colibri_aio.engine.history import HistoryFile
     from colibri_aio.engine.memory import memory_limits
     from colibri_aio.engine.placement import Placement, plan_for
+    from colibri_aio.engine.opening import engine_kernels, kernels_name
+    from colibri_aio.engine.speed import decode_weights, machine_speed
     from colibri_aio.gguf.model import load
     from colibri_aio.models import default_model_path
     from colibri_aio.policy.budget import parse_size
 
     placement = Placement(ram_budget=parse_size(args.ram_budget) if args.ram_budget else None,
-                          cache_per_layer=args.cache_per_layer, pin=args.pin, context=args.ctx)
+                          cache_per_layer=args.cache_per_layer, pin=args.pin, context=args.ctx, kv_type=args.kv_type)
     model = load(_model(args) or default_model_path(), resident=False)
     past = HistoryFile.for_model(model).load() if args.history else None
     limits = memory_limits()
-    plan, _ = plan_for(model, placement, past, limits)
+    speed = None
+    if args.measure:
+        kernels = engine_kernels(kernels_name(getattr(args, "kernels", None)))
+        try:
+            speed = machine_speed(kernels, set(decode_weights(model)))
+        finally:
+            kernels.close()
+    plan, _ = plan_for(model, placement, past, limits, speed)
     if args.json:
         print(json.dumps({**plan.as_dict(), "model": str(model.path), "files": [str(p) for p in model.paths],
                           "file_bytes": model.file_nbytes, "ram_total": limits.total,
@@ -362,10 +384,10 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _plan_table(model, plan, limits) -> str:
-    from colibri_aio.engine.plan import gb
+    from colibri_aio.engine.plan import ASSUMED_DISK_BYTES_PER_S, gb
 
     a = model.args
-    hit = "n/a (no usage history)" if plan.expected_hit_rate is None else \
+    hit = f"n/a ({plan.hit_rate_source})" if plan.expected_hit_rate is None else \
         f"{plan.expected_hit_rate:.1%} ({plan.hit_rate_source})"
     rows = [
         ("model", f"{model.path.name}: {a.architecture}, {a.layers_text}, {a.expert_count} experts "
@@ -375,7 +397,7 @@ def _plan_table(model, plan, limits) -> str:
                    f"{gb(limits.cgroup_limit) if limits.cgroup_limit else 'none'}"),
         ("budget", f"{gb(plan.budget)} ({plan.budget_source})"),
         ("trunk resident", gb(plan.trunk)),
-        ("KV cache", f"{gb(plan.kv_cache)} for {plan.context} positions ({plan.context_source})"),
+        ("KV cache", f"{gb(plan.kv_cache)} {plan.kv_type} for {plan.context} positions ({plan.context_source})"),
         ("working", gb(plan.working)),
         ("expert pool", f"{plan.slots} slots x {gb(plan.slot_nbytes)} = {gb(plan.pool)} "
                         f"({plan.slots}/{plan.experts_total} experts{', all fit' if plan.all_experts_fit else ''}; "
@@ -383,7 +405,8 @@ def _plan_table(model, plan, limits) -> str:
         ("pinned", f"{plan.pinned_slots} slots = {gb(plan.pinned_slots * plan.slot_nbytes)}"),
         ("expected hit rate", hit),
         ("per token", f"compute ~{plan.compute_s_per_token * 1e3:.1f} ms, expert reads ~"
-                      f"{plan.disk_s_per_token * 1e3:.1f} ms -> bound by {plan.bottleneck}"),
+                      f"{plan.disk_s_per_token * 1e3:.1f} ms -> bound by {plan.bottleneck} "
+                      f"(compute: {plan.speed_source}; reads at an assumed {ASSUMED_DISK_BYTES_PER_S / 1e9:.1f} GB/s)"),
     ] + [("note", note) for note in plan.notes]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)

@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 
 from colibri_aio.errors import EngineBusyError, UserError
-from colibri_aio.gguf.model import Model, Progress, load
-from colibri_aio.kernels.backend import NAMES as KERNEL_NAMES, Kernels, KernelsUnavailable, open_kernels
-from colibri_aio.kernels.threads import limit_blas_threads
+from colibri_aio.gguf.model import Model, Progress
+from colibri_aio.kernels.backend import Kernels
 from colibri_aio.engine.memory import peak_rss_bytes, rss_bytes
 from colibri_aio.engine.device import DeviceMonitor
 from colibri_aio.models import default_model_path
+from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE
 from colibri_aio.arch import build_net
 from colibri_aio.text.sampling import (FinishReason, SamplingParams, Stopper, TokenPicker, check_generation_options,
                                       log_softmax, top_logprobs)
@@ -39,7 +39,8 @@ from colibri_aio.engine.plan import Plan, gb
 from colibri_aio.policy.budget import parse_size
 from colibri_aio.engine.scheduler import CachedExpertSource
 from colibri_aio.engine.history import HistoryFile
-from colibri_aio.engine.placement import Placement, open_source
+from colibri_aio.engine.opening import OpenTimings, open_parts
+from colibri_aio.engine.placement import Placement
 from colibri_aio.engine.stats import EngineStats
 from colibri_aio.logs import get_logger
 from colibri_aio.text.tokenizer import Tokenizer
@@ -81,23 +82,6 @@ class GenerationPiece:
         return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
-def _open_kernels(name: str | None) -> Kernels:
-    """The engine's own kernel backend (``name``, else $COLIBRI_KERNELS, else auto); a backend
-    asked for by name that cannot run here is a user error."""
-    name = name if name is not None else os.environ.get("COLIBRI_KERNELS", "auto")
-    if name not in KERNEL_NAMES:
-        raise UserError(f"unknown kernels {name!r} (choose from {', '.join(KERNEL_NAMES)})")
-    try:
-        kernels = open_kernels(name)
-    except KernelsUnavailable as e:
-        raise UserError(f"--kernels {name}: {e}") from None
-    # The kernels use the cores themselves; OpenBLAS threads inside NumPy calls would
-    # oversubscribe them (evidence/kernels_20261129T181438Z.md: f32 GEMV 2.83 vs 0.24
-    # G weights/s median with one OpenBLAS thread vs its default, same run).
-    limit_blas_threads(1)
-    return kernels
-
-
 class Engine:
     """A model ready to generate. Open with :meth:`open`; close with ``async with`` or :meth:`aclose`."""
 
@@ -105,7 +89,7 @@ class Engine:
                  placement: Placement, kernels: Kernels, history: HistoryFile | None = None) -> None:
         self.model, self.tokenizer, self.source, self.plan, self.placement = model, tokenizer, source, plan, placement
         self.kernels, self.history = kernels, history
-        self.net = build_net(model, source, plan.context, kernels)
+        self.net = build_net(model, source, plan.context, kernels, plan.kv_type)
         self.net.lookahead = placement.lookahead
         self.prompt_tokens = self.generated_tokens = self.cached_tokens = 0
         self.prefill_s = self.decode_s = 0.0
@@ -116,13 +100,14 @@ class Engine:
         self._turn = asyncio.Lock()  # one caller at a time on the KV cache
         self._holder: asyncio.Task[Any] | None = None  # the task whose turn it is
         self._closed = False
+        self.open_timings: OpenTimings | None = None  # what each step of open took (set by open)
 
     @classmethod
     async def open(cls, path: str | os.PathLike[str] | None = None, *, io: str = "auto",
                    ram_budget: int | str | None = None, cache_per_layer: int | None = None,
-                   prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None,
+                   prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None, kv_type: str = DEFAULT_KV_TYPE,
                    kernels: str | None = None, progress: Progress | None = None,
-                   history: bool = True) -> "Engine":
+                   history: bool = True, warm_start: bool = False) -> "Engine":
         """Load ``path`` (default: the shipped model) and open its expert source.
 
         Placement: ``io`` (auto|uring|pread|mmap), ``ram_budget`` (bytes or a
@@ -130,32 +115,33 @@ class Engine:
         (expert slots per layer instead of a budget), ``prefetch``
         (auto|on|off), ``pin`` (auto|off|FILE), ``n_ctx`` (KV-cache positions;
         default min(the model's context, 4096); more than the model's is
-        clamped with a warning). Placement changes speed, never tokens. ``kernels`` (auto|ggml|numpy;
+        clamped with a warning), ``kv_type`` (f16|f32: how keys and values are
+        stored; f16 halves the KV cache, as in llama.cpp). Placement changes
+        speed, never tokens. ``kernels`` (auto|ggml|numpy;
         default: $COLIBRI_KERNELS or auto) picks this engine's matrix kernels;
         backends differ in their rounding, so compare runs within one.
         ``progress(step, done, total)`` hears about the long steps (loading the
-        trunk, the pool, pinning). ``history``:
+        trunk, loading the kernels, the pool, pinning), which run side
+        by side (:mod:`colibri_aio.engine.opening`); ``open_timings`` has what
+        each one took. ``history``:
         read and update this model's usage history (a cache file under
         ``$XDG_CACHE_HOME/colibri_aio/usage``; False: neither read nor write it).
+        ``warm_start``: stream experts into the expert cache from the start, in
+        the background and behind every read the model waits for (all of them
+        when they fit, else the ones a long enough usage history uses most);
+        off by default: on the 8-layer cut its reads slowed the open's cold
+        start and doubled the time to first token (evidence/first_token_*).
         """
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,
-                              pin=pin, context=n_ctx)
-        kernels = _open_kernels(kernels)
-        try:
-            model = load(path if path is not None else default_model_path(), progress=progress)
-            tokenizer = Tokenizer.from_gguf(model.reader)
-            if tokenizer.vocab_size != model.args.vocab_size:
-                raise UserError(f"{model.path}: tokenizer has {tokenizer.vocab_size} tokens, "
-                                f"model {model.args.vocab_size}")
-            store = HistoryFile.for_model(model) if history else None
-            source, plan = await open_source(model, placement, progress, store)
-        except BaseException:
-            kernels.close()
-            raise
+                              pin=pin, context=n_ctx, kv_type=kv_type, warm_start=warm_start)
+        model, tokenizer, source, plan, store, opened_kernels, timings = await open_parts(
+            path if path is not None else default_model_path(), placement, kernels=kernels, progress=progress,
+            history=history)
         for note in plan.notes:
             log.warning(note)
-        engine = cls(model, tokenizer, source, plan, placement, kernels, store)
+        engine = cls(model, tokenizer, source, plan, placement, opened_kernels, store)
+        engine.open_timings = timings
         log.info(engine.describe(full=True))
         if engine.device is not None:
             engine._monitor = asyncio.get_running_loop().create_task(engine.device.run())
@@ -171,9 +157,9 @@ class Engine:
         parts = len(self.model.paths)
         line = (f"{self.model.path.name}{f' (+{parts - 1} parts)' if parts > 1 else ''}: "
                 f"{a.layers_text} x {a.expert_count} experts of "
-                f"{gb(plan.expert_nbytes)}; KV {plan.context} ctx = {gb(plan.kv_cache)}; cache {cache.n_slots} slots "
-                f"({len(cache.pinned)} pinned) = {gb(cache.n_slots * plan.slot_nbytes)}; io {reader.backend}; "
-                f"prefetch {self.placement.prefetch}; kernels {self.kernels.name}")
+                f"{gb(plan.expert_nbytes)}; KV {gb(plan.kv_cache)} {plan.kv_type} for {plan.context} ctx; "
+                f"cache {cache.n_slots} slots ({len(cache.pinned)} pinned) = {gb(cache.n_slots * plan.slot_nbytes)}; "
+                f"io {reader.backend}; prefetch {self.placement.prefetch}; kernels {self.kernels.name}")
         if not full:
             return line
         return (f"{line}; {plan.one_line()}; cache {cache.scope} {cache.policy}; io {reader.backend_reason}; "
@@ -359,4 +345,7 @@ class Engine:
             if step.finish_reason is not None:
                 return
             tick = time.perf_counter()
+            # A token whose experts all hit never suspends: give the loop a turn for what waits on it
+            # (signal handlers, reads that landed, an HTTP server's other requests).
+            await asyncio.sleep(0)
             logits = await self.net.forward([token])

@@ -29,11 +29,11 @@ import contextlib
 import fcntl
 import json
 import os
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from colibri_aio.cachefiles import cache_dir, set_aside, write_atomic
 from colibri_aio.errors import UserError
 from colibri_aio.gguf.model import Model
 from colibri_aio.logs import get_logger
@@ -47,8 +47,7 @@ _LOCK_POLL = 0.05
 
 def default_usage_path(fingerprint: str) -> Path:
     """Where the history of the model with ``fingerprint`` is kept."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root) / "colibri_aio" / "usage" / f"{fingerprint}.json"
+    return cache_dir("usage", f"{fingerprint}.json")
 
 
 def parse_history(data: bytes, fingerprint: str, source: str) -> UsageHistory:
@@ -69,18 +68,6 @@ def read_history(path: str | os.PathLike[str], fingerprint: str) -> UsageHistory
     except OSError as exc:
         raise UserError(f"{path}: cannot read usage history ({exc.strerror or exc})") from None
     return parse_history(data, fingerprint, str(path))
-
-
-def _write_atomic(path: Path, doc: dict) -> None:
-    """Write to a temporary file in the same folder, then rename: a reader never sees half a file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 @contextlib.contextmanager
@@ -148,7 +135,7 @@ class HistoryFile:
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             with _folder_lock(self.path.parent, LOCK_TIMEOUT):
-                _write_atomic(self.path, self.load().with_run(run).to_json())
+                write_atomic(self.path, json.dumps(self.load().with_run(run).to_json()).encode("utf-8"))
             return True
         except TimeoutError as exc:
             reason = str(exc)
@@ -160,9 +147,8 @@ class HistoryFile:
 
     def _set_aside(self, problem: str) -> None:
         """``problem`` (a message naming the file) goes out as one warning, with what was done about it."""
-        aside = self.path.with_name(self.path.name + ".bad")
         try:
-            os.replace(self.path, aside)
+            aside = set_aside(self.path)
         except OSError as exc:
             self.left_alone = True
             log.warning(f"{problem}; it cannot be moved aside ({exc.strerror or exc}), so this run neither "

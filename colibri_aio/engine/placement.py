@@ -10,12 +10,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, check_kv_type
 from colibri_aio.errors import UserError
 from colibri_aio.gguf.model import Model, Progress
 from colibri_aio.io.reader import BACKENDS, ExpertReader
 from colibri_aio.engine.memory import MemoryLimits, memory_limits
 from colibri_aio.engine.plan import Plan, make_plan
-from colibri_aio.policy.cache import ExpertCache
+from colibri_aio.engine.speed import MachineSpeed, cached as cached_speed
+from colibri_aio.policy.cache import ExpertCache, Key
 from colibri_aio.policy.backpressure import BackpressureConfig, BackpressureController
 from colibri_aio.policy.predictor import LookaheadPredictor
 from colibri_aio.policy.scheduler import SchedulerPolicy
@@ -52,6 +54,8 @@ class Placement:
     cache_policy: str = "lfru"
     cache_half_life: float = 4096.0
     context: int | None = None
+    kv_type: str = DEFAULT_KV_TYPE  # storage of the KV cache: f16 (llama.cpp's default) or f32
+    warm_start: bool = False        # stream experts into the pool from the start (see warm_keys); off: its A/B
     backpressure: BackpressureConfig | None = None  # thresholds of --prefetch auto (None: defaults)
 
     def __post_init__(self) -> None:
@@ -64,6 +68,7 @@ class Placement:
             raise UserError(f"--cache-per-layer must be >= 1, got {self.cache_per_layer}")
         if self.context is not None and self.context < 1:
             raise UserError(f"--ctx must be >= 1 position, got {self.context}")
+        check_kv_type(self.kv_type)
 
     @property
     def lookahead(self) -> str | None:
@@ -105,16 +110,19 @@ def pin_history(model: Model, pin: str, past: UsageHistory | None) -> UsageHisto
     return read_history(Path(pin), model_fingerprint(model))
 
 
-def plan_for(model: Model, placement: Placement, past: UsageHistory | None, limits: MemoryLimits | None = None
-             ) -> tuple[Plan, UsageHistory | None]:
+def plan_for(model: Model, placement: Placement, past: UsageHistory | None, limits: MemoryLimits | None = None,
+             speed: MachineSpeed | None = None) -> tuple[Plan, UsageHistory | None]:
     """The plan for ``placement`` (its hit rate from the history pins come from, else ``past``), and that history;
-    with this machine's memory limits unless ``limits`` are given. ``run``, ``plan`` and the API all go by it."""
+    with this machine's memory limits unless ``limits`` are given, and its kernel speed as last measured unless
+    ``speed`` is given. ``run``, ``plan`` and the API all go by it."""
     pin_from = pin_history(model, placement.pin, past)
     known = pin_from if pin_from is not None else past
     counts = known.nonzero() if known is not None and known.runs >= 1 else None
     plan = make_plan(model, limits or memory_limits(), budget=placement.ram_budget, context=placement.context,
-                     cache_per_layer=placement.cache_per_layer, usage_counts=counts,
-                     pin_share=PIN_SHARE if pin_from is not None else 0.0)
+                     kv_type=placement.kv_type, cache_per_layer=placement.cache_per_layer, usage_counts=counts,
+                     pin_share=PIN_SHARE if pin_from is not None else 0.0,
+                     history_tokens=known.tokens if counts is not None else None,
+                     speed=speed if speed is not None else cached_speed())
     return plan, pin_from
 
 
@@ -126,6 +134,22 @@ def pins(model: Model, placement: Placement, plan: Plan, pin_from: UsageHistory 
         per_layer = int(min(placement.cache_per_layer, model.args.expert_count) * PIN_SHARE)
         return pin_from.hottest(per_layer * model.args.moe_block_count, per_layer=per_layer)
     return pin_from.hottest(plan.pinned_slots)
+
+
+def warm_keys(model: Model, placement: Placement, cache: ExpertCache, past: UsageHistory | None) -> list[Key]:
+    """What the warm start streams into the pool: every expert when the cache holds them all, else the
+    experts a usage history long enough to stand for the workload uses most (as many as fit each layer's
+    quota); nothing without one, or with ``warm_start`` off."""
+    a = model.args
+    if not placement.warm_start:
+        return []
+    quota = cache.layer_quota if cache.layer_quota is not None else cache.n_slots // a.moe_block_count
+    everything = [(layer, e) for layer in range(a.block_count) if a.is_moe(layer) for e in range(a.expert_count)]
+    if quota >= a.expert_count:
+        return everything
+    if past is None or not past.enough:
+        return []
+    return past.hottest(quota * a.moe_block_count, per_layer=quota)
 
 
 async def open_source(model: Model, placement: Placement, progress: Progress | None = None,
@@ -159,6 +183,9 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
     except BaseException:
         await source.aclose()
         raise
+    warm = warm_keys(model, placement, cache, past)
+    source.start_warm(warm)
     log.info("placement", io=reader.backend, io_reason=reader.backend_reason, slots=cache.n_slots,
-             scope=cache.scope, policy=cache.policy, prefetch=placement.prefetch, pinned=len(pinned))
+             scope=cache.scope, policy=cache.policy, prefetch=placement.prefetch, pinned=len(pinned),
+             warm_start=len(warm))
     return source, plan

@@ -13,7 +13,10 @@ from colibri_aio.errors import UserError
 from colibri_aio.gguf.model import Model
 from colibri_aio.io.align import slot_nbytes_for
 from colibri_aio.engine.memory import MemoryLimits
+from colibri_aio.engine.speed import MachineSpeed, decode_weights
 from colibri_aio.policy.budget import slots_for_budget
+from colibri_aio.policy.usage import MIN_TOKENS
+from colibri_aio.arch.kvcache import DEFAULT_CONTEXT, DEFAULT_KV_TYPE, default_context
 from colibri_aio.arch.layers import PREFILL_CHUNK
 
 GiB = 1 << 30
@@ -27,10 +30,6 @@ DEFAULT_BUDGET_SHARE = 0.85
 # class of machine (2 vCPU, virtio disk): NumPy kernels and O_DIRECT reads.
 ASSUMED_WEIGHTS_PER_S = 3.0e9
 ASSUMED_DISK_BYTES_PER_S = 1.5e9
-# KV-cache positions when the user gives none, as llama.cpp's llama-cli: a
-# Qwen3-30B-A3B file says 40960, which would reserve 7.5 GiB of float32 KV out
-# of the budget the experts need.
-DEFAULT_CONTEXT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +41,8 @@ class Plan:
     context: int
     context_source: str        # "--ctx", "default", or why it is not what was asked
     trunk: int
-    kv_cache: int
+    kv_cache: int              # bytes, from the function the KV cache's allocation uses
+    kv_type: str               # "f16" or "f32"
     working: int               # activations, logits and runtime overhead
     expert_nbytes: int         # one expert's three ranges (the largest expert)
     slot_nbytes: int           # one pool slot: the expert's ranges aligned for O_DIRECT
@@ -54,6 +54,7 @@ class Plan:
     bottleneck: str            # "compute" or "disk"
     compute_s_per_token: float
     disk_s_per_token: float
+    speed_source: str = "assumed rates"  # where compute_s_per_token's rates come from
     notes: tuple[str, ...] = ()  # where the plan differs from what was asked, said aloud
 
     @property
@@ -74,8 +75,8 @@ class Plan:
     def one_line(self) -> str:
         hit = "n/a" if self.expected_hit_rate is None else f"{self.expected_hit_rate:.0%}"
         return (f"plan: budget {gb(self.budget)} ({self.budget_source}) = trunk {gb(self.trunk)} + "
-                f"KV {gb(self.kv_cache)} ({self.context} ctx, {self.context_source}) + pool {self.slots} slots "
-                f"x {gb(self.slot_nbytes)} = {gb(self.pool)} ({self.pinned_slots} pinned; "
+                f"KV {gb(self.kv_cache)} {self.kv_type} ({self.context} ctx, {self.context_source}) + pool "
+                f"{self.slots} slots x {gb(self.slot_nbytes)} = {gb(self.pool)} ({self.pinned_slots} pinned; "
                 f"{self.slots}/{self.experts_total} experts of {gb(self.expert_nbytes)}) + working "
                 f"{gb(self.working)}; expected hit {hit}; bound by {self.bottleneck}")
 
@@ -87,9 +88,10 @@ def gb(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
 
 
-def kv_cache_nbytes(model: Model, context: int) -> int:
-    """The family's KV cache for ``context`` positions (MLA's latent cache is far smaller than full heads)."""
-    return model.args.kv_cache_nbytes(context)
+def kv_cache_nbytes(model: Model, context: int, kv_type: str = DEFAULT_KV_TYPE) -> int:
+    """Bytes of the family's KV cache the forward pass allocates for ``context`` positions (MLA's latent
+    cache is far smaller than full heads)."""
+    return model.args.kv_cache_nbytes(context, kv_type)
 
 
 def working_nbytes(model: Model, prefill_chunk: int = PREFILL_CHUNK) -> int:
@@ -101,8 +103,9 @@ def working_nbytes(model: Model, prefill_chunk: int = PREFILL_CHUNK) -> int:
 
 
 def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, context: int | None = None,
-              cache_per_layer: int | None = None, usage_counts: dict[tuple[int, int], float] | None = None,
-              pin_share: float = 0.0) -> Plan:
+              kv_type: str = DEFAULT_KV_TYPE, cache_per_layer: int | None = None,
+              usage_counts: dict[tuple[int, int], float] | None = None, pin_share: float = 0.0,
+              history_tokens: float | None = None, speed: MachineSpeed | None = None) -> Plan:
     """The placement for ``model`` within ``budget`` (default: a share of usable RAM).
 
     Refuses, with a :class:`UserError` that says what is missing, a budget
@@ -113,6 +116,10 @@ def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, 
     per layer; with one slot a layer's experts are read, used and evicted in
     turn). Whatever differs from what was asked (a context above the
     model's, a budget above the memory available now) is in ``notes``.
+    ``usage_counts`` (with the ``history_tokens`` positions behind them)
+    size the pins and, from a history long enough to stand for the
+    workload, the expected hit rate. ``speed``: this machine's measured
+    kernel rates and per-layer overhead (None: assumed rates, no overhead).
     """
     a = model.args
     layers = a.moe_block_count  # blocks with experts: the cache keeps a quota for each
@@ -125,7 +132,7 @@ def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, 
     else:
         _check_budget(budget, limits, notes)
     slot = slot_nbytes_for(model.expert_nbytes_max)
-    kv, working = kv_cache_nbytes(model, context), working_nbytes(model)
+    kv, working = kv_cache_nbytes(model, context, kv_type), working_nbytes(model)
     reserved = model.trunk_nbytes + kv + working
     total = layers * a.expert_count
     if cache_per_layer is not None:
@@ -141,21 +148,22 @@ def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, 
         minimal, what = layers, f"a minimal cache of {layers} expert slots, one per layer with experts"
     if reserved + minimal * slot > budget or slots < minimal:
         raise UserError(
-            f"budget {gb(budget)} is too small: trunk {gb(model.trunk_nbytes)} + KV cache {gb(kv)} for {context} "
-            f"positions + working {gb(working)} + {what} ({gb(minimal * slot)}), need "
+            f"budget {gb(budget)} is too small: trunk {gb(model.trunk_nbytes)} + {kv_type} KV cache {gb(kv)} for "
+            f"{context} positions + working {gb(working)} + {what} ({gb(minimal * slot)}), need "
             f"{gb(reserved + minimal * slot)}")
-    hit, hit_source = expected_hit_rate(usage_counts, slots, total)
-    compute_s, disk_s = token_times(model, 0.0 if hit is None else hit)
-    return Plan(budget, source, context, context_source, model.trunk_nbytes, kv, working, model.expert_nbytes_max,
+    hit, hit_source = expected_hit_rate(usage_counts, slots, total, history_tokens)
+    compute_s, disk_s, speed_source = token_times(model, 0.0 if hit is None else hit, speed)
+    return Plan(budget, source, context, context_source, model.trunk_nbytes, kv, kv_type, working,
+                model.expert_nbytes_max,
                 slot, slots, total, pinned, hit, hit_source, "disk" if disk_s > compute_s else "compute",
-                compute_s, disk_s, tuple(notes))
+                compute_s, disk_s, speed_source, tuple(notes))
 
 
 def _context(model_context: int, asked: int | None, notes: list[str]) -> tuple[int, str]:
     """KV-cache positions for ``asked`` (None: the default) and where the figure comes from."""
     if asked is None:
         if model_context > DEFAULT_CONTEXT:
-            return DEFAULT_CONTEXT, f"default; the model allows {model_context}"
+            return default_context(model_context), f"default; the model allows {model_context}"
         return model_context, "the model's context_length"
     if asked < 1:
         raise UserError(f"--ctx must be >= 1 position, got {asked}")
@@ -187,30 +195,47 @@ def _slots_per_layer(block_count: int, expert_count: int, cache_per_layer: int,
     return per_layer * block_count + pinned, pinned
 
 
-def expected_hit_rate(usage_counts: dict[tuple[int, int], float] | None, slots: int,
-                      total: int) -> tuple[float | None, str]:
+def expected_hit_rate(usage_counts: dict[tuple[int, int], float] | None, slots: int, total: int,
+                      tokens: float | None = None) -> tuple[float | None, str]:
     """The share of past selections the ``slots`` most used experts would have served.
 
     This is the steady state of a frequency-ordered cache on the recorded
-    workload: an estimate, not a promise (LRU on a shifting workload does worse).
+    workload: an estimate, not a promise (LRU on a shifting workload does
+    worse). None, with the reason, without a history of at least
+    :data:`~colibri_aio.policy.usage.MIN_TOKENS` positions (``tokens``):
+    a short one has seen few experts, and they would all seem to fit.
     """
     if slots >= total:
         return 1.0, "every expert fits"
     if not usage_counts:
         return None, "no usage history"
+    if tokens is None or tokens < MIN_TOKENS:
+        return None, (f"the usage history has seen {tokens or 0:.0f} positions, too few to stand for the "
+                      f"workload ({MIN_TOKENS} needed)")
     counts = sorted(usage_counts.values(), reverse=True)
     return sum(counts[:slots]) / sum(counts), "usage history"
 
 
-def token_times(model: Model, hit_rate: float) -> tuple[float, float]:
-    """Seconds per decoded token for compute and for expert reads, at the assumed rates.
+def token_times(model: Model, hit_rate: float, speed: MachineSpeed | None = None) -> tuple[float, float, str]:
+    """Seconds per decoded token for compute and for expert reads, and where the compute rates come from.
 
-    Compute counts every resident matrix of the blocks (attention, dense FFNs, shared
-    experts: whatever the family has), k routed experts per MoE block and the output head.
+    Compute: the weights a token multiplies, by type, at ``speed``'s measured
+    rates plus its per-layer overhead; without a measurement (or for a type it
+    lacks), the active weights of the shared shape at
+    :data:`ASSUMED_WEIGHTS_PER_S` and no overhead.
     """
     a = model.args
-    expert_weights = 3 * a.expert_feed_forward_length * a.embedding_length
     routed = a.moe_block_count * a.expert_used_count
-    active = model.block_matrix_weights + routed * expert_weights + a.vocab_size * a.embedding_length
     miss_bytes = (1 - hit_rate) * routed * model.expert_nbytes_max
-    return active / ASSUMED_WEIGHTS_PER_S, miss_bytes / ASSUMED_DISK_BYTES_PER_S
+    disk_s = miss_bytes / ASSUMED_DISK_BYTES_PER_S
+    weights = None if speed is None else decode_weights(model)
+    if speed is None or weights is None or any(speed.rate(t) is None for t in weights):
+        # Every resident matrix of the blocks (attention, dense FFNs, shared experts: whatever the
+        # family has), k routed experts per MoE block and the output head.
+        expert_weights = 3 * a.expert_feed_forward_length * a.embedding_length
+        active = model.block_matrix_weights + routed * expert_weights + a.vocab_size * a.embedding_length
+        return active / ASSUMED_WEIGHTS_PER_S, disk_s, \
+            f"assumed {ASSUMED_WEIGHTS_PER_S / 1e9:.0f} G weights/s, no per-layer overhead"
+    compute_s = sum(n / speed.rate(t) for t, n in weights.items()) + a.block_count * speed.layer_overhead_s
+    return compute_s, disk_s, (f"{speed.backend} kernels measured on this machine + "
+                               f"{speed.layer_overhead_s * 1e3:.2f} ms a layer")

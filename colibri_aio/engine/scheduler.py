@@ -11,6 +11,11 @@ calls and actions into reads. Following one layer's experts::
     each read's end -> policy.on_read_done      -> start reads
     hint(layer, ranked) -> policy.on_hint       -> start prefetch reads
     step(positions)     -> policy.on_step
+    start_warm(keys)    -> policy.start_warm    -> start warm-start reads (more as reads end)
+
+The reads of one action go to the reader together, in file order, so that
+neighbouring experts of a layer (a prefill's union, a warm-start run) are
+read with one request per projection.
 
 Slot ownership (design invariant 2): a slot's read belongs to the reader
 until it is over, whatever the stream that wanted it does; the policy frees
@@ -44,6 +49,7 @@ class CachedExpertSource:
         self.reader, self.policy = reader, policy
         self._locate = locate
         self._reads: dict[int, asyncio.Future[ExpertWeights]] = {}  # slot -> its read in flight
+        self._background: set[int] = set()                          # slots of warm-start reads in flight
         self._weights: dict[int, ExpertWeights] = {}                # slot -> views of the bytes it holds
         self._errors: dict[int, BaseException] = {}                 # slot -> why its read failed
         self.demand_wait_s = 0.0  # time the consumer waited for demand bytes
@@ -65,11 +71,19 @@ class CachedExpertSource:
             if future.exception() is not None:
                 raise future.exception()  # type: ignore[misc]
 
+    def start_warm(self, keys: Sequence[tuple[int, int]]) -> None:
+        """Stream ``keys`` into free slots in the background, behind every demand and prefetch read."""
+        self._perform(self.policy.start_warm(keys, time.perf_counter()))
+
     # --- the ExpertSource protocol ------------------------------------------------------------
 
     async def stream(self, layer: int, experts: Sequence[int]) -> AsyncIterator[ExpertBatch]:
         """Yield batches of ``(expert, weights)`` covering ``experts``: every expert ready now in one
         batch (cached ones first), then misses as they land, those landed together in one batch."""
+        if self._reads:
+            # Let the loop reap what has landed (its callbacks start the next reads) even when every
+            # expert of every layer hits and nothing below would wait.
+            await asyncio.sleep(0)
         demand, actions = self.policy.on_route(layer, experts, time.perf_counter())
         self._perform(actions)
         try:
@@ -106,23 +120,28 @@ class CachedExpertSource:
         for slot in actions.dropped:
             self._weights.pop(slot, None)
             self._errors.pop(slot, None)
-        for read in actions.reads:
-            self._start(read)
+        if actions.reads:
+            self._start(sorted(actions.reads, key=lambda r: r.key))
 
-    def _start(self, read: Read) -> None:
-        """Hand one read to the reader; its end comes back through :meth:`_over`."""
+    def _start(self, reads: list[Read]) -> None:
+        """Hand reads to the reader, in file order; each one's end comes back through :meth:`_over`."""
         try:
-            future = self.reader.start(self._locate(*read.key), read.slot)
-        except Exception as exc:  # refused before reaching the kernel: the read is over, failed
-            self._errors[read.slot] = exc
-            self._perform(self.policy.on_read_done(read, False, time.perf_counter()))
+            futures = self.reader.start_many([(self._locate(*read.key), read.slot) for read in reads])
+        except Exception as exc:  # refused before reaching the kernel: the reads are over, failed
+            for read in reads:
+                self._errors[read.slot] = exc
+                self._perform(self.policy.on_read_done(read, False, time.perf_counter()))
             return
-        self._reads[read.slot] = future
-        # The first callback of the future: the policy hears of the end before any waiter wakes.
-        future.add_done_callback(lambda f: self._over(read, f))
+        for read, future in zip(reads, futures):
+            self._reads[read.slot] = future
+            if read.kind == "warm":
+                self._background.add(read.slot)
+            # The first callback of the future: the policy hears of the end before any waiter wakes.
+            future.add_done_callback(lambda f, read=read: self._over(read, f))
 
     def _over(self, read: Read, future: asyncio.Future[ExpertWeights]) -> None:
         del self._reads[read.slot]
+        self._background.discard(read.slot)
         error = asyncio.CancelledError() if future.cancelled() else future.exception()
         if error is None:
             self._weights[read.slot] = future.result()
@@ -144,10 +163,11 @@ class CachedExpertSource:
     # --- end -------------------------------------------------------------------------------
 
     async def settle(self) -> None:
-        """Wait until no read is in flight: a stream that ended early (cancelled, left) may have started
-        reads, prefetches above all, that nobody waits for; the next stream then starts from a quiet disk."""
-        while self._reads:
-            await asyncio.wait(list(self._reads.values()))
+        """Wait until no demand or prefetch read is in flight: a stream that ended early (cancelled, left) may
+        have started reads, prefetches above all, that nobody waits for; the next stream then starts from a
+        disk that only the warm start (which gives way to it) still reads."""
+        while urgent := [f for slot, f in self._reads.items() if slot not in self._background]:
+            await asyncio.wait(urgent)
 
     async def aclose(self) -> None:
         """Start no more reads, wait for every read in flight, forget every slot, close the reader.

@@ -32,6 +32,7 @@ from colibri_aio.arch import SUPPORTED_ARCHITECTURES, family
 from colibri_aio.arch.base import BaseArgs, Family, Metadata, TensorSpec
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.gguf.split import ModelHeader, open_header
+from colibri_aio.io.bulk import BulkStats, read_ranges, total_stats
 from colibri_aio.io.modelfile import FileIdentity
 from colibri_aio.experts import ExpertLocation, TensorRange
 from colibri_aio.kernels.qtensor import QTensor
@@ -39,6 +40,8 @@ from colibri_aio.kernels.quant import SUPPORTED_TYPES, dequantize
 
 # The hyper-parameters every family has (each family's own ModelArgs extends them).
 ModelArgs = BaseArgs
+
+Progress = Callable[[str, int, int], None]  # (step, done, total)
 
 
 class BlockWeights:
@@ -93,6 +96,7 @@ class Model:
     experts: list[list[ExpertLocation]]  # [layer][expert]; [] for a dense block
     reader: ModelHeader                  # metadata (tokenizer, chat template), every part's tensor table
     family: Family
+    trunk_read: BulkStats | None = None  # how the resident trunk was read (None: views of the file)
 
     @property
     def paths(self) -> tuple[Path, ...]:
@@ -151,21 +155,56 @@ def _significant(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(dropwhile(lambda n: n == 1, shape))
 
 
+def _block_of(name: str) -> int:
+    """The block a tensor belongs to (``blk.N.``), -1 for the tensors outside blocks."""
+    m = re.match(r"blk\.(\d+)\.", name)
+    return -1 if m is None else int(m.group(1))
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether tensor ``name`` holds routed experts' weights (``blk.N.ffn_*_exps.weight``): streamed, never
+    resident. Their biases (gpt-oss) are small and stay resident."""
+    return name.endswith("_exps.weight")
+
+
 class _Tensors:
     """Checked access to the model's tensors: presence, type, shape, bytes within the file (part) holding each."""
 
-    def __init__(self, reader: ModelHeader, path: Path, args: ModelArgs, copy: bool) -> None:
+    def __init__(self, reader: ModelHeader, path: Path, args: ModelArgs, copy: bool,
+                 progress: Progress | None = None) -> None:
         self.by_name = {t.name: t for t in reader.tensors}
         self.used: set[str] = set()
         self.path, self.args, self.copy = path, args, copy
         self.paths = reader.paths
         self.file_sizes = [p.stat().st_size for p in self.paths]
         self.raws = [np.memmap(p, dtype=np.uint8, mode="r") for p in self.paths]
-        self.files = [open(p, "rb", buffering=0) for p in self.paths]
+        self.copies: dict[str, np.ndarray] = {}
+        self.read_stats: BulkStats | None = None
+        if copy:
+            self._read_trunk(progress)
 
-    def close(self) -> None:
-        for f in self.files:
-            f.close()
+    def _read_trunk(self, progress: Progress | None) -> None:
+        """Every tensor but the routed experts, read at once with large aligned reads, each from the part
+        that holds it.
+
+        Not through the mmap: mapped file pages count in RSS, and copying
+        through them would hold the trunk twice at peak. Tensors that reach
+        past the end of their file are left to :meth:`get`, which names them.
+        """
+        wanted = [t for t in self.by_name.values()
+                  if not is_routed_expert(t.name) and _block_of(t.name) < self.args.block_count
+                  and t.data_offset + t.n_bytes <= self.file_sizes[t.part]]
+        parts = sorted({t.part for t in wanted})
+        stats = []
+        for n, part in enumerate(parts):
+            mine = [t for t in wanted if t.part == part]
+            report = None if progress is None else (
+                lambda done, total, n=n: progress("load trunk", n * total + done, len(parts) * total))
+            data, part_stats = read_ranges(self.paths[part], [(t.data_offset, t.n_bytes) for t in mine],
+                                           progress=report)
+            self.copies.update({t.name: d for t, d in zip(mine, data)})
+            stats.append(part_stats)
+        self.read_stats = total_stats(stats)
 
     def get(self, name: str, shape: tuple[int, ...]):
         t = self.by_name.get(name)
@@ -189,20 +228,11 @@ class _Tensors:
 
     def resident(self, name: str, shape: tuple[int, ...]) -> QTensor:
         """A copy in RAM (the trunk must not depend on the page cache), or a view of the file when
-        only the model's description is wanted.
-
-        The copy is read with readinto, not through the mmap: mapped file pages
-        count in RSS, and copying through them would hold the trunk twice at peak.
-        """
+        only the model's description is wanted."""
         t = self.get(name, shape)
         if not self.copy:
             return QTensor(self.raws[t.part][t.data_offset: t.data_offset + t.n_bytes], t.tensor_type, shape)
-        data = np.empty(t.n_bytes, np.uint8)
-        file = self.files[t.part]
-        file.seek(t.data_offset)
-        if file.readinto(memoryview(data)) != t.n_bytes:
-            raise ModelFormatError(f"{self.paths[t.part]}: tensor {name} could not be read in full (truncated?)")
-        return QTensor(data, t.tensor_type, shape)
+        return QTensor(self.copies[name], t.tensor_type, shape)
 
     def vector(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         return dequantize(self.resident(name, shape)).astype(np.float32, copy=False)
@@ -239,18 +269,11 @@ def _expert_locations(ts: _Tensors, i: int) -> list[ExpertLocation]:
     return [ExpertLocation(i, x, rng("gate", x), rng("up", x), rng("down", x)) for x in range(e)]
 
 
-Progress = Callable[[str, int, int], None]  # (step, done, total)
-
 
 def _check_every_tensor_used(ts: _Tensors, path: Path) -> None:
     """Refuse tensors the forward pass would ignore (llama.cpp refuses them too): silently
     skipping one would compute another model than the file holds."""
-    a = ts.args
-
-    def block(name: str) -> int:
-        m = re.match(r"blk\.(\d+)\.", name)
-        return -1 if m is None else int(m.group(1))
-
+    a, block = ts.args, _block_of
     extra = sorted(n for n in ts.by_name if n not in ts.used
                    and not a.block_count <= block(n) < a.block_count + a.skipped_blocks)
     if not extra:
@@ -275,21 +298,29 @@ def load(path: str | os.PathLike[str], *, resident: bool = True, progress: Progr
         args = read_args(reader, p, fam)
     except (TypeError, ValueError, ArithmeticError) as exc:  # the keys' types are checked; their values may still clash
         raise ModelFormatError(f"{p}: the hyper-parameters in the metadata cannot be used: {exc}") from exc
-    ts = _Tensors(reader, p, args, copy=resident)
+    return _build(p, reader, fam, args, resident, progress)
+
+
+def with_resident_trunk(model: Model, progress: Progress | None = None) -> Model:
+    """``model``, loaded with ``resident=False``, with its trunk read into RAM (the header is not parsed again).
+
+    So that the expert reader can open, and start reading, from the header
+    alone while the trunk is read.
+    """
+    return _build(model.path, model.reader, model.family, model.args, True, progress)
+
+
+def _build(p: Path, reader: ModelHeader, fam: Family, args: ModelArgs, resident: bool,
+           progress: Progress | None) -> Model:
+    ts = _Tensors(reader, p, args, copy=resident, progress=progress)
     vocab, d = args.vocab_size, args.embedding_length
-    try:
-        token_embd = ts.resident("token_embd.weight", (vocab, d))
-        output = token_embd if args.tied_output else ts.resident("output.weight", (vocab, d))
-        output_norm = ts.vector("output_norm.weight", (d,))
-        blocks = []
-        for i in range(args.block_count):
-            blocks.append(_block(ts, fam.block_tensors(args, i), i))
-            if progress is not None:
-                progress("load trunk", i + 1, args.block_count)
-    finally:
-        ts.close()
+    token_embd = ts.resident("token_embd.weight", (vocab, d))
+    output = token_embd if args.tied_output else ts.resident("output.weight", (vocab, d))
+    output_norm = ts.vector("output_norm.weight", (d,))
+    blocks = [_block(ts, fam.block_tensors(args, i), i) for i in range(args.block_count)]
     experts = [_expert_locations(ts, i) if args.is_moe(i) else [] for i in range(args.block_count)]
     _check_every_tensor_used(ts, p)
     identities = tuple(FileIdentity.of(os.stat(part)) for part in reader.paths)
     return Model(path=p, identities=identities, args=args, token_embd=token_embd,
-                 output_norm=output_norm, output=output, blocks=blocks, experts=experts, reader=reader, family=fam)
+                 output_norm=output_norm, output=output, blocks=blocks, experts=experts, reader=reader, family=fam,
+                 trunk_read=ts.read_stats)

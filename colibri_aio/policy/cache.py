@@ -91,6 +91,7 @@ class CacheStats:
     misses: int = 0             # demand reservations: each one is a demand read
     prefetch_reads: int = 0     # prefetch reservations
     prefetch_wasted: int = 0    # prefetched entries evicted or failed before any demand use
+    warm_reads: int = 0         # warm-start reservations (free slots only)
     evictions: int = 0
     failed_fills: int = 0
     busy_refusals: int = 0      # reserve() found no evictable slot
@@ -213,16 +214,27 @@ class ExpertCache:
         self._touch(e)
         return e.slot
 
-    def reserve(self, key: Key, *, prefetch: bool = False) -> Reservation | None:
+    def has_room(self, key: Key) -> bool:
+        """Whether ``key`` would get a free slot without evicting anything (its layer's quota included)."""
+        return bool(self._free) and (key in self._pinned_keys or self._has_room(key))
+
+    def reserve(self, key: Key, *, prefetch: bool = False, warm: bool = False) -> Reservation | None:
         """A slot for reading ``key``, evicting an idle entry if needed; ``None`` if all are busy.
 
         The slot comes back *filling*: it belongs to the read until
         :meth:`mark_filled` or :meth:`mark_failed`. A demand reservation counts
         a miss and a use; a prefetch one counts a prefetch read and marks the
-        entry so its first demand use is a prefetch hit.
+        entry so its first demand use is a prefetch hit; a ``warm`` one (the
+        warm start) takes a free slot or nothing (``None``), and counts no use.
         """
         if key in self._by_key:
             raise ValueError(f"{key} is already in the cache (slot {self._by_key[key].slot})")
+        if warm:
+            if not self.has_room(key):
+                return None
+            self.stats.warm_reads += 1
+            return Reservation(self._insert(key, EntryState.FILLING, pinned=key in self._pinned_keys,
+                                            prefetched=False).slot, key, None)
         pinned = key in self._pinned_keys
         evicted: Key | None = None
         if not (self._free and (pinned or self._has_room(key))):

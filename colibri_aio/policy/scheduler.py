@@ -16,6 +16,7 @@ Events in, and what comes out::
     on_end(demand, now)            -> Actions             the request is over (or abandoned)
     on_hint(layer, ranked, now)    -> Actions             lookahead's ranking for a later layer
     on_read_done(read, ok, now)    -> Actions             a read is over: bytes in place, or failed
+    start_warm(keys, now)          -> Actions             stream these experts into free slots
     on_step(positions, now), on_device(sample), pinned_reads(now), close()
 
 :class:`Actions` says which reads to start (slot, key, why) and which slots
@@ -41,6 +42,15 @@ The rules:
   could not land before they are needed, so none is started.
 - Wrong guesses are demoted: when layer L routes, the experts prefetched for
   L that it did not use become the cache's first victims.
+- The warm start streams a list of experts (every expert when they all fit,
+  else the hot set of a usage history) into free slots, in file order, runs
+  of neighbours at a time (the I/O layer reads a run with one request per
+  projection). It never evicts, and it gives way: no warm read starts while
+  a demand or prefetch read is in flight or a request waits for a slot, and
+  at most ``warm_inflight_bytes`` of warm reads are out at once, so a demand
+  read never queues behind more than that. It goes to the layers after the
+  one being computed first (the ones a prefill or a decode step reaches
+  next), wrapping around.
 """
 from __future__ import annotations
 
@@ -54,7 +64,8 @@ from colibri_aio.policy.cache import EntryState, ExpertCache, Key
 from colibri_aio.policy.predictor import LookaheadPredictor
 from colibri_aio.policy.usage import UsageHistory
 
-ReadKind = Literal["demand", "prefetch"]
+ReadKind = Literal["demand", "prefetch", "warm"]
+NO_TICKET = -1  # warm reads are not the backpressure controller's business
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +139,8 @@ class SchedulerStats:
     prefetch_skipped_busy: int = 0     # ... because no slot could be spared
     prefetch_stale: int = 0            # hints for a layer already reached
     failed_reads: int = 0
+    warm_reads: int = 0                # experts the warm start read
+    warm_skipped: int = 0              # warm-start experts already cached, or with no free slot in their layer
 
 
 class SchedulerPolicy:
@@ -135,11 +148,17 @@ class SchedulerPolicy:
 
     def __init__(self, cache: ExpertCache, backpressure: BackpressureController, predictor: LookaheadPredictor, *,
                  expert_nbytes: Callable[[Key], int], prefetch_count: int,
-                 usage: UsageHistory | None = None) -> None:
+                 usage: UsageHistory | None = None, warm_inflight_bytes: int = 64 << 20, warm_run: int = 8) -> None:
         """``expert_nbytes(key)``: bytes of one expert's read (what the backpressure cap counts);
-        ``prefetch_count``: candidates read per hint; ``usage``: a history that records every routing."""
+        ``prefetch_count``: candidates read per hint; ``usage``: a history that records every routing;
+        ``warm_inflight_bytes``: the most warm-start bytes out at once; ``warm_run``: the most neighbours
+        one warm read takes."""
         self.cache, self.backpressure, self.predictor, self.usage = cache, backpressure, predictor, usage
         self.prefetch_count = prefetch_count
+        self.warm_inflight_bytes, self.warm_run = warm_inflight_bytes, warm_run
+        self._warm: dict[int, list[int]] = {}       # layer -> experts still to warm, ascending
+        self._warm_in_flight = 0                    # bytes
+        self._urgent = 0                            # demand and prefetch reads in flight
         self.stats = SchedulerStats()
         self._nbytes = expert_nbytes
         self._in_flight: dict[int, Read] = {}      # slot -> the read filling it
@@ -163,11 +182,25 @@ class SchedulerPolicy:
     def reads_in_flight(self) -> int:
         return len(self._in_flight)
 
+    @property
+    def warm_pending(self) -> int:
+        """Experts the warm start has yet to start reading."""
+        return sum(len(v) for v in self._warm.values())
+
     # --- events -----------------------------------------------------------------------
 
     def pinned_reads(self, now: float) -> Actions:
         """Reads that fill every pinned expert's slot (once, at start)."""
         return Actions([self._read(slot, key, "demand", now) for key, slot in self.cache.pinned.items()])
+
+    def start_warm(self, keys: Sequence[Key], now: float) -> Actions:
+        """Stream ``keys`` into free slots in the background (see the module's rules); replaces any earlier list."""
+        self._warm = {}
+        for layer, expert in sorted(set(keys)):
+            self._warm.setdefault(layer, []).append(expert)
+        actions = Actions()
+        self._warm_more(now, actions)
+        return actions
 
     def on_route(self, layer: int, experts: Sequence[int], now: float) -> tuple[Demand, Actions]:
         """``layer`` routed to ``experts`` (unique ids): hold the cached ones, read the misses."""
@@ -268,7 +301,11 @@ class SchedulerPolicy:
         """The read into ``read.slot`` is over (the kernel no longer writes there): its bytes are in place
         (``ok``), or it failed or was abandoned."""
         del self._in_flight[read.slot]
-        self.backpressure.completed(read.ticket, now, ok=ok)
+        if read.kind == "warm":
+            self._warm_in_flight -= self._nbytes(read.key)
+        else:
+            self._urgent -= 1
+            self.backpressure.completed(read.ticket, now, ok=ok)
         actions = Actions()
         holders = [d for d in self._open if read.slot in d.waiting]
         if ok:
@@ -295,6 +332,8 @@ class SchedulerPolicy:
         """
         self._current_layer = -1
         self.backpressure.step(now, positions)
+        if self.usage is not None:
+            self.usage.count_tokens(positions)
 
     def on_device(self, sample: DeviceSample) -> None:
         """An iostat-style sample of the model's device."""
@@ -307,12 +346,18 @@ class SchedulerPolicy:
     # --- internals ---------------------------------------------------------------------
 
     def _read(self, slot: int, key: Key, kind: ReadKind, now: float) -> Read:
-        read = Read(slot, key, kind, self.backpressure.submitted(kind, self._nbytes(key), now))
-        self._in_flight[slot] = read
-        if kind == "demand":
-            self.stats.demand_reads += 1
+        if kind == "warm":
+            read = Read(slot, key, kind, NO_TICKET)
+            self._warm_in_flight += self._nbytes(key)
+            self.stats.warm_reads += 1
         else:
-            self.stats.prefetch_reads += 1
+            read = Read(slot, key, kind, self.backpressure.submitted(kind, self._nbytes(key), now))
+            self._urgent += 1
+            if kind == "demand":
+                self.stats.demand_reads += 1
+            else:
+                self.stats.prefetch_reads += 1
+        self._in_flight[slot] = read
         return read
 
     def _serve(self, demand: Demand, now: float, actions: Actions) -> None:
@@ -330,6 +375,31 @@ class SchedulerPolicy:
     def _serve_all(self, now: float, actions: Actions) -> None:
         for demand in self._open:
             self._serve(demand, now, actions)
+        self._warm_more(now, actions)
+
+    def _warm_more(self, now: float, actions: Actions) -> None:
+        """Start warm reads while nothing more urgent is out and the warm window has room."""
+        while (self._warm and not self._closed and not self._urgent
+               and self._warm_in_flight < self.warm_inflight_bytes and not any(d.todo for d in self._open)):
+            layer = next((l for l in sorted(self._warm) if l > self._current_layer), min(self._warm))
+            pending = self._warm[layer]
+            previous, run_start = None, -1
+            while pending and self._warm_in_flight < self.warm_inflight_bytes:
+                expert = pending[0]
+                if previous is not None and (expert != previous + 1 or expert - run_start >= self.warm_run):
+                    break  # the run ends: the next warm read starts a new one
+                pending.pop(0)
+                key = (layer, expert)
+                if self.cache.slot_of(key) is not None or not self.cache.has_room(key):
+                    self.stats.warm_skipped += 1
+                    continue
+                reservation = self.cache.reserve(key, warm=True)
+                assert reservation is not None and reservation.evicted is None
+                actions.reads.append(self._read(reservation.slot, key, "warm", now))
+                run_start = expert if previous is None else run_start
+                previous = expert
+            if not pending:
+                del self._warm[layer]
 
     def _let_go(self, slot: int, actions: Actions) -> None:
         """Drop a hold; a failed read's entry goes once nobody holds it."""

@@ -31,11 +31,12 @@ from __future__ import annotations
 import codecs
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import gguf
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
@@ -341,7 +342,10 @@ def _byte_level_translation() -> dict[int, int]:
     return table
 
 
-def _byte_level_piece(text: str, table: dict[int, int]) -> bytes:
+_SPECIAL_TYPES = frozenset({int(_TT.CONTROL), int(_TT.UNKNOWN), int(_TT.UNUSED)})
+
+
+def _byte_level_piece(text: str, table: Mapping[int, int]) -> bytes:
     """A gpt2 vocabulary's normal token: its stand-in characters back to bytes."""
     try:
         return text.translate(table).encode("latin-1")
@@ -361,20 +365,14 @@ def _spm_piece(text: str, ty: int) -> bytes:
     return text.replace("▁", " ").encode("utf-8")
 
 
-def token_bytes_table(spec: TokenizerSpec) -> tuple[list[bytes], list[bool]]:
-    """Raw bytes of every token and whether it is special (control) text."""
-    table = _byte_level_translation()
-    pieces: list[bytes] = []
-    special: list[bool] = []
-    for text, ty in zip(spec.tokens, spec.token_types):
-        if spec.model == "llama" and ty in (_TT.NORMAL, _TT.BYTE):
-            pieces.append(_spm_piece(text, ty))
-        elif spec.model == "gpt2" and ty == _TT.NORMAL:
-            pieces.append(_byte_level_piece(text, table))
-        else:  # control, unknown and user-defined tokens are stored as plain text
-            pieces.append(text.encode("utf-8"))
-        special.append(ty in (_TT.CONTROL, _TT.UNKNOWN, _TT.UNUSED))
-    return pieces, special
+def token_piece(spec: TokenizerSpec, token_id: int, translation: Mapping[int, int]) -> bytes:
+    """The raw bytes one token stands for (``translation``: :func:`_byte_level_translation`)."""
+    text, ty = spec.tokens[token_id], spec.token_types[token_id]
+    if spec.model == "llama" and ty in (_TT.NORMAL, _TT.BYTE):
+        return _spm_piece(text, ty)
+    if spec.model == "gpt2" and ty == _TT.NORMAL:
+        return _byte_level_piece(text, translation)
+    return text.encode("utf-8")  # control, unknown and user-defined tokens are stored as plain text
 
 
 def eog_ids(spec: TokenizerSpec) -> frozenset[int]:
@@ -389,26 +387,36 @@ def eog_ids(spec: TokenizerSpec) -> frozenset[int]:
 class Tokenizer:
     """Tokenizer (byte-level BPE or sentencepiece-style) and chat template of one GGUF model."""
 
-    def __init__(self, spec: TokenizerSpec, origin: str = "") -> None:
+    def __init__(self, spec: TokenizerSpec, origin: str = "", hf: HFTokenizer | None = None) -> None:
+        """``origin``: the model file, named in messages; ``hf``: the pipeline :func:`build_hf_tokenizer`
+        makes of ``spec``, built earlier (a cache); None: build it."""
         self.spec = spec
-        self.origin = origin  # the model file, named in messages
-        self._hf = build_hf_tokenizer(spec)
+        self.origin = origin
+        self._hf = hf if hf is not None else build_hf_tokenizer(spec)
         # encode_special_tokens is a flag on the shared object; flip it under a lock.
         self._lock = threading.Lock()
-        self._pieces, self._special = token_bytes_table(spec)
+        # Token bytes are worked out when a token is first decoded: for 152k tokens up front
+        # that took as long as building the BPE itself.
+        self._translation = _byte_level_translation()
+        self._pieces: dict[int, bytes] = {}
+        if spec.model == "llama":  # a malformed <0xNN> token is refused now, not when it is first decoded
+            for i in np.flatnonzero(np.asarray(spec.token_types) == _TT.BYTE):
+                self.token_bytes(int(i))
         self._eog = eog_ids(spec)
         self._template: ChatTemplate | None = None
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader | GGUFHeader | ModelHeader) -> Tokenizer:
+    def from_gguf(cls, reader: gguf.GGUFReader | GGUFHeader | ModelHeader,
+                  pipeline: Callable[[TokenizerSpec], HFTokenizer] | None = None) -> Tokenizer:
         """Build from an open GGUF; a missing, unsupported or broken tokenizer is one
-        ModelFormatError that names the file."""
+        ModelFormatError that names the file. ``pipeline(spec)``: the ``tokenizers`` pipeline of a
+        checked spec from elsewhere (a cache); None: build it."""
         origin = os.fspath(getattr(reader, "path", "") or "")
         where = f"{origin}: " if origin else ""
         try:
             spec = read_spec(reader)
             check_vocabulary(spec)
-            return cls(spec, origin)
+            return cls(spec, origin, None if pipeline is None else pipeline(spec))
         except ModelFormatError as exc:
             raise ModelFormatError(f"{where}{exc}") from None
         except Exception as exc:  # noqa: BLE001 - the tokenizers library raises plain Exception on a bad vocabulary
@@ -468,9 +476,12 @@ class Tokenizer:
 
     def token_bytes(self, token_id: int, *, skip_special: bool = False) -> bytes:
         """The raw bytes one token stands for (possibly part of a UTF-8 character)."""
-        if skip_special and self._special[token_id]:
+        if skip_special and self.spec.token_types[token_id] in _SPECIAL_TYPES:
             return b""
-        return self._pieces[token_id]
+        piece = self._pieces.get(token_id)
+        if piece is None:
+            piece = self._pieces[token_id] = token_piece(self.spec, token_id, self._translation)
+        return piece
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
         """Text of ``ids``; invalid UTF-8 (a cut multi-byte character) becomes U+FFFD."""

@@ -120,7 +120,7 @@ def run_actions(path: Path, out_dir: Path, kernels: str | None, started=lambda a
     """Every action on one file; ``started(action)`` is told before each (so a hang can be placed)."""
     extra = ["--kernels", kernels] if kernels else []
     commands = {
-        "plan": ["plan", str(path), "--no-history"],
+        "plan": ["plan", str(path), "--no-history", "--no-measure"],  # the machine's speed is not the file's
         "doctor": ["doctor", str(path), "--verify"],
         "logits": ["logits", str(path), "--ids", "0,1,2", "--out", str(out_dir / "logits.npy"), "--no-history",
                    "--ctx", "8", *extra],
