@@ -17,7 +17,8 @@ from colibri_aio.errors import ModelFormatError
 from colibri_aio.gguf.model import load
 from colibri_aio.kernels.ops import rope_cos_sin, rope_yarn_cos_sin
 
-from support import FIXTURES, ORACLE, main_in_process, model_logits, rewrite_gguf
+from support import (FIXTURES, ORACLE, greedy_generation, greedy_replay, main_in_process, model_logits,
+                     rewrite_gguf)
 
 F32 = FIXTURES / "gptoss_f32.gguf"
 KV_F16_TOL = 3e-3  # x max|logit|: keys and values rounded to float16, as test_arch_qwen3moe (measured 8e-4)
@@ -197,23 +198,11 @@ async def test_chat_reuse_keeps_what_the_ring_holds_and_reruns_what_it_let_go() 
     bias = {t: -100.0 for t in (1, 3, 12)}   # no end of generation: replies run their full length
 
     async def greedy(engine: Engine, ids: list[int], n: int) -> tuple[list[int], list[float], int]:
-        pieces = [p async for p in engine.generate(ids, max_tokens=n, logprobs=0, logit_bias=bias)]
-        return [p.token for p in pieces], [p.logprob for p in pieces], pieces[-1].cached_tokens
+        return await greedy_generation(engine, ids, n, bias)
 
     async def replay(calls: list[list[int]], n: int) -> tuple[list[int], list[float]]:
         async with await Engine.open(F32, io="pread", kernels="numpy") as fresh:
-            for call in calls:
-                logits = await fresh.net.forward(call)
-            tokens, lps = [], []
-            for _ in range(n):
-                biased = logits.copy()
-                biased[list(bias)] += np.float32(-100.0)
-                t = int(np.argmax(biased))
-                x = logits.astype(np.float64) - logits.max()
-                lps.append(float(x[t] - np.log(np.exp(x).sum())))
-                tokens.append(t)
-                logits = await fresh.net.forward([t])
-        return tokens, lps
+            return await greedy_replay(fresh, calls, n, bias)
 
     async with await Engine.open(F32, io="pread", kernels="numpy") as engine:
         p1 = IDS[:14]
