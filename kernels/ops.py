@@ -96,7 +96,8 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions
 
     q: (T, H, d) for query positions ``positions`` (ascending); k_cache: (S, Hkv, d),
     v_cache: (S, Hkv, dv), the keys/values at ``key_positions`` (S,) (default 0..S-1:
-    every position up to ``positions[-1]`` inclusive). Returns (T, H * dv). Query head h reads KV head h // (H / Hkv), as ggml does.
+    every position up to ``positions[-1]`` inclusive). Returns (T, H * dv).
+    Query head h reads KV head h // (H / Hkv), as ggml does.
     ``scale``: the factor on q·k (default 1/sqrt(d)). ``window``: a sliding window,
     a query at p sees keys at p' with p - p' < window. ``sinks``: (H,) one extra
     logit per head in the softmax's denominator (it takes mass, adds no value).

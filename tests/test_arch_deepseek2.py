@@ -1,7 +1,8 @@
 """deepseek2 beyond the shared oracle tests (test_arch_families.py runs its fixtures against
 transformers' DeepseekV3ForCausalLM or DeepseekV2ForCausalLM (the lite layout, no q LoRA) and
-llama.cpp): the latent KV cache and the plan against what the engine allocates, YaRN against transformers' own formula, the older attn_kv_b layout,
-and a one-line refusal for every malformed deepseek2 input the loader checks."""
+llama.cpp): the latent KV cache and the plan against what the engine allocates, the lite layout,
+YaRN against transformers' own formula, the older attn_kv_b layout, and a one-line refusal for
+every malformed deepseek2 input the loader checks."""
 from __future__ import annotations
 
 import json
@@ -36,7 +37,8 @@ def test_kv_cache_holds_one_latent_per_position_and_block() -> None:
     assert net.cache.nbytes == _owned_nbytes(*net.cache.k, *net.cache.v) == a.kv_cache_nbytes(100) == latent
     full_heads = a.block_count * 100 * a.head_count * (a.head_k + a.v_head) * 2      # what MHA would cache
     assert latent * 5 < full_heads
-    assert all(np.shares_memory(v, k) for k, v in zip(net.cache.k, net.cache.v))  # the value is the latent, stored once
+    # the value is the latent, stored once
+    assert all(np.shares_memory(v, k) for k, v in zip(net.cache.k, net.cache.v))
 
 
 # (fixture, blocks, dense blocks, experts per block): DeepSeek-V3's layout and V2-Lite's (no q LoRA)
