@@ -120,6 +120,8 @@ def test_sliding_layers_keep_only_their_window_and_the_plan_counts_that() -> Non
 
 async def test_plan_kv_figure_is_the_engines_allocation() -> None:
     path = FIXTURES / "gptoss_mxfp4.gguf"
+    status, out, err = main_in_process("plan", str(path), "--ram-budget", "600M", "--ctx", "300")
+    assert status == 0 and "for 300 positions" in out and "1 of 2 layers slide: they hold 8" in out, err
     status, out, err = main_in_process("plan", str(path), "--ram-budget", "600M", "--ctx", "300", "--json")
     assert status == 0, err
     async with await Engine.open(path, io="pread", ram_budget="600M", n_ctx=300) as engine:
