@@ -1,14 +1,17 @@
 """The buffer pool: fixed, page-aligned arenas cut into expert-sized slots.
 
-Arenas are anonymous mmaps (page-aligned, so 4096-aligned), each at most
-1 GiB because that is the most io_uring registers as one buffer. They are
-allocated once here and never grown afterwards. Their pages are populated by
-the reads that fill them (the kernel faults a page in when a read first
-lands in it), not touched in advance: touching 4.8 GiB page by page took
-7.9 s of an 8-layer model's start, on a thread that held the interpreter
-while the trunk, the tokenizer and the kernels waited. ``populate=True``
-touches every page now instead (MADV_POPULATE_WRITE), for callers that
-want first-touch costs out of their timings.
+The pool is one anonymous mmap (page-aligned, so 4096-aligned) cut into
+arenas of at most 1 GiB, because that is the most io_uring registers as one
+buffer. One mapping puts every slot at ``address + index * slot_nbytes``, so
+the kernels can see the experts in the pool as one 3-D tensor per matrix (one
+ggml_mul_mat_id for a layer's experts). It is allocated once here and never
+grown afterwards. Its pages are populated by the reads that fill them (the
+kernel faults a page in when a read first lands in it), not touched in
+advance: touching 4.8 GiB page by page took 7.9 s of an 8-layer model's
+start, on a thread that held the interpreter while the trunk, the tokenizer
+and the kernels waited. ``populate=True`` touches every page now instead
+(MADV_POPULATE_WRITE), for callers that want first-touch costs out of their
+timings.
 
 The pool only owns the memory. Slot ``i`` is the expert cache's slot ``i``:
 which expert a slot holds, and which slot a read may use, is decided by one
@@ -47,7 +50,7 @@ class Slot:
 
 
 class BufferPool:
-    """``n_slots`` slots of ``slot_nbytes`` bytes in <= 1 GiB page-aligned arenas."""
+    """``n_slots`` slots of ``slot_nbytes`` bytes, one after another in one mapping cut into <= 1 GiB arenas."""
 
     def __init__(self, slot_nbytes: int, n_slots: int, *, arena_max: int = MAX_ARENA_NBYTES,
                  populate: bool = False) -> None:
@@ -58,30 +61,28 @@ class BufferPool:
             raise ValueError(f"one slot of {slot_nbytes} bytes exceeds the {arena_max}-byte arena limit")
         per_arena = arena_max // slot_nbytes
         self.slot_nbytes = slot_nbytes
-        self.arenas: list[mmap.mmap] = []
-        self.arena_views: list[memoryview] = []
+        self.mapping = mmap.mmap(-1, n_slots * slot_nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if populate:
+            touch(self.mapping)
+        self.address = np.frombuffer(self.mapping, dtype=np.uint8).ctypes.data
+        self.arenas: list[memoryview] = []       # <= 1 GiB each, consecutive: the registered buffers
         self.arena_addresses: list[int] = []
         self.slots: list[Slot] = []
-        remaining = n_slots
-        while remaining:
-            count = min(per_arena, remaining)
-            self._add_arena(count, populate)
-            remaining -= count
+        whole = memoryview(self.mapping)
+        for first in range(0, n_slots, per_arena):
+            count = min(per_arena, n_slots - first)
+            self._add_arena(whole[first * slot_nbytes: (first + count) * slot_nbytes], count)
+        whole.release()
 
-    def _add_arena(self, count: int, populate: bool) -> None:
-        arena = mmap.mmap(-1, count * self.slot_nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if populate:
-            touch(arena)
-        arena_view = memoryview(arena)
-        whole = np.frombuffer(arena, dtype=np.uint8)
+    def _add_arena(self, arena_view: memoryview, count: int) -> None:
+        whole = np.frombuffer(arena_view, dtype=np.uint8)
         index = len(self.arenas)
         for i in range(count):
             start = i * self.slot_nbytes
             stop = start + self.slot_nbytes
             self.slots.append(Slot(len(self.slots), index, start, self.slot_nbytes, whole.ctypes.data + start,
                                    arena_view[start:stop], whole[start:stop]))
-        self.arenas.append(arena)
-        self.arena_views.append(arena_view)
+        self.arenas.append(arena_view)
         self.arena_addresses.append(whole.ctypes.data)
 
     @property
@@ -93,21 +94,22 @@ class BufferPool:
         return sum(len(a) for a in self.arenas)
 
     def close(self) -> None:
-        """Drop the arenas. The reader drains every read first; views still held keep their arena alive."""
+        """Drop the mapping. The reader drains every read first; views still held keep it alive."""
         for slot in self.slots:
             slot.view.release()
             slot.array = _NO_BYTES  # drop this pool's own export of the arena
-        for view in self.arena_views:
-            view.release()
-        self.arena_views.clear()
-        for arena in self.arenas:
+        for view in self.arenas:
             try:
-                arena.close()
-            except BufferError:
-                # A NumPy view of a slot is still alive (a lease not yet
-                # dropped); the mapping goes when the last view goes.
+                view.release()
+            except BufferError:  # a NumPy view of it is still alive
                 pass
         self.arenas.clear()
+        try:
+            self.mapping.close()
+        except BufferError:
+            # A NumPy view of a slot is still alive (a lease not yet
+            # dropped); the mapping goes when the last view goes.
+            pass
 
 
 def touch(arena: mmap.mmap) -> None:

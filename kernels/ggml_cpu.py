@@ -6,12 +6,15 @@ at our memory (trunk arrays, buffer-pool slots, activations), so no weight is
 ever copied, and ggml never allocates anything we did not give it.
 
 A call builds (once) or reuses a small graph: :meth:`GgmlKernels.linears`
-puts several products that share one input in one graph (q/k/v),
-:meth:`GgmlKernels.expert_ffns` a whole batch of expert FFNs (gate, up,
-activation, down per expert). Graphs are cached by their *signature* (types,
-shapes, positions), not by the weights: the q/k/v graph of layer 0 serves
-every layer, the graph of eight experts every batch of eight. A call only
-re-points the leaves' ``data`` (weights, input, output) and runs
+puts several products that share one input in one graph (q/k/v; weights
+that follow each other in memory as one product), :meth:`GgmlKernels.expert_ffns`
+a whole batch of expert FFNs as llama.cpp runs a layer's experts: one
+``ggml_mul_mat_id`` per matrix over the experts seen as one 3-D tensor (pool
+slots one stride apart), one row per (expert, position) cell. Graphs are
+cached by their *signature* (types, shapes, positions), not by the weights:
+the q/k/v graph of layer 0 serves every layer, the graph of eight cells every
+batch of eight. A call only re-points the leaves' ``data`` (weights, input,
+output; a stack's stride) and runs
 ``ggml_graph_compute``; each ctypes call here costs 0.1-2 us, a graph launch
 ~5 us (evidence/ggml_overhead_*.md).
 
@@ -25,10 +28,11 @@ Bit-identity (design invariant 1) holds within this backend: ggml computes
 each output row whole, by one thread, with unaligned loads, and splits the
 activation's quantisation on block boundaries, so neither the thread count
 nor the byte address of the weights changes a bit; an expert's output does
-not depend on which other experts share its graph (each product is its own
-node). A product of one position takes ggml's vec_dot path and one of several
-positions its tiled GEMM (llamafile), so a prefill row may differ in its last
-bits from the same position decoded alone, as in llama.cpp.
+not depend on which other experts share its graph or its stack (every
+(expert, position) cell is its own vec_dot products). A trunk product of one
+position takes ggml's vec_dot path and one of several positions its tiled
+GEMM (llamafile), so a prefill row may differ in its last bits from the same
+position decoded alone, as in llama.cpp.
 
 ggml-python builds ggml from source at install with ``GGML_NATIVE`` on
 (``-march=native``): the instruction set is chosen at build time, for the
@@ -39,6 +43,7 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -63,6 +68,7 @@ _ALIGN = 64                      # byte alignment of the activation buffers we h
 _GRAPH_NODES = 4096              # capacity of one graph (a batch of 128 experts is 512 nodes)
 _TEMPLATES = 256                 # graphs kept per backend (least recently used dropped)
 _ADDRESSES = 1 << 15             # array addresses remembered (see _Addresses)
+_STACK_WORK = 32 << 20          # bytes of ggml_mul_mat_id bookkeeping one stack of experts may need (_stacks)
 PARALLEL_BYTES = 1 << 18         # graphs with fewer weight bytes run on one thread (GgmlKernels)
 
 
@@ -202,15 +208,27 @@ class _Graph:
         self.gf = G.ggml_new_graph_custom(self.ctx, _GRAPH_NODES, False)
         self.inputs: list[ctypes.Structure] = []
         self.outputs: list[ctypes.Structure] = []
+        self.stacks: list[ctypes.Structure] = []
         self.plan: G.ggml_cplan | None = None
         self.work_size = 0
         self._arena: np.ndarray | None = None
 
-    def leaf(self, gid: int, cols: int, rows: int) -> ctypes.Structure:
-        """A (rows, cols) tensor whose data is given at every call."""
-        t = G.ggml_new_tensor_2d(self.ctx, gid, cols, rows)
+    def leaf(self, gid: int, cols: int, rows: int, depth: int = 1) -> ctypes.Structure:
+        """A (depth, rows, cols) tensor whose data is given at every call."""
+        t = G.ggml_new_tensor_3d(self.ctx, gid, cols, rows, depth)
         self.inputs.append(t.contents)
         return t
+
+    def stack(self, gid: int, cols: int, rows: int, depth: int) -> ctypes.Structure:
+        """``depth`` (rows, cols) matrices ``stride`` bytes apart: the stride as well as the data is
+        given at every call (:meth:`set_stride`)."""
+        t = self.leaf(gid, cols, rows, depth)
+        self.stacks.append(t.contents)
+        return t
+
+    def set_stride(self, stack: ctypes.Structure, stride: int) -> None:
+        stack.nb[2] = stride
+        stack.nb[3] = stride * stack.ne[2]
 
     def finish(self, outputs: Sequence, n_threads: int) -> None:
         """Expand the graph from ``outputs``, give every intermediate a place, and plan it."""
@@ -257,6 +275,58 @@ class _Mat:
         return G.ggml_row_size(self.gid, self.cols) * self.rows
 
 
+@dataclass(frozen=True, slots=True)
+class _Stack:
+    """Experts of one batch seen as one 3-D tensor per matrix: matrix ``index[i]`` of the stack whose
+    first gate, up and down matrices start at ``base`` and follow each other ``stride`` bytes apart is
+    member ``i`` (a position in the batch); ``depth`` matrices (a power of two, so that graphs repeat)."""
+
+    members: tuple[int, ...]
+    base: tuple[int, int, int]
+    stride: int
+    index: tuple[int, ...]
+    depth: int
+
+
+def _stacks(addrs: Sequence[tuple[int, int, int]], rows: Sequence[int]) -> list[_Stack]:
+    """Split a batch of experts (their gate, up, down addresses; rows routed to each) into stacks.
+
+    Experts join one stack while their up and down matrices sit at the same
+    offsets from their gate and the stack's index span keeps ggml_mul_mat_id's
+    bookkeeping (depth x (cells + 1) x 8 bytes) under _STACK_WORK; the stride
+    is the gcd of the gate addresses' distances (slots of one buffer pool, or
+    experts of one stacked GGUF tensor, are one stride apart).
+    """
+    stacks: list[_Stack] = []
+    group: list[int] = []
+
+    def close() -> None:
+        first = addrs[group[0]][0]
+        stride = 0
+        for m in group:
+            stride = math.gcd(stride, addrs[m][0] - first)
+        stride = stride or 1
+        index = tuple((addrs[m][0] - first) // stride for m in group)
+        stacks.append(_Stack(tuple(group), addrs[group[0]], stride, index, 1 << max(index).bit_length()))
+
+    offsets, gcd, cells = None, 0, 0
+    for m in sorted(range(len(addrs)), key=lambda i: addrs[i][0]):
+        g, u, d = addrs[m]
+        if group:
+            first = addrs[group[0]][0]
+            new_gcd = math.gcd(gcd, g - first)
+            depth = 1 << ((g - first) // new_gcd).bit_length()
+            if (u - g, d - g) == offsets and depth * (cells + rows[m] + 1) * 8 <= _STACK_WORK:
+                group.append(m)
+                gcd, cells = new_gcd, cells + rows[m]
+                continue
+            close()
+        group, offsets, gcd, cells = [m], (u - g, d - g), 0, rows[m]
+    if group:
+        close()
+    return stacks
+
+
 _ACTIVATIONS: dict[str, Callable] = {"swiglu": lambda ctx, g, u: G.ggml_swiglu_split(ctx, g, u)}
 
 
@@ -301,20 +371,35 @@ class GgmlKernels:
         return self._linears(ws, x)
 
     def _linears(self, ws: Sequence[QTensor], x: np.ndarray) -> list[np.ndarray]:
+        """Weights that follow each other in memory with one type (a block's q, k and v as a GGUF stores
+        them) run as one product over their rows together: one graph node, one pass of the threads."""
         x = self._input(x, ws[0].cols)
         t = x.shape[0]
-        mats = tuple(self._mat(w) for w in ws)
+        mats = [self._mat(w) for w in ws]
         for m in mats:
             if m.cols != mats[0].cols:
                 raise ValueError(f"linears: weights of {m.cols} and {mats[0].cols} columns share one input")
         addr = self._address
         addrs = [addr(w.data) for w in ws]
-        addrs.append(x.ctypes.data)
-        sizes = [t * m.rows for m in mats]
-        out = self._call(("linears", mats, t), 2 * len(mats) + 1, lambda g: self._build_linears(g, mats, t),
-                         addrs, sizes, sum(m.nbytes for m in mats))
-        ends = itertools.accumulate(sizes)
-        ys = [out[e - n: e].reshape(t, m.rows) for e, n, m in zip(ends, sizes, mats)]
+        runs: list[list[int]] = []                      # indices of ws whose bytes follow each other
+        for i, (w, m) in enumerate(zip(ws, mats)):
+            if runs and m.gid == mats[i - 1].gid and addrs[i - 1] + ws[i - 1].nbytes == addrs[i]:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        fused = tuple(_Mat(mats[r[0]].gid, sum(mats[i].rows for i in r), mats[r[0]].cols) for r in runs)
+        sizes = [t * m.rows for m in fused]
+        out = self._call(("linears", fused, t), 2 * len(fused) + 1, lambda g: self._build_linears(g, fused, t),
+                         [addrs[r[0]] for r in runs] + [x.ctypes.data], sizes, sum(m.nbytes for m in fused))
+        ys: list[np.ndarray] = []
+        start = 0
+        for r, m in zip(runs, fused):
+            y = out[start: start + t * m.rows].reshape(t, m.rows)
+            start += t * m.rows
+            col = 0
+            for i in r:
+                ys.append(y[:, col: col + mats[i].rows])
+                col += mats[i].rows
         _keep_non_finite(x, ys)
         return ys
 
@@ -323,28 +408,53 @@ class GgmlKernels:
         """``down(act(gate x, up x))`` for each expert on its own rows; one graph for the batch.
 
         ``xs[i]``: (n_i, D) float32, the positions routed to ``experts[i]``;
-        returns (n_i, D) each.
+        returns (n_i, D) each. Experts whose matrices lie at one stride from
+        each other (buffer-pool slots, a GGUF's stacked tensors) run as one
+        ``ggml_mul_mat_id`` per matrix, as llama.cpp runs a layer's experts
+        (:func:`_stacks`); the others one stack each. Every (expert, row) is
+        one dot product either way, so how experts are stacked never changes
+        a bit.
         """
         if activation not in _ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}")
-        sig, addrs, addr, inputs = [], [], self._address, []
+        gate = down = None
+        addr, addrs, inputs = self._address, [], []
         for e, x in zip(experts, xs, strict=True):
-            gate, up, down = self._mat(e.gate), self._mat(e.up), self._mat(e.down)
-            if up != gate or down.cols != gate.rows or down.rows != gate.cols:
+            g, d = self._mat(e.gate), self._mat(e.down)
+            if self._mat(e.up) != g or d.cols != g.rows or d.rows != g.cols:
                 raise ValueError(f"expert FFN shapes gate {e.gate.shape}, up {e.up.shape}, down {e.down.shape} "
                                  "do not chain")
-            x = self._input(x, gate.cols)
-            inputs.append(x)
-            sig.append((gate, down, x.shape[0]))
-            addrs += (addr(e.gate.data), addr(e.up.data), addr(e.down.data), x.ctypes.data)
-        key = ("ffn", activation, tuple(sig))
-        sizes = [n * down.rows for _, down, n in sig]
-        out = self._call(key, 8 * len(sig), lambda g: self._build_ffns(g, sig, activation), addrs, sizes,
-                         sum(2 * gate.nbytes + down.nbytes for gate, down, _ in sig))
-        ends = itertools.accumulate(sizes)
-        ys = [out[e - n: e].reshape(rows, down.rows) for e, n, (_, down, rows) in zip(ends, sizes, sig)]
-        for x, y in zip(inputs, ys):
-            _keep_non_finite(x, [y])
+            if gate is None:
+                gate, down = g, d
+            elif (g, d) != (gate, down):
+                raise ValueError("experts of one batch have different types or shapes")
+            inputs.append(self._input(x, g.cols))
+            addrs.append((addr(e.gate.data), addr(e.up.data), addr(e.down.data)))
+        if gate is None:
+            return []
+        counts = [x.shape[0] for x in inputs]
+        stacks = _stacks(addrs, counts)
+        order = [m for st in stacks for m in st.members]
+        x = np.concatenate([inputs[m] for m in order]) if len(order) > 1 else inputs[0]
+        index = np.concatenate([np.repeat(np.asarray(st.index, np.int32), [counts[m] for m in st.members])
+                                for st in stacks])
+        sizes = [sum(counts[m] for m in st.members) for st in stacks]
+        key = ("moe", activation, gate, down, tuple((n, st.depth) for n, st in zip(sizes, stacks)))
+        calls, x_addr, i_addr = [], x.ctypes.data, index.ctypes.data
+        for st, n in zip(stacks, sizes):
+            calls.append((st, x_addr, i_addr))
+            x_addr += 4 * n * gate.cols
+            i_addr += 4 * n
+        out = self._call(key, 9 * len(stacks), lambda gr: self._build_moe(gr, gate, down, sizes, stacks, activation),
+                         [a for st, xa, ia in calls for a in (*st.base, xa, ia)], [n * down.rows for n in sizes],
+                         len(experts) * (2 * gate.nbytes + down.nbytes),
+                         strides=[st.stride for st in stacks for _ in range(3)])
+        ys: list[np.ndarray] = [out] * len(experts)
+        start = 0
+        for m in order:
+            ys[m] = out[start: start + counts[m] * down.rows].reshape(counts[m], down.rows)
+            start += counts[m] * down.rows
+        _keep_non_finite(x, [out.reshape(-1, down.rows)])  # the output's rows are x's, one for one
         return ys
 
     def dequantize(self, w: QTensor) -> np.ndarray:
@@ -393,9 +503,9 @@ class GgmlKernels:
         return buf, ctypes.cast(addr, ctypes.POINTER(ctypes.c_uint8))
 
     def _call(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list], addrs: list[int],
-              sizes: list[int], weight_bytes: int) -> np.ndarray:
-        """Run the graph ``key`` (built on first use) on ``addrs``; its outputs, ``sizes`` floats each,
-        land one after another in the returned array."""
+              sizes: list[int], weight_bytes: int, strides: Sequence[int] = ()) -> np.ndarray:
+        """Run the graph ``key`` (built on first use) on ``addrs`` (and its stacks on ``strides``); its
+        outputs, ``sizes`` floats each, land one after another in the returned array."""
         out = np.empty(sum(sizes), np.float32)
         out_addr = out.ctypes.data
         with self._lock:
@@ -406,6 +516,8 @@ class GgmlKernels:
                 self._graphs.move_to_end(key)
             for leaf, a in zip(graph.inputs, addrs):
                 leaf.data = a
+            for stack, stride in zip(graph.stacks, strides):
+                graph.set_stride(stack, stride)
             for node, n in zip(graph.outputs, sizes):
                 node.data = out_addr
                 out_addr += 4 * n
@@ -424,20 +536,21 @@ class GgmlKernels:
         return graph
 
     @staticmethod
-    def _build_linears(g: _Graph, mats: tuple[_Mat, ...], t: int) -> list:
+    def _build_linears(g: _Graph, mats: Sequence[_Mat], t: int) -> list:
         ws = [g.leaf(m.gid, m.cols, m.rows) for m in mats]
         x = g.leaf(G.GGML_TYPE_F32, mats[0].cols, t)
         return [G.ggml_mul_mat(g.ctx, w, x) for w in ws]
 
     @staticmethod
-    def _build_ffns(g: _Graph, sig: list, activation: str) -> list:
+    def _build_moe(g: _Graph, gate: _Mat, down: _Mat, sizes: list[int], stacks: list["_Stack"],
+                   activation: str) -> list:
         act = _ACTIVATIONS[activation]
         outs = []
-        for gate, down, n in sig:  # leaves in the order expert_ffns gives addresses: gate, up, down, x
-            wg, wu, wd = g.leaf(gate.gid, gate.cols, gate.rows), g.leaf(gate.gid, gate.cols, gate.rows), \
-                g.leaf(down.gid, down.cols, down.rows)
-            x = g.leaf(G.GGML_TYPE_F32, gate.cols, n)
-            h = act(g.ctx, G.ggml_mul_mat(g.ctx, wg, x), G.ggml_mul_mat(g.ctx, wu, x))
-            outs.append(G.ggml_mul_mat(g.ctx, wd, h))
+        for n, st in zip(sizes, stacks):  # leaves in the order expert_ffns gives addresses: gate, up, down, x, ids
+            wg, wu = g.stack(gate.gid, gate.cols, gate.rows, st.depth), g.stack(gate.gid, gate.cols, gate.rows, st.depth)
+            wd = g.stack(down.gid, down.cols, down.rows, st.depth)
+            x = g.leaf(G.GGML_TYPE_F32, gate.cols, 1, n)        # one row per (expert, position) cell
+            ids = g.leaf(G.GGML_TYPE_I32, 1, n)                  # the cell's matrix in the stack
+            h = act(g.ctx, G.ggml_mul_mat_id(g.ctx, wg, x, ids), G.ggml_mul_mat_id(g.ctx, wu, x, ids))
+            outs.append(G.ggml_mul_mat_id(g.ctx, wd, h, ids))
         return outs
-

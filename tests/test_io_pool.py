@@ -62,9 +62,18 @@ def test_arenas_stay_under_the_registration_limit() -> None:
 
 def test_close_unmaps_arenas_when_no_view_is_held() -> None:
     pool = BufferPool(ALIGN, 2)
-    arena = pool.arenas[0]
     pool.close()
-    assert arena.closed
+    assert pool.mapping.closed
+
+
+def test_slots_follow_each_other_across_arenas() -> None:
+    """One stride from every slot to the next, arena boundaries included: the kernels see the pool
+    as one 3-D tensor per matrix."""
+    pool = BufferPool(64 << 10, 10, arena_max=256 << 10)
+    try:
+        assert [s.address for s in pool.slots] == [pool.address + i * pool.slot_nbytes for i in range(10)]
+    finally:
+        pool.close()
 
 
 def test_liburing_iovec_layout_is_understood() -> None:

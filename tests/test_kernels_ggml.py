@@ -130,6 +130,20 @@ def test_linears_equal_single_products_bit_for_bit(kernels) -> None:
             assert np.array_equal(y, kernels.linear(w, x))
 
 
+def test_linears_of_weights_that_follow_each_other_equal_single_products_bit_for_bit(kernels) -> None:
+    """q, k and v stored one after another run as one product: it must give the bits of three."""
+    ws = [quantised(T.Q8_0, (rows, 256), 20 + rows) for rows in (64, 16, 16)]
+    block = np.concatenate([w.data for w in ws])
+    adjacent, start = [], 0
+    for w in ws:
+        adjacent.append(QTensor(block[start: start + w.nbytes], w.ggml_type, w.shape))
+        start += w.nbytes
+    for n in (1, 5):
+        x = np.random.default_rng(n).standard_normal((n, 256)).astype(np.float32)
+        for w, y in zip(ws, kernels.linears(adjacent, x)):
+            assert y.shape == (n, w.rows) and np.array_equal(y, kernels.linear(w, x))
+
+
 def _expert(t: T, d: int, f: int, seed: int) -> ExpertWeights:
     return ExpertWeights(quantised(t, (f, d), seed), quantised(t, (f, d), seed + 1), quantised(t, (d, f), seed + 2))
 
@@ -144,6 +158,38 @@ def test_an_expert_gives_the_same_bits_alone_or_in_any_batch(kernels) -> None:
     backwards = kernels.expert_ffns(experts[::-1], xs[::-1])[::-1]
     for a, b, c in zip(alone, together, backwards):
         assert np.array_equal(a, b) and np.array_equal(a, c)
+
+
+def _slotted(experts: list[ExpertWeights], slot_nbytes: int, slots: list[int]) -> list[ExpertWeights]:
+    """Copies of ``experts`` in the ``slots`` of one buffer, as a buffer pool holds them."""
+    pool = np.zeros(slot_nbytes * (max(slots) + 1), np.uint8)
+    out = []
+    for e, s in zip(experts, slots):
+        start, views = s * slot_nbytes, []
+        for w in (e.gate, e.up, e.down):
+            pool[start: start + w.nbytes] = w.data
+            views.append(QTensor(pool[start: start + w.nbytes], w.ggml_type, w.shape))
+            start += w.nbytes
+        out.append(ExpertWeights(*views))
+    return out
+
+
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q4_K])
+def test_experts_in_pool_slots_run_stacked_and_give_the_bits_they_give_alone(kernels, t: T) -> None:
+    """Slots one stride apart run as one ggml_mul_mat_id per matrix: no bit may depend on that."""
+    experts = [_expert(t, 256, 512, 10 * i) for i in range(5)]
+    slot = sum(w.nbytes for w in (experts[0].gate, experts[0].up, experts[0].down)) + 4096
+    pooled = _slotted(experts, slot, [7, 2, 30, 3, 11])
+    addrs = [(w.gate.data.ctypes.data, w.up.data.ctypes.data, w.down.data.ctypes.data) for w in pooled]
+    (stack,) = ggml_cpu._stacks(addrs, [1] * 5)
+    assert stack.stride == slot and sorted(stack.index) == [0, 1, 5, 9, 28]
+    rng = np.random.default_rng(8)
+    xs = [rng.standard_normal((n, 256)).astype(np.float32) for n in (1, 4, 2, 1, 3)]
+    alone = [kernels.expert_ffns([e], [x])[0] for e, x in zip(experts, xs)]
+    for batch, order in ((pooled, range(5)), (pooled[::-1], range(4, -1, -1)), (pooled[:2] + experts[2:], range(5))):
+        ys = kernels.expert_ffns(batch, [xs[i] for i in order])
+        for i, y in zip(order, ys):
+            assert np.array_equal(y, alone[i])
 
 
 def test_expert_ffn_is_swiglu_within_the_stated_error(kernels) -> None:
