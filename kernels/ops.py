@@ -90,13 +90,14 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions: np.ndarray, *,
-              scale: float | None = None, window: int | None = None,
-              sinks: np.ndarray | None = None) -> np.ndarray:
+              scale: float | None = None, window: int | None = None, sinks: np.ndarray | None = None,
+              key_positions: np.ndarray | None = None) -> np.ndarray:
     """Causal grouped-query attention.
 
     q: (T, H, d) for query positions ``positions`` (ascending); k_cache: (S, Hkv, d),
-    v_cache: (S, Hkv, dv), holding every key/value up to ``positions[-1]`` inclusive.
-    Returns (T, H * dv). Query head h reads KV head h // (H / Hkv), as ggml does.
+    v_cache: (S, Hkv, dv), the keys/values at ``key_positions`` (S,) (default 0..S-1:
+    every position up to ``positions[-1]`` inclusive). Returns (T, H * dv).
+    Query head h reads KV head h // (H / Hkv), as ggml does.
     ``scale``: the factor on q·k (default 1/sqrt(d)). ``window``: a sliding window,
     a query at p sees keys at p' with p - p' < window. ``sinks``: (H,) one extra
     logit per head in the softmax's denominator (it takes mass, adds no value).
@@ -109,9 +110,10 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions
     v = v_cache.transpose(1, 0, 2)                                    # (Hkv, S, dv)
     factor = np.float32(1.0 / np.sqrt(d) if scale is None else scale)
     scores = np.matmul(qg, k[:, None]) * factor                       # (Hkv, group, T, S)
-    hidden = np.arange(s)[None, :] > positions[:, None]               # (T, S): the future
+    kpos = np.arange(s) if key_positions is None else key_positions
+    hidden = kpos[None, :] > positions[:, None]                       # (T, S): the future
     if window is not None:
-        hidden |= positions[:, None] - np.arange(s)[None, :] >= window
+        hidden |= positions[:, None] - kpos[None, :] >= window
     scores = np.where(hidden, np.float32(-np.inf), scores)
     if sinks is None:
         probs = softmax(scores)

@@ -169,3 +169,36 @@ def split_gguf(src: Path, dst: Path, *, max_tensors: int, small_first: bool = Fa
     writer.write_tensors_to_file()
     writer.close()
     return writer.format_shard_names(dst)
+
+
+async def greedy_generation(engine, ids: list[int], n: int, bias: dict[int, float],
+                            **kw) -> tuple[list[int], list[float], int]:
+    """Tokens, their log-probabilities and the cached prefix of one greedy ``engine.generate`` with ``bias``."""
+    tokens, lps, cached = [], [], 0
+    async for p in engine.generate(ids, max_tokens=n, logprobs=0, logit_bias=bias, **kw):
+        tokens.append(p.token)
+        lps.append(p.logprob)
+        cached = p.cached_tokens
+    return tokens, lps, cached
+
+
+async def greedy_replay(engine, calls: list, n: int, bias: dict[int, float]) -> tuple[list[int], list[float]]:
+    """A fresh context, the given forward calls (an int: rewind to it), then greedy decode of n tokens with
+    ``bias`` on the logits, as :func:`greedy_generation` picks them (log-probabilities of the unbiased ones)."""
+    engine.net.reset()
+    for call in calls:
+        if isinstance(call, int):
+            engine.net.rewind(call)
+        else:
+            logits = await engine.net.forward(call)
+    tokens, lps = [], []
+    for _ in range(n):
+        biased = logits.copy()
+        for t, b in bias.items():
+            biased[t] += np.float32(b)
+        t = int(np.argmax(biased))
+        x = logits.astype(np.float64) - logits.max()
+        lps.append(float(x[t] - np.log(np.exp(x).sum())))
+        tokens.append(t)
+        logits = await engine.net.forward([t])
+    return tokens, lps

@@ -1,7 +1,8 @@
 """deepseek2 beyond the shared oracle tests (test_arch_families.py runs its fixtures against
-transformers' DeepseekV3ForCausalLM and llama.cpp): the latent KV cache and the plan against
-what the engine allocates, YaRN against transformers' own formula, the older attn_kv_b layout,
-and a one-line refusal for every malformed deepseek2 input the loader checks."""
+transformers' DeepseekV3ForCausalLM or DeepseekV2ForCausalLM (the lite layout, no q LoRA) and
+llama.cpp): the latent KV cache and the plan against what the engine allocates, the lite layout,
+YaRN against transformers' own formula, the older attn_kv_b layout, and a one-line refusal for
+every malformed deepseek2 input the loader checks."""
 from __future__ import annotations
 
 import json
@@ -33,30 +34,52 @@ def test_kv_cache_holds_one_latent_per_position_and_block() -> None:
     a = model.args
     net = build_net(model, MappedExpertSource(model), n_ctx=100)
     latent = a.block_count * 100 * (a.kv_lora_rank + a.n_rot) * 2                   # 3 x 100 x (32 + 16) f16
-    assert net.cache.nbytes == _owned_nbytes(net.cache.k, net.cache.v) == a.kv_cache_nbytes(100) == latent
+    assert net.cache.nbytes == _owned_nbytes(*net.cache.k, *net.cache.v) == a.kv_cache_nbytes(100) == latent
     full_heads = a.block_count * 100 * a.head_count * (a.head_k + a.v_head) * 2      # what MHA would cache
     assert latent * 5 < full_heads
-    assert np.shares_memory(net.cache.v, net.cache.k)  # the value is the latent, stored once
+    # the value is the latent, stored once
+    assert all(np.shares_memory(v, k) for k, v in zip(net.cache.k, net.cache.v))
 
 
-async def test_plan_figures_are_what_the_engine_allocates() -> None:
+# (fixture, blocks, dense blocks, experts per block): DeepSeek-V3's layout and V2-Lite's (no q LoRA)
+PLANNED = {"deepseek2_q8_0": (3, 1, 12), "deepseek2lite_q8_0": (26, 1, 4)}
+
+
+@pytest.mark.parametrize("stem", sorted(PLANNED))
+async def test_plan_figures_are_what_the_engine_allocates(stem: str) -> None:
     """`plan` (sizes from the header, nothing allocated) against an opened engine's arrays."""
-    path = FIXTURES / "deepseek2_q8_0.gguf"
+    path = FIXTURES / f"{stem}.gguf"
+    blocks, dense, experts = PLANNED[stem]
     status, out, err = main_in_process("plan", str(path), "--ram-budget", "600M", "--ctx", "200", "--json")
     assert status == 0, err
     doc = json.loads(out)
     async with await Engine.open(path, io="pread", ram_budget="600M", n_ctx=200) as engine:
         m, cache = engine.model, engine.net.cache
-        assert doc["kv_cache"] == _owned_nbytes(cache.k, cache.v) == 3 * 200 * (32 + 16) * 2  # f16, the default
+        # f16, the default
+        assert doc["kv_cache"] == _owned_nbytes(*cache.k, *cache.v) == blocks * 200 * (32 + 16) * 2
         resident = [m.token_embd.data, m.output.data, m.output_norm]
         resident += [t if isinstance(t, np.ndarray) else t.data for b in m.blocks for t in b.tensors.values()]
         assert doc["trunk"] == sum(r.nbytes for r in resident)
         pool = engine.source.reader.pool
         assert doc["slots"] == engine.source.policy.cache.n_slots == len(pool.slots)
         assert doc["pool"] == sum(len(arena) for arena in pool.arenas)
-        # 2 MoE blocks x 12 experts all fit; the dense block has none to cache
-        assert doc["experts_total"] == (m.args.block_count - m.args.leading_dense_block_count) * 12 == 24
-        assert m.experts[0] == [] and len(m.experts[1]) == 12
+        # every MoE block's experts fit; the dense block has none to cache
+        assert doc["experts_total"] == (m.args.block_count - m.args.leading_dense_block_count) * experts \
+            == (blocks - dense) * experts
+        assert m.experts[0] == [] and len(m.experts[1]) == experts
+
+
+def test_lite_files_query_through_one_attn_q() -> None:
+    """DeepSeek-V2-Lite's layout (the converter writes no q_lora_rank; llama.cpp knows it by its 26 or 27
+    blocks): one attn_q per block, no q LoRA tensors in the trunk; softmax routing, unscaled."""
+    model = load(FIXTURES / "deepseek2lite_q8_0.gguf")
+    a = model.args
+    assert (a.block_count, a.q_lora_rank, a.head_k, a.routing.gating, a.routing.normalize) == (26, 0, 48, "softmax",
+                                                                                              False)
+    for blk in model.blocks:
+        assert "attn_q" in blk.tensors and not {"attn_q_a", "attn_q_a_norm", "attn_q_b"} & set(blk.tensors)
+        assert blk.attn_q.shape == (a.head_count * a.head_k, a.embedding_length)
+    assert load(FIXTURES / "deepseek2_q8_0.gguf", resident=False).args.q_lora_rank == 32  # V3: q LoRA kept
 
 
 def test_yarn_tables_follow_transformers() -> None:
@@ -126,7 +149,8 @@ REFUSALS = {
                         "missing metadata key deepseek2.attention.kv_lora_rank"),
     "no_q_lora_rank": (dict(drop_keys=("deepseek2.attention.q_lora_rank",)),
                        "missing metadata key deepseek2.attention.q_lora_rank"),
-    "lite_layout": (dict(keys={"deepseek2.block_count": 27}), "lite deepseek2 files"),
+    # 27 blocks: DeepSeek-V2-Lite's count, which llama.cpp reads as one attn_q (no q LoRA)
+    "lite_layout": (dict(keys={"deepseek2.block_count": 27}), "missing tensor blk.0.attn_q.weight"),
     "nope_width": (dict(keys={"deepseek2.attention.key_length_mla": 16}), "MLA sizes must be positive"),
     "no_shared_expert": (dict(keys={"deepseek2.expert_shared_count": 0}), "expert_shared_count must be positive"),
     "gating": (dict(keys={"deepseek2.expert_gating_func": 4}), "expert_gating_func 4 is not supported"),

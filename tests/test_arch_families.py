@@ -1,8 +1,9 @@
 """Every family beyond qwen3moe against oracles we did not write (fixtures/families.md).
 
 The fixtures are tiny random models made by transformers (Qwen2MoeForCausalLM,
-OlmoeForCausalLM, MixtralForCausalLM, DeepseekV3ForCausalLM), converted by llama.cpp's converter, F32
-and Q8_0. Tolerances as in test_arch_qwen3moe: the transformers oracle ran on the
+OlmoeForCausalLM, MixtralForCausalLM, DeepseekV3ForCausalLM, DeepseekV2ForCausalLM without
+q LoRA, Glm4MoeForCausalLM, GptOssForCausalLM), converted by llama.cpp's converter, F32
+and Q8_0 (gpt-oss: MXFP4 experts). Tolerances as in test_arch_qwen3moe: the transformers oracle ran on the
 file's dequantised weights, so the NumPy kernels must agree with it to
 1e-4 x max|logit| on every fixture, prefill and one-token decode; llama.cpp also
 rounds activations to Q8_0 before each quantised product, so against it argmax
@@ -33,9 +34,14 @@ QUANTISED_VS_LLAMACPP = 0.05  # x max|logit|: llama.cpp's Q8_0 activations; argm
 GGML_VS_LLAMACPP = 1e-3  # x max|logit|: ggml and llama.cpp run the same kernels on the same rounded activations
 # Families with quantised products the forward pass runs in NumPy (deepseek2: the absorbed MLA products
 # on dequantised attn_k_b/attn_v_b), where llama.cpp rounds activations: held to the argmax check only.
-# gpt-oss's MXFP4 fixture differs from llama.cpp by 1.6% of max|logit| on ggml (6% on NumPy), the other
-# families by < 0.1%: the source of that gap is not yet found, so it is held to the argmax check too.
-PRODUCTS_OUTSIDE_THE_KERNELS = {"deepseek2", "gpt-oss"}
+PRODUCTS_OUTSIDE_THE_KERNELS = {"deepseek2"}
+# Attention (q·k, the masked softmax, its mix of values) runs in NumPy, which rounds the last bits otherwise
+# than ggml (float32 exp and division; ggml: its vector expf, a double sum, a reciprocal). Quantising the
+# attention output to Q8_0 for attn_output absorbs those bits, except where one lies on a rounding boundary:
+# in gptoss_mxfp4's prefill one code of layer 0 flips by one step, and the later Q8_0/MXFP4 products carry
+# it to 1.6% of max|logit| (decode: 0). With llama.cpp's attention outputs the logits are llama.cpp's bit
+# for bit (test_ggml_with_llamacpps_attention_outputs_gives_its_logits_bit_for_bit).
+ATTENTION_ROUNDING_FLIP = {("gptoss_mxfp4", False): 0.02}  # (stem, decode): x max|logit|, measured 0.0161
 IDS = json.loads((ORACLE / "family_ids.json").read_text())["sequences"]
 
 
@@ -112,14 +118,40 @@ def test_ggml_logits_match_llamacpp(stem: str, decode: bool, ggml: Kernels) -> N
     """ggml rounds activations as llama.cpp does: held to llama.cpp's logits (GGML_VS_LLAMACPP)."""
     net = _net(stem, ggml)
     close = stem.endswith("_f32") or _architecture(stem) not in PRODUCTS_OUTSIDE_THE_KERNELS
+    rel = ATTENTION_ROUNDING_FLIP.get((stem, decode), GGML_VS_LLAMACPP if close else QUANTISED_VS_LLAMACPP)
     for ids, want in _oracle(stem, "llamacpp"):
         got = teacher_forced(net, ids, decode=decode)
-        tol = (GGML_VS_LLAMACPP if close else QUANTISED_VS_LLAMACPP) * float(np.abs(want).max())
+        tol = rel * float(np.abs(want).max())
         if close:
             assert float(np.abs(got - want).max()) <= tol, stem
         top2 = np.sort(want, axis=-1)[:, -2:]
         clear = (top2[:, 1] - top2[:, 0]) > 2 * tol
         np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+
+
+@pytest.mark.parametrize("stem", sorted(p.name.split(".")[0] for p in ORACLE.glob("*.llamacpp_attention.npz")))
+def test_ggml_with_llamacpps_attention_outputs_gives_its_logits_bit_for_bit(stem: str, ggml: Kernels) -> None:
+    """Every product but attention's (embedding, q/k/v/o with biases, YaRN, the router, the MXFP4 experts
+    on Q8_0 activations, the clamped SwiGLU, the expert biases, the head) is llama.cpp's to the bit: given
+    llama.cpp's attention output of each layer (fixtures/make_family_oracles.py attention), the ggml
+    backend's prefill logits are llama.cpp's exactly (without it: ATTENTION_ROUNDING_FLIP)."""
+    net = _net(stem, ggml)
+    ids, want = _oracle(stem, "llamacpp")[0]
+    with np.load(ORACLE / f"{stem}.llamacpp_attention.npz") as ref:
+        theirs = {int(name.split("-")[1]): ref[name] for name in ref.files}
+    assert sorted(theirs) == list(range(net.args.block_count))
+    ours = net.attend_heads
+    mine: dict[int, np.ndarray] = {}
+
+    def llamacpps(layer: int, *args, **options) -> np.ndarray:
+        mine[layer] = ours(layer, *args, **options)
+        return theirs[layer]
+
+    net.attend_heads = llamacpps
+    got = teacher_forced(net, ids, decode=False)
+    assert np.array_equal(got, want)
+    for layer, o in mine.items():  # the attention itself agrees to float32 rounding
+        np.testing.assert_allclose(o, theirs[layer], rtol=0, atol=1e-6 * float(np.abs(theirs[layer]).max()))
 
 
 @pytest.mark.parametrize("stem", [s for s in FAMILY_FIXTURES if s.endswith("_f32")])

@@ -112,7 +112,8 @@ async def test_plan_figures_are_what_the_engine_allocates(stem: str) -> None:
         plan, reader = engine.plan, engine.source.reader
         assert plan.trunk == trunk == engine.model.trunk_nbytes
         assert plan.experts_total == experts == a.moe_block_count * a.expert_count
-        assert plan.kv_cache == engine.net.cache.nbytes == engine.net.cache.k.nbytes + engine.net.cache.v.nbytes
+        cache = engine.net.cache
+        assert plan.kv_cache == cache.nbytes == sum(k.nbytes + v.nbytes for k, v in zip(cache.k, cache.v))
         # the cache's per-layer quotas divide the slots the budget buys among the blocks with experts
         assert plan.slots == slots // a.moe_block_count * a.moe_block_count == reader.n_slots
         assert reader.pool is not None and plan.pool == sum(s.nbytes for s in reader.pool.slots)

@@ -13,6 +13,8 @@ import pytest
 
 from colibri_aio.engine.engine import Engine
 
+from support import greedy_generation, greedy_replay
+
 BIAS = {0: -100.0, 2: -100.0}  # no end-of-text: replies run their full length
 
 
@@ -21,33 +23,11 @@ async def _open() -> Engine:
 
 
 async def _greedy(engine: Engine, ids: list[int], n: int, **kw) -> tuple[list[int], list[float], int]:
-    """Tokens, their log-probabilities and the cached prefix of one greedy generation."""
-    tokens, lps, cached = [], [], 0
-    async for p in engine.generate(ids, max_tokens=n, logprobs=0, logit_bias=BIAS, **kw):
-        tokens.append(p.token)
-        lps.append(p.logprob)
-        cached = p.cached_tokens
-    return tokens, lps, cached
+    return await greedy_generation(engine, ids, n, BIAS, **kw)
 
 
 async def _replay(engine: Engine, calls: list[list[int] | int], n: int) -> tuple[list[int], list[float]]:
-    """A fresh context, the given forward calls (an int: rewind to it), then greedy decode of n tokens."""
-    engine.net.reset()
-    for call in calls:
-        if isinstance(call, int):
-            engine.net.rewind(call)
-        else:
-            logits = await engine.net.forward(call)
-    tokens, lps = [], []
-    for _ in range(n):
-        biased = logits.copy()
-        biased[list(BIAS)] += np.float32(-100.0)
-        t = int(np.argmax(biased))
-        x = logits.astype(np.float64) - logits.max()
-        lps.append(float(x[t] - np.log(np.exp(x).sum())))
-        tokens.append(t)
-        logits = await engine.net.forward([t])
-    return tokens, lps
+    return await greedy_replay(engine, calls, n, BIAS)
 
 
 async def test_turn_two_prefills_only_the_new_tokens_and_matches_the_same_calls_bit_for_bit() -> None:

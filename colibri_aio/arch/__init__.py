@@ -9,7 +9,7 @@ pass with :func:`build_net`. Modules are imported only when a file needs them.
     qwen2moe       qwen2moe.py  Qwen2MoeForCausalLM
     olmoe          olmoe.py     OlmoeForCausalLM
     llama          llama.py     MixtralForCausalLM (llama files with experts)
-    deepseek2      deepseek2.py DeepseekV3ForCausalLM
+    deepseek2      deepseek2.py DeepseekV3ForCausalLM, DeepseekV2ForCausalLM (lite: no q LoRA)
     gpt-oss        gptoss.py    GptOssForCausalLM
     glm4moe        glm4moe.py   Glm4MoeForCausalLM
 
@@ -27,6 +27,8 @@ math as llama.cpp computes them):
      ``skipped_blocks`` (NextN blocks the file holds but the graph never runs);
      ``check(path)`` adds its refusals; ``kv_layout`` changes when the
      cache holds something else than H_kv keys and values per position (MLA);
+     ``kv_window(layer)`` names a block's sliding window (gpt-oss), which
+     masks its attention and bounds its cache to a ring of that many positions;
    - ``block_tensors(args, layer)``: the block's resident tensors
      (``matrix``: raw bytes for the kernels; ``vector``: float32 norms, biases,
      routers). Routed experts (``ffn_{gate,up,down}_exps.weight``) are not
@@ -36,7 +38,7 @@ math as llama.cpp computes them):
    - the forward pass, a :class:`~colibri_aio.arch.layers.MoETransformer`
      subclass: ``attention(layer, h, positions, rope)`` from the shared pieces
      (``qkv`` adds q/k/v biases when the block has them, ``attend`` keeps
-     the KV cache and takes ``scale``, ``window`` and ``sinks``, ``rope_neox`` /
+     the KV cache and takes ``scale`` and ``sinks``, ``rope_neox`` /
      ``rope_norm`` rotate the first n_rot dims). Override ``rope_tables`` for
      scaled RoPE (or mix in ``arch.rope.ScaledRope``: llama.cpp's YaRN from
      ``rope.scaling.*``), ``shared_expert`` for an always-on expert (plain or
@@ -56,7 +58,8 @@ glm4moe's first blocks) run ``dense_ffn``; the loader keeps no expert table for
 them and the plan, the cache's per-layer quotas and traces count blocks with experts.
 A KV cache holding something else than H_kv keys and values per position
 (MLA's latent) is a :class:`~colibri_aio.arch.base.KVLayout` from
-``ModelArgs.kv_layout``, which both the plan and the allocation read.
+``ModelArgs.kv_layout``, which both the plan and the allocation read, as they
+read ``kv_window`` (a sliding layer's ring holds its window, not the context).
 """
 from __future__ import annotations
 

@@ -175,10 +175,19 @@ class BaseArgs:
         (families caching something else, such as MLA's latent, override this)."""
         return KVLayout(self.head_count_kv, self.key_length, self.value_length)
 
+    def kv_window(self, layer: int) -> int | None:
+        """The sliding window of block ``layer`` (a query at p sees keys at p' > p - window, and the cache
+        keeps that many positions), or None: it attends to the whole context."""
+        return None
+
+    def kv_windows(self) -> list[int | None]:
+        """:meth:`kv_window` of every block, as the cache and the plan take them."""
+        return [self.kv_window(layer) for layer in range(self.block_count)]
+
     def kv_cache_nbytes(self, context: int, kv_type: str = DEFAULT_KV_TYPE) -> int:
-        """Bytes of the KV cache for ``context`` positions stored as ``kv_type``: what the plan reserves
-        and the pass allocates."""
-        return kv_nbytes(self.block_count, context, self.kv_layout(), kv_type)
+        """Bytes of the KV cache for ``context`` positions stored as ``kv_type`` (a sliding-window block
+        holds its window): what the plan reserves and the pass allocates."""
+        return kv_nbytes(self.block_count, context, self.kv_layout(), kv_type, self.kv_windows())
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,6 @@
-"""deepseek2 (DeepSeek-V2/V2.5/V3/R1, Kimi K2): multi-head latent attention, leading dense
-blocks, a shared expert, sigmoid routing with a selection bias and expert groups, YaRN RoPE.
+"""deepseek2 (DeepSeek-V2/V2-Lite/V2.5/V3/R1, Kimi K2): multi-head latent attention (queries through
+a q LoRA, or one attn_q in lite files), leading dense blocks, a shared expert, softmax or sigmoid
+routing with a selection bias and expert groups, YaRN RoPE.
 
 Attention is MLA in the absorbed form llama.cpp runs: the KV cache holds, per
 position and block, one latent ``RMSNorm(c_kv)`` (kv_lora floats) and one
@@ -14,7 +15,6 @@ rotated part (qk_rope = n_rot), dv the value head width.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
@@ -23,83 +23,13 @@ import numpy as np
 
 from colibri_aio.arch.base import (BaseArgs, Family, KVLayout, Metadata, TensorSpec, ffn_tensors, matrix,
                                    router_tensors, vector)
-from colibri_aio.arch.layers import MoETransformer, Rope
+from colibri_aio.arch.layers import Rope
+from colibri_aio.arch.rope import RopeScaling, ScaledRope
 from colibri_aio.errors import ModelFormatError
-from colibri_aio.kernels.ops import Routing, rms_norm, rope_cos_sin, rope_norm, rope_yarn_cos_sin
+from colibri_aio.kernels.ops import Routing, rms_norm, rope_norm
 
 # deepseek2.expert_gating_func as llama.cpp numbers it (0: unset, softmax for older DeepSeek-V2 files).
 _GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
-
-
-def _mscale(factor: float, m: float) -> float:
-    """YaRN's attention magnitude 0.1·m·ln(factor) + 1 (1 when not stretched), llama.cpp's get_mscale."""
-    return 1.0 if factor <= 1.0 else 0.1 * m * math.log(factor) + 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class RopeScaling:
-    """``rope.scaling.*`` as llama.cpp reads it for deepseek2.
-
-    ``kind``: none, linear (angles / factor) or yarn; ``log_multiplier`` is
-    mscale_all_dim (the file's yarn_log_multiplier, which the converter wrote
-    times 0.1, divided by 0.1 again as llama.cpp does); ``attn_factor`` the
-    optional ``rope.scaling.attn_factor``.
-    """
-
-    kind: str = "none"
-    factor: float = 1.0
-    original_context: int = 0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    log_multiplier: float = 0.0
-    attn_factor: float = 1.0
-
-    @classmethod
-    def from_gguf(cls, meta: Metadata) -> Self:
-        kind = str(meta.get("rope.scaling.type", "linear"))  # llama.cpp's default when the key is absent
-        if kind not in ("none", "linear", "yarn"):
-            raise ModelFormatError(f"{meta.path}: rope.scaling.type {kind!r} is not supported for "
-                                   f"{meta.architecture} (none, linear, yarn)")
-        factor = float(meta.get("rope.scaling.factor", 0.0) or 1.0)
-        return cls(kind="none" if factor == 1.0 else kind, factor=1.0 if kind == "none" else factor,
-                   original_context=int(meta.get("rope.scaling.original_context_length",
-                                                 meta.need("context_length"))),
-                   beta_fast=float(meta.get("rope.scaling.yarn_beta_fast", 32.0)),
-                   beta_slow=float(meta.get("rope.scaling.yarn_beta_slow", 1.0)),
-                   # float32 as llama.cpp divides: 0.1f / 0.1f is exactly 1
-                   log_multiplier=float(np.float32(meta.get("rope.scaling.yarn_log_multiplier", 0.0))
-                                        / np.float32(0.1)),
-                   attn_factor=float(meta.get("rope.scaling.attn_factor", 1.0)))
-
-    @property
-    def rope_attn_factor(self) -> float:
-        """llama.cpp's ``cparams.yarn_attn_factor``: the magnitude passed to its rope op."""
-        if self.kind != "yarn":
-            return self.attn_factor
-        ratio = 1.0 if self.log_multiplier else _mscale(self.factor, 1.0)
-        # deepseek2 takes mscale = mscale_all_dim, so get_mscale(f, mscale) / get_mscale(f, mscale_all_dim) = 1;
-        # then llama.cpp cancels the factor ggml's rope multiplies in (1 + 0.1 ln f).
-        return ratio / (1.0 + 0.1 * math.log(self.factor)) * self.attn_factor
-
-    @property
-    def rotation_magnitude(self) -> float:
-        """What multiplies cos and sin: the attn factor, times ggml's own YaRN factor under yarn."""
-        own = 1.0 + 0.1 * math.log(self.factor) if self.kind == "yarn" else 1.0
-        return self.rope_attn_factor * own
-
-    def kq_scale(self, head_dim: int) -> float:
-        """mscale² / sqrt(dn + dr), mscale = attn_factor · (1 + 0.1 ln f) · (1 + 0.1 · log_mul · ln f)."""
-        ln = math.log(self.factor)
-        mscale = self.rope_attn_factor * (1.0 + 0.1 * ln) * (1.0 + 0.1 * self.log_multiplier * ln)
-        return mscale * mscale / math.sqrt(head_dim)
-
-    def tables(self, positions: np.ndarray, n_rot: int, freq_base: float) -> Rope:
-        if self.kind == "yarn":
-            return rope_yarn_cos_sin(positions, n_rot, freq_base, factor=self.factor,
-                                     original_context=self.original_context, beta_fast=self.beta_fast,
-                                     beta_slow=self.beta_slow, magnitude=self.rotation_magnitude)
-        cos, sin = rope_cos_sin(positions / self.factor, n_rot, freq_base)   # linear: every angle / factor
-        return cos * np.float32(self.rotation_magnitude), sin * np.float32(self.rotation_magnitude)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,7 +43,7 @@ class ModelArgs(BaseArgs):
     else one ``attn_kv_b`` (older files).
     """
 
-    q_lora_rank: int
+    q_lora_rank: int              # 0: no q LoRA, one attn_q (DeepSeek-V2-Lite)
     kv_lora_rank: int
     qk_nope: int
     v_head: int
@@ -125,10 +55,13 @@ class ModelArgs(BaseArgs):
     @classmethod
     def from_gguf(cls, meta: Metadata) -> Self:
         blocks, vocab = int(meta.need("block_count")), meta.vocab_size()
-        # llama.cpp tells lite variants (DeepSeek-V2-Lite & co: one attn_q, no q LoRA) by their block count.
-        if blocks in (26, 27) or (blocks == 48 and vocab == 128256):
-            raise ModelFormatError(f"{meta.path}: lite deepseek2 files (no q LoRA, block_count {blocks}) are "
-                                   f"not supported")
+        # llama.cpp tells lite variants (DeepSeek-V2-Lite & co: one attn_q, no q LoRA) by their block count
+        # and reads no q_lora_rank for them; other files without the key have no q LoRA either.
+        lite = blocks in (26, 27) or (blocks == 48 and vocab == 128256)
+        if lite or (meta.get("attention.q_lora_rank") is None and "blk.0.attn_q.weight" in meta.tensor_names):
+            q_lora_rank = 0
+        else:
+            q_lora_rank = int(meta.need("attention.q_lora_rank"))
         gating = int(meta.get("expert_gating_func", 0))
         if gating == 0:  # older DeepSeek-V2 files: softmax; GLM-4.7-Lite written as deepseek2: sigmoid
             gating = 2 if blocks in (47, 48) and vocab == 154880 else 1
@@ -145,7 +78,7 @@ class ModelArgs(BaseArgs):
         head_k = int(k_mla) if split else common["key_length"]
         n_rot = common["rope_dimension_count"] or common["key_length"]
         return cls(**common,
-                   q_lora_rank=int(meta.need("attention.q_lora_rank")),
+                   q_lora_rank=q_lora_rank,
                    kv_lora_rank=int(meta.need("attention.kv_lora_rank")),
                    qk_nope=head_k - n_rot,
                    v_head=int(v_mla) if split else common["value_length"],
@@ -156,7 +89,7 @@ class ModelArgs(BaseArgs):
 
     def check(self, path: Path) -> None:
         BaseArgs.check(self, path)
-        if min(self.q_lora_rank, self.kv_lora_rank, self.qk_nope, self.v_head) < 1:
+        if min(self.kv_lora_rank, self.qk_nope, self.v_head) < 1 or self.q_lora_rank < 0:
             raise ModelFormatError(f"{path}: MLA sizes must be positive (q_lora_rank {self.q_lora_rank}, "
                                    f"kv_lora_rank {self.kv_lora_rank}, "
                                    f"key_length_mla - rope.dimension_count = {self.qk_nope}, value "
@@ -189,8 +122,11 @@ class ModelArgs(BaseArgs):
 
 def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
     d, h, kl = a.embedding_length, a.head_count, a.kv_lora_rank
-    query = [matrix("attn_q_a", a.q_lora_rank, d), vector("attn_q_a_norm", a.q_lora_rank),
-             matrix("attn_q_b", h * a.head_k, a.q_lora_rank)]
+    if a.q_lora_rank:
+        query = [matrix("attn_q_a", a.q_lora_rank, d), vector("attn_q_a_norm", a.q_lora_rank),
+                 matrix("attn_q_b", h * a.head_k, a.q_lora_rank)]
+    else:
+        query = [matrix("attn_q", h * a.head_k, d)]
     # k_b/v_b are used per head (batched products of small matrices): kept as float32.
     if a.split_kv_b:
         lift = [vector("attn_k_b", h, kl, a.qk_nope), vector("attn_v_b", h, a.v_head, kl)]
@@ -204,14 +140,10 @@ def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
             *ffn_tensors(d, a.expert_feed_forward_length * a.expert_shared_count, "_shexp")]
 
 
-class DeepSeek2(MoETransformer):
+class DeepSeek2(ScaledRope):
     """A deepseek2 model bound to an expert source and a latent KV cache."""
 
     args: ModelArgs
-
-    def rope_tables(self, positions: np.ndarray) -> Rope:
-        a = self.args
-        return a.rope_scaling.tables(positions, a.n_rot, a.rope_freq_base)
 
     def latent_lifts(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
         """k_b (H, Lkv, dn) and v_b (H, dv, Lkv) of block ``layer`` (views into attn_kv_b in older files)."""
@@ -222,9 +154,12 @@ class DeepSeek2(MoETransformer):
         return kv_b[:, :a.qk_nope].transpose(0, 2, 1), kv_b[:, a.qk_nope:]
 
     def query(self, layer: int, h: np.ndarray) -> np.ndarray:
-        """q (T, H, dn + dr) through the q LoRA: attn_q_b · RMSNorm(attn_q_a · h)."""
+        """q (T, H, dn + dr) through the q LoRA, attn_q_b · RMSNorm(attn_q_a · h), or attn_q · h without one."""
         a, blk = self.args, self.model.blocks[layer]
-        q = self.linear(blk.attn_q_b, rms_norm(self.linear(blk.attn_q_a, h), blk.attn_q_a_norm, a.rms_eps))
+        if a.q_lora_rank:
+            q = self.linear(blk.attn_q_b, rms_norm(self.linear(blk.attn_q_a, h), blk.attn_q_a_norm, a.rms_eps))
+        else:
+            q = self.linear(blk.attn_q, h)
         return q.reshape(h.shape[0], a.head_count, a.head_k)
 
     def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
@@ -247,4 +182,5 @@ class DeepSeek2(MoETransformer):
         return self.ffn(self.model.blocks[layer], h, "_shexp")
 
 
-FAMILY = Family("deepseek2", ModelArgs, block_tensors, DeepSeek2, checked_against="DeepseekV3ForCausalLM")
+FAMILY = Family("deepseek2", ModelArgs, block_tensors, DeepSeek2,
+                checked_against="DeepseekV3ForCausalLM, DeepseekV2ForCausalLM (lite)")

@@ -19,9 +19,8 @@ import numpy as np
 
 from colibri_aio.arch.base import (BaseArgs, Family, Metadata, TensorSpec, attention_tensors, ffn_tensors,
                                    vector)
-from colibri_aio.arch.deepseek2 import RopeScaling
 from colibri_aio.arch.layers import Rope
-from colibri_aio.arch.rope import ScaledRope
+from colibri_aio.arch.rope import RopeScaling, ScaledRope
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels.ops import Routing, rms_norm, rope_neox
 

@@ -18,9 +18,8 @@ from typing import Self
 import numpy as np
 
 from colibri_aio.arch.base import BaseArgs, Family, Metadata, TensorSpec, attention_tensors, vector
-from colibri_aio.arch.deepseek2 import RopeScaling
 from colibri_aio.arch.layers import Rope
-from colibri_aio.arch.rope import ScaledRope
+from colibri_aio.arch.rope import RopeScaling, ScaledRope
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.experts import ExpertWeights
 from colibri_aio.kernels.ops import Routing, rope_neox, swiglu_oai
@@ -50,7 +49,7 @@ class ModelArgs(BaseArgs):
 
     sliding_window: int
     sliding: tuple[bool, ...]      # per block: attends through the sliding window
-    rope_scaling: RopeScaling      # read as llama.cpp reads it for every family (deepseek2's module)
+    rope_scaling: RopeScaling      # read as llama.cpp reads it for every family
 
     @classmethod
     def from_gguf(cls, meta: Metadata) -> Self:
@@ -58,6 +57,9 @@ class ModelArgs(BaseArgs):
         return cls(**values, sliding_window=int(meta.need("attention.sliding_window")),
                    sliding=sliding_layers(meta, values["block_count"]),
                    rope_scaling=RopeScaling.from_gguf(meta))
+
+    def kv_window(self, layer: int) -> int | None:
+        return self.sliding_window if self.sliding[layer] else None
 
     def check(self, path: Path) -> None:
         BaseArgs.check(self, path)
@@ -87,10 +89,9 @@ class GptOss(ScaledRope):
     args: ModelArgs
 
     def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
-        a, blk = self.args, self.model.blocks[layer]
-        q, k, v = self.qkv(blk, h)
-        return self.attend(layer, rope_neox(q, *rope), rope_neox(k, *rope), v, positions,
-                           window=a.sliding_window if a.sliding[layer] else None, sinks=blk.attn_sinks)
+        blk = self.model.blocks[layer]
+        q, k, v = self.qkv(blk, h)   # the sliding window is the cache's (ModelArgs.kv_window)
+        return self.attend(layer, rope_neox(q, *rope), rope_neox(k, *rope), v, positions, sinks=blk.attn_sinks)
 
     def expert_outputs(self, layer: int, experts: Sequence[tuple[int, ExpertWeights]],
                        xs: Sequence[np.ndarray]) -> list[np.ndarray]:

@@ -7,11 +7,13 @@ back as float32. The rounding is a pure function of the value, so placement
 still never changes a bit; against a float32 oracle the logits move by about
 1e-3 of their range (the tolerance tests/test_arch_qwen3moe.py states).
 
-``plan``, the start line and the allocation take their size from
+A sliding-window layer (gpt-oss) keeps only its window of positions, in a
+ring. ``plan``, the start line and the allocation take their size from
 :func:`kv_nbytes`, so what is printed is what is allocated.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,35 +43,93 @@ def default_context(model_context: int) -> int:
     return min(model_context, DEFAULT_CONTEXT)
 
 
-def kv_nbytes(n_layer: int, n_ctx: int, layout: KVLayout, kv_type: str = DEFAULT_KV_TYPE) -> int:
-    """Bytes of the cache :class:`KVCache` allocates for ``layout`` stored as ``kv_type``."""
+def held_positions(n_ctx: int, window: int | None) -> int:
+    """Positions a layer's cache holds: the whole context, or its sliding window (a ring) when shorter."""
+    return n_ctx if window is None else min(n_ctx, window)
+
+
+def kv_nbytes(n_layer: int, n_ctx: int, layout: KVLayout, kv_type: str = DEFAULT_KV_TYPE,
+              windows: Sequence[int | None] | None = None) -> int:
+    """Bytes of the cache :class:`KVCache` allocates for ``layout`` stored as ``kv_type``, with each layer's
+    sliding window (None: every layer sees the whole context)."""
     itemsize = np.dtype(KV_TYPES[check_kv_type(kv_type)]).itemsize
-    return n_layer * n_ctx * layout.floats_per_position * itemsize
+    positions = sum(held_positions(n_ctx, w) for w in (windows if windows is not None else [None] * n_layer))
+    return positions * layout.floats_per_position * itemsize
 
 
 class KVCache:
-    """Keys (Hkv, key_width) and values (Hkv, value_width) of every layer for up to ``n_ctx`` positions,
-    allocated once; with ``layout.values_in_keys`` each value is a view of its key's first numbers (MLA's latent)."""
+    """Keys (Hkv, key_width) and values (Hkv, value_width) of every layer, allocated once; with
+    ``layout.values_in_keys`` each value is a view of its key's first numbers (MLA's latent).
 
-    def __init__(self, n_layer: int, n_ctx: int, layout: KVLayout, kv_type: str = DEFAULT_KV_TYPE) -> None:
-        dtype = KV_TYPES[check_kv_type(kv_type)]
+    A layer with a sliding window of w positions (``windows``) keeps only the last min(n_ctx, w)
+    positions, in a ring (position p in slot p mod w): its queries never see an older key. Other
+    layers keep ``n_ctx`` positions. ``held[layer]`` is the range of positions a layer's arrays
+    hold, so the net can tell which prefixes it can continue from after a rewind.
+    """
+
+    def __init__(self, n_layer: int, n_ctx: int, layout: KVLayout, kv_type: str = DEFAULT_KV_TYPE,
+                 windows: Sequence[int | None] | None = None) -> None:
+        self.dtype = KV_TYPES[check_kv_type(kv_type)]
         self.n_ctx, self.layout, self.kv_type = n_ctx, layout, kv_type
-        self.k = np.zeros((n_layer, n_ctx, layout.heads, layout.key_width), dtype)
-        self.v = (self.k[..., :layout.value_width] if layout.values_in_keys
-                  else np.zeros((n_layer, n_ctx, layout.heads, layout.value_width), dtype))
+        self.windows = tuple(windows) if windows is not None else (None,) * n_layer
+        self.k: list[np.ndarray] = []
+        self.v: list[np.ndarray] = []
+        for window in self.windows:
+            k = np.zeros((held_positions(n_ctx, window), layout.heads, layout.key_width), self.dtype)
+            self.k.append(k)
+            self.v.append(k[..., :layout.value_width] if layout.values_in_keys
+                          else np.zeros((len(k), layout.heads, layout.value_width), self.dtype))
+        self.held = [(0, 0)] * n_layer   # per layer: positions [first, end) in its arrays
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + (0 if self.layout.values_in_keys else self.v.nbytes)
+        return sum(k.nbytes + (0 if self.layout.values_in_keys else v.nbytes) for k, v in zip(self.k, self.v))
 
-    def store(self, layer: int, positions: np.ndarray, k: np.ndarray, v: np.ndarray | None) -> None:
+    def is_ring(self, layer: int) -> bool:
+        return len(self.k[layer]) < self.n_ctx
+
+    def update(self, layer: int, positions: np.ndarray, k: np.ndarray,
+               v: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """Keep keys (T, Hkv, key_width) and values (T, Hkv, value_width; None when they live in the keys)
-        of ``layer`` at ``positions``, rounded to the storage type."""
-        self.k[layer, positions] = k
-        if not self.layout.values_in_keys:
-            self.v[layer, positions] = v
+        at ``positions`` (consecutive, from the context's end), rounded to the storage type, and return
+        what the queries at those positions attend over, as float32: keys, values and their positions
+        (None: 0..positions[-1]).
 
-    def upto(self, layer: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
-        """Keys (S, Hkv, key_width) and values (S, Hkv, value_width) of ``layer`` at positions [0, stop) as float32."""
-        k, v = self.k[layer, :stop], self.v[layer, :stop]
-        return k.astype(np.float32, copy=False), v.astype(np.float32, copy=False)
+        A ring's keys for the chunk are gathered before the chunk's own writes reuse their slots.
+        """
+        keys, values = self.k[layer], self.v[layer]
+        first, end = int(positions[0]), int(positions[-1]) + 1
+        held_first = self.held[layer][0]
+        if not self.is_ring(layer):
+            self._write(layer, positions, k, v)
+            self.held[layer] = (held_first, end)
+            return keys[:end].astype(np.float32, copy=False), values[:end].astype(np.float32, copy=False), None
+        window, size = self.windows[layer], len(keys)
+        older = np.arange(max(0, first - window + 1), first)              # earlier positions the chunk sees
+        slots = older % size
+        new_k = k.astype(self.dtype, copy=False)                            # as the cache stores them
+        new_v = new_k[..., :self.layout.value_width] if v is None else v.astype(self.dtype, copy=False)
+        out_k = np.concatenate([keys[slots], new_k]).astype(np.float32, copy=False)
+        out_v = np.concatenate([values[slots], new_v]).astype(np.float32, copy=False)
+        keep = slice(max(0, len(positions) - size), None)                 # the chunk's last `size` positions
+        self._write(layer, positions[keep] % size, new_k[keep], None if v is None else new_v[keep])
+        self.held[layer] = (max(held_first, end - size), end)
+        return out_k, out_v, np.concatenate([older, positions])
+
+    def _write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray | None) -> None:
+        self.k[layer][slots] = k
+        if not self.layout.values_in_keys:
+            self.v[layer][slots] = v
+
+    def can_continue(self, n_past: int) -> bool:
+        """Whether the next position n_past finds every key it attends to: positions max(0, n_past - w + 1)
+        .. n_past - 1 of each layer (w its window, or the whole context) are in its arrays."""
+        for (first, end), window in zip(self.held, self.windows):
+            need = 0 if window is None else max(0, n_past - window + 1)
+            if n_past and (need < first or n_past > end):
+                return False
+        return True
+
+    def forget_after(self, n_past: int) -> None:
+        """Positions from n_past on are no longer part of the context."""
+        self.held = [(min(first, n_past), min(end, n_past)) for first, end in self.held]

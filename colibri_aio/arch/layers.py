@@ -126,10 +126,11 @@ class MoETransformer:
         """Store k, v at ``positions`` and attend over the cache: (T, H * value_width), before attn_output.
 
         ``v`` is None when the cache keeps values inside the keys (``KVLayout.values_in_keys``).
-        ``options`` go to :func:`~colibri_aio.kernels.ops.attention` (scale, window, sinks).
+        ``options`` go to :func:`~colibri_aio.kernels.ops.attention` (scale, sinks); the layer's sliding
+        window is ``args.kv_window(layer)``, which the cache holds.
         """
-        self.cache.store(layer, positions, k, v)
-        return attention(q, *self.cache.upto(layer, int(positions[-1]) + 1), positions,
+        keys, values, key_positions = self.cache.update(layer, positions, k, v)
+        return attention(q, keys, values, positions, window=self.cache.windows[layer], key_positions=key_positions,
                          **options)  # type: ignore[arg-type]
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray,
@@ -158,8 +159,10 @@ class MoETransformer:
     # --- family hooks ----------------------------------------------------------------------------
 
     def make_cache(self) -> KVCache:
-        """The KV cache of ``args.kv_layout()``: the layout the plan's ``kv_cache_nbytes`` counts."""
-        return KVCache(self.args.block_count, self.n_ctx, self.args.kv_layout(), self.kv_type)
+        """The KV cache of ``args.kv_layout()`` and ``args.kv_windows()``: what the plan's ``kv_cache_nbytes``
+        counts."""
+        a = self.args
+        return KVCache(a.block_count, self.n_ctx, a.kv_layout(), self.kv_type, a.kv_windows())
 
     def rope_tables(self, positions: np.ndarray) -> Rope:
         """cos/sin for this call's positions (computed once per call, used by every layer)."""
@@ -197,11 +200,26 @@ class MoETransformer:
 
         Attention reads the cache only up to the position it computes, so
         what lies beyond ``n_past`` is never seen and is overwritten later.
+        A sliding-window layer holds only its last window of positions: ``n_past``
+        must be one it can continue from (:meth:`resumable`).
         """
         if not 0 <= n_past <= self.n_past:
             raise ValueError(f"cannot rewind to {n_past}: the context holds {self.n_past} positions")
+        if not self.cache.can_continue(n_past):
+            raise ValueError(f"cannot rewind to {n_past}: the sliding-window layers no longer hold the keys "
+                             f"before it (resumable({n_past}) = {self.resumable(n_past)})")
+        self._truncate(n_past)
+
+    def resumable(self, n_past: int) -> int:
+        """The longest prefix of at most ``n_past`` positions the cache can continue from: ``n_past``, or 0
+        when a sliding-window layer has let go of keys position ``n_past`` would see (the ring holds the
+        last window of positions: rewinding past one position beyond it means running the prefix again)."""
+        return n_past if self.cache.can_continue(min(n_past, self.n_past)) else 0
+
+    def _truncate(self, n_past: int) -> None:
         self.n_past = n_past
         del self.ids[n_past:]
+        self.cache.forget_after(n_past)
 
     async def forward(self, ids: Sequence[int], *, logits: Literal["last", "all"] = "last",
                       observer: RouteObserver | None = None) -> np.ndarray:
@@ -216,6 +234,23 @@ class MoETransformer:
             raise UserError(f"context full: {self.n_past} + {tok.size} tokens > n_ctx {self.n_ctx}")
         self.experts.step(tok.size)
         positions = np.arange(self.n_past, self.n_past + tok.size)
+        try:
+            x = await self._blocks(tok, positions, observer)
+        except BaseException:
+            # A ring may have taken this call's keys in the slots of ones the context still needs.
+            if not self.cache.can_continue(self.n_past):
+                self._truncate(0)
+            raise
+        self.n_past += tok.size
+        self.ids.extend(tok.tolist())
+        rows = x if logits == "all" else x[-1:]
+        out = self.linear(self.model.output, rms_norm(rows, self.model.output_norm, a.rms_eps))
+        self._check_finite(out, "the output head (output_norm, output)", positions[-len(rows):])
+        return out if logits == "all" else out[0]
+
+    async def _blocks(self, tok: np.ndarray, positions: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
+        """The residual stream (T, D) after every block, the KV cache written at ``positions``."""
+        a = self.args
         rope = self.rope_tables(positions)
         x = self.embed(tok)                                                        # (T, D)
         self._check_finite(x, "the token embedding (token_embd)", positions)
@@ -229,12 +264,7 @@ class MoETransformer:
             h = rms_norm(x, moe_norm(self.model, layer), a.rms_eps)
             ffn = self._moe if a.is_moe(layer) else self._dense
             x = x + await ffn(layer, h, positions, layer_input, x, observer)
-        self.n_past += tok.size
-        self.ids.extend(tok.tolist())
-        rows = x if logits == "all" else x[-1:]
-        out = self.linear(self.model.output, rms_norm(rows, self.model.output_norm, a.rms_eps))
-        self._check_finite(out, "the output head (output_norm, output)", positions[-len(rows):])
-        return out if logits == "all" else out[0]
+        return x
 
     def _check_finite(self, x: np.ndarray, where: str, positions: np.ndarray) -> None:
         """A NaN or infinity never turns into tokens: stop, naming where it appeared (broken weights)."""

@@ -383,6 +383,15 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sliding_note(args, context: int) -> str:
+    """``"; 18 of 36 layers slide: they hold 128"``, or nothing when every layer keeps the whole context."""
+    windows = [w for w in args.kv_windows() if w is not None and w < context]
+    if not windows:
+        return ""
+    held = ", ".join(str(w) for w in sorted(set(windows)))
+    return f"; {len(windows)} of {args.block_count} layers slide: they hold {held}"
+
+
 def _plan_table(model, plan, limits) -> str:
     from colibri_aio.engine.plan import ASSUMED_DISK_BYTES_PER_S, gb
 
@@ -397,7 +406,8 @@ def _plan_table(model, plan, limits) -> str:
                    f"{gb(limits.cgroup_limit) if limits.cgroup_limit else 'none'}"),
         ("budget", f"{gb(plan.budget)} ({plan.budget_source})"),
         ("trunk resident", gb(plan.trunk)),
-        ("KV cache", f"{gb(plan.kv_cache)} {plan.kv_type} for {plan.context} positions ({plan.context_source})"),
+        ("KV cache", f"{gb(plan.kv_cache)} {plan.kv_type} for {plan.context} positions ({plan.context_source})"
+                     + _sliding_note(a, plan.context)),
         ("working", gb(plan.working)),
         ("expert pool", f"{plan.slots} slots x {gb(plan.slot_nbytes)} = {gb(plan.pool)} "
                         f"({plan.slots}/{plan.experts_total} experts{', all fit' if plan.all_experts_fit else ''}; "

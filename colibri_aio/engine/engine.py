@@ -269,12 +269,13 @@ class Engine:
             return await self.net.prefill(ids, logits="all")
 
     def cached_prefix(self, ids: Sequence[int]) -> int:
-        """How many leading ``ids`` the KV cache already holds, short of the last (its logits start generation)."""
+        """How many leading ``ids`` the KV cache already holds and can continue from, short of the last (its
+        logits start generation). 0 when the common prefix ends before what a sliding window still holds."""
         n = min(len(ids) - 1, self.net.n_past)
         if n <= 0:
             return 0
         differ = np.flatnonzero(np.asarray(self.net.ids[:n]) != np.asarray(ids[:n]))
-        return int(differ[0]) if differ.size else n
+        return self.net.resumable(int(differ[0]) if differ.size else n)
 
     async def generate(self, prompt: Prompt, *, chat: bool = False, max_tokens: int | None = 128,
                        stop: Sequence[str] = (), logprobs: int | None = None, reuse: bool = True,
