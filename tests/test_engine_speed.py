@@ -41,15 +41,22 @@ def test_estimate_is_within_2x_of_a_real_run() -> None:
     """The shipped model, the one whose per-token estimate was 40x off with assumed rates, through the engine
     (the overhead is measured without its scheduler). Tolerance: a factor of 2 either way."""
     model = load(default_model_path(), resident=False)
-    kernels = open_kernels("auto")  # what the engine below runs
-    try:
-        speed = measure(kernels, set(decode_weights(model)))
-    finally:
-        kernels.close()
-    plan = make_plan(model, LIMITS, budget=1 * GiB, speed=speed)
-    assert plan.all_experts_fit and "measured" in plan.speed_source
-    real = _decode_step_s(model.path, [(7 * i) % model.args.vocab_size for i in range(1, 40)])
-    assert 0.5 <= real / plan.compute_s_per_token <= 2.0, (real, plan.compute_s_per_token, speed)
+    tries = []
+    # Both sides are timings on a shared machine: a disturbed measurement (seen once in a full suite: the
+    # overhead probe 9x below a quiet run's) is taken again, up to three times; a wrong estimate fails all three.
+    for _ in range(3):
+        kernels = open_kernels("auto")  # what the engine below runs
+        try:
+            speed = measure(kernels, set(decode_weights(model)))
+        finally:
+            kernels.close()
+        plan = make_plan(model, LIMITS, budget=1 * GiB, speed=speed)
+        assert plan.all_experts_fit and "measured" in plan.speed_source
+        real = _decode_step_s(model.path, [(7 * i) % model.args.vocab_size for i in range(1, 40)])
+        tries.append((real, plan.compute_s_per_token, speed))
+        if 0.5 <= real / plan.compute_s_per_token <= 2.0:
+            return
+    raise AssertionError(f"estimate not within 2x of a real run in 3 tries: {tries}")
 
 
 def test_without_a_measurement_the_plan_says_its_rates_are_assumed() -> None:

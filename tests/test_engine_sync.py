@@ -138,3 +138,41 @@ def test_ctrl_c_in_a_generation_cleans_up_and_the_engine_goes_on(tmp_path: Path)
     out, err = p.communicate(timeout=120)
     assert p.returncode == 0, err
     assert out == "interrupted 0\nagain True\n" and err == ""
+
+
+def test_an_interrupt_while_a_call_is_handed_to_the_loop_stops_that_call_before_going_on(monkeypatch) -> None:
+    """Ctrl-C can land inside the hand-over to the engine's loop, after the coroutine was queued: the call must
+    still be stopped and waited for, or closing the stream next finds it running ("already running")."""
+    from colibri_aio.engine import sync
+
+    portal = sync._LoopThread()
+    ended = threading.Event()
+
+    async def long_step() -> None:
+        try:
+            await asyncio.sleep(60)
+        finally:
+            ended.set()
+
+    handed_over = asyncio.run_coroutine_threadsafe
+    calls = []
+
+    def interrupted(coro, loop):  # noqa: ANN001, ANN202
+        future = handed_over(coro, loop)
+        calls.append(coro)
+        if len(calls) == 1:  # the call's own hand-over; the clean-up's round trips go through
+            raise KeyboardInterrupt
+        return future
+
+    monkeypatch.setattr(sync.asyncio, "run_coroutine_threadsafe", interrupted)
+    try:
+        try:
+            portal.call(long_step())
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("the interrupt was swallowed")
+        assert ended.is_set()  # stopped and unwound before the interrupt went on
+    finally:
+        monkeypatch.undo()
+        portal.stop()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -74,26 +75,36 @@ class _LoopThread:
         closed) is over before the interrupt goes on.
         """
         started, finished = threading.Event(), threading.Event()
+        running: list[asyncio.Task[T]] = []
 
         async def tracked() -> T:
+            running.append(asyncio.current_task())  # type: ignore[arg-type]
             started.set()
             try:
                 return await coro
             finally:
                 finished.set()
 
-        future = asyncio.run_coroutine_threadsafe(tracked(), self.loop)
+        wrapper = tracked()
+        future: concurrent.futures.Future[T] | None = None
         try:
+            # Inside the try: an interrupt can land while the coroutine is being handed to the loop,
+            # before ``future`` exists, and the coroutine may then start anyway.
+            future = asyncio.run_coroutine_threadsafe(wrapper, self.loop)
             return future.result()
         except BaseException:
-            if not future.done():
-                future.cancel()
-                # One more round trip through the loop runs after the cancellation: by then the
-                # coroutine has either never started or is unwinding; then wait for it to end.
+            if future is None or not future.done():
+                if future is not None:
+                    future.cancel()
+                # One more round trip through the loop runs after the hand-over and the cancellation: by
+                # then the coroutine has either never started or is running; stop it and wait for its end.
                 asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.loop).result()
                 if started.is_set():
+                    if future is None:
+                        self.loop.call_soon_threadsafe(running[0].cancel)
                     finished.wait()
                 else:
+                    wrapper.close()
                     coro.close()
             raise
 
