@@ -44,6 +44,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import math
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -70,6 +71,14 @@ _TEMPLATES = 256                 # graphs kept per backend (least recently used 
 _ADDRESSES = 1 << 15             # array addresses remembered (see _Addresses)
 _STACK_WORK = 32 << 20          # bytes of ggml_mul_mat_id bookkeeping one stack of experts may need (_stacks)
 PARALLEL_BYTES = 1 << 18         # graphs with fewer weight bytes run on one thread (GgmlKernels)
+# A/B switches (bench_decode.py arms such as ``ggml/threadpool=off``); the defaults are the measured winners.
+KNOBS = {"threadpool": "on", "graphs": "on", "experts": "stacked"}
+
+
+def knob(name: str) -> str:
+    """Setting ``name`` of :data:`KNOBS`, overridden by the environment's ``COLIBRI_GGML_<NAME>``."""
+    value = os.environ.get(f"COLIBRI_GGML_{name.upper()}", KNOBS[name])
+    return value
 
 
 class GgmlUnavailable(RuntimeError):
@@ -210,6 +219,7 @@ class _Graph:
         self.outputs: list[ctypes.Structure] = []
         self.stacks: list[ctypes.Structure] = []
         self.plan: G.ggml_cplan | None = None
+        self.views: list[tuple[ctypes.Structure, ctypes.Structure]] = []
         self.work_size = 0
         self._arena: np.ndarray | None = None
 
@@ -230,15 +240,26 @@ class _Graph:
         stack.nb[2] = stride
         stack.nb[3] = stride * stack.ne[2]
 
-    def finish(self, outputs: Sequence, n_threads: int) -> None:
-        """Expand the graph from ``outputs``, give every intermediate a place, and plan it."""
+    def finish(self, outputs: Sequence, n_threads: int, threadpool: object = None, effects: Sequence = ()) -> None:
+        """Expand the graph from ``effects`` (nodes run first for what they write into leaves' memory, such
+        as a KV cache row) then ``outputs``, give every intermediate a place, and plan it.
+
+        A view's data follows its source: set once here when the source is an intermediate, and at
+        every call (:meth:`refresh_views`) when it goes back to a leaf or an output, which are re-pointed.
+        """
+        for t in effects:
+            G.ggml_build_forward_expand(self.gf, t)
         for t in outputs:
             G.ggml_build_forward_expand(self.gf, t)
             self.outputs.append(t.contents)
         out_ids = {ctypes.addressof(o) for o in self.outputs}
-        places, offset = [], 0
+        moving = {ctypes.addressof(t) for t in self.inputs} | out_ids
+        places, views, offset = [], [], 0
         for i in range(G.ggml_graph_n_nodes(self.gf)):
             node = G.ggml_graph_node(self.gf, i).contents
+            if node.view_src:
+                views.append(node)
+                continue
             if ctypes.addressof(node) in out_ids or node.data:
                 continue
             places.append((node, offset))
@@ -246,9 +267,23 @@ class _Graph:
         self._arena, base = _aligned(offset)
         for node, off in places:
             node.data = base + off
-        self.plan = G.ggml_graph_plan(self.gf, n_threads, None)
+        self.views = []
+        for node in views:                     # in graph order: a view's source is placed before it
+            src = node.view_src.contents
+            if ctypes.addressof(src) in moving:
+                moving.add(ctypes.addressof(node))
+                self.views.append((node, src))
+            else:
+                node.data = (src.data or 0) + node.view_offs
+        self.refresh_views()
+        self.plan = G.ggml_graph_plan(self.gf, n_threads, threadpool)
         self._plan_ref = ctypes.byref(self.plan)
         self.work_size = self.plan.work_size
+
+    def refresh_views(self) -> None:
+        """Point the views of re-pointed tensors at their sources' memory of this call."""
+        for node, src in self.views:
+            node.data = (src.data or 0) + node.view_offs
 
     def run(self, work: "ctypes._Pointer[ctypes.c_uint8]") -> None:
         self.plan.work_data = work
@@ -330,6 +365,16 @@ def _stacks(addrs: Sequence[tuple[int, int, int]], rows: Sequence[int]) -> list[
 _ACTIVATIONS: dict[str, Callable] = {"swiglu": lambda ctx, g, u: G.ggml_swiglu_split(ctx, g, u)}
 
 
+def _threadpool(n_threads: int) -> object:
+    """ggml's persistent workers: without one, every ggml_graph_compute starts and joins its threads
+    (~30 graphs a decoded token)."""
+    params = G.ggml_threadpool_params_default(n_threads)
+    pool = G.ggml_threadpool_new(ctypes.byref(params))
+    if not pool:
+        raise GgmlUnavailable("ggml_threadpool_new failed")
+    return pool
+
+
 class GgmlKernels:
     """The ggml backend of one engine: its graphs, work buffer and threads.
 
@@ -355,6 +400,7 @@ class GgmlKernels:
         self._address = _Addresses()
         self._work, self._work_ptr = self._work_buffer(1 << 20)
         self._lock = threading.Lock()
+        self._threadpool = _threadpool(n_threads) if knob("threadpool") == "on" else None
 
     # --- the interface the forward pass calls ---
 
@@ -474,6 +520,9 @@ class GgmlKernels:
             for g in self._graphs.values():
                 g.free()
             self._graphs.clear()
+            if self._threadpool is not None:
+                G.ggml_threadpool_free(self._threadpool)
+                self._threadpool = None
 
     # --- helpers ---
 
@@ -509,11 +558,7 @@ class GgmlKernels:
         out = np.empty(sum(sizes), np.float32)
         out_addr = out.ctypes.data
         with self._lock:
-            graph = self._graphs.get(key)
-            if graph is None:
-                graph = self._new_graph(key, n_tensors, build, weight_bytes)
-            else:
-                self._graphs.move_to_end(key)
+            graph = self.graph(key, n_tensors, build, weight_bytes)
             for leaf, a in zip(graph.inputs, addrs):
                 leaf.data = a
             for stack, stride in zip(graph.stacks, strides):
@@ -521,13 +566,36 @@ class GgmlKernels:
             for node, n in zip(graph.outputs, sizes):
                 node.data = out_addr
                 out_addr += 4 * n
-            graph.run(self._work_ptr)
+            self.run(graph)
         return out
 
-    def _new_graph(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list], weight_bytes: int) -> _Graph:
+    def graph(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list | tuple[list, list]],
+              weight_bytes: int) -> _Graph:
+        """The graph ``key``, built by ``build`` on first use (it returns the outputs, or the outputs and
+        the effects); the caller holds :attr:`lock`, points the leaves and runs it with :meth:`run`."""
+        graph = self._graphs.get(key)
+        if graph is None:
+            return self._new_graph(key, n_tensors, build, weight_bytes)
+        self._graphs.move_to_end(key)
+        return graph
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held around building, re-pointing and running one graph (one call at a time)."""
+        return self._lock
+
+    def run(self, graph: _Graph) -> None:
+        """Compute ``graph`` whose leaves and outputs the caller has pointed (under :attr:`lock`)."""
+        graph.refresh_views()
+        graph.run(self._work_ptr)
+
+    def _new_graph(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list | tuple[list, list]],
+                   weight_bytes: int) -> _Graph:
         graph = _Graph(n_tensors)
         threads = self.n_threads if weight_bytes >= self.parallel_bytes else 1
-        graph.finish(build(graph), threads)
+        built = build(graph)
+        outputs, effects = built if isinstance(built, tuple) else (built, ())
+        graph.finish(outputs, threads, self._threadpool, effects)
         if graph.work_size > self._work.size:
             self._work, self._work_ptr = self._work_buffer(graph.work_size)
         self._graphs[key] = graph

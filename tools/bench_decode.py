@@ -12,7 +12,9 @@ linker would bind both to one set of ``ggml_*`` symbols. The parent drives the
 workers in turn, so arms interleave run by run (the order flips every run);
 run 0 of each arm is a warm-up (caches filled, graphs built) and not counted,
 then ``--runs`` timed runs each. An arm of ours is a kernel backend
-(``numpy``, ``ggml``, ``auto``).
+(``numpy``, ``ggml``, ``auto``), optionally with ggml switches for a one-variable
+A/B (``kernels/ggml_cpu.KNOBS``): ``ggml/threadpool=off``, ``ggml/graphs=off``,
+``ggml/experts=each`` (one product per expert instead of ``ggml_mul_mat_id``).
 
     python tools/bench_decode.py MODEL.gguf --runs 5 --tokens 32 --prefill 128 --arms ggml,llama.cpp
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -97,7 +100,11 @@ class LlamaCpp:
 
 
 def worker(arm: str, path: Path, n_ctx: int) -> int:
-    engine = LlamaCpp(path, n_ctx) if arm == "llama.cpp" else Ours(path, arm, n_ctx)
+    backend, *switches = arm.split("/")
+    for switch in switches:  # read by kernels/ggml_cpu.knob when the backend opens
+        name, _, value = switch.partition("=")
+        os.environ[f"COLIBRI_GGML_{name.upper()}"] = value
+    engine = LlamaCpp(path, n_ctx) if arm == "llama.cpp" else Ours(path, backend, n_ctx)
     print(json.dumps({"ready": engine.describe}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
