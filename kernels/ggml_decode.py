@@ -79,6 +79,12 @@ class AttentionShape:
     experts: int
     used: int
     kv_dtype: str
+    qkv_fused: bool = False   # q, k and v follow each other in memory with one type: one product
+
+    @property
+    def qkv(self) -> _Mat:
+        """q, k and v as one matrix (their rows one after another)."""
+        return _Mat(self.q.gid, self.q.rows + self.k.rows + self.v.rows, self.q.cols)
 
 
 def _strided(g: _Graph, gid: int, width: int, n_kv: int, heads: int, row_bytes: int) -> ctypes.Structure:
@@ -96,7 +102,10 @@ def _build_attention(g: _Graph, s: AttentionShape, n_kv: int) -> tuple[list, lis
     kv_gid = _KV_GID[np.dtype(s.kv_dtype)]
     x = g.leaf(_F32, s.q.cols, 1)                                   # the residual stream entering the block
     attn_norm = g.leaf(_F32, s.q.cols, 1)
-    wq, wk, wv = (g.leaf(m.gid, m.cols, m.rows) for m in (s.q, s.k, s.v))
+    if s.qkv_fused:
+        wqkv = g.leaf(s.q.gid, s.q.cols, s.qkv.rows)
+    else:
+        wq, wk, wv = (g.leaf(m.gid, m.cols, m.rows) for m in (s.q, s.k, s.v))
     q_norm, k_norm = g.leaf(_F32, d, 1), g.leaf(_F32, d, 1)
     pos32, pos64 = g.leaf(_I32, 1, 1), g.leaf(_I64, 1, 1)
     k_rows = g.leaf(kv_gid, s.heads_kv * d, n_kv)                  # the cache as rows, for the writes
@@ -117,9 +126,19 @@ def _build_attention(g: _Graph, s: AttentionShape, n_kv: int) -> tuple[list, lis
                                1.0, 0.0, 1.0, 32.0, 1.0)
 
     h = rms(x, attn_norm)
-    q = rope(rms(G.ggml_reshape_3d(ctx, G.ggml_mul_mat(ctx, wq, h), d, s.heads, 1), q_norm))
-    k = rope(rms(G.ggml_reshape_3d(ctx, G.ggml_mul_mat(ctx, wk, h), d, s.heads_kv, 1), k_norm))
-    v = G.ggml_mul_mat(ctx, wv, h)
+    if s.qkv_fused:      # one product, its rows seen as q, k and v
+        qkv = G.ggml_mul_mat(ctx, wqkv, h)
+        q = G.ggml_view_3d(ctx, qkv, d, s.heads, 1, 4 * d, 4 * d * s.heads, 0)
+        k = G.ggml_view_3d(ctx, qkv, d, s.heads_kv, 1, 4 * d, 4 * d * s.heads_kv, 4 * s.q.rows)
+        v = G.ggml_view_2d(ctx, qkv, s.v.rows, 1, 4 * s.v.rows, 4 * (s.q.rows + s.k.rows))
+    else:
+        q = G.ggml_reshape_3d(ctx, G.ggml_mul_mat(ctx, wq, h), d, s.heads, 1)
+        k = G.ggml_reshape_3d(ctx, G.ggml_mul_mat(ctx, wk, h), d, s.heads_kv, 1)
+        v = G.ggml_mul_mat(ctx, wv, h)
+    q, k = rope(rms(q, q_norm)), rope(rms(k, k_norm))
+    # Non-finite only if q, k or v hold a NaN or an infinity (or overflow): flash attention's online
+    # softmax would step over a NaN score and give finite rows from broken weights.
+    check = G.ggml_add(ctx, G.ggml_sum(ctx, q), G.ggml_add(ctx, G.ggml_sum(ctx, k), G.ggml_sum(ctx, v)))
     effects = [G.ggml_set_rows(ctx, k_rows, G.ggml_reshape_2d(ctx, k, s.heads_kv * d, 1), pos64),
                G.ggml_set_rows(ctx, v_rows, v, pos64)]
     att = G.ggml_flash_attn_ext(ctx, G.ggml_permute(ctx, q, 0, 2, 1, 3), k_all, v_all, mask,
@@ -132,7 +151,7 @@ def _build_attention(g: _Graph, s: AttentionShape, n_kv: int) -> tuple[list, lis
     top = G.ggml_view_2d(ctx, order, s.used, 1, order.contents.nb[1], 0)
     w = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, G.ggml_reshape_3d(ctx, probs, 1, s.experts, 1), top), s.used, 1)
     w = G.ggml_div(ctx, w, G.ggml_sum_rows(ctx, w))
-    return [x2, h2, order, w], effects
+    return [x2, h2, order, w, check], effects
 
 
 def _rank_sum(ctx, ys: list, x2):
@@ -143,15 +162,22 @@ def _rank_sum(ctx, ys: list, x2):
     return G.ggml_add(ctx, x2, acc)
 
 
-def _build_experts_stacked(g: _Graph, gate: _Mat, down: _Mat, used: int, depth: int) -> list:
+def _build_experts_stacked(g: _Graph, gate: _Mat, down: _Mat, used: int, depth: int, gate_up: bool) -> list:
+    """``gate_up``: each expert's up matrix follows its gate matrix, so both are one product of 2F rows."""
     ctx = g.ctx
     h = g.leaf(_F32, gate.cols, 1, 1)
     x2 = g.leaf(_F32, down.rows, 1)
-    wg, wu = g.stack(gate.gid, gate.cols, gate.rows, depth), g.stack(gate.gid, gate.cols, gate.rows, depth)
+    if gate_up:
+        wgu = g.stack(gate.gid, gate.cols, 2 * gate.rows, depth)
+    else:
+        wg, wu = g.stack(gate.gid, gate.cols, gate.rows, depth), g.stack(gate.gid, gate.cols, gate.rows, depth)
     wd = g.stack(down.gid, down.cols, down.rows, depth)
     ids = g.leaf(_I32, used, 1)                                       # rank r's matrix in the stack
     w = g.leaf(_F32, 1, used, 1)
-    a = G.ggml_swiglu_split(ctx, G.ggml_mul_mat_id(ctx, wg, h, ids), G.ggml_mul_mat_id(ctx, wu, h, ids))
+    if gate_up:
+        a = G.ggml_swiglu(ctx, G.ggml_mul_mat_id(ctx, wgu, h, ids))
+    else:
+        a = G.ggml_swiglu_split(ctx, G.ggml_mul_mat_id(ctx, wg, h, ids), G.ggml_mul_mat_id(ctx, wu, h, ids))
     y = G.ggml_mul(ctx, G.ggml_mul_mat_id(ctx, wd, a, ids), w)       # (D, used, 1)
     nb1 = y.contents.nb[1]
     return [_rank_sum(ctx, [G.ggml_view_2d(ctx, y, down.rows, 1, nb1, r * nb1) for r in range(used)], x2)]
@@ -188,26 +214,30 @@ class DecodeGraphs:
     of two buffers, taking turns, so a block's input survives its own experts.
     """
 
-    def __init__(self, kernels: GgmlKernels, shape: AttentionShape) -> None:
-        self.kernels, self.shape = kernels, shape
+    def __init__(self, kernels: GgmlKernels, shapes: Sequence[AttentionShape]) -> None:
+        """``shapes``: each block's (blocks of one file may differ in their weights' types)."""
+        self.kernels, self.shapes = kernels, list(shapes)
+        self.shape = shape = shapes[0]
         self._stacked = knob("experts") != "each"
         dim = shape.q.cols
         self.residual = np.zeros((1, dim), np.float32)        # x2: after attention
         self.moe_input = np.zeros((1, dim), np.float32)       # h: ffn_norm(x2)
         self.order = np.zeros((1, shape.experts), np.int32)   # experts by descending probability
         self.weights = np.zeros((1, shape.used), np.float32)  # of the first `used`, renormalised
+        self.check = np.zeros(1, np.float32)                  # sum of q, k and v: finite when they are
         self._streams = [np.zeros((1, dim), np.float32) for _ in range(2)]
+        self.steps = 0                                         # decode steps run on these graphs
         self._turn = 0
         self._pos32, self._pos64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
         self._masks: dict[int, np.ndarray] = {}
         self._ids = np.zeros(shape.used, np.int32)
         self._n_kv = 0
         self._addr = kernels._address
-        self._attention_bytes = sum(m.nbytes for m in (shape.q, shape.k, shape.v, shape.o))
         self._blocks: dict[int, tuple[int, ...]] = {}      # id(keys) -> a block's leaf addresses but x, mask
         self._expert_mats: dict[tuple, tuple[_Mat, _Mat, int]] = {}
         # Our buffers' addresses, taken once (``ndarray.ctypes`` costs a few microseconds a call).
-        self._outs = tuple(b.ctypes.data for b in (self.residual, self.moe_input, self.order, self.weights))
+        self._outs = tuple(b.ctypes.data for b in (self.residual, self.moe_input, self.order, self.weights,
+                                                     self.check))
         self._stream_addrs = [b.ctypes.data for b in self._streams]
         self._ids_addr, self._weights_addr = self._ids.ctypes.data, self.weights.ctypes.data
         self._mask_addrs: dict[int, int] = {}
@@ -224,31 +254,32 @@ class DecodeGraphs:
         self._pos32[0] = self._pos64[0] = position
         self._n_kv = n_kv
 
-    def attention(self, x: np.ndarray, norms: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+    def attention(self, layer: int, x: np.ndarray, norms: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
                   mats: tuple[QTensor, QTensor, QTensor, QTensor], router: np.ndarray,
                   keys: np.ndarray, values: np.ndarray) -> None:
-        """Block attention and router for x (1, D): fills :attr:`residual`, :attr:`moe_input`, :attr:`order`,
-        :attr:`weights`, and writes the position's key and value into ``keys``/``values`` (the block's cache
+        """Block ``layer``'s attention and router for x (1, D): fills :attr:`residual`, :attr:`moe_input`, :attr:`order`,
+        :attr:`weights`, :attr:`check`, and writes the position's key and value into ``keys``/``values`` (the block's cache
         arrays (S, Hkv, d) and (S, Hkv, dv)). ``norms``: attn_norm, attn_q_norm, attn_k_norm, ffn_norm;
         ``mats``: attn_q, attn_k, attn_v, attn_output; ``router``: ffn_gate_inp (E, D) float32."""
-        s, k, n_kv = self.shape, self.kernels, self._n_kv
+        s, k, n_kv = self.shapes[layer], self.kernels, self._n_kv
         block = self._blocks.get(id(keys))
         if block is None:
             a = self._addr
-            block = self._blocks[id(keys)] = (
-                a(norms[0]), a(mats[0].data), a(mats[1].data), a(mats[2].data), a(norms[1]), a(norms[2]),
-                self._pos32.ctypes.data, self._pos64.ctypes.data, a(keys), a(values), a(keys), a(values),
-                a(mats[3].data), a(norms[3]), a(router), keys, mats)     # the arrays keep their ids taken
+            w = (a(mats[0].data),) if s.qkv_fused else (a(mats[0].data), a(mats[1].data), a(mats[2].data))
+            addrs = (0, a(norms[0]), *w, a(norms[1]), a(norms[2]), self._pos32.ctypes.data,
+                     self._pos64.ctypes.data, a(keys), a(values), a(keys), a(values), 0, a(mats[3].data),
+                     a(norms[3]), a(router))
+            nbytes = sum(m.nbytes for m in (s.q, s.k, s.v, s.o))
+            block = self._blocks[id(keys)] = (addrs, nbytes, keys)      # the array keeps its id taken
+        mask_leaf = 11 if s.qkv_fused else 13   # its place among the leaves _build_attention makes
         with k.lock:
             graph = k.graph(("decode-attention", s, n_kv), 64, lambda g: _build_attention(g, s, n_kv),
-                            self._attention_bytes)
+                            block[1])
             leaves = graph.inputs
+            for leaf, addr in zip(leaves, block[0]):
+                leaf.data = addr
             leaves[0].data = x.ctypes.data
-            for leaf, addr in zip(leaves[1:13], block):
-                leaf.data = addr
-            leaves[13].data = self._mask_addrs[n_kv]
-            for leaf, addr in zip(leaves[14:], block[12:15]):
-                leaf.data = addr
+            leaves[mask_leaf].data = self._mask_addrs[n_kv]
             for node, addr in zip(graph.outputs, self._outs):
                 node.data = addr
             k.run(graph)
@@ -291,10 +322,11 @@ class DecodeGraphs:
         if self._stacked and stack is not None:
             base, stride, index, depth = stack
             self._ids[:] = index
-            key = ("decode-experts", gate, down, used, depth)
-            build = lambda g: _build_experts_stacked(g, gate, down, used, depth)  # noqa: E731
-            addrs = (h, x2, *base, self._ids_addr, self._weights_addr)
-            strides = (stride,) * 3
+            gate_up = base[1] - base[0] == gate.nbytes
+            key = ("decode-experts", gate, down, used, depth, gate_up)
+            build = lambda g: _build_experts_stacked(g, gate, down, used, depth, gate_up)  # noqa: E731
+            addrs = (h, x2, base[0], *(() if gate_up else (base[1],)), base[2], self._ids_addr, self._weights_addr)
+            strides = (stride,) * (2 if gate_up else 3)
         else:
             a, w = self._addr, self._weights_addr
             key = ("decode-experts-each", gate, down, used)

@@ -50,7 +50,7 @@ class GraphDecode(MoETransformer):
                 or a.routing != Routing() or cache.layout.values_in_keys or a.n_rot > a.key_length):
             return None
         kernels = self.kernels
-        shapes = set()
+        shapes = []
         for blk in model.blocks:
             if any(blk.get(n) is not None for n in ("attn_q.bias", "attn_k.bias", "attn_v.bias",
                                                      "attn_output.bias", "ffn_gate_inp.bias", "exp_probs_b.bias")):
@@ -58,21 +58,23 @@ class GraphDecode(MoETransformer):
             mats = [blk.get(n) for n in ("attn_q", "attn_k", "attn_v", "attn_output")]
             if any(m is None or m.ggml_type not in kernels.types for m in mats):
                 return None
-            shapes.add(tuple(_Mat(kernels._gid(m), *m.shape) for m in mats))
-        if len(shapes) != 1:
-            return None
-        q, k, v, o = shapes.pop()
-        shape = ggml_decode.AttentionShape(
-            q=q, k=k, v=v, o=o, heads=a.head_count, heads_kv=a.head_count_kv, key_width=a.key_length,
-            value_width=a.value_length, n_rot=a.n_rot, rope_base=a.rope_freq_base, n_ctx_orig=a.context_length,
-            eps=a.rms_eps, experts=a.expert_count, used=a.expert_used_count, kv_dtype=np.dtype(cache.dtype).name)
-        return ggml_decode.DecodeGraphs(kernels, shape)
+            q, k, v = mats[:3]
+            at = kernels._address
+            fused = q.ggml_type == k.ggml_type == v.ggml_type and at(q.data) + q.nbytes == at(k.data) \
+                and at(k.data) + k.nbytes == at(v.data)   # one product over the three (one graph node)
+            shapes.append(ggml_decode.AttentionShape(
+                *(_Mat(kernels._gid(m), *m.shape) for m in mats), heads=a.head_count, heads_kv=a.head_count_kv,
+                key_width=a.key_length, value_width=a.value_length, n_rot=a.n_rot, rope_base=a.rope_freq_base,
+                n_ctx_orig=a.context_length, eps=a.rms_eps, experts=a.expert_count, used=a.expert_used_count,
+                kv_dtype=np.dtype(cache.dtype).name, qkv_fused=fused))
+        return ggml_decode.DecodeGraphs(kernels, shapes)
 
     async def _blocks(self, tok: np.ndarray, positions: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
         graphs = self.decode_graphs() if tok.size == 1 and observer is None else None
         if graphs is not None:
             x = await self._blocks_on_graphs(graphs, tok, positions)
             if x is not None:
+                graphs.steps += 1
                 return x
         return await super()._blocks(tok, positions, observer)
 
@@ -91,11 +93,11 @@ class GraphDecode(MoETransformer):
         graphs.begin(position, len(cache.k[0]))
         used = self.args.expert_used_count
         for layer, blk in enumerate(model.blocks):
-            graphs.attention(x, (blk.attn_norm, blk.attn_q_norm, blk.attn_k_norm, moe_norm(model, layer)),
+            graphs.attention(layer, x, (blk.attn_norm, blk.attn_q_norm, blk.attn_k_norm, moe_norm(model, layer)),
                              (blk.attn_q, blk.attn_k, blk.attn_v, blk.attn_output), blk.ffn_gate_inp,
                              cache.k[layer], cache.v[layer])
             cache.wrote(layer, position + 1)
-            if not np.isfinite(graphs.weights).all():
+            if not (np.isfinite(graphs.weights).all() and np.isfinite(graphs.check[0])):
                 return None
             x = await self._experts_on_graphs(graphs, layer, x, graphs.order[0, :used].tolist())
         return x if np.isfinite(x).all() else None
