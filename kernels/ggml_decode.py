@@ -208,10 +208,10 @@ class DecodeGraphs:
     """The graphs of one net's decode steps on one :class:`GgmlKernels`, and the buffers they write.
 
     Outputs live in buffers owned here and are overwritten by the next call of
-    the same kind: :meth:`attention` returns views of them (the post-attention
-    residual, the MoE input, the ranked experts and their weights) valid until the
-    next :meth:`attention`; :meth:`experts` writes the residual stream into one
-    of two buffers, taking turns, so a block's input survives its own experts.
+    the same kind: :meth:`attention` fills :attr:`residual`, :attr:`moe_input`,
+    :attr:`order` and :attr:`weights`, valid until the next :meth:`attention`;
+    :meth:`experts` writes the residual stream into one of two buffers, taking
+    turns, so a block's input survives its own experts.
     """
 
     def __init__(self, kernels: GgmlKernels, shapes: Sequence[AttentionShape]) -> None:
@@ -257,10 +257,13 @@ class DecodeGraphs:
     def attention(self, layer: int, x: np.ndarray, norms: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
                   mats: tuple[QTensor, QTensor, QTensor, QTensor], router: np.ndarray,
                   keys: np.ndarray, values: np.ndarray) -> None:
-        """Block ``layer``'s attention and router for x (1, D): fills :attr:`residual`, :attr:`moe_input`, :attr:`order`,
-        :attr:`weights`, :attr:`check`, and writes the position's key and value into ``keys``/``values`` (the block's cache
-        arrays (S, Hkv, d) and (S, Hkv, dv)). ``norms``: attn_norm, attn_q_norm, attn_k_norm, ffn_norm;
-        ``mats``: attn_q, attn_k, attn_v, attn_output; ``router``: ffn_gate_inp (E, D) float32."""
+        """Block ``layer``'s attention and router for x (1, D) float32, C-contiguous.
+
+        Fills :attr:`residual`, :attr:`moe_input`, :attr:`order`, :attr:`weights` and :attr:`check`, and
+        writes the position's key and value into ``keys``/``values`` (the block's cache arrays (S, Hkv, d)
+        and (S, Hkv, dv)). ``norms``: attn_norm, attn_q_norm, attn_k_norm, ffn_norm; ``mats``: attn_q,
+        attn_k, attn_v, attn_output; ``router``: ffn_gate_inp (E, D) float32.
+        """
         s, k, n_kv = self.shapes[layer], self.kernels, self._n_kv
         block = self._blocks.get(id(keys))
         if block is None:

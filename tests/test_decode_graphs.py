@@ -21,13 +21,11 @@ import numpy as np
 import pytest
 
 from colibri_aio import Engine, NonFiniteError
-from colibri_aio.arch.qwen3moe import Qwen3MoE
-from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.gguf.header import GGUFHeader
-from colibri_aio.gguf.model import load
-from colibri_aio.kernels.backend import Kernels, NumpyKernels, open_kernels
+from colibri_aio.kernels.backend import Kernels, NumpyKernels
 
 from support import FIXTURES, fixture, oracle_ids, teacher_forced
+from test_arch_qwen3moe import _net, ggml  # noqa: F401 (ggml: the module's kernels, a fixture)
 
 # Against llama.cpp's logits (its oracle ran with a float32 cache), x max|logit|. With the default f16
 # cache, measured: 4.8e-3 (tiny_f32), 3.8e-2 (tiny_q8_0), 4.0e-2 (tiny_q4_k), 2.2e-2 (colibri-tiny-q8_0):
@@ -36,21 +34,6 @@ from support import FIXTURES, fixture, oracle_ids, teacher_forced
 # for bit (measured 0), F32 weights to 2e-6.
 F16_VS_LLAMACPP = 6e-2
 F32_VS_LLAMACPP_Q8 = 1e-6
-
-
-@pytest.fixture(scope="module")
-def ggml() -> Kernels:
-    try:
-        kernels = open_kernels("ggml")
-    except Exception as e:  # KernelsUnavailable: ggml-python missing or built for another CPU
-        pytest.skip(str(e))
-    yield kernels
-    kernels.close()
-
-
-def _net(name: str, kernels: Kernels, kv_type: str = "f32") -> Qwen3MoE:
-    model = load(fixture(f"{name}.gguf"))
-    return Qwen3MoE(model, MappedExpertSource(model), kernels=kernels, kv_type=kv_type)
 
 
 def _per_operation(monkeypatch, name: str, ggml: Kernels, ids: list[int], kv_type: str = "f32") -> np.ndarray:
