@@ -136,15 +136,20 @@ def _build_attention(g: _Graph, s: AttentionShape, n_kv: int) -> tuple[list, lis
         k = G.ggml_reshape_3d(ctx, G.ggml_mul_mat(ctx, wk, h), d, s.heads_kv, 1)
         v = G.ggml_mul_mat(ctx, wv, h)
     q, k = rope(rms(q, q_norm)), rope(rms(k, k_norm))
-    # Non-finite only if q, k or v hold a NaN or an infinity (or overflow): flash attention's online
-    # softmax would step over a NaN score and give finite rows from broken weights.
-    check = G.ggml_add(ctx, G.ggml_sum(ctx, q), G.ggml_add(ctx, G.ggml_sum(ctx, k), G.ggml_sum(ctx, v)))
+    # Non-finite if q, k, v or an activation rounded before a product (the normed input, the heads'
+    # output) holds a NaN or an infinity (or overflows): rounding to 8 bits and flash attention's online
+    # softmax (it steps over a NaN score) can both give finite numbers from broken weights.
+    sums = [G.ggml_sum(ctx, t) for t in (q, k, v, h)]
     effects = [G.ggml_set_rows(ctx, k_rows, G.ggml_reshape_2d(ctx, k, s.heads_kv * d, 1), pos64),
                G.ggml_set_rows(ctx, v_rows, v, pos64)]
     att = G.ggml_flash_attn_ext(ctx, G.ggml_permute(ctx, q, 0, 2, 1, 3), k_all, v_all, mask,
                                 1.0 / math.sqrt(d), 0.0, 0.0)
     G.ggml_flash_attn_ext_set_prec(att, G.GGML_PREC_F32)
-    x2 = G.ggml_add(ctx, x, G.ggml_mul_mat(ctx, wo, G.ggml_reshape_2d(ctx, att, dv * s.heads, 1)))
+    heads = G.ggml_reshape_2d(ctx, att, dv * s.heads, 1)
+    x2 = G.ggml_add(ctx, x, G.ggml_mul_mat(ctx, wo, heads))
+    check = G.ggml_sum(ctx, heads)
+    for t in sums:
+        check = G.ggml_add(ctx, check, t)
     h2 = rms(x2, ffn_norm)
     probs = G.ggml_soft_max(ctx, G.ggml_mul_mat(ctx, router, h2))                # (E, 1)
     order = G.ggml_argsort(ctx, probs, G.GGML_SORT_ORDER_DESC)
@@ -201,7 +206,8 @@ def _build_head(g: _Graph, out: _Mat, eps: float) -> list:
     x = g.leaf(_F32, out.cols, 1)
     norm = g.leaf(_F32, out.cols, 1)
     w = g.leaf(out.gid, out.cols, out.rows)
-    return [G.ggml_mul_mat(ctx, w, G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x, eps), norm))]
+    h = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x, eps), norm)
+    return [G.ggml_mul_mat(ctx, w, h), G.ggml_sum(ctx, h)]   # the sum: finite when the rounded input is
 
 
 class DecodeGraphs:
@@ -224,7 +230,7 @@ class DecodeGraphs:
         self.moe_input = np.zeros((1, dim), np.float32)       # h: ffn_norm(x2)
         self.order = np.zeros((1, shape.experts), np.int32)   # experts by descending probability
         self.weights = np.zeros((1, shape.used), np.float32)  # of the first `used`, renormalised
-        self.check = np.zeros(1, np.float32)                  # sum of q, k and v: finite when they are
+        self.check = np.zeros(1, np.float32)                  # finite when q, k, v and rounded inputs are
         self._streams = [np.zeros((1, dim), np.float32) for _ in range(2)]
         self.steps = 0                                         # decode steps run on these graphs
         self._turn = 0
@@ -241,6 +247,8 @@ class DecodeGraphs:
         self._stream_addrs = [b.ctypes.data for b in self._streams]
         self._ids_addr, self._weights_addr = self._ids.ctypes.data, self.weights.ctypes.data
         self._mask_addrs: dict[int, int] = {}
+        self._head_check = np.zeros(1, np.float32)
+        self._head_check_addr = self._head_check.ctypes.data
 
     def begin(self, position: int, n_ctx: int) -> None:
         """The next step decodes ``position`` in a cache of ``n_ctx`` positions: mask the keys after it."""
@@ -348,7 +356,8 @@ class DecodeGraphs:
         return self._streams[turn]
 
     def head(self, x: np.ndarray, norm: np.ndarray, output: QTensor) -> np.ndarray:
-        """Logits (1, V): output · rms_norm(x) * output_norm."""
+        """Logits (1, V): output · rms_norm(x) * output_norm; NaN when that input is not finite (as the
+        per-operation backend gives, :func:`ggml_cpu._keep_non_finite`)."""
         k, eps = self.kernels, self.shape.eps
         mat = k._mat(output)
         logits = np.empty((1, mat.rows), np.float32)
@@ -357,5 +366,8 @@ class DecodeGraphs:
             for leaf, addr in zip(graph.inputs, (x.ctypes.data, self._addr(norm), self._addr(output.data))):
                 leaf.data = addr
             graph.outputs[0].data = logits.ctypes.data
+            graph.outputs[1].data = self._head_check_addr
             k.run(graph)
+        if not np.isfinite(self._head_check[0]):
+            logits[:] = np.nan
         return logits
