@@ -72,7 +72,7 @@ _ADDRESSES = 1 << 15             # array addresses remembered (see _Addresses)
 _STACK_WORK = 32 << 20          # bytes of ggml_mul_mat_id bookkeeping one stack of experts may need (_stacks)
 PARALLEL_BYTES = 1 << 18         # graphs with fewer weight bytes run on one thread (GgmlKernels)
 # A/B switches (bench_decode.py arms such as ``ggml/threadpool=off``); the defaults are the measured winners.
-KNOBS = {"threadpool": "on", "graphs": "on", "experts": "stacked"}
+KNOBS = {"threadpool": "on", "graphs": "on", "experts": "stacked", "attention": "f32"}
 
 
 def knob(name: str) -> str:

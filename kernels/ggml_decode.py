@@ -21,9 +21,16 @@ re-pointed at every call: leaves at the trunk's arrays, the expert slots and
 the KV cache, outputs at this object's buffers. No weight and no cache row is
 copied.
 
-Numerics are llama.cpp's: activations rounded to the weight type's partner
-before each product, keys and queries rounded to F16 when the cache is F16,
-ggml's RoPE and softmax. Within this backend the result depends only on the
+Numerics are llama.cpp's products: activations rounded to the weight type's
+partner before each product; ggml's norms, RoPE and softmax. Attention runs in
+float32 over the cache's keys and values (an f16 cache is widened in the graph,
+as the per-operation path and prefill widen it), so a position gives nearly the
+same logits decoded alone or within a prefill and greedy replies do not change
+with KV reuse. ``COLIBRI_GGML_ATTENTION=f16`` attends as llama.cpp's flash
+attention does over an f16 cache (queries rounded to f16, values summed in
+f16): its logits bit for bit on the Q8_0 and F32 fixtures, and no widening
+pass over the cache (which costs ~3x the cache's bytes per step at long
+contexts), but a last prompt token decoded alone then moves by ~1e-2. Within this backend the result depends only on the
 token ids: the same graphs run whatever the placement, the context size (masked
 keys are skipped, never summed) or the order the experts arrive in (the MoE
 falls back to :meth:`GgmlKernels.expert_ffns` plus the same rank-ordered sum
@@ -80,6 +87,7 @@ class AttentionShape:
     used: int
     kv_dtype: str
     qkv_fused: bool = False   # q, k and v follow each other in memory with one type: one product
+    f16_attention: bool = False   # attend over an f16 cache as llama.cpp does, not in float32
 
     @property
     def qkv(self) -> _Mat:
@@ -142,6 +150,8 @@ def _build_attention(g: _Graph, s: AttentionShape, n_kv: int) -> tuple[list, lis
     sums = [G.ggml_sum(ctx, t) for t in (q, k, v, h)]
     effects = [G.ggml_set_rows(ctx, k_rows, G.ggml_reshape_2d(ctx, k, s.heads_kv * d, 1), pos64),
                G.ggml_set_rows(ctx, v_rows, v, pos64)]
+    if kv_gid != _F32 and not s.f16_attention:   # the keys and values the context holds, as float32
+        k_all, v_all = G.ggml_cast(ctx, k_all, _F32), G.ggml_cast(ctx, v_all, _F32)
     att = G.ggml_flash_attn_ext(ctx, G.ggml_permute(ctx, q, 0, 2, 1, 3), k_all, v_all, mask,
                                 1.0 / math.sqrt(d), 0.0, 0.0)
     G.ggml_flash_attn_ext_set_prec(att, G.GGML_PREC_F32)

@@ -5,10 +5,11 @@ computes, with ggml's RMSNorm, RoPE and attention in place of NumPy's: on F32
 weights the logits agree to their summation order (1e-5 x max|logit|); on Q8_0
 weights an activation that lands on the other side of a rounding boundary moves
 them by up to ~3e-4 x max|logit| (measured; held to 1e-3, the ggml backend's
-tolerance against llama.cpp on these fixtures). With the default f16 cache
+tolerance against llama.cpp on these fixtures). With the default f16 cache the
+graphs widen keys and values to float32 as the per-operation path does (within
+3e-3 x max|logit| of it, measured 0 to 1.6e-3). With COLIBRI_GGML_ATTENTION=f16
 attention rounds as llama.cpp's flash attention does (queries to f16 against
-f16 keys, values summed in f16): held to llama.cpp's own decode with that
-cache. Placement never changes a bit (tests/test_engine_placement.py runs the
+f16 keys, values summed in f16): held to llama.cpp's own decode with that cache. Placement never changes a bit (tests/test_engine_placement.py runs the
 ggml backend through these graphs, experts in one batch and in several).
 """
 from __future__ import annotations
@@ -32,6 +33,7 @@ from test_arch_qwen3moe import _net, ggml  # noqa: F401 (ggml: the module's kern
 # tiny_q8_0 (measured 0); on tiny_q4_k 2.4e-2..2.8e-2 (its K-quant products differ from this ggml build's
 # in a few rows, measured 1.1e-2 with a float32 cache, and f16 keys move routing near-ties further).
 # With a float32 cache against the float32 oracle (*.llamacpp.npz): the Q8_0 fixtures bit for bit.
+F16_CACHE_VS_PER_OPERATION = 3e-3
 F16_DECODE_EXACT = 1e-6
 F16_DECODE_Q4_K = 5e-2
 F32_VS_LLAMACPP_Q8 = 1e-6
@@ -68,6 +70,16 @@ def test_f32_decode_on_graphs_matches_the_per_operation_path(monkeypatch, ggml: 
     assert float(np.abs(got - want).max()) <= 1e-5 * float(np.abs(want).max())
 
 
+@pytest.mark.parametrize("name", ["tiny_f32", "tiny_q8_0", "colibri-tiny-q8_0"])
+def test_f16_cache_on_graphs_matches_the_per_operation_path(monkeypatch, name: str, ggml: Kernels) -> None:
+    ids = oracle_ids()[0]
+    net = _net(name, ggml, "f16")
+    got = teacher_forced(net, ids, decode=True)
+    assert net.decode_graphs().steps == len(ids)
+    want = _per_operation(monkeypatch, name, ggml, ids, "f16")
+    assert float(np.abs(got - want).max()) <= F16_CACHE_VS_PER_OPERATION * float(np.abs(want).max())
+
+
 def test_one_product_per_expert_gives_the_stacked_bits(monkeypatch, ggml: Kernels) -> None:
     """The A/B switch COLIBRI_GGML_EXPERTS=each (one product per expert instead of ggml_mul_mat_id)."""
     ids = oracle_ids()[1]
@@ -82,7 +94,10 @@ def test_one_product_per_expert_gives_the_stacked_bits(monkeypatch, ggml: Kernel
     ("tiny_q4_k", "f16", "llamacpp_f16_decode", F16_DECODE_Q4_K),
     ("tiny_q8_0", "f32", "llamacpp", F32_VS_LLAMACPP_Q8),
     ("colibri-tiny-q8_0", "f32", "llamacpp", F32_VS_LLAMACPP_Q8)])
-def test_decode_on_graphs_against_llamacpp(name: str, kv_type: str, oracle: str, tol: float, ggml: Kernels) -> None:
+def test_decode_on_graphs_against_llamacpp(monkeypatch, name: str, kv_type: str, oracle: str, tol: float,
+                                           ggml: Kernels) -> None:
+    if oracle == "llamacpp_f16_decode":
+        monkeypatch.setenv("COLIBRI_GGML_ATTENTION", "f16")
     ref = np.load(FIXTURES / "oracle" / f"{name}.{oracle}.npz")
     ids = oracle_ids()
     for key in sorted(ref.files):

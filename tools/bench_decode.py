@@ -14,7 +14,8 @@ run 0 of each arm is a warm-up (caches filled, graphs built) and not counted,
 then ``--runs`` timed runs each. An arm of ours is a kernel backend
 (``numpy``, ``ggml``, ``auto``), optionally with ggml switches for a one-variable
 A/B (``kernels/ggml_cpu.KNOBS``): ``ggml/threadpool=off``, ``ggml/graphs=off``,
-``ggml/experts=each`` (one product per expert instead of ``ggml_mul_mat_id``).
+``ggml/experts=each`` (one product per expert instead of ``ggml_mul_mat_id``),
+``ggml/attention=f16`` (llama.cpp's flash-attention rounding over the f16 cache).
 
     python tools/bench_decode.py MODEL.gguf --runs 5 --tokens 32 --prefill 128 --arms ggml,llama.cpp
 """

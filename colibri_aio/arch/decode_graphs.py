@@ -66,7 +66,8 @@ class GraphDecode(MoETransformer):
                 *(_Mat(kernels._gid(m), *m.shape) for m in mats), heads=a.head_count, heads_kv=a.head_count_kv,
                 key_width=a.key_length, value_width=a.value_length, n_rot=a.n_rot, rope_base=a.rope_freq_base,
                 n_ctx_orig=a.context_length, eps=a.rms_eps, experts=a.expert_count, used=a.expert_used_count,
-                kv_dtype=np.dtype(cache.dtype).name, qkv_fused=fused))
+                kv_dtype=np.dtype(cache.dtype).name, qkv_fused=fused,
+                f16_attention=ggml_cpu.knob("attention") == "f16"))
         return ggml_decode.DecodeGraphs(kernels, shapes)
 
     async def _blocks(self, tok: np.ndarray, positions: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
