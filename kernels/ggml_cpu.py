@@ -29,10 +29,15 @@ each output row whole, by one thread, with unaligned loads, and splits the
 activation's quantisation on block boundaries, so neither the thread count
 nor the byte address of the weights changes a bit; an expert's output does
 not depend on which other experts share its graph or its stack (every
-(expert, position) cell is its own vec_dot products). A trunk product of one
-position takes ggml's vec_dot path and one of several positions its tiled
-GEMM (llamafile), so a prefill row may differ in its last bits from the same
-position decoded alone, as in llama.cpp.
+(expert, position) cell is its own vec_dot products). A product of one
+position takes ggml's vec_dot path and one of several positions, when ggml
+is built with it (GGML_LLAMAFILE), llamafile's tiled GEMM, as in llama.cpp:
+for the :data:`GEMM_TYPES` its rows carry vec_dot's bits (a prefill row is
+the row decoded alone), for float weights a prefill row may differ in its
+last bits. The GEMM is what makes prefill fast: it loads a block of weights
+once for several positions, where vec_dot (and so ``ggml_mul_mat_id``, which
+llama.cpp runs for experts) loads it once per position; experts of several
+rows therefore run as one ``ggml_mul_mat`` each (:meth:`GgmlKernels._expert_gemms`).
 
 ggml-python builds ggml from source at install with ``GGML_NATIVE`` on
 (``-march=native``): the instruction set is chosen at build time, for the
