@@ -229,7 +229,9 @@ class _Graph:
         self.stacks: list[ctypes.Structure] = []
         self.plan: G.ggml_cplan | None = None
         self.work_size = 0
+        self.arena_size = 0
         self._arena: np.ndarray | None = None
+        self._places: list[tuple[ctypes.Structure, int]] = []
 
     def leaf(self, gid: int, cols: int, rows: int, depth: int = 1) -> ctypes.Structure:
         """A (depth, rows, cols) tensor whose data is given at every call."""
@@ -248,25 +250,34 @@ class _Graph:
         stack.nb[2] = stride
         stack.nb[3] = stride * stack.ne[2]
 
-    def finish(self, outputs: Sequence, n_threads: int) -> None:
-        """Expand the graph from ``outputs``, give every intermediate a place, and plan it."""
+    def finish(self, outputs: Sequence, n_threads: int, own_arena: bool = True) -> None:
+        """Expand the graph from ``outputs``, give every intermediate a place, and plan it.
+
+        ``own_arena`` False: the intermediates get their places in memory the caller gives at every
+        call (:meth:`place`, ``arena_size`` bytes), so that graphs run one after another share it."""
         for t in outputs:
             G.ggml_build_forward_expand(self.gf, t)
             self.outputs.append(t.contents)
         out_ids = {ctypes.addressof(o) for o in self.outputs}
-        places, offset = [], 0
+        self._places, offset = [], 0
         for i in range(G.ggml_graph_n_nodes(self.gf)):
             node = G.ggml_graph_node(self.gf, i).contents
             if ctypes.addressof(node) in out_ids or node.data:
                 continue
-            places.append((node, offset))
+            self._places.append((node, offset))
             offset += -(-G.ggml_nbytes(ctypes.pointer(node)) // _ALIGN) * _ALIGN
-        self._arena, base = _aligned(offset)
-        for node, off in places:
-            node.data = base + off
+        self.arena_size = offset
+        if own_arena:
+            self._arena, base = _aligned(offset)
+            self.place(base)
         self.plan = G.ggml_graph_plan(self.gf, n_threads, None)
         self._plan_ref = ctypes.byref(self.plan)
         self.work_size = self.plan.work_size
+
+    def place(self, base: int) -> None:
+        """Put the intermediates at ``base`` (``arena_size`` bytes, _ALIGN-aligned)."""
+        for node, off in self._places:
+            node.data = base + off
 
     def run(self, work: "ctypes._Pointer[ctypes.c_uint8]") -> None:
         self.plan.work_data = work
@@ -376,6 +387,7 @@ class GgmlKernels:
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._address = _Addresses()
         self._work, self._work_ptr = self._work_buffer(1 << 20)
+        self._scratch, _ = _aligned(0)           # the intermediates of _expert_gemms' graphs
         self._lock = threading.Lock()
 
     # --- the interface the forward pass calls ---
@@ -502,7 +514,8 @@ class GgmlKernels:
         """Experts of two or more rows each, one graph launch per expert: ``ggml_mul_mat`` of its matrices by
         all its rows runs on llamafile's tiled GEMM, which reuses each weight block it loads across the rows
         (``ggml_mul_mat_id`` takes one vec_dot per (row, cell) and reloads the weights for every cell).
-        A graph serves every expert with the same number of rows."""
+        A graph serves every expert with the same number of rows; all of them keep their intermediates
+        (gate, up, activation: rows x 3 x F floats) in one scratch buffer, not one each."""
         n_all = sum(x.shape[0] for x in inputs)
         out = np.empty(n_all * down.rows, np.float32)
         out_addr, start, ys = out.ctypes.data, 0, []
@@ -514,9 +527,12 @@ class GgmlKernels:
                 graph = self._graphs.get(key)
                 if graph is None:
                     graph = self._new_graph(key, 4, lambda gr: self._build_gemm(gr, gate, down, n, activation),
-                                            weight_bytes)
+                                            weight_bytes, own_arena=False)
                 else:
                     self._graphs.move_to_end(key)
+                if graph.arena_size > self._scratch.size:
+                    self._scratch, _ = _aligned(graph.arena_size)
+                graph.place(self._scratch.ctypes.data)
                 for leaf, a in zip(graph.inputs, (g, u, x.ctypes.data, d)):
                     leaf.data = a
                 graph.outputs[0].data = out_addr
@@ -595,10 +611,11 @@ class GgmlKernels:
             graph.run(self._work_ptr)
         return out
 
-    def _new_graph(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list], weight_bytes: int) -> _Graph:
+    def _new_graph(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list], weight_bytes: int,
+                   own_arena: bool = True) -> _Graph:
         graph = _Graph(n_tensors)
         threads = self.n_threads if weight_bytes >= self.parallel_bytes else 1
-        graph.finish(build(graph), threads)
+        graph.finish(build(graph), threads, own_arena)
         if graph.work_size > self._work.size:
             self._work, self._work_ptr = self._work_buffer(graph.work_size)
         self._graphs[key] = graph
