@@ -12,10 +12,13 @@ linker would bind both to one set of ``ggml_*`` symbols. The parent drives the
 workers in turn, so arms interleave run by run (the order flips every run);
 run 0 of each arm is a warm-up (caches filled, graphs built) and not counted,
 then ``--runs`` timed runs each. An arm of ours is a kernel backend
-(``numpy``, ``ggml``, ``auto``), optionally with ggml switches for a one-variable
-A/B (``kernels/ggml_cpu.KNOBS``): ``ggml/threadpool=off``, ``ggml/graphs=off``,
-``ggml/experts=each`` (one product per expert instead of ``ggml_mul_mat_id``),
-``ggml/attention=f16`` (llama.cpp's flash-attention rounding over the f16 cache).
+(``numpy``, ``ggml``, ``auto``), optionally with one environment setting for
+its worker after an ``@`` (``ggml@COLIBRI_GGML_EXPERT_GEMM=0``): the A/B of a
+switch in one run. The decode switches (``kernels/ggml_cpu.KNOBS``):
+``COLIBRI_GGML_GRAPHS=off`` (one graph per product, NumPy trunk ops),
+``COLIBRI_GGML_THREADPOOL=off``, ``COLIBRI_GGML_EXPERTS=each`` (one product per
+expert instead of ``ggml_mul_mat_id``), ``COLIBRI_GGML_ATTENTION=f16``
+(llama.cpp's flash-attention rounding over the f16 cache).
 
     python tools/bench_decode.py MODEL.gguf --runs 5 --tokens 32 --prefill 128 --arms ggml,llama.cpp
 """
@@ -101,11 +104,7 @@ class LlamaCpp:
 
 
 def worker(arm: str, path: Path, n_ctx: int) -> int:
-    backend, *switches = arm.split("/")
-    for switch in switches:  # read by kernels/ggml_cpu.knob when the backend opens
-        name, _, value = switch.partition("=")
-        os.environ[f"COLIBRI_GGML_{name.upper()}"] = value
-    engine = LlamaCpp(path, n_ctx) if arm == "llama.cpp" else Ours(path, backend, n_ctx)
+    engine = LlamaCpp(path, n_ctx) if arm == "llama.cpp" else Ours(path, arm, n_ctx)
     print(json.dumps({"ready": engine.describe}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -116,8 +115,13 @@ def worker(arm: str, path: Path, n_ctx: int) -> int:
 class Worker:
     def __init__(self, arm: str, path: Path, n_ctx: int) -> None:
         self.arm = arm
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", arm, str(path), "--n-ctx", str(n_ctx)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        backend, _, setting = arm.partition("@")
+        env = dict(os.environ)
+        if setting:
+            key, _, value = setting.partition("=")
+            env[key] = value
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", backend, str(path), "--n-ctx", str(n_ctx)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.describe = self._reply()["ready"]
 
     def _reply(self) -> dict:
