@@ -76,9 +76,11 @@ _TEMPLATES = 256                 # graphs kept per backend (least recently used 
 _ADDRESSES = 1 << 15             # array addresses remembered (see _Addresses)
 _STACK_WORK = 32 << 20          # bytes of ggml_mul_mat_id bookkeeping one stack of experts may need (_stacks)
 PARALLEL_BYTES = 1 << 18         # graphs with fewer weight bytes run on one thread (GgmlKernels)
-# A/B switches (bench_decode.py arms such as ``ggml@COLIBRI_GGML_THREADPOOL=off``); the defaults are the
-# measured winners.
-KNOBS = {"threadpool": "on", "graphs": "on", "experts": "stacked", "attention": "f32"}
+# A/B switches (bench_decode.py arms such as ``ggml@COLIBRI_GGML_THREADPOOL=on``); the defaults are the
+# measured winners. threadpool: a persistent ggml threadpool gave no decode gain on the decode graphs
+# (~17 launches a token: 24.8 vs 25.4 tok/s without, evidence/decode_20261202T012629Z.md), so ggml
+# starts and joins its threads per graph as before.
+KNOBS = {"threadpool": "off", "graphs": "on", "experts": "stacked", "attention": "f32"}
 # Weight types llamafile's GEMM multiplies on x86 (tinyBLAS_Q0_AVX) and whose products there carry the bits of
 # ggml's vec_dot, row for row (tests/test_kernels_ggml.py): an expert with several positions runs on it.
 # (IQ4_NL runs there too, but with other bits than vec_dot's: left out.)
