@@ -239,8 +239,9 @@ async def measure_ours(path: Path, backend: str, bs: int, qd: int, pattern: str,
 
 # -- one measurement of fio ----------------------------------------------------
 
-def fio_command(path: Path, bs: int, qd: int, pattern: str, seconds: float, direct: bool, seed: int) -> list[str]:
-    return ["fio", "--name=iobench", f"--filename={path}", "--ioengine=io_uring", f"--direct={int(direct)}",
+def fio_command(path: Path, bs: int, qd: int, pattern: str, seconds: float, direct: bool, seed: int,
+                mem: str = "malloc") -> list[str]:
+    return ["fio", f"--mem={mem}", "--name=iobench", f"--filename={path}", "--ioengine=io_uring", f"--direct={int(direct)}",
             f"--rw={'randread' if pattern == 'rand' else 'read'}", f"--bs={bs}", f"--iodepth={qd}",
             "--numjobs=1", "--time_based", f"--runtime={round(seconds * 1000)}ms", "--ramp_time=100ms",
             "--norandommap", f"--randseed={FIO_RANDOM_SEED + seed}", "--lat_percentiles=1",
@@ -248,9 +249,9 @@ def fio_command(path: Path, bs: int, qd: int, pattern: str, seconds: float, dire
 
 
 def measure_fio(path: Path, bs: int, qd: int, pattern: str, seconds: float, direct: bool,
-                seed: int) -> dict[str, Any]:
+                seed: int, mem: str = "malloc") -> dict[str, Any]:
     """Run fio once and return the same figures as :func:`measure_ours`."""
-    cmd = fio_command(path, bs, qd, pattern, seconds, direct, seed)
+    cmd = fio_command(path, bs, qd, pattern, seconds, direct, seed, mem)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120)
     if done.returncode != 0:
         raise RuntimeError(f"fio failed ({done.returncode}): {done.stderr.strip()[:500]}")
@@ -271,7 +272,7 @@ FIGURES = ("gbps", "iops", "lat_p50_ms", "lat_p99_ms", "cpu_us_per_read")
 DEVICE_FIGURES = ("request_kib", "depth_busy", "inflight_mib", "utilisation")  # what the block device saw
 
 
-FIO_ARMS = ("fio", "fio_split")
+FIO_ARMS = ("fio", "fio_split", "fio_huge")
 
 
 def ours_arms(args: argparse.Namespace) -> dict[str, tuple[str, str]]:
@@ -287,10 +288,25 @@ def arm_names(pair: dict[str, Any]) -> list[str]:
     return sorted(pair, key=lambda a: (a != "ours", a in FIO_ARMS, a))
 
 
-def fio_arms(bs: int, qd: int) -> dict[str, tuple[int, int]]:
-    """fio's (block size, depth) per arm: the same as ours, and split like our kernel reads."""
+def fio_arms(bs: int, qd: int, huge_free: int = 0) -> dict[str, tuple[int, int, str]]:
+    """fio's (block size, depth, buffer memory) per arm: the same as ours; split like our kernel reads; and, when
+    ``huge_free`` bytes of reserved huge pages hold its buffers, the same as ours read into huge pages, as our pool is."""
     part = split_expert(bs)[0]
-    return {"fio": (bs, qd), "fio_split": (part, RANGES_PER_EXPERT * qd)}
+    arms = {"fio": (bs, qd, "malloc"), "fio_split": (part, RANGES_PER_EXPERT * qd, "malloc")}
+    if huge_free >= qd * bs + (4 << 20):  # fio's buffers plus its alignment slack
+        arms["fio_huge"] = (bs, qd, "mmaphuge")
+    return arms
+
+
+def hugetlb_free_bytes() -> int:
+    """Bytes of free reserved huge pages (``/proc/sys/vm/nr_hugepages``), what ``fio --mem=mmaphuge`` needs."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    except OSError:
+        return 0
+    free = int(fields.get("HugePages_Free", "0").strip() or 0)
+    size = int(fields.get("Hugepagesize", "0 kB").split()[0]) << 10
+    return free * size
 
 
 async def measure_pair(path: Path, args: argparse.Namespace, backend: str, bs: int, qd: int, run: int,
@@ -298,7 +314,8 @@ async def measure_pair(path: Path, args: argparse.Namespace, backend: str, bs: i
     """Ours and fio's arms back to back, starting with a different arm on each run."""
     direct = backend != "mmap"
     variants = ours_arms(args)
-    arms = [*variants, *(fio_arms(bs, qd) if use_fio else ())]
+    references = fio_arms(bs, qd, hugetlb_free_bytes()) if use_fio else {}
+    arms = [*variants, *references]
     shift = run % len(arms)
     arms = arms[shift:] + arms[:shift]  # rotate who goes first so drift favours no arm
     pair: dict[str, dict[str, Any]] = {}
@@ -312,9 +329,9 @@ async def measure_pair(path: Path, args: argparse.Namespace, backend: str, bs: i
             pair[arm] = await measure_ours(path, backend, bs, qd, args.pattern, args.seconds, seed=run,
                                            refill=refill, pages=pages)
         else:
-            fio_bs, fio_qd = fio_arms(bs, qd)[arm]
+            fio_bs, fio_qd, mem = references[arm]
             pair[arm] = await asyncio.to_thread(measure_fio, path, fio_bs, fio_qd, args.pattern, args.seconds,
-                                                direct, run)
+                                                direct, run, mem)
         if before is not None:
             pair[arm]["device"] = devstat.between(before, devstat.snapshot(disk))
     return pair
@@ -346,9 +363,9 @@ def summarise(backend: str, bs: int, qd: int, pattern: str, pairs: list[dict[str
         row[arm] = {k: receipt.spread([p[arm][k] for p in pairs]) for k in FIGURES}
         row[f"{arm}_samples"] = [p[arm] for p in pairs]
         row[f"{arm}_vs_ours"] = receipt.spread([p[arm]["gbps"] / p["ours"]["gbps"] for p in pairs])
-        if "fio" in pairs[0]:
-            row[f"{arm}_fio_ratio"] = receipt.spread([p[arm]["gbps"] / p["fio"]["gbps"] for p in pairs])
-    for arm in (a for a in ("fio", "fio_split") if a in pairs[0]):
+        for ref in (a for a in ("fio", "fio_huge") if all(a in p for p in pairs)):
+            row[f"{arm}_{ref}_ratio"] = receipt.spread([p[arm]["gbps"] / p[ref]["gbps"] for p in pairs])
+    for arm in (a for a in FIO_ARMS if a in pairs[0] and all(a in p for p in pairs)):
         runs = [p[arm] for p in pairs]
         ratios = [p["ours"]["gbps"] / p[arm]["gbps"] for p in pairs]
         row[arm] = {k: receipt.spread([s[k] for s in runs]) for k in FIGURES}
@@ -367,22 +384,23 @@ def _fmt(s: dict[str, float], digits: int = 2) -> str:
 def render_table(rows: list[dict[str, Any]]) -> str:
     """One line per setting: medians with [min-max]; ratios are medians of per-pair ratios."""
     lines = ["| backend | bs | QD | ours GB/s | IOPS | p50 ms | p99 ms | CPU us/read "
-             "| fio GB/s | ours/fio | fio split GB/s | ours/fio split |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| fio GB/s | ours/fio | fio split GB/s | ours/fio split | fio huge GB/s | ours/fio huge |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     whole = []
     for r in rows:
         o = r["ours"]
         cells = [r["backend"], f"{r['bs'] >> 10} KiB", str(r["qd"]), _fmt(o["gbps"]),
                  f"{o['iops']['median']:.0f}", _fmt(o["lat_p50_ms"]), _fmt(o["lat_p99_ms"]),
                  f"{o['cpu_us_per_read']['median']:.0f}"]
-        for arm in ("fio", "fio_split"):
+        for arm in FIO_ARMS:
             cells += [_fmt(r[arm]["gbps"]), _fmt(r[f"{arm}_ratio"], 3)] if arm in r else ["-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
         for arm in (a for a in r if a.startswith("ours_") and f"{a}_vs_ours" in r):
             whole.append(f"- {r['backend']} {r['bs'] >> 10} KiB QD {r['qd']}: {arm} {_fmt(r[arm]['gbps'])} GB/s, "
                          f"{arm}/ours ({r['refill']}, {'huge' if r['huge_pages'] else '4k'} pages) "
                          f"{_fmt(r[f'{arm}_vs_ours'], 3)}"
-                         + (f", {arm}/fio {_fmt(r[f'{arm}_fio_ratio'], 3)}" if f"{arm}_fio_ratio" in r else ""))
+                         + "".join(f", {arm}/{ref} {_fmt(r[f'{arm}_{ref}_ratio'], 3)}" for ref in ("fio", "fio_huge")
+                                   if f"{arm}_{ref}_ratio" in r))
         if "fio_ratio_whole" in r:
             whole.append(f"- {r['backend']} {r['bs'] >> 10} KiB QD {r['qd']}: ours/fio "
                          f"{_fmt(r['fio_ratio_whole'], 3)} counting ours over its whole run, ramp-up and drain "
