@@ -276,7 +276,7 @@ FIGURES = ("gbps", "iops", "lat_p50_ms", "lat_p99_ms", "cpu_us_per_read")
 DEVICE_FIGURES = ("request_kib", "depth_busy", "inflight_mib", "utilisation")  # what the block device saw
 
 
-FIO_ARMS = ("fio", "fio_split", "fio_huge")
+FIO_ARMS = ("fio", "fio_split", "fio_huge", "fio_split_huge")
 
 
 def ours_arms(args: argparse.Namespace) -> dict[str, tuple[str, str]]:
@@ -294,11 +294,13 @@ def arm_names(pair: dict[str, Any]) -> list[str]:
 
 def fio_arms(bs: int, qd: int, huge_free: int = 0) -> dict[str, tuple[int, int, str]]:
     """fio's (block size, depth, buffer memory) per arm: the same as ours; split like our kernel reads; and, when
-    ``huge_free`` bytes of reserved huge pages hold its buffers, the same as ours read into huge pages, as our pool is."""
+    ``huge_free`` bytes of reserved huge pages hold its buffers, both again into huge pages, as our pool is."""
     part = split_expert(bs)[0]
     arms = {"fio": (bs, qd, "malloc"), "fio_split": (part, RANGES_PER_EXPERT * qd, "malloc")}
     if huge_free >= qd * bs + (4 << 20):  # fio's buffers plus its alignment slack
         arms["fio_huge"] = (bs, qd, "mmaphuge")
+    if huge_free >= RANGES_PER_EXPERT * qd * part + (4 << 20):
+        arms["fio_split_huge"] = (part, RANGES_PER_EXPERT * qd, "mmaphuge")
     return arms
 
 
@@ -388,8 +390,9 @@ def _fmt(s: dict[str, float], digits: int = 2) -> str:
 def render_table(rows: list[dict[str, Any]]) -> str:
     """One line per setting: medians with [min-max]; ratios are medians of per-pair ratios."""
     lines = ["| backend | bs | QD | ours GB/s | IOPS | p50 ms | p99 ms | CPU us/read "
-             "| fio GB/s | ours/fio | fio split GB/s | ours/fio split | fio huge GB/s | ours/fio huge |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| fio GB/s | ours/fio | fio split GB/s | ours/fio split | fio huge GB/s | ours/fio huge "
+             "| fio split huge GB/s | ours/fio split huge |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     whole = []
     for r in rows:
         o = r["ours"]

@@ -139,3 +139,4 @@ def test_fio_reads_into_huge_pages_only_when_enough_are_reserved() -> None:
     assert set(fio_arms(1 << 20, 8, huge_free=0)) == {"fio", "fio_split"}
     assert fio_arms(1 << 20, 8, huge_free=8 << 20)["fio_split"] == (348160, 24, "malloc")
     assert fio_arms(1 << 20, 8, huge_free=64 << 20)["fio_huge"] == (1 << 20, 8, "mmaphuge")
+    assert fio_arms(1 << 20, 8, huge_free=64 << 20)["fio_split_huge"] == (348160, 24, "mmaphuge")
