@@ -166,10 +166,11 @@ async def measure_ours(path: Path, backend: str, bs: int, qd: int, pattern: str,
     how the engine reads (a layer's misses submitted together, the ring's
     byte bound keeping the rest in order). Latency is then counted from
     ``start``, time queued behind the byte bound included. ``expert`` is the
-    default: on the 48-layer file with the pool in huge pages, ``range`` kept
-    more bytes in flight but read no faster at 1 MiB (range / expert 0.97 and
-    1.01 at QD 8 and 32) and slower at 4 MiB (0.83 and 0.81), with up to 3x
-    the CPU per read (evidence/iobench_20261202T002636Z).
+    default: with the pool in huge pages, ``range`` kept more bytes in flight
+    but its gain was not consistent (range / expert over three receipts: 0.97,
+    1.14, 1.24 at 1 MiB QD 8; 0.98-1.01 at 1 MiB QD 32; 0.83-1.11 at 4 MiB
+    QD 8; 0.79-0.93 at 4 MiB QD 32; evidence/iobench_20261202T002636Z,
+    ...T004056Z, ...T004937Z).
 
     The workers run without a pause from the first read to the last: after
     RAMP_S of ramp, the reads that end within the next ``seconds`` count, over
