@@ -56,6 +56,7 @@ class Placement:
     context: int | None = None
     kv_type: str = DEFAULT_KV_TYPE  # storage of the KV cache: f16 (llama.cpp's default) or f32
     warm_start: bool = False        # stream experts into the pool from the start (see warm_keys); off: its A/B
+    read_ahead: bool = True         # a prefill reads the next layer's likely experts while this one computes
     backpressure: BackpressureConfig | None = None  # thresholds of --prefetch auto (None: defaults)
 
     def __post_init__(self) -> None:
@@ -176,7 +177,7 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
                                       start=time.perf_counter()),
         LookaheadPredictor(a.expert_used_count, a.expert_count),
         expert_nbytes=lambda key: model.expert(*key).nbytes, prefetch_count=a.expert_used_count,
-        usage=past.empty() if past is not None else None)
+        usage=past.empty() if past is not None else None, read_ahead=placement.read_ahead)
     source = CachedExpertSource(reader, policy, model.expert)
     try:
         await source.fill_pinned(progress)
