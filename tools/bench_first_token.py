@@ -62,6 +62,9 @@ def worker_ours(model: Path, seed: int, tg: int, options: dict) -> dict:
             logits = await engine.prefill(ids[:PROMPT])
             first = int(np.argmax(logits))
             t_first = time.time()
+            prompt_io = {"prompt_read_busy_s": engine.source.reader.stats.busy_s,
+                         "prompt_demand_wait_s": engine.source.demand_wait_s,
+                         "prompt_gb_read": engine.source.reader.stats.io_bytes / 1e9}
             policy = engine.source.policy
             warm_left_at_first = policy.warm_pending
             ticks, warm_done_at = [], None
@@ -71,7 +74,7 @@ def worker_ours(model: Path, seed: int, tg: int, options: dict) -> dict:
                 if warm_done_at is None and policy.warm_pending == 0 and not policy.reads_in_flight:
                     warm_done_at = i + 1
             s = engine.stats()
-            return {"open_at": t_open, "first_at": t_first, "first_token": first, "ticks": ticks,
+            return {"open_at": t_open, "first_at": t_first, "first_token": first, "ticks": ticks, **prompt_io,
                     "open": engine.open_timings.as_dict() if engine.open_timings else None,
                     "plan": engine.plan.one_line(), "warm_left_at_first_token": warm_left_at_first,
                     "warm_reads": policy.stats.warm_reads, "warm_done_after_tokens": warm_done_at,

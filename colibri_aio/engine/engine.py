@@ -132,7 +132,9 @@ class Engine:
         off by default: on the 8-layer cut its reads slowed the open's cold
         start and doubled the time to first token (evidence/first_token_*).
         ``read_ahead``: while a prefill computes one layer, read the experts
-        the next one will likely use (:mod:`colibri_aio.policy.scheduler`).
+        the next one will likely use (:mod:`colibri_aio.policy.scheduler`), and
+        issue reads from io_uring's kernel workers so that compute goes on while
+        they fault in the pool pages they fill.
         """
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,
