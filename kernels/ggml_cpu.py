@@ -29,10 +29,15 @@ each output row whole, by one thread, with unaligned loads, and splits the
 activation's quantisation on block boundaries, so neither the thread count
 nor the byte address of the weights changes a bit; an expert's output does
 not depend on which other experts share its graph or its stack (every
-(expert, position) cell is its own vec_dot products). A trunk product of one
-position takes ggml's vec_dot path and one of several positions its tiled
-GEMM (llamafile), so a prefill row may differ in its last bits from the same
-position decoded alone, as in llama.cpp.
+(expert, position) cell is its own vec_dot products). A product of one
+position takes ggml's vec_dot path and one of several positions, when ggml
+is built with it (GGML_LLAMAFILE), llamafile's tiled GEMM, as in llama.cpp:
+for the :data:`GEMM_TYPES` its rows carry vec_dot's bits (a prefill row is
+the row decoded alone), for float weights a prefill row may differ in its
+last bits. The GEMM is what makes prefill fast: it loads a block of weights
+once for several positions, where vec_dot (and so ``ggml_mul_mat_id``, which
+llama.cpp runs for experts) loads it once per position; experts of several
+rows therefore run as one ``ggml_mul_mat`` each (:meth:`GgmlKernels._expert_gemms`).
 
 ggml-python builds ggml from source at install with ``GGML_NATIVE`` on
 (``-march=native``): the instruction set is chosen at build time, for the
@@ -44,6 +49,7 @@ from __future__ import annotations
 import ctypes
 import itertools
 import math
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -57,7 +63,7 @@ import ggml.ggml as G  # ggml-python; this module is only imported when the ggml
 from colibri_aio.kernels.backend import FFNWeights
 from colibri_aio.kernels.qtensor import QTensor
 
-__all__ = ["GgmlKernels", "GgmlUnavailable", "probe", "supported_types", "version"]
+__all__ = ["GEMM_TYPES", "GgmlKernels", "GgmlUnavailable", "has_gemm", "probe", "supported_types", "version"]
 
 # Features ggml reports as compiled in (ggml_cpu_has_*) and the /proc/cpuinfo flag each needs.
 _ISA_FLAGS = {"sse3": "pni", "ssse3": "ssse3", "avx": "avx", "avx2": "avx2", "f16c": "f16c", "fma": "fma",
@@ -70,6 +76,10 @@ _TEMPLATES = 256                 # graphs kept per backend (least recently used 
 _ADDRESSES = 1 << 15             # array addresses remembered (see _Addresses)
 _STACK_WORK = 32 << 20          # bytes of ggml_mul_mat_id bookkeeping one stack of experts may need (_stacks)
 PARALLEL_BYTES = 1 << 18         # graphs with fewer weight bytes run on one thread (GgmlKernels)
+# Weight types llamafile's GEMM multiplies on x86 (tinyBLAS_Q0_AVX) and whose products there carry the bits of
+# ggml's vec_dot, row for row (tests/test_kernels_ggml.py): an expert with several positions runs on it.
+# (IQ4_NL runs there too, but with other bits than vec_dot's: left out.)
+GEMM_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0})
 
 
 class GgmlUnavailable(RuntimeError):
@@ -109,7 +119,15 @@ def probe() -> str:
             raise GgmlUnavailable(f"ggml-python was built for {', '.join(missing)}, which this CPU lacks "
                                   f"(reinstall it on this machine: pip install --force-reinstall --no-binary "
                                   f":all: ggml-python)")
-    return f"{version()}, built for {'/'.join(built_features()) or 'generic x86'}"
+    gemm = "llamafile GEMM" if has_gemm() else ("no llamafile GEMM: prefill runs ggml's vec_dot products "
+                                                "(build ggml-python with GGML_LLAMAFILE=ON, see README)")
+    return f"{version()}, built for {'/'.join(built_features()) or 'generic x86'}, {gemm}"
+
+
+def has_gemm() -> bool:
+    """Whether ggml was built with llamafile's tiled GEMM (GGML_LLAMAFILE): products of two or more positions
+    by a weight of a :data:`GEMM_TYPES` type then run on it instead of one vec_dot per (row, position)."""
+    return bool(G.ggml_cpu_has_llamafile())
 
 
 # --- types ---
@@ -211,7 +229,9 @@ class _Graph:
         self.stacks: list[ctypes.Structure] = []
         self.plan: G.ggml_cplan | None = None
         self.work_size = 0
+        self.arena_size = 0
         self._arena: np.ndarray | None = None
+        self._places: list[tuple[ctypes.Structure, int]] = []
 
     def leaf(self, gid: int, cols: int, rows: int, depth: int = 1) -> ctypes.Structure:
         """A (depth, rows, cols) tensor whose data is given at every call."""
@@ -230,25 +250,34 @@ class _Graph:
         stack.nb[2] = stride
         stack.nb[3] = stride * stack.ne[2]
 
-    def finish(self, outputs: Sequence, n_threads: int) -> None:
-        """Expand the graph from ``outputs``, give every intermediate a place, and plan it."""
+    def finish(self, outputs: Sequence, n_threads: int, own_arena: bool = True) -> None:
+        """Expand the graph from ``outputs``, give every intermediate a place, and plan it.
+
+        ``own_arena`` False: the intermediates get their places in memory the caller gives at every
+        call (:meth:`place`, ``arena_size`` bytes), so that graphs run one after another share it."""
         for t in outputs:
             G.ggml_build_forward_expand(self.gf, t)
             self.outputs.append(t.contents)
         out_ids = {ctypes.addressof(o) for o in self.outputs}
-        places, offset = [], 0
+        self._places, offset = [], 0
         for i in range(G.ggml_graph_n_nodes(self.gf)):
             node = G.ggml_graph_node(self.gf, i).contents
             if ctypes.addressof(node) in out_ids or node.data:
                 continue
-            places.append((node, offset))
+            self._places.append((node, offset))
             offset += -(-G.ggml_nbytes(ctypes.pointer(node)) // _ALIGN) * _ALIGN
-        self._arena, base = _aligned(offset)
-        for node, off in places:
-            node.data = base + off
+        self.arena_size = offset
+        if own_arena:
+            self._arena, base = _aligned(offset)
+            self.place(base)
         self.plan = G.ggml_graph_plan(self.gf, n_threads, None)
         self._plan_ref = ctypes.byref(self.plan)
         self.work_size = self.plan.work_size
+
+    def place(self, base: int) -> None:
+        """Put the intermediates at ``base`` (``arena_size`` bytes, _ALIGN-aligned)."""
+        for node, off in self._places:
+            node.data = base + off
 
     def run(self, work: "ctypes._Pointer[ctypes.c_uint8]") -> None:
         self.plan.work_data = work
@@ -351,9 +380,14 @@ class GgmlKernels:
         self.parallel_bytes = parallel_bytes
         self._types: dict[GGMLQuantizationType, int] = {t: gid for t in GGMLQuantizationType
                                                          if (gid := _ggml_type(t)) is not None}
+        self._type_of = {gid: t for t, gid in self._types.items()}
+        # Experts of several rows on llamafile's GEMM (_expert_gemms); COLIBRI_GGML_EXPERT_GEMM=0 keeps every
+        # expert on ggml_mul_mat_id (the A/B of evidence/prefill_ab_*).
+        self.expert_gemm = has_gemm() and os.environ.get("COLIBRI_GGML_EXPERT_GEMM", "1") != "0"
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._address = _Addresses()
         self._work, self._work_ptr = self._work_buffer(1 << 20)
+        self._scratch, _ = _aligned(0)           # the intermediates of _expert_gemms' graphs
         self._lock = threading.Lock()
 
     # --- the interface the forward pass calls ---
@@ -405,15 +439,18 @@ class GgmlKernels:
 
     def expert_ffns(self, experts: Sequence[FFNWeights], xs: Sequence[np.ndarray],
                     activation: str = "swiglu") -> list[np.ndarray]:
-        """``down(act(gate x, up x))`` for each expert on its own rows; one graph for the batch.
+        """``down(act(gate x, up x))`` for each expert on its own rows.
 
         ``xs[i]``: (n_i, D) float32, the positions routed to ``experts[i]``;
-        returns (n_i, D) each. Experts whose matrices lie at one stride from
-        each other (buffer-pool slots, a GGUF's stacked tensors) run as one
-        ``ggml_mul_mat_id`` per matrix, as llama.cpp runs a layer's experts
-        (:func:`_stacks`); the others one stack each. Every (expert, row) is
-        one dot product either way, so how experts are stacked never changes
-        a bit.
+        returns (n_i, D) each. Experts of one row (decode) run in one graph:
+        experts whose matrices lie at one stride from each other (buffer-pool
+        slots, a GGUF's stacked tensors) as one ``ggml_mul_mat_id`` per
+        matrix, as llama.cpp runs a layer's experts (:func:`_stacks`); the
+        others one stack each. Every (expert, row) is one dot product either
+        way, so how experts are stacked never changes a bit. Experts of
+        several rows (prefill) of a :data:`GEMM_TYPES` type run on llamafile's
+        GEMM when ggml has it (:meth:`_expert_gemms`), whose products carry
+        the same bits as the vec_dot ones.
         """
         if activation not in _ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}")
@@ -432,6 +469,21 @@ class GgmlKernels:
             addrs.append((addr(e.gate.data), addr(e.up.data), addr(e.down.data)))
         if gate is None:
             return []
+        gemm = self.expert_gemm and self._type_of[gate.gid] in GEMM_TYPES
+        on_gemm = [gemm and x.shape[0] >= 2 for x in inputs]
+        ys: list[np.ndarray] = [inputs[0]] * len(experts)
+        for path, run in ((True, self._expert_gemms), (False, self._expert_stacks)):
+            members = [m for m, p in enumerate(on_gemm) if p == path]
+            if members:
+                outs = run([addrs[m] for m in members], [inputs[m] for m in members], gate, down, activation)
+                for m, y in zip(members, outs):
+                    ys[m] = y
+        return ys
+
+    def _expert_stacks(self, addrs: list[tuple[int, int, int]], inputs: list[np.ndarray], gate: _Mat, down: _Mat,
+                       activation: str) -> list[np.ndarray]:
+        """Experts as ``ggml_mul_mat_id`` stacks (:func:`_stacks`), one graph; every (expert, row) cell is its
+        own vec_dot products."""
         counts = [x.shape[0] for x in inputs]
         stacks = _stacks(addrs, counts)
         order = [m for st in stacks for m in st.members]
@@ -447,14 +499,49 @@ class GgmlKernels:
             i_addr += 4 * n
         out = self._call(key, 9 * len(stacks), lambda gr: self._build_moe(gr, gate, down, sizes, stacks, activation),
                          [a for st, xa, ia in calls for a in (*st.base, xa, ia)], [n * down.rows for n in sizes],
-                         len(experts) * (2 * gate.nbytes + down.nbytes),
+                         len(addrs) * (2 * gate.nbytes + down.nbytes),
                          strides=[st.stride for st in stacks for _ in range(3)])
-        ys: list[np.ndarray] = [out] * len(experts)
+        ys: list[np.ndarray] = [out] * len(addrs)
         start = 0
         for m in order:
             ys[m] = out[start: start + counts[m] * down.rows].reshape(counts[m], down.rows)
             start += counts[m] * down.rows
         _keep_non_finite(x, [out.reshape(-1, down.rows)])  # the output's rows are x's, one for one
+        return ys
+
+    def _expert_gemms(self, addrs: list[tuple[int, int, int]], inputs: list[np.ndarray], gate: _Mat, down: _Mat,
+                      activation: str) -> list[np.ndarray]:
+        """Experts of two or more rows each, one graph launch per expert: ``ggml_mul_mat`` of its matrices by
+        all its rows runs on llamafile's tiled GEMM, which reuses each weight block it loads across the rows
+        (``ggml_mul_mat_id`` takes one vec_dot per (row, cell) and reloads the weights for every cell).
+        A graph serves every expert with the same number of rows; all of them keep their intermediates
+        (gate, up, activation: rows x 3 x F floats) in one scratch buffer, not one each."""
+        n_all = sum(x.shape[0] for x in inputs)
+        out = np.empty(n_all * down.rows, np.float32)
+        out_addr, start, ys = out.ctypes.data, 0, []
+        weight_bytes = 2 * gate.nbytes + down.nbytes
+        with self._lock:
+            for (g, u, d), x in zip(addrs, inputs):
+                n = x.shape[0]
+                key = ("gemm", activation, gate, down, n)
+                graph = self._graphs.get(key)
+                if graph is None:
+                    graph = self._new_graph(key, 4, lambda gr: self._build_gemm(gr, gate, down, n, activation),
+                                            weight_bytes, own_arena=False)
+                else:
+                    self._graphs.move_to_end(key)
+                if graph.arena_size > self._scratch.size:
+                    self._scratch, _ = _aligned(graph.arena_size)
+                graph.place(self._scratch.ctypes.data)
+                for leaf, a in zip(graph.inputs, (g, u, x.ctypes.data, d)):
+                    leaf.data = a
+                graph.outputs[0].data = out_addr
+                graph.run(self._work_ptr)
+                ys.append(out[start: start + n * down.rows].reshape(n, down.rows))
+                out_addr += 4 * n * down.rows
+                start += n * down.rows
+        for x, y in zip(inputs, ys):
+            _keep_non_finite(x, [y])
         return ys
 
     def dequantize(self, w: QTensor) -> np.ndarray:
@@ -524,10 +611,11 @@ class GgmlKernels:
             graph.run(self._work_ptr)
         return out
 
-    def _new_graph(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list], weight_bytes: int) -> _Graph:
+    def _new_graph(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list], weight_bytes: int,
+                   own_arena: bool = True) -> _Graph:
         graph = _Graph(n_tensors)
         threads = self.n_threads if weight_bytes >= self.parallel_bytes else 1
-        graph.finish(build(graph), threads)
+        graph.finish(build(graph), threads, own_arena)
         if graph.work_size > self._work.size:
             self._work, self._work_ptr = self._work_buffer(graph.work_size)
         self._graphs[key] = graph
@@ -540,6 +628,14 @@ class GgmlKernels:
         ws = [g.leaf(m.gid, m.cols, m.rows) for m in mats]
         x = g.leaf(G.GGML_TYPE_F32, mats[0].cols, t)
         return [G.ggml_mul_mat(g.ctx, w, x) for w in ws]
+
+    @staticmethod
+    def _build_gemm(g: _Graph, gate: _Mat, down: _Mat, n: int, activation: str) -> list:
+        wg, wu = g.leaf(gate.gid, gate.cols, gate.rows), g.leaf(gate.gid, gate.cols, gate.rows)
+        x = g.leaf(G.GGML_TYPE_F32, gate.cols, n)                    # leaves in the order _expert_gemms gives
+        wd = g.leaf(down.gid, down.cols, down.rows)
+        h = _ACTIVATIONS[activation](g.ctx, G.ggml_mul_mat(g.ctx, wg, x), G.ggml_mul_mat(g.ctx, wu, x))
+        return [G.ggml_mul_mat(g.ctx, wd, h)]
 
     @staticmethod
     def _build_moe(g: _Graph, gate: _Mat, down: _Mat, sizes: list[int], stacks: list["_Stack"],

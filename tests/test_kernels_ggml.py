@@ -192,6 +192,30 @@ def test_experts_in_pool_slots_run_stacked_and_give_the_bits_they_give_alone(ker
             assert np.array_equal(y, alone[i])
 
 
+@pytest.mark.parametrize("t", sorted(ggml_cpu.GEMM_TYPES, key=lambda t: t.name))
+def test_an_expert_of_several_rows_gives_each_row_the_bits_it_has_alone(kernels, t: T) -> None:
+    """Prefill runs an expert's rows together (llamafile's GEMM when ggml has it), decode one at a time:
+    a row's output must not depend on that, nor on the path."""
+    experts = [_expert(t, 256, 512, 40 + 10 * i) for i in range(3)]
+    rng = np.random.default_rng(9)
+    xs = [rng.standard_normal((n, 256)).astype(np.float32) for n in (5, 1, 17)]
+    together = kernels.expert_ffns(experts, xs)
+    for e, x, y in zip(experts, xs, together):
+        assert y.shape == x.shape
+        rows = np.concatenate([kernels.expert_ffns([e], [x[i: i + 1]])[0] for i in range(len(x))])
+        assert np.array_equal(y, rows)
+    kernels.expert_gemm = False                      # every expert on ggml_mul_mat_id: the same bits again
+    for y, y_stacked in zip(together, kernels.expert_ffns(experts, xs)):
+        assert np.array_equal(y, y_stacked)
+
+
+def test_the_description_says_whether_ggml_has_its_gemm() -> None:
+    k = ggml_cpu.GgmlKernels(2)
+    assert ("llamafile GEMM" in k.description) and (("no llamafile" in k.description) != ggml_cpu.has_gemm())
+    assert k.expert_gemm == ggml_cpu.has_gemm()
+    k.close()
+
+
 def test_expert_ffn_is_swiglu_within_the_stated_error(kernels) -> None:
     e = _expert(T.Q4_K, 256, 512, 20)
     x = np.random.default_rng(7).standard_normal((3, 256)).astype(np.float32)

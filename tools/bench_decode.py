@@ -12,7 +12,9 @@ linker would bind both to one set of ``ggml_*`` symbols. The parent drives the
 workers in turn, so arms interleave run by run (the order flips every run);
 run 0 of each arm is a warm-up (caches filled, graphs built) and not counted,
 then ``--runs`` timed runs each. An arm of ours is a kernel backend
-(``numpy``, ``ggml``, ``auto``).
+(``numpy``, ``ggml``, ``auto``), optionally with one environment setting for
+its worker after an ``@`` (``ggml@COLIBRI_GGML_EXPERT_GEMM=0``): the A/B of a
+switch in one run.
 
     python tools/bench_decode.py MODEL.gguf --runs 5 --tokens 32 --prefill 128 --arms ggml,llama.cpp
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -108,8 +111,13 @@ def worker(arm: str, path: Path, n_ctx: int) -> int:
 class Worker:
     def __init__(self, arm: str, path: Path, n_ctx: int) -> None:
         self.arm = arm
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", arm, str(path), "--n-ctx", str(n_ctx)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        backend, _, setting = arm.partition("@")
+        env = dict(os.environ)
+        if setting:
+            key, _, value = setting.partition("=")
+            env[key] = value
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", backend, str(path), "--n-ctx", str(n_ctx)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.describe = self._reply()["ready"]
 
     def _reply(self) -> dict:
