@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import structlog
 
-from colibri_aio.bench import receipt
+from colibri_aio.bench import devstat, receipt
 from colibri_aio.cachefiles import cache_dir
 from colibri_aio.bench.locations import split_expert
 from colibri_aio.bench.lock import exclusive
@@ -44,6 +44,8 @@ from colibri_aio.policy.budget import parse_size
 # workers (IOSQE_ASYNC) instead of inline in io_uring_submit
 BACKEND_CHOICES = ("uring", "uring+reg", "uring+async", "pread", "mmap")
 FIO_RANDOM_SEED = 20260
+REFILLS = ("expert", "range")  # how ours keeps the device's queue full (measure_ours); the first is the default
+PAGES = ("huge", "4k")  # what the pool's memory is made of (BufferPool huge_pages)
 
 
 # -- arguments ---------------------------------------------------------------
@@ -65,6 +67,14 @@ def _csv(convert):
     return parse
 
 
+def _one_of(choices: tuple[str, ...]):
+    def parse(text: str) -> str:
+        if text.strip() not in choices:
+            raise argparse.ArgumentTypeError(f"unknown value {text!r} (choose from {', '.join(choices)})")
+        return text.strip()
+    return parse
+
+
 def _backends(text: str) -> list[str]:
     names = list(BACKEND_CHOICES) if text == "all" else [t.strip() for t in text.split(",") if t.strip()]
     for name in names:
@@ -83,6 +93,14 @@ def add_iobench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="experts in flight, comma-separated (default: 1,8,32)")
     parser.add_argument("--backend", type=_backends, default=["uring"], metavar="NAMES",
                         help=f"comma-separated from {', '.join(BACKEND_CHOICES)}, or all (default: uring)")
+    parser.add_argument("--refill", type=_csv(_one_of(REFILLS)), default=[REFILLS[0]], metavar="MODES",
+                        help="how ours keeps the device's queue full: range (the ring admits QD experts' bytes and "
+                             "refills as each range ends) or expert (each worker waits for its whole expert); "
+                             "comma-separated for an interleaved A/B (default: expert)")
+    parser.add_argument("--pages", type=_csv(_one_of(PAGES)), default=[PAGES[0]], metavar="KINDS",
+                        help="the pool's pages: huge (transparent huge pages) or 4k; comma-separated for an "
+                             "interleaved A/B. Every combination of --refill and --pages is an arm of ours; the "
+                             "first of each is the 'ours' arm (default: huge)")
     parser.add_argument("--pattern", choices=("rand", "seq"), default="rand", help="offsets (default: %(default)s)")
     parser.add_argument("--runs", type=int, default=5, help="interleaved our/fio pairs per setting (default: %(default)s)")
     parser.add_argument("--seconds", type=float, default=2.0, help="length of each measurement (default: %(default)s)")
@@ -133,43 +151,85 @@ RAMP_S = 0.1  # as fio's --ramp_time: reads that end before it are not counted
 
 
 async def measure_ours(path: Path, backend: str, bs: int, qd: int, pattern: str, seconds: float,
-                       seed: int) -> dict[str, Any]:
+                       seed: int, refill: str = "expert", pages: str = "huge") -> dict[str, Any]:
     """``qd`` workers each read one expert of ``bs`` bytes after another, measured as fio measures.
+
+    ``refill`` says how the device's queue is kept full. ``expert``: each
+    worker has one slot and waits for all three ranges of its expert before it
+    starts the next, so the device's queue runs down while the slowest range
+    of each expert is still out. ``range`` (io_uring only): each worker has
+    two slots and hands its next expert to the reader before it waits for the
+    current one, and the ring admits at most ``qd`` experts' bytes: the
+    device holds the bytes of ``qd`` experts, as fio's queue holds ``qd``
+    blocks of ``bs``, and a finished range's room goes to the next range at
+    once, from the completion, without waiting for a worker to wake. That is
+    how the engine reads (a layer's misses submitted together, the ring's
+    byte bound keeping the rest in order). Latency is then counted from
+    ``start``, time queued behind the byte bound included. ``expert`` is the
+    default: with the pool in huge pages, ``range`` kept more bytes in flight
+    but its gain was not consistent (range / expert over three receipts: 0.97,
+    1.14, 1.24 at 1 MiB QD 8; 0.98-1.01 at 1 MiB QD 32; 0.83-1.11 at 4 MiB
+    QD 8; 0.79-0.93 at 4 MiB QD 32; evidence/iobench_20261202T002636Z,
+    ...T004056Z, ...T004937Z).
 
     The workers run without a pause from the first read to the last: after
     RAMP_S of ramp, the reads that end within the next ``seconds`` count, over
     exactly ``seconds``, so the queue is full the whole window, as fio's is
     (``--ramp_time``, ``--time_based``). ``gbps_whole`` counts every read over
     the whole run, ramp-up and final drain included (a stopped queue at both
-    ends), which is how earlier versions measured ours.
+    ends), which is how earlier versions measured ours. ``pages`` is the
+    pool's memory: ``huge`` (transparent huge pages, the reader's default) or ``4k``.
     """
     from colibri_aio.bench.locations import bench_locations
     from colibri_aio.io import ExpertReader
+    from colibri_aio.io.align import plan_expert
 
+    if refill not in REFILLS:
+        raise ValueError(f"unknown refill {refill!r}")
+    kind = backend.split("+")[0]
+    if kind != "uring":
+        refill = "expert"  # only the ring bounds the bytes in flight
     # Workers share one list and one cursor: with ``seq`` the disk sees one stream in order.
     locations = bench_locations(path.stat().st_size, bs, 4096, pattern, np.random.default_rng(seed))
-    reader = await ExpertReader.open(path, bs, n_slots=qd, backend=backend.split("+")[0],
-                                     register=backend.endswith("+reg"), punt=backend.endswith("+async"))
+    bound = {"max_inflight_bytes": qd * plan_expert(locations[0]).read_nbytes} if refill == "range" else {}
+    reader = await ExpertReader.open(path, bs, n_slots=2 * qd if refill == "range" else qd, backend=kind,
+                                     register=backend.endswith("+reg"), punt=backend.endswith("+async"),
+                                     huge_pages=pages == "huge", **bound)
     reads: list[tuple[float, float]] = []  # (start, end) of every read
     stop_at = 0.0
     cursor = itertools.count()
 
-    async def worker(slot: int) -> None:  # each worker reads into its own slot
-        while True:
-            now = time.perf_counter()
-            if now >= stop_at:
-                return
-            await reader.start(locations[next(cursor) % len(locations)], slot)
-            reads.append((now, time.perf_counter()))
+    def begin(slot: int) -> tuple[float, asyncio.Future] | None:
+        now = time.perf_counter()
+        if now >= stop_at:
+            return None
+        return now, reader.start(locations[next(cursor) % len(locations)], slot)
 
+    async def worker(slot: int) -> None:  # each worker reads into its own slot
+        while (current := begin(slot)) is not None:
+            await current[1]
+            reads.append((current[0], time.perf_counter()))
+
+    async def double_buffered(slot: int) -> None:  # slots ``slot`` and ``slot + qd``: the next read is queued
+        slots = (slot, slot + qd)
+        current = begin(slots[0])
+        turn = 1
+        while current is not None:
+            upcoming = begin(slots[turn])
+            await current[1]
+            reads.append((current[0], time.perf_counter()))
+            current, turn = upcoming, 1 - turn
+
+    work = double_buffered if refill == "range" else worker
     try:
         start = time.perf_counter()
         t0 = start + RAMP_S
         stop_at = t0 + seconds
         cpu0 = time.process_time()
-        await asyncio.gather(*(worker(slot) for slot in range(qd)))
+        await asyncio.gather(*(work(slot) for slot in range(qd)))
         end, cpu = time.perf_counter(), time.process_time() - cpu0
-        info = {"backend": reader.backend, "reason": reader.backend_reason,
+        info = {"backend": reader.backend, "reason": reader.backend_reason, "refill": refill,
+                "huge_pages": reader.pool.huge_pages if reader.pool is not None else False,
                 "registered": reader.registered, "o_direct": reader.direct}
     finally:
         await reader.aclose()
@@ -184,8 +244,9 @@ async def measure_ours(path: Path, backend: str, bs: int, qd: int, pattern: str,
 
 # -- one measurement of fio ----------------------------------------------------
 
-def fio_command(path: Path, bs: int, qd: int, pattern: str, seconds: float, direct: bool, seed: int) -> list[str]:
-    return ["fio", "--name=iobench", f"--filename={path}", "--ioengine=io_uring", f"--direct={int(direct)}",
+def fio_command(path: Path, bs: int, qd: int, pattern: str, seconds: float, direct: bool, seed: int,
+                mem: str = "malloc") -> list[str]:
+    return ["fio", f"--mem={mem}", "--name=iobench", f"--filename={path}", "--ioengine=io_uring", f"--direct={int(direct)}",
             f"--rw={'randread' if pattern == 'rand' else 'read'}", f"--bs={bs}", f"--iodepth={qd}",
             "--numjobs=1", "--time_based", f"--runtime={round(seconds * 1000)}ms", "--ramp_time=100ms",
             "--norandommap", f"--randseed={FIO_RANDOM_SEED + seed}", "--lat_percentiles=1",
@@ -193,9 +254,9 @@ def fio_command(path: Path, bs: int, qd: int, pattern: str, seconds: float, dire
 
 
 def measure_fio(path: Path, bs: int, qd: int, pattern: str, seconds: float, direct: bool,
-                seed: int) -> dict[str, Any]:
+                seed: int, mem: str = "malloc") -> dict[str, Any]:
     """Run fio once and return the same figures as :func:`measure_ours`."""
-    cmd = fio_command(path, bs, qd, pattern, seconds, direct, seed)
+    cmd = fio_command(path, bs, qd, pattern, seconds, direct, seed, mem)
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120)
     if done.returncode != 0:
         raise RuntimeError(f"fio failed ({done.returncode}): {done.stderr.strip()[:500]}")
@@ -213,31 +274,73 @@ def measure_fio(path: Path, bs: int, qd: int, pattern: str, seconds: float, dire
 # -- the whole run -------------------------------------------------------------
 
 FIGURES = ("gbps", "iops", "lat_p50_ms", "lat_p99_ms", "cpu_us_per_read")
+DEVICE_FIGURES = ("request_kib", "depth_busy", "inflight_mib", "utilisation")  # what the block device saw
 
 
-def fio_arms(bs: int, qd: int) -> dict[str, tuple[int, int]]:
-    """fio's (block size, depth) per arm: the same as ours, and split like our kernel reads."""
+FIO_ARMS = ("fio", "fio_split", "fio_huge", "fio_split_huge")
+
+
+def ours_arms(args: argparse.Namespace) -> dict[str, tuple[str, str]]:
+    """Arm name -> (refill, pages) for every combination asked for; the first is ``ours``, the others
+    ``ours_<refill>_<pages>``."""
+    combos = [(r, p) for r in getattr(args, "refill", None) or REFILLS[:1]
+              for p in getattr(args, "pages", None) or PAGES[:1]]
+    return {("ours" if i == 0 else f"ours_{r}_{p}"): (r, p) for i, (r, p) in enumerate(dict.fromkeys(combos))}
+
+
+def arm_names(pair: dict[str, Any]) -> list[str]:
+    """The arms of a pair in a stable order: ours, ours' other variants, fio's."""
+    return sorted(pair, key=lambda a: (a != "ours", a in FIO_ARMS, a))
+
+
+def fio_arms(bs: int, qd: int, huge_free: int = 0) -> dict[str, tuple[int, int, str]]:
+    """fio's (block size, depth, buffer memory) per arm: the same as ours; split like our kernel reads; and, when
+    ``huge_free`` bytes of reserved huge pages hold its buffers, both again into huge pages, as our pool is."""
     part = split_expert(bs)[0]
-    return {"fio": (bs, qd), "fio_split": (part, RANGES_PER_EXPERT * qd)}
+    arms = {"fio": (bs, qd, "malloc"), "fio_split": (part, RANGES_PER_EXPERT * qd, "malloc")}
+    if huge_free >= qd * bs + (4 << 20):  # fio's buffers plus its alignment slack
+        arms["fio_huge"] = (bs, qd, "mmaphuge")
+    if huge_free >= RANGES_PER_EXPERT * qd * part + (4 << 20):
+        arms["fio_split_huge"] = (part, RANGES_PER_EXPERT * qd, "mmaphuge")
+    return arms
+
+
+def hugetlb_free_bytes() -> int:
+    """Bytes of free reserved huge pages (``/proc/sys/vm/nr_hugepages``), what ``fio --mem=mmaphuge`` needs."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    except OSError:
+        return 0
+    free = int(fields.get("HugePages_Free", "0").strip() or 0)
+    size = int(fields.get("Hugepagesize", "0 kB").split()[0]) << 10
+    return free * size
 
 
 async def measure_pair(path: Path, args: argparse.Namespace, backend: str, bs: int, qd: int, run: int,
                        use_fio: bool) -> dict[str, dict[str, Any]]:
     """Ours and fio's arms back to back, starting with a different arm on each run."""
     direct = backend != "mmap"
-    arms = ["ours", *(fio_arms(bs, qd) if use_fio else ())]
+    variants = ours_arms(args)
+    references = fio_arms(bs, qd, hugetlb_free_bytes()) if use_fio else {}
+    arms = [*variants, *references]
     shift = run % len(arms)
     arms = arms[shift:] + arms[:shift]  # rotate who goes first so drift favours no arm
     pair: dict[str, dict[str, Any]] = {}
+    disk = devstat.disk_of(path)
     for arm in arms:
         if not direct:
             drop_cached_pages(path)  # every buffered arm starts from a cold page cache
-        if arm == "ours":
-            pair[arm] = await measure_ours(path, backend, bs, qd, args.pattern, args.seconds, seed=run)
+        before = devstat.snapshot(disk) if disk is not None else None
+        if arm in variants:
+            refill, pages = variants[arm]
+            pair[arm] = await measure_ours(path, backend, bs, qd, args.pattern, args.seconds, seed=run,
+                                           refill=refill, pages=pages)
         else:
-            fio_bs, fio_qd = fio_arms(bs, qd)[arm]
+            fio_bs, fio_qd, mem = references[arm]
             pair[arm] = await asyncio.to_thread(measure_fio, path, fio_bs, fio_qd, args.pattern, args.seconds,
-                                                direct, run)
+                                                direct, run, mem)
+        if before is not None:
+            pair[arm]["device"] = devstat.between(before, devstat.snapshot(disk))
     return pair
 
 
@@ -259,8 +362,17 @@ def summarise(backend: str, bs: int, qd: int, pattern: str, pairs: list[dict[str
     ours = [p["ours"] for p in pairs]
     row: dict[str, Any] = {"backend": backend, "bs": bs, "qd": qd, "pattern": pattern,
                            "ours_backend": ours[0]["backend"], "ours_reason": ours[0]["reason"],
+                           "refill": ours[0]["refill"], "huge_pages": ours[0]["huge_pages"],
                            "ours": {k: receipt.spread([s[k] for s in ours]) for k in FIGURES}, "ours_samples": ours}
-    for arm in (a for a in ("fio", "fio_split") if a in pairs[0]):
+    for arm in (a for a in arm_names(pairs[0]) if all("device" in p[a] for p in pairs)):
+        row[f"{arm}_device"] = {k: receipt.spread([p[arm]["device"][k] for p in pairs]) for k in DEVICE_FIGURES}
+    for arm in (a for a in arm_names(pairs[0]) if a.startswith("ours_")):  # another variant of ours
+        row[arm] = {k: receipt.spread([p[arm][k] for p in pairs]) for k in FIGURES}
+        row[f"{arm}_samples"] = [p[arm] for p in pairs]
+        row[f"{arm}_vs_ours"] = receipt.spread([p[arm]["gbps"] / p["ours"]["gbps"] for p in pairs])
+        for ref in (a for a in ("fio", "fio_huge") if all(a in p for p in pairs)):
+            row[f"{arm}_{ref}_ratio"] = receipt.spread([p[arm]["gbps"] / p[ref]["gbps"] for p in pairs])
+    for arm in (a for a in FIO_ARMS if a in pairs[0] and all(a in p for p in pairs)):
         runs = [p[arm] for p in pairs]
         ratios = [p["ours"]["gbps"] / p[arm]["gbps"] for p in pairs]
         row[arm] = {k: receipt.spread([s[k] for s in runs]) for k in FIGURES}
@@ -279,22 +391,42 @@ def _fmt(s: dict[str, float], digits: int = 2) -> str:
 def render_table(rows: list[dict[str, Any]]) -> str:
     """One line per setting: medians with [min-max]; ratios are medians of per-pair ratios."""
     lines = ["| backend | bs | QD | ours GB/s | IOPS | p50 ms | p99 ms | CPU us/read "
-             "| fio GB/s | ours/fio | fio split GB/s | ours/fio split |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| fio GB/s | ours/fio | fio split GB/s | ours/fio split | fio huge GB/s | ours/fio huge "
+             "| fio split huge GB/s | ours/fio split huge |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     whole = []
     for r in rows:
         o = r["ours"]
         cells = [r["backend"], f"{r['bs'] >> 10} KiB", str(r["qd"]), _fmt(o["gbps"]),
                  f"{o['iops']['median']:.0f}", _fmt(o["lat_p50_ms"]), _fmt(o["lat_p99_ms"]),
                  f"{o['cpu_us_per_read']['median']:.0f}"]
-        for arm in ("fio", "fio_split"):
+        for arm in FIO_ARMS:
             cells += [_fmt(r[arm]["gbps"]), _fmt(r[f"{arm}_ratio"], 3)] if arm in r else ["-", "-"]
         lines.append("| " + " | ".join(cells) + " |")
+        for arm in (a for a in r if a.startswith("ours_") and f"{a}_vs_ours" in r):
+            whole.append(f"- {r['backend']} {r['bs'] >> 10} KiB QD {r['qd']}: {arm} {_fmt(r[arm]['gbps'])} GB/s, "
+                         f"{arm}/ours ({r['refill']}, {'huge' if r['huge_pages'] else '4k'} pages) "
+                         f"{_fmt(r[f'{arm}_vs_ours'], 3)}"
+                         + "".join(f", {arm}/{ref} {_fmt(r[f'{arm}_{ref}_ratio'], 3)}" for ref in ("fio", "fio_huge")
+                                   if f"{arm}_{ref}_ratio" in r))
         if "fio_ratio_whole" in r:
             whole.append(f"- {r['backend']} {r['bs'] >> 10} KiB QD {r['qd']}: ours/fio "
                          f"{_fmt(r['fio_ratio_whole'], 3)} counting ours over its whole run, ramp-up and drain "
                          f"included (the window above counts as fio does)")
     return "\n".join(lines + ([""] + whole if whole else []))
+
+
+def render_device_table(rows: list[dict[str, Any]]) -> str:
+    """What the block device saw per arm: request size, queue depth while busy, bytes in flight (medians)."""
+    lines = ["| backend | bs | QD | arm | request KiB | device queue depth | in flight MiB | utilisation |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for arm in (a for a in [k[:-len("_device")] for k in r if k.endswith("_device")]):
+            d = r[f"{arm}_device"]
+            lines.append(f"| {r['backend']} | {r['bs'] >> 10} KiB | {r['qd']} | {arm} | {_fmt(d['request_kib'], 0)} "
+                         f"| {_fmt(d['depth_busy'], 1)} | {_fmt(d['inflight_mib'], 1)} "
+                         f"| {_fmt(d['utilisation'], 2)} |")
+    return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def write_receipt(directory: Path, document: dict[str, Any]) -> tuple[Path, Path]:
@@ -311,6 +443,10 @@ def write_receipt(directory: Path, document: dict[str, Any]) -> tuple[Path, Path
           f"{document['seconds']} s each per setting; medians with [min-max]",
           f"- event loop: {document['event_loop']}",
           f"- {document['note']}", "", render_table(document["results"]), ""]
+    device = render_device_table(document["results"])
+    if device:
+        md += [f"What the block device saw in each arm (/sys/block stat, whole device; queue limits "
+               f"{document.get('disk_queue')}):", "", device, ""]
     for r in document["results"]:
         md.append(f"- {r['backend']} {r['bs'] >> 10} KiB QD {r['qd']}: {r['ours_reason']}")
     return receipt.write(directory, name, document, "\n".join(md) + "\n")
@@ -348,7 +484,7 @@ def _run_iobench(args: argparse.Namespace) -> int:
     def progress(run: int, backend: str, bs: int, qd: int, pair: dict[str, Any]) -> None:
         ours = pair["ours"]
         text = f"run {run + 1}/{args.runs} {backend} bs={bs >> 10}K qd={qd}: ours {ours['gbps']:.2f} GB/s"
-        for arm in ("fio", "fio_split"):
+        for arm in arm_names(pair)[1:]:
             if arm in pair:
                 text += f", {arm} {pair[arm]['gbps']:.2f} GB/s (ratio {ours['gbps'] / pair[arm]['gbps']:.3f})"
         print(text, file=sys.stderr, flush=True)
@@ -368,6 +504,7 @@ def _run_iobench(args: argparse.Namespace) -> int:
             "commit": commit, "host": receipt.host_facts(), "when_utc": datetime.datetime.now(
                 datetime.timezone.utc).isoformat(timespec="seconds"),
             "file": str(path), "file_bytes": path.stat().st_size, "temporary_file": temporary,
+            "disk_queue": devstat.queue_limits(disk) if (disk := devstat.disk_of(path)) is not None else None,
             "pattern": args.pattern, "runs": args.runs, "seconds": args.seconds, "event_loop": loop_name,
             "fio": (subprocess.run(["fio", "--version"], capture_output=True, text=True).stdout.strip()
                     if use_fio else None),

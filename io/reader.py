@@ -98,7 +98,7 @@ class ExpertReader:
                    n_slots: int, backend: str = "auto", *,
                    ring_entries: int = DEFAULT_RING_ENTRIES, max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
                    threads: int = 8, direct: bool = True, register: bool = False,
-                   punt: bool = False) -> "ExpertReader":
+                   punt: bool = False, huge_pages: bool = True) -> "ExpertReader":
         """Open ``paths`` for expert reads: the model's file, or its parts in order (a range's ``file`` indexes them).
 
         ``slot_nbytes_max`` is the size of the largest expert (its three ranges
@@ -114,6 +114,8 @@ class ExpertReader:
         every page of the pool at once, where unregistered reads populate it
         as they fill it. ``punt=True`` has io_uring issue every read from its
         kernel workers (IOSQE_ASYNC) rather than inline in the submitting call.
+        ``huge_pages=False`` keeps the pool in 4 KiB pages (see
+        :func:`~colibri_aio.io.pool.ask_huge_pages`).
         """
         if backend not in BACKENDS:
             raise UserError(f"unknown I/O backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -125,7 +127,7 @@ class ExpertReader:
                 reader = cls(files, None, MmapBackend(files), "mmap requested: the page cache decides what stays",
                              n_slots)
             else:
-                pool = BufferPool(slot_nbytes_for(slot_nbytes_max), n_slots)
+                pool = BufferPool(slot_nbytes_for(slot_nbytes_max), n_slots, huge_pages=huge_pages)
                 try:
                     chosen, reason = _pool_backend(backend, files, pool, ring_entries, max_inflight_bytes, threads,
                                                    register, punt)
@@ -142,6 +144,7 @@ class ExpertReader:
         log.info("expert reader open", path=first.path, files=len(files), backend=reader.backend,
                  reason=reader.backend_reason, o_direct=reader.direct, o_direct_reason=first.direct_reason,
                  slots=pool.n_slots if pool else 0, slot_nbytes=pool.slot_nbytes if pool else 0,
+                 huge_pages=pool.huge_pages if pool else False,
                  pool_nbytes=pool.nbytes if pool else 0)
         return reader
 

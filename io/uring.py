@@ -232,8 +232,14 @@ class UringReactor:
         self.drain()
 
     def drain(self) -> int:
-        """Reap every completion that is ready; returns how many."""
+        """Reap every completion that is ready; returns how many.
+
+        The room the completions free goes to queued reads (one submit)
+        before any completion callback runs, so the device's queue is
+        refilled without waiting for the callbacks, or for the tasks they wake.
+        """
         total = 0
+        finished: list[tuple[RingRead, int]] = []
         while True:
             reaped = 0
             for _ in L.CqeIter(self._ring, self._cqe):
@@ -244,7 +250,9 @@ class UringReactor:
                 except OSError as exc:  # the wheel raises for a negative result
                     res = -(exc.errno or errno.EIO)
                 reaped += 1
-                self._deliver(token, res)
+                request = self._release(token)
+                if request is not None:
+                    finished.append((request, res))
             if not reaped:
                 break
             L.io_uring_cq_advance(self._ring, reaped)
@@ -256,22 +264,28 @@ class UringReactor:
                 self._submit()
             if self._pending:
                 self._flush()
+            for request, res in finished:
+                self._deliver(request, res)
             self._wake_idle()
         return total
 
-    def _deliver(self, token: int, res: int) -> None:
+    def _release(self, token: int) -> RingRead | None:
+        """The kernel is done with the read behind ``token``: its room in the ring and its iovec are free again."""
         request = self._table.pop(token, None)
         if request is None:
-            return
+            return None
         self._inflight_bytes -= request.nbytes
         if request.iovec is not None and request.iovec.count == 1:
             self._iovecs.append(request.iovec)
         request.iovec = None
         if not self._table:
             self.busy_s += time.perf_counter() - self._busy_since
+        return request
+
+    def _deliver(self, request: RingRead, res: int) -> None:
         try:
             request.on_complete(res)
-        except Exception as exc:  # a broken callback must not stop the drain: the CQ would not advance
+        except Exception as exc:  # a broken callback must not stop the others: their waiters would hang
             self._loop.call_exception_handler({"message": "io_uring completion callback failed", "exception": exc})
 
     def _wake_idle(self) -> None:

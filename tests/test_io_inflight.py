@@ -220,3 +220,32 @@ async def test_reactor_reaps_every_completion_behind_coalesced_wakeups(model_fil
         await reactor.aclose()
         os.close(fd)
         pool.close()
+
+
+async def test_room_a_completion_frees_goes_to_queued_reads_before_its_callback_runs(model_file: Path) -> None:
+    """The device's queue is refilled from the completion itself, not after the waiter's callback (or task) ran."""
+    from colibri_aio.io.uring import RingRead, UringReactor
+
+    pool = BufferPool(1 << 20, 3)
+    reactor = UringReactor.create(entries=8, max_inflight_bytes=1 << 20)  # room for one read at a time
+    fd = os.open(model_file, os.O_RDONLY)
+    seen: list[tuple[int, int, int]] = []  # (read, in flight, queued) as each callback runs
+
+    def on_complete(index: int, res: int) -> None:
+        assert res == 1 << 20
+        seen.append((index, reactor.in_flight, reactor.queued))
+
+    try:
+        reactor.submit(*(RingRead(fd, ((slot.address, 1 << 20),), slot.index << 21, None,
+                                  lambda res, i=slot.index: on_complete(i, res)) for slot in pool.slots))
+        assert (reactor.in_flight, reactor.queued) == (1, 2)
+        async with asyncio.timeout(10):
+            await reactor.drained()
+        # When read 0's callback runs, read 1 is already the kernel's, and so on down the queue.
+        assert seen == [(0, 1, 1), (1, 1, 0), (2, 0, 0)]
+        for slot in pool.slots:
+            assert bytes(slot.view[:1 << 20]) == os.pread(fd, 1 << 20, slot.index << 21)
+    finally:
+        await reactor.aclose()
+        os.close(fd)
+        pool.close()

@@ -100,3 +100,43 @@ def test_receipt_summary_names_host_commit_and_command(tmp_path: Path) -> None:
     _json_path, md_path = write_receipt(tmp_path, doc)
     md = md_path.read_text()
     assert "`python -m colibri_aio iobench`" in md and "`abc`" in md and "shared machine" in md
+
+
+def test_every_refill_and_pages_combination_is_an_arm_of_ours(small_file: Path,
+                                                              capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse([str(small_file), "--bs", "64K", "--qd", "2", "--backend", "uring,pread", "--refill", "range,expert",
+                  "--pages", "huge,4k", "--runs", "1", "--seconds", "0.2", "--no-fio", "--json"])
+    assert run_iobench(args) == 0
+    rows = {r["backend"]: r for r in json.loads(capsys.readouterr().out)["results"]}
+    uring = rows["uring"]
+    assert (uring["refill"], uring["ours_samples"][0]["refill"]) == ("range", "range")
+    for arm, (refill, huge) in {"ours_range_4k": ("range", False), "ours_expert_huge": ("expert", True),
+                                "ours_expert_4k": ("expert", False)}.items():
+        sample = uring[f"{arm}_samples"][0]
+        assert sample["refill"] == refill and sample["reads"] > 0
+        assert sample["huge_pages"] is (huge and uring["huge_pages"])
+        assert uring[f"{arm}_vs_ours"]["median"] == pytest.approx(sample["gbps"] / uring["ours_samples"][0]["gbps"])
+    # Only the ring bounds the bytes in flight: other backends wait for each expert whatever was asked.
+    assert rows["pread"]["ours_samples"][0]["refill"] == "expert"
+
+
+def test_device_figures_are_what_iostat_would_say() -> None:
+    from colibri_aio.bench.devstat import DiskCounters, between
+
+    before = DiskCounters(when=10.0, reads=100, merges=0, sectors=0, read_ms=0, busy_ms=0, queue_ms=0, writes=0)
+    # 2 s, 400 requests of 256 KiB, the device busy 1.5 s with 12 requests in flight on average while busy
+    after = DiskCounters(when=12.0, reads=500, merges=3, sectors=400 * 512, read_ms=4000, busy_ms=1500,
+                         queue_ms=18000, writes=1)
+    got = between(before, after)
+    assert got["requests"] == 400 and got["request_kib"] == 256 and got["request_ms"] == 10
+    assert got["utilisation"] == 0.75 and got["queue_depth"] == 9 and got["depth_busy"] == 12
+    assert got["inflight_mib"] == 3 and got["gbps"] == pytest.approx(400 * 256 * 1024 / 2 / 1e9)
+
+
+def test_fio_reads_into_huge_pages_only_when_enough_are_reserved() -> None:
+    from colibri_aio.bench.iobench import fio_arms
+
+    assert set(fio_arms(1 << 20, 8, huge_free=0)) == {"fio", "fio_split"}
+    assert fio_arms(1 << 20, 8, huge_free=8 << 20)["fio_split"] == (348160, 24, "malloc")
+    assert fio_arms(1 << 20, 8, huge_free=64 << 20)["fio_huge"] == (1 << 20, 8, "mmaphuge")
+    assert fio_arms(1 << 20, 8, huge_free=64 << 20)["fio_split_huge"] == (348160, 24, "mmaphuge")

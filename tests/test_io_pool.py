@@ -1,6 +1,8 @@
 """Buffer pool and O_DIRECT alignment: memory and arithmetic, no disk."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -79,3 +81,34 @@ def test_slots_follow_each_other_across_arenas() -> None:
 def test_liburing_iovec_layout_is_understood() -> None:
     pytest.importorskip("liburing")
     assert layout_problem() is None
+
+
+def vm_flags(address: int) -> set[str]:
+    """The kernel's VmFlags of the mapping that holds ``address`` (``hg``: MADV_HUGEPAGE was asked for)."""
+    flags: set[str] | None = None
+    with open("/proc/self/smaps", encoding="ascii") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif head == "VmFlags:" and inside:
+                flags = set(line.split()[1:])
+    assert flags is not None, "no mapping holds the pool"
+    return flags
+
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+@pytest.mark.skipif(not THP.exists() or "[never]" in THP.read_text(), reason="no transparent huge pages here")
+def test_pool_memory_asks_for_huge_pages_unless_told_not_to() -> None:
+    for huge, expected in ((True, True), (False, False)):
+        pool = BufferPool(1 << 20, 6, huge_pages=huge)
+        try:
+            assert pool.huge_pages is expected
+            assert ("hg" in vm_flags(pool.address)) is expected
+            pool.slots[5].array[:] = 7  # memory as before: every slot writable, its own bytes
+            assert int(pool.slots[5].array.sum()) == 7 * pool.slot_nbytes and not pool.slots[4].array.any()
+        finally:
+            pool.close()

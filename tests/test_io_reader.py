@@ -235,11 +235,10 @@ def inject_eio(monkeypatch: pytest.MonkeyPatch, backend: str, bad_offset: int) -
     if backend == "uring":
         deliver = UringReactor._deliver
 
-        def failing_deliver(self, token, res):
-            request = self._table.get(token)
-            if request is not None and request.offset == bad_offset:
+        def failing_deliver(self, request, res):
+            if request.offset == bad_offset:
                 res = -errno.EIO
-            return deliver(self, token, res)
+            return deliver(self, request, res)
 
         monkeypatch.setattr(UringReactor, "_deliver", failing_deliver)
     else:
