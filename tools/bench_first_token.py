@@ -7,10 +7,11 @@ two engines alternate, the order flipped every round. ``--lock PATH`` holds
 an exclusive flock on PATH around each run only.
 
 - ours: ``Engine.open(model)`` with its defaults (context min(model, 4096),
-  f16 KV cache, budget from RAM, ggml kernels, no warm start), ``prefill``
+  f16 KV cache, budget from RAM, ggml kernels, no warm start, no read-ahead), ``prefill``
   of the prompt;
 - ours-warm (``--arms``): the same with the warm start;
-- ours-noahead (``--arms``): the same without the prefill's read-ahead (its A/B);
+- ours-ahead (``--arms``): the same with the prefill's read-ahead (its A/B; receipts
+  before it was off by default have ours-noahead, ours with it off);
 - llama.cpp: llama-cpp-python, ``n_threads=2``, ``n_ctx=4096`` (llama-cli's
   default), mmap, ``eval`` of the prompt.
 
@@ -39,9 +40,9 @@ from colibri_aio.bench.lock import exclusive  # noqa: E402
 from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-# ours-warm: Engine.open(warm_start=True), the warm start's A/B; ours-noahead: read_ahead=False, the read-ahead's
-ARMS = ("ours", "ours-warm", "ours-noahead", "llama.cpp")
-OURS = {"ours": {}, "ours-warm": {"warm_start": True}, "ours-noahead": {"read_ahead": False}}
+# ours-warm: Engine.open(warm_start=True), the warm start's A/B; ours-ahead: read_ahead=True, the read-ahead's
+ARMS = ("ours", "ours-warm", "ours-ahead", "llama.cpp")
+OURS = {"ours": {}, "ours-warm": {"warm_start": True}, "ours-ahead": {"read_ahead": True}}
 PROMPT = 32
 N_CTX = 4096
 
@@ -141,7 +142,7 @@ def summarise(runs: list[dict]) -> dict:
                                                            "steady_tok_s", "first_vs_steady") if ok}
         out[e]["failed"] = sum(1 for r in runs if r["engine"] == e and "error" in r)
     for arm, ref, key in (("ours", "llama.cpp", "ttft_ratio"), ("ours-warm", "ours", "ttft_ratio_warm"),
-                          ("ours", "ours-noahead", "ttft_ratio_ahead")):
+                          ("ours-ahead", "ours", "ttft_ratio_ahead")):
         pairs = [(a, b) for a, b in zip([r for r in runs if r["engine"] == arm],
                                          [r for r in runs if r["engine"] == ref])
                  if "error" not in a and "error" not in b]

@@ -59,8 +59,10 @@ class Placement:
     # A prefill reads the next layer's likely experts while this one computes, and reads are handed to
     # io_uring's kernel workers (IOSQE_ASYNC): issued inline, a submit faults in the fresh pool pages it
     # reads into on the event loop, which on the 48-layer file held the loop 43 s of a 47 s prefill
-    # (io_uring_submit in a profile), so nothing computed while the disk read.
-    read_ahead: bool = True
+    # (io_uring_submit in a profile), so nothing computed while the disk read. Off by default: its A/B
+    # gave 0.98 of the time to first token on the 8-layer cut and more on the 48-layer file
+    # (evidence/first_token_20261202T010043Z.md, first_token_* after it).
+    read_ahead: bool = False
     backpressure: BackpressureConfig | None = None  # thresholds of --prefetch auto (None: defaults)
 
     def __post_init__(self) -> None:
