@@ -104,8 +104,8 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
                         "first token)")
     g.add_argument("--read-ahead", action=argparse.BooleanOptionalAction, default=False,
                    help="while a prompt's layer computes, read the experts the next layer will likely use, with "
-                        "reads issued from io_uring's kernel workers (default: off; its A/B did not shorten the "
-                        "time to first token)")
+                        "reads issued from io_uring's kernel workers (default: off; its A/B did not clearly "
+                        "shorten the time to first token)")
     g.add_argument("--kernels", choices=KERNEL_NAMES, default=None,
                    help="matrix kernels: ggml (llama.cpp's CPU kernels, activations rounded to 8 bits as "
                         "llama.cpp does) or numpy (the float32 reference); auto picks ggml when it loads "

@@ -135,7 +135,7 @@ class Engine:
         the next one will likely use (:mod:`colibri_aio.policy.scheduler`), and
         issue reads from io_uring's kernel workers so that compute goes on while
         they fault in the pool pages they fill; off by default: its A/B did not
-        shorten the time to first token (evidence/first_token_*).
+        clearly shorten the time to first token (evidence/first_token_*).
         """
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,

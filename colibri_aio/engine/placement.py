@@ -60,8 +60,8 @@ class Placement:
     # io_uring's kernel workers (IOSQE_ASYNC): issued inline, a submit faults in the fresh pool pages it
     # reads into on the event loop, which on the 48-layer file held the loop 43 s of a 47 s prefill
     # (io_uring_submit in a profile), so nothing computed while the disk read. Off by default: its A/B
-    # gave 0.98 of the time to first token on the 8-layer cut and more on the 48-layer file
-    # (evidence/first_token_20261202T010043Z.md, first_token_* after it).
+    # did not clearly shorten the time to first token, on/off per round 0.98 [0.71-1.09] on the 8-layer
+    # cut and 0.90 [0.79-1.54] on the 48-layer file (evidence/first_token_20261202T010043Z.md, ...T012020Z.md).
     read_ahead: bool = False
     backpressure: BackpressureConfig | None = None  # thresholds of --prefetch auto (None: defaults)
 
