@@ -45,6 +45,10 @@ async def test_logits_are_bit_identical_across_placements(name: str, kernels: st
         got, _ = await engine_logits(fixture(f"{name}.gguf"), ids, kernels=kernels, io="uring",
                                      cache_per_layer=per_layer, warm_start=True)
         assert np.array_equal(got, want), ("warm start", per_layer)
+    for per_layer in (1, e):  # the prefill's read-ahead (off in every run above) on
+        got, _ = await engine_logits(fixture(f"{name}.gguf"), ids, kernels=kernels, io="uring",
+                                     cache_per_layer=per_layer, read_ahead=True)
+        assert np.array_equal(got, want), ("read-ahead", per_layer)
     got, _ = await engine_logits(fixture(f"{name}.gguf"), ids, kernels=kernels, ram_budget="600M")  # plan-sized cache
     assert np.array_equal(got, want)
 
@@ -62,6 +66,27 @@ async def test_cache_that_holds_everything_reads_each_expert_once() -> None:
                                       cache_per_layer=model.args.expert_count, prefetch="off")  # default: no warm start
     stats = engine.source.policy.cache.stats
     assert stats.warm_reads == 0 and stats.misses == engine.source.reader.stats.reads
+
+
+async def test_a_prefill_reads_ahead_what_the_next_layer_routes_and_decode_does_not() -> None:
+    ids = oracle_ids()[0]
+    model = load(fixture("tiny_q8_0.gguf"))
+    every = model.args.expert_count
+    _, engine = await engine_logits(fixture("tiny_q8_0.gguf"), ids, split=len(ids) - 1, io="uring",
+                                    cache_per_layer=every, prefetch="auto",
+                                    read_ahead=True)
+    s, c = engine.source.policy.stats, engine.source.policy.cache.stats
+    assert s.ahead_reads > 2 * model.args.expert_used_count and c.prefetch_hits > 0
+    _, engine = await engine_logits(fixture("tiny_q8_0.gguf"), ids, split=1, io="uring", cache_per_layer=every,
+                                    prefetch="on", read_ahead=True)
+    s = engine.source.policy.stats
+    assert s.ahead_reads == 0 and s.prefetch_reads > 0   # one position at a time: decode's top-k guesses
+    _, engine = await engine_logits(fixture("tiny_q8_0.gguf"), ids, split=len(ids) - 1, io="uring",
+                                    cache_per_layer=every, prefetch="off", read_ahead=True)
+    assert engine.source.policy.stats.prefetch_reads == 0   # --prefetch off: no guesses at all
+    _, engine = await engine_logits(fixture("tiny_q8_0.gguf"), ids, split=len(ids) - 1, io="uring",
+                                    cache_per_layer=every, prefetch="auto")
+    assert engine.source.policy.stats.ahead_reads == 0       # off by default
 
 
 async def test_small_cache_evicts_and_prefetch_is_counted() -> None:

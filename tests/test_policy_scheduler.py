@@ -268,3 +268,48 @@ def test_warm_start_skips_what_is_cached_and_never_evicts() -> None:
     assert got == [(0, 2)]                                        # (0, 1) cached; (0, 3) finds its layer full
     assert p.stats.warm_skipped == 2 and p.cache.stats.evictions == 0
     assert p.cache.slot_of((0, 1)) is not None and p.cache.slot_of((0, 3)) is None
+
+
+def test_a_prefill_reads_the_next_layers_whole_hint_into_free_slots_past_the_gate() -> None:
+    p = make(per_layer=5, mode="off")                        # backpressure forbids every prefetch
+    p.on_step(32, 0.0)                                        # a prefill: 32 positions
+    p.on_route(0, [1], 0.0)
+    ahead = p.on_hint(1, [9, 3, 4, 5, 6, 7, 8], 0.0)          # the union, most voted first
+    assert [r.key for r in ahead.reads] == [(1, e) for e in (9, 3, 4, 5, 6)]  # as far as layer 1 has room
+    assert {r.kind for r in ahead.reads} == {"prefetch"} and p.cache.stats.evictions == 0
+    assert p.stats.ahead_reads == 5 and p.stats.prefetch_skipped_busy == 1
+    land(p, ahead)
+    demand, more = p.on_route(1, [3, 4, 5, 2], 0.0)           # 9 and 6 were wrong guesses
+    assert [r.key for r in more.reads] == [(1, 2)] and more.dropped == [ahead.reads[0].slot]  # 9 goes first
+    assert consume(p, demand) == [3, 4, 5] and p.cache.stats.prefetch_hits == 3
+
+
+def test_without_read_ahead_or_in_decode_a_hint_reads_the_top_k() -> None:
+    for p, positions in ((make(per_layer=5), 1), (make(per_layer=5), 32)):
+        p.read_ahead = positions == 1
+        p.on_step(positions, 0.0)
+        p.on_route(0, [1], 0.0)
+        assert [r.key for r in p.on_hint(1, [9, 3, 4, 5], 0.0).reads] == [(1, 9), (1, 3)]
+        assert p.stats.ahead_reads == 0
+
+
+def test_read_ahead_waits_while_a_request_waits_for_a_slot_then_goes() -> None:
+    p = make(per_layer=2)
+    p.on_step(32, 0.0)
+    demand, actions = p.on_route(0, [1, 2, 3], 0.0)          # 3 waits for a slot of layer 0
+    assert p.on_hint(1, [4, 5], 0.0).reads == []               # the demand read of 3 goes first
+    assert land(p, actions).reads == []
+    event = p.next_event(demand)
+    assert isinstance(event, Ready) and event.expert == 1
+    freed = p.on_used(event.slot, 0.0)                         # compute is done with 1: 3 takes its slot ...
+    assert [(r.kind, r.key) for r in freed.reads] == [("demand", (0, 3)), ("prefetch", (1, 4)), ("prefetch", (1, 5))]
+    assert p.stats.ahead_reads == 2                            # ... and the read-ahead goes behind it
+
+
+def test_a_read_ahead_still_waiting_when_its_layer_routes_is_dropped() -> None:
+    p = make(per_layer=1)
+    p.on_step(32, 0.0)
+    p.on_route(0, [1, 2], 0.0)                                 # 2 waits for layer 0's only slot
+    p.on_hint(1, [4, 5], 0.0)
+    demand, actions = p.on_route(1, [6], 0.0)                  # layer 1 is here before the read-ahead went
+    assert [r.key for r in actions.reads] == [(1, 6)] and p.stats.ahead_reads == 0

@@ -7,9 +7,11 @@ two engines alternate, the order flipped every round. ``--lock PATH`` holds
 an exclusive flock on PATH around each run only.
 
 - ours: ``Engine.open(model)`` with its defaults (context min(model, 4096),
-  f16 KV cache, budget from RAM, ggml kernels, no warm start), ``prefill``
+  f16 KV cache, budget from RAM, ggml kernels, no warm start, no read-ahead), ``prefill``
   of the prompt;
 - ours-warm (``--arms``): the same with the warm start;
+- ours-ahead (``--arms``): the same with the prefill's read-ahead (its A/B; receipts
+  before it was off by default have ours-noahead, ours with it off);
 - llama.cpp: llama-cpp-python, ``n_threads=2``, ``n_ctx=4096`` (llama-cli's
   default), mmap, ``eval`` of the prompt.
 
@@ -38,12 +40,14 @@ from colibri_aio.bench.lock import exclusive  # noqa: E402
 from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-ARMS = ("ours", "ours-warm", "llama.cpp")  # ours-warm: Engine.open(warm_start=True), the warm start's A/B
+# ours-warm: Engine.open(warm_start=True), the warm start's A/B; ours-ahead: read_ahead=True, the read-ahead's
+ARMS = ("ours", "ours-warm", "ours-ahead", "llama.cpp")
+OURS = {"ours": {}, "ours-warm": {"warm_start": True}, "ours-ahead": {"read_ahead": True}}
 PROMPT = 32
 N_CTX = 4096
 
 
-def worker_ours(model: Path, seed: int, tg: int, warm_start: bool = False) -> dict:
+def worker_ours(model: Path, seed: int, tg: int, options: dict) -> dict:
     import asyncio
 
     import numpy as np
@@ -52,13 +56,16 @@ def worker_ours(model: Path, seed: int, tg: int, warm_start: bool = False) -> di
     from colibri_aio.engine.memory import peak_rss_bytes
 
     async def run() -> dict:
-        engine = await Engine.open(model, warm_start=warm_start)
+        engine = await Engine.open(model, **options)
         t_open = time.time()
         try:
             ids = token_ids(seed, PROMPT + tg)
             logits = await engine.prefill(ids[:PROMPT])
             first = int(np.argmax(logits))
             t_first = time.time()
+            prompt_io = {"prompt_read_busy_s": engine.source.reader.stats.busy_s,
+                         "prompt_demand_wait_s": engine.source.demand_wait_s,
+                         "prompt_gb_read": engine.source.reader.stats.io_bytes / 1e9}
             policy = engine.source.policy
             warm_left_at_first = policy.warm_pending
             ticks, warm_done_at = [], None
@@ -68,10 +75,11 @@ def worker_ours(model: Path, seed: int, tg: int, warm_start: bool = False) -> di
                 if warm_done_at is None and policy.warm_pending == 0 and not policy.reads_in_flight:
                     warm_done_at = i + 1
             s = engine.stats()
-            return {"open_at": t_open, "first_at": t_first, "first_token": first, "ticks": ticks,
+            return {"open_at": t_open, "first_at": t_first, "first_token": first, "ticks": ticks, **prompt_io,
                     "open": engine.open_timings.as_dict() if engine.open_timings else None,
                     "plan": engine.plan.one_line(), "warm_left_at_first_token": warm_left_at_first,
                     "warm_reads": policy.stats.warm_reads, "warm_done_after_tokens": warm_done_at,
+                    "ahead_reads": policy.stats.ahead_reads, "demand_reads": policy.stats.demand_reads,
                     "hit_rate": s.hit_rate, "gb_read": s.io_bytes / 1e9, "io": engine.source.reader.backend,
                     "peak_rss": peak_rss_bytes(), "disk_gb_read": proc_read_bytes() / 1e9}
         finally:
@@ -133,7 +141,8 @@ def summarise(runs: list[dict]) -> dict:
         out[e] = {k: spread([r[k] for r in ok]) for k in ("ttft_s", "load_s", "prompt_s", "first_tok_s",
                                                            "steady_tok_s", "first_vs_steady") if ok}
         out[e]["failed"] = sum(1 for r in runs if r["engine"] == e and "error" in r)
-    for arm, ref, key in (("ours", "llama.cpp", "ttft_ratio"), ("ours-warm", "ours", "ttft_ratio_warm")):
+    for arm, ref, key in (("ours", "llama.cpp", "ttft_ratio"), ("ours-warm", "ours", "ttft_ratio_warm"),
+                          ("ours-ahead", "ours", "ttft_ratio_ahead")):
         pairs = [(a, b) for a, b in zip([r for r in runs if r["engine"] == arm],
                                          [r for r in runs if r["engine"] == ref])
                  if "error" not in a and "error" not in b]
@@ -167,6 +176,8 @@ def markdown(receipt: dict) -> str:
                      f"{_cell(x.get('first_vs_steady'))} |")
     lines += ["", f"TTFT ours / llama.cpp, per round: {_cell(s.get('ttft_ratio'))}", "",
               f"TTFT ours with the warm start / without it, per round: {_cell(s.get('ttft_ratio_warm'))}", "",
+              f"TTFT ours with the prefill's read-ahead / without it, per round: {_cell(s.get('ttft_ratio_ahead'))}",
+              "",
               "Every sample (TTFT s; ours: open steps, warm start):", ""]
     for r in receipt["samples"]:
         if "error" in r:
@@ -178,7 +189,8 @@ def markdown(receipt: dict) -> str:
             extra = (f"; open {o['total_s']:.2f} s (trunk {o['trunk_s']:.2f}, tokenizer {o['tokenizer_s']:.2f} "
                      f"[{o['tokenizer_source']}], kernels {o['kernels_s']:.2f}, source {o['source_s']:.2f}); "
                      f"warm reads {r['warm_reads']}, left at first token {r['warm_left_at_first_token']}, "
-                     f"done after token {r['warm_done_after_tokens']}; hit {r['hit_rate']:.1%}, "
+                     f"done after token {r['warm_done_after_tokens']}; read-ahead {r.get('ahead_reads', 0)}, "
+                     f"demand reads {r.get('demand_reads', '-')}; hit {r['hit_rate']:.1%}, "
                      f"read {r['gb_read']:.2f} GB")
         lines.append(f"- {r['engine']}: TTFT {r['ttft_s']:.2f} (load {r['load_s']:.2f} + prompt {r['prompt_s']:.2f}), "
                      f"first {r['first_tok_s']:.2f} tok/s, steady {r['steady_tok_s']:.2f} tok/s, "
@@ -201,8 +213,8 @@ def main() -> int:
     p.add_argument("--worker", choices=ARMS, help=argparse.SUPPRESS)
     args = p.parse_args()
     tg = args.tg_first + args.tg_steady
-    if args.worker in ("ours", "ours-warm"):
-        print(json.dumps(worker_ours(args.model, args.seed, tg, warm_start=args.worker == "ours-warm")))
+    if args.worker in OURS:
+        print(json.dumps(worker_ours(args.model, args.seed, tg, OURS[args.worker])))
         return 0
     if args.worker == "llama.cpp":
         print(json.dumps(worker_llama(args.model, args.seed, tg)))

@@ -102,6 +102,10 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
                         "for: all of them when they fit, else the ones a long usage history uses most "
                         "(default: off; on the 8-layer cut its reads slowed the start and doubled the time to "
                         "first token)")
+    g.add_argument("--read-ahead", action=argparse.BooleanOptionalAction, default=False,
+                   help="while a prompt's layer computes, read the experts the next layer will likely use, with "
+                        "reads issued from io_uring's kernel workers (default: off; its A/B did not clearly "
+                        "shorten the time to first token)")
     g.add_argument("--kernels", choices=KERNEL_NAMES, default=None,
                    help="matrix kernels: ggml (llama.cpp's CPU kernels, activations rounded to 8 bits as "
                         "llama.cpp does) or numpy (the float32 reference); auto picks ggml when it loads "
@@ -112,7 +116,7 @@ def _placement(args: argparse.Namespace) -> dict:
     """Engine.open's keyword arguments from the placement options."""
     return dict(io=args.io, ram_budget=args.ram_budget, cache_per_layer=args.cache_per_layer,
                 prefetch=args.prefetch, pin=args.pin, kernels=args.kernels, n_ctx=args.ctx, kv_type=args.kv_type,
-                history=args.history, warm_start=args.warm_start,
+                history=args.history, warm_start=args.warm_start, read_ahead=args.read_ahead,
                 progress=_progress if sys.stderr.isatty() else None)
 
 

@@ -107,7 +107,7 @@ class Engine:
                    ram_budget: int | str | None = None, cache_per_layer: int | None = None,
                    prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None, kv_type: str = DEFAULT_KV_TYPE,
                    kernels: str | None = None, progress: Progress | None = None,
-                   history: bool = True, warm_start: bool = False) -> "Engine":
+                   history: bool = True, warm_start: bool = False, read_ahead: bool = False) -> "Engine":
         """Load ``path`` (default: the shipped model) and open its expert source.
 
         Placement: ``io`` (auto|uring|pread|mmap), ``ram_budget`` (bytes or a
@@ -131,10 +131,16 @@ class Engine:
         when they fit, else the ones a long enough usage history uses most);
         off by default: on the 8-layer cut its reads slowed the open's cold
         start and doubled the time to first token (evidence/first_token_*).
+        ``read_ahead``: while a prefill computes one layer, read the experts
+        the next one will likely use (:mod:`colibri_aio.policy.scheduler`), and
+        issue reads from io_uring's kernel workers so that compute goes on while
+        they fault in the pool pages they fill; off by default: its A/B did not
+        clearly shorten the time to first token (evidence/first_token_*).
         """
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,
-                              pin=pin, context=n_ctx, kv_type=kv_type, warm_start=warm_start)
+                              pin=pin, context=n_ctx, kv_type=kv_type, warm_start=warm_start,
+                              read_ahead=read_ahead)
         model, tokenizer, source, plan, store, opened_kernels, timings = await open_parts(
             path if path is not None else default_model_path(), placement, kernels=kernels, progress=progress,
             history=history)

@@ -56,6 +56,13 @@ class Placement:
     context: int | None = None
     kv_type: str = DEFAULT_KV_TYPE  # storage of the KV cache: f16 (llama.cpp's default) or f32
     warm_start: bool = False        # stream experts into the pool from the start (see warm_keys); off: its A/B
+    # A prefill reads the next layer's likely experts while this one computes, and reads are handed to
+    # io_uring's kernel workers (IOSQE_ASYNC): issued inline, a submit faults in the fresh pool pages it
+    # reads into on the event loop, which on the 48-layer file held the loop 43 s of a 47 s prefill
+    # (io_uring_submit in a profile), so nothing computed while the disk read. Off by default: its A/B
+    # did not clearly shorten the time to first token, on/off per round 0.98 [0.71-1.09] on the 8-layer
+    # cut and 0.90 [0.79-1.54] on the 48-layer file (evidence/first_token_20261202T010043Z.md, ...T012020Z.md).
+    read_ahead: bool = False
     backpressure: BackpressureConfig | None = None  # thresholds of --prefetch auto (None: defaults)
 
     def __post_init__(self) -> None:
@@ -167,7 +174,8 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
     plan = plan.with_cache(cache.n_slots, len(pinned))
     if progress is not None:
         progress("allocate pool", 0, 1)
-    reader = await ExpertReader.open(model.paths, model.expert_nbytes_max, cache.n_slots, backend=placement.io)
+    reader = await ExpertReader.open(model.paths, model.expert_nbytes_max, cache.n_slots, backend=placement.io,
+                                     punt=placement.read_ahead)
     if progress is not None:
         progress("allocate pool", 1, 1)
     a = model.args
@@ -176,7 +184,7 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
                                       start=time.perf_counter()),
         LookaheadPredictor(a.expert_used_count, a.expert_count),
         expert_nbytes=lambda key: model.expert(*key).nbytes, prefetch_count=a.expert_used_count,
-        usage=past.empty() if past is not None else None)
+        usage=past.empty() if past is not None else None, read_ahead=placement.read_ahead)
     source = CachedExpertSource(reader, policy, model.expert)
     try:
         await source.fill_pinned(progress)

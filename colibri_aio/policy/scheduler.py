@@ -40,6 +40,17 @@ The rules:
   controller allows (state and in-flight cap) and an idle slot can be spared.
 - A hint for a layer at or before the one being routed is stale: its reads
   could not land before they are needed, so none is started.
+- Read-ahead (a pass over several positions: a prefill): the hint for the
+  next layer is the union of its positions' likely experts, most voted first,
+  and most of it will be routed, so all of it is read, as far as that layer
+  has free slots (read-ahead never evicts), bypassing the backpressure gate
+  and the per-hint count: the disk reads layer l + 1 while layer l computes
+  instead of idling until l + 1's router has run. It gives way: it starts only
+  while no request waits for a slot (a hint that comes while one waits is
+  kept and started once none does), so it only ever queues behind demand
+  reads already out; a later demand read of that layer waits behind it at
+  most for the wrong guesses (few: they are demoted when the layer routes).
+  Hints come from lookahead, so ``--prefetch off`` turns it off as well.
 - Wrong guesses are demoted: when layer L routes, the experts prefetched for
   L that it did not use become the cache's first victims.
 - The warm start streams a list of experts (every expert when they all fit,
@@ -139,6 +150,7 @@ class SchedulerStats:
     prefetch_skipped_busy: int = 0     # ... because no slot could be spared
     prefetch_stale: int = 0            # hints for a layer already reached
     failed_reads: int = 0
+    ahead_reads: int = 0               # experts a prefill's read-ahead read (counted in prefetch_reads too)
     warm_reads: int = 0                # experts the warm start read
     warm_skipped: int = 0              # warm-start experts already cached, or with no free slot in their layer
 
@@ -148,13 +160,17 @@ class SchedulerPolicy:
 
     def __init__(self, cache: ExpertCache, backpressure: BackpressureController, predictor: LookaheadPredictor, *,
                  expert_nbytes: Callable[[Key], int], prefetch_count: int,
-                 usage: UsageHistory | None = None, warm_inflight_bytes: int = 64 << 20, warm_run: int = 8) -> None:
+                 usage: UsageHistory | None = None, warm_inflight_bytes: int = 64 << 20, warm_run: int = 8,
+                 read_ahead: bool = True) -> None:
         """``expert_nbytes(key)``: bytes of one expert's read (what the backpressure cap counts);
         ``prefetch_count``: candidates read per hint; ``usage``: a history that records every routing;
         ``warm_inflight_bytes``: the most warm-start bytes out at once; ``warm_run``: the most neighbours
-        one warm read takes."""
+        one warm read takes; ``read_ahead``: a prefill reads the next layer's whole hint (see the rules)."""
         self.cache, self.backpressure, self.predictor, self.usage = cache, backpressure, predictor, usage
         self.prefetch_count = prefetch_count
+        self.read_ahead = read_ahead
+        self._positions = 1                         # positions of the pass under way
+        self._ahead: tuple[int, list[int]] | None = None  # a read-ahead hint waiting for no request to wait
         self.warm_inflight_bytes, self.warm_run = warm_inflight_bytes, warm_run
         self._warm: dict[int, list[int]] = {}       # layer -> experts still to warm, ascending
         self._warm_in_flight = 0                    # bytes
@@ -205,6 +221,8 @@ class SchedulerPolicy:
     def on_route(self, layer: int, experts: Sequence[int], now: float) -> tuple[Demand, Actions]:
         """``layer`` routed to ``experts`` (unique ids): hold the cached ones, read the misses."""
         self._current_layer = layer
+        if self._ahead is not None and self._ahead[0] <= layer:
+            self._ahead = None  # its layer is here: what it would read is demand now
         self.predictor.observed(layer, experts)
         for e in self._prefetched.pop(layer, set()).difference(experts):
             self.cache.demote((layer, e))  # a wrong guess: evict it first, before anything useful
@@ -280,6 +298,11 @@ class SchedulerPolicy:
         if self._closed or layer <= self._current_layer:
             self.stats.prefetch_stale += 1
             return actions
+        if self.read_ahead and self._positions > 1:
+            self.predictor.predicted(layer, ranked)  # scored as a hint; the whole union is read
+            self._ahead = (layer, [int(e) for e in ranked])
+            self._ahead_more(now, actions)
+            return actions
         for e in self.predictor.predicted(layer, ranked, count=self.prefetch_count):
             key = (layer, e)
             if self.cache.slot_of(key) is not None:
@@ -331,6 +354,8 @@ class SchedulerPolicy:
         routes (leading dense blocks hint the first MoE block before any layer of the pass routes).
         """
         self._current_layer = -1
+        self._positions = positions
+        self._ahead = None
         self.backpressure.step(now, positions)
         if self.usage is not None:
             self.usage.count_tokens(positions)
@@ -375,7 +400,27 @@ class SchedulerPolicy:
     def _serve_all(self, now: float, actions: Actions) -> None:
         for demand in self._open:
             self._serve(demand, now, actions)
+        self._ahead_more(now, actions)
         self._warm_more(now, actions)
+
+    def _ahead_more(self, now: float, actions: Actions) -> None:
+        """Start the read-ahead hint's reads, into its layer's free slots, once no request waits for a slot."""
+        if self._ahead is None or self._closed or any(d.todo for d in self._open):
+            return
+        layer, experts = self._ahead
+        self._ahead = None
+        for e in experts:
+            key = (layer, e)
+            if self.cache.slot_of(key) is not None:
+                continue
+            if not self.cache.has_room(key):
+                self.stats.prefetch_skipped_busy += 1
+                break
+            reservation = self.cache.reserve(key, prefetch=True)
+            assert reservation is not None and reservation.evicted is None
+            actions.reads.append(self._read(reservation.slot, key, "prefetch", now))
+            self._prefetched.setdefault(layer, set()).add(e)
+            self.stats.ahead_reads += 1
 
     def _warm_more(self, now: float, actions: Actions) -> None:
         """Start warm reads while nothing more urgent is out and the warm window has room."""
