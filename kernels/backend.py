@@ -84,6 +84,9 @@ class Kernels(Protocol):
 
     def dequantize(self, w: QTensor) -> np.ndarray: ...
 
+    def rest(self) -> None:
+        """A forward pass is over: let worker threads sleep until the next call (they may spin between calls)."""
+
     def close(self) -> None: ...
 
 
@@ -118,6 +121,9 @@ class NumpyKernels:
 
     def dequantize(self, w: QTensor) -> np.ndarray:
         return quant.dequantize(w)
+
+    def rest(self) -> None:
+        """Nothing spins between calls."""
 
     def close(self) -> None:
         """Nothing to free: the thread pool is shared."""

@@ -76,10 +76,20 @@ _TEMPLATES = 256                 # graphs kept per backend (least recently used 
 _ADDRESSES = 1 << 15             # array addresses remembered (see _Addresses)
 _STACK_WORK = 32 << 20          # bytes of ggml_mul_mat_id bookkeeping one stack of experts may need (_stacks)
 PARALLEL_BYTES = 1 << 18         # graphs with fewer weight bytes run on one thread (GgmlKernels)
+# A/B switches (bench_decode.py arms such as ``ggml@COLIBRI_GGML_THREADPOOL=on``); the defaults are the
+# measured winners. threadpool: a persistent ggml threadpool gave no decode gain on the decode graphs
+# (~17 launches a token: 24.8 vs 25.4 tok/s without, evidence/decode_20261202T012629Z.md), so ggml
+# starts and joins its threads per graph as before.
+KNOBS = {"threadpool": "off", "graphs": "on", "experts": "stacked", "attention": "f32"}
 # Weight types llamafile's GEMM multiplies on x86 (tinyBLAS_Q0_AVX) and whose products there carry the bits of
 # ggml's vec_dot, row for row (tests/test_kernels_ggml.py): an expert with several positions runs on it.
 # (IQ4_NL runs there too, but with other bits than vec_dot's: left out.)
 GEMM_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0})
+
+
+def knob(name: str) -> str:
+    """Setting ``name`` of :data:`KNOBS`, overridden by the environment's ``COLIBRI_GGML_<NAME>``."""
+    return os.environ.get(f"COLIBRI_GGML_{name.upper()}", KNOBS[name])
 
 
 class GgmlUnavailable(RuntimeError):
@@ -228,6 +238,7 @@ class _Graph:
         self.outputs: list[ctypes.Structure] = []
         self.stacks: list[ctypes.Structure] = []
         self.plan: G.ggml_cplan | None = None
+        self.views: list[tuple[ctypes.Structure, ctypes.Structure]] = []
         self.work_size = 0
         self.arena_size = 0
         self._arena: np.ndarray | None = None
@@ -250,27 +261,48 @@ class _Graph:
         stack.nb[2] = stride
         stack.nb[3] = stride * stack.ne[2]
 
-    def finish(self, outputs: Sequence, n_threads: int, own_arena: bool = True) -> None:
-        """Expand the graph from ``outputs``, give every intermediate a place, and plan it.
+    def finish(self, outputs: Sequence, n_threads: int, threadpool: object = None, effects: Sequence = (),
+               own_arena: bool = True) -> None:
+        """Expand the graph from ``effects`` (nodes run first for what they write into leaves' memory, such
+        as a KV cache row) then ``outputs``, give every intermediate a place, and plan it.
 
         ``own_arena`` False: the intermediates get their places in memory the caller gives at every
-        call (:meth:`place`, ``arena_size`` bytes), so that graphs run one after another share it."""
+        call (:meth:`place`, ``arena_size`` bytes), so that graphs run one after another share it.
+        A view's data follows its source: set once here when the source is an intermediate, and at
+        every call (:meth:`refresh_views`) when it goes back to a leaf or an output, which are re-pointed.
+        """
+        for t in effects:
+            G.ggml_build_forward_expand(self.gf, t)
         for t in outputs:
             G.ggml_build_forward_expand(self.gf, t)
             self.outputs.append(t.contents)
         out_ids = {ctypes.addressof(o) for o in self.outputs}
+        moving = {ctypes.addressof(t) for t in self.inputs} | out_ids
+        views: list[ctypes.Structure] = []
         self._places, offset = [], 0
         for i in range(G.ggml_graph_n_nodes(self.gf)):
             node = G.ggml_graph_node(self.gf, i).contents
+            if node.view_src:
+                views.append(node)
+                continue
             if ctypes.addressof(node) in out_ids or node.data:
                 continue
             self._places.append((node, offset))
             offset += -(-G.ggml_nbytes(ctypes.pointer(node)) // _ALIGN) * _ALIGN
         self.arena_size = offset
+        self.views = []
         if own_arena:
             self._arena, base = _aligned(offset)
             self.place(base)
-        self.plan = G.ggml_graph_plan(self.gf, n_threads, None)
+        for node in views:                     # in graph order: a view's source is placed before it
+            src = node.view_src.contents
+            if ctypes.addressof(src) in moving:
+                moving.add(ctypes.addressof(node))
+                self.views.append((node, src))
+            else:
+                node.data = (src.data or 0) + node.view_offs
+        self.refresh_views()
+        self.plan = G.ggml_graph_plan(self.gf, n_threads, threadpool)
         self._plan_ref = ctypes.byref(self.plan)
         self.work_size = self.plan.work_size
 
@@ -278,6 +310,11 @@ class _Graph:
         """Put the intermediates at ``base`` (``arena_size`` bytes, _ALIGN-aligned)."""
         for node, off in self._places:
             node.data = base + off
+
+    def refresh_views(self) -> None:
+        """Point the views of re-pointed tensors at their sources' memory of this call."""
+        for node, src in self.views:
+            node.data = (src.data or 0) + node.view_offs
 
     def run(self, work: "ctypes._Pointer[ctypes.c_uint8]") -> None:
         self.plan.work_data = work
@@ -359,6 +396,16 @@ def _stacks(addrs: Sequence[tuple[int, int, int]], rows: Sequence[int]) -> list[
 _ACTIVATIONS: dict[str, Callable] = {"swiglu": lambda ctx, g, u: G.ggml_swiglu_split(ctx, g, u)}
 
 
+def _threadpool(n_threads: int) -> object:
+    """ggml's persistent workers: without one, every ggml_graph_compute starts and joins its threads
+    (~30 graphs a decoded token)."""
+    params = G.ggml_threadpool_params_default(n_threads)
+    pool = G.ggml_threadpool_new(ctypes.byref(params))
+    if not pool:
+        raise GgmlUnavailable("ggml_threadpool_new failed")
+    return pool
+
+
 class GgmlKernels:
     """The ggml backend of one engine: its graphs, work buffer and threads.
 
@@ -389,6 +436,7 @@ class GgmlKernels:
         self._work, self._work_ptr = self._work_buffer(1 << 20)
         self._scratch, _ = _aligned(0)           # the intermediates of _expert_gemms' graphs
         self._lock = threading.Lock()
+        self._threadpool = _threadpool(n_threads) if knob("threadpool") == "on" else None
 
     # --- the interface the forward pass calls ---
 
@@ -555,12 +603,23 @@ class GgmlKernels:
             ctypes.c_void_p(data.ctypes.data), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size)
         return out
 
+    def rest(self) -> None:
+        """Put the threadpool's workers to sleep until the next graph wakes them: between two graphs they
+        spin for a while (ggml's polling, ~0.1 s), which would take a core from whatever runs next once a
+        forward pass is over (measured: llama.cpp decoding after us in the same benchmark lost ~25%)."""
+        if self._threadpool is not None:
+            with self._lock:
+                G.ggml_threadpool_pause(self._threadpool)
+
     def close(self) -> None:
         """Free every graph's ggml context."""
         with self._lock:
             for g in self._graphs.values():
                 g.free()
             self._graphs.clear()
+            if self._threadpool is not None:
+                G.ggml_threadpool_free(self._threadpool)
+                self._threadpool = None
 
     # --- helpers ---
 
@@ -596,11 +655,7 @@ class GgmlKernels:
         out = np.empty(sum(sizes), np.float32)
         out_addr = out.ctypes.data
         with self._lock:
-            graph = self._graphs.get(key)
-            if graph is None:
-                graph = self._new_graph(key, n_tensors, build, weight_bytes)
-            else:
-                self._graphs.move_to_end(key)
+            graph = self.graph(key, n_tensors, build, weight_bytes)
             for leaf, a in zip(graph.inputs, addrs):
                 leaf.data = a
             for stack, stride in zip(graph.stacks, strides):
@@ -608,14 +663,36 @@ class GgmlKernels:
             for node, n in zip(graph.outputs, sizes):
                 node.data = out_addr
                 out_addr += 4 * n
-            graph.run(self._work_ptr)
+            self.run(graph)
         return out
 
-    def _new_graph(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list], weight_bytes: int,
-                   own_arena: bool = True) -> _Graph:
+    def graph(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list | tuple[list, list]],
+              weight_bytes: int) -> _Graph:
+        """The graph ``key``, built by ``build`` on first use (it returns the outputs, or the outputs and
+        the effects); the caller holds :attr:`lock`, points the leaves and runs it with :meth:`run`."""
+        graph = self._graphs.get(key)
+        if graph is None:
+            return self._new_graph(key, n_tensors, build, weight_bytes)
+        self._graphs.move_to_end(key)
+        return graph
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held around building, re-pointing and running one graph (one call at a time)."""
+        return self._lock
+
+    def run(self, graph: _Graph) -> None:
+        """Compute ``graph`` whose leaves and outputs the caller has pointed (under :attr:`lock`)."""
+        graph.refresh_views()
+        graph.run(self._work_ptr)
+
+    def _new_graph(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list | tuple[list, list]],
+                   weight_bytes: int, own_arena: bool = True) -> _Graph:
         graph = _Graph(n_tensors)
         threads = self.n_threads if weight_bytes >= self.parallel_bytes else 1
-        graph.finish(build(graph), threads, own_arena)
+        built = build(graph)
+        outputs, effects = built if isinstance(built, tuple) else (built, ())
+        graph.finish(outputs, threads, self._threadpool, effects, own_arena)
         if graph.work_size > self._work.size:
             self._work, self._work_ptr = self._work_buffer(graph.work_size)
         self._graphs[key] = graph

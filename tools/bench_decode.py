@@ -14,7 +14,11 @@ run 0 of each arm is a warm-up (caches filled, graphs built) and not counted,
 then ``--runs`` timed runs each. An arm of ours is a kernel backend
 (``numpy``, ``ggml``, ``auto``), optionally with one environment setting for
 its worker after an ``@`` (``ggml@COLIBRI_GGML_EXPERT_GEMM=0``): the A/B of a
-switch in one run.
+switch in one run. The decode switches (``kernels/ggml_cpu.KNOBS``):
+``COLIBRI_GGML_GRAPHS=off`` (one graph per product, NumPy trunk ops),
+``COLIBRI_GGML_THREADPOOL=off``, ``COLIBRI_GGML_EXPERTS=each`` (one product per
+expert instead of ``ggml_mul_mat_id``), ``COLIBRI_GGML_ATTENTION=f16``
+(llama.cpp's flash-attention rounding over the f16 cache).
 
     python tools/bench_decode.py MODEL.gguf --runs 5 --tokens 32 --prefill 128 --arms ggml,llama.cpp
 """

@@ -13,6 +13,10 @@ per kernel backend. Timers wrap:
 * the MoE step without its kernel calls (router product, the expert source's
   bookkeeping, scattering outputs).
 
+On the decode graphs (qwen3moe on ggml: arch/decode_graphs.py) the kernel lines
+are the block attention-and-router graph, the block experts graph and the
+output head graph; NumPy does no trunk op there.
+
 **Python overhead** = wall time − native kernel time: for ggml the time inside
 ``ggml_graph_compute``, for NumPy the time inside kernel calls (NumPy's own
 per-call overhead counts as kernel time there, which flatters it). The
@@ -77,6 +81,23 @@ class Timers:
             for name in names:
                 setattr(module, name, self.timed(f"numpy: {name}", getattr(module, name)))
         moe, timers = layers.MoETransformer._moe, self
+        graphs = getattr(engine.net, "decode_graphs", lambda: None)()
+        if graphs is not None:  # decode steps on whole graphs (arch/decode_graphs.py)
+            graphs.attention = self.timed("kernel: block attention + router graph", graphs.attention)
+            graphs.experts = self.timed("kernel: block experts graph", graphs.experts)
+            graphs.head = self.timed("kernel: output head graph", graphs.head)
+            from colibri_aio.arch import decode_graphs
+            on_graphs = decode_graphs.GraphDecode._experts_on_graphs
+            inner_keys = ("kernel: block experts graph", "kernel: expert FFNs")
+
+            async def experts_step(net, *a, **kw):
+                t0, inner = time.perf_counter(), sum(timers.t[k] for k in inner_keys)
+                out = await on_graphs(net, *a, **kw)
+                inner = sum(timers.t[k] for k in inner_keys) - inner
+                timers.t["moe step without kernels and routing"] += time.perf_counter() - t0 - inner
+                return out
+
+            decode_graphs.GraphDecode._experts_on_graphs = experts_step
 
         async def moe_step(net, *a, **kw):
             t0, inner = time.perf_counter(), timers.t["kernel: expert FFNs"] + timers.t["numpy: route"]

@@ -116,6 +116,10 @@ class KVCache:
         self.held[layer] = (max(held_first, end - size), end)
         return out_k, out_v, np.concatenate([older, positions])
 
+    def wrote(self, layer: int, end: int) -> None:
+        """Positions up to ``end`` of a whole-context layer were written in place (by a kernel graph)."""
+        self.held[layer] = (self.held[layer][0], end)
+
     def _write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray | None) -> None:
         self.k[layer][slots] = k
         if not self.layout.values_in_keys:

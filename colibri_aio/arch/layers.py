@@ -244,9 +244,14 @@ class MoETransformer:
         self.n_past += tok.size
         self.ids.extend(tok.tolist())
         rows = x if logits == "all" else x[-1:]
-        out = self.linear(self.model.output, rms_norm(rows, self.model.output_norm, a.rms_eps))
+        out = self.output_logits(rows)
+        self.kernels.rest()
         self._check_finite(out, "the output head (output_norm, output)", positions[-len(rows):])
         return out if logits == "all" else out[0]
+
+    def output_logits(self, rows: np.ndarray) -> np.ndarray:
+        """The output head on the final residual rows (n, D): output · output_norm(rows), (n, V)."""
+        return self.linear(self.model.output, rms_norm(rows, self.model.output_norm, self.args.rms_eps))
 
     async def _blocks(self, tok: np.ndarray, positions: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
         """The residual stream (T, D) after every block, the KV cache written at ``positions``."""

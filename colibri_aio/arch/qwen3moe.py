@@ -10,7 +10,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from colibri_aio.arch.base import BaseArgs, Family, TensorSpec, attention_tensors, router_tensors, vector
-from colibri_aio.arch.layers import MoETransformer, Rope
+from colibri_aio.arch.decode_graphs import GraphDecode
+from colibri_aio.arch.layers import Rope
 from colibri_aio.kernels.ops import rms_norm, rope_neox
 
 
@@ -24,8 +25,9 @@ def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
             *router_tensors(a)]
 
 
-class Qwen3MoE(MoETransformer):
-    """A qwen3moe model bound to an expert source and a KV cache."""
+class Qwen3MoE(GraphDecode):
+    """A qwen3moe model bound to an expert source and a KV cache; its decode steps run as whole graphs
+    on the ggml backend (:mod:`colibri_aio.arch.decode_graphs`)."""
 
     def qk_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         """RMSNorm of q or k (T, heads, d): per head."""

@@ -1,0 +1,135 @@
+"""Decode steps on whole ggml graphs: the forward pass of one position with a few graph launches per block.
+
+:class:`GraphDecode` is mixed into a family's net (before :class:`MoETransformer`).
+When the net runs on the ggml backend and decodes one position without an
+observer, each block is one attention-and-router graph, the expert source's
+stream of the chosen experts, and one experts graph
+(:mod:`colibri_aio.kernels.ggml_decode`); the output head is one graph. Anything
+else (prefill, tracing, the NumPy backend, a block shape the graphs do not
+cover) takes the per-operation pass, which also names the place of any
+non-finite value: a step whose graphs produce one is run again that way.
+"""
+from __future__ import annotations
+
+from contextlib import aclosing
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from colibri_aio.arch.lookahead import moe_norm
+from colibri_aio.arch.layers import MoETransformer, RouteObserver
+from colibri_aio.kernels.ops import Routing
+
+if TYPE_CHECKING:
+    from colibri_aio.kernels.ggml_decode import DecodeGraphs
+
+_UNSET = object()
+
+
+class GraphDecode(MoETransformer):
+    """Decode of one position as whole ggml graphs (qwen3moe's block: q/k norm, NEOX RoPE, softmax top-k)."""
+
+    _decode_graphs: object = _UNSET
+
+    def decode_graphs(self) -> DecodeGraphs | None:
+        """The net's decode graphs, or None when this net's steps take the per-operation pass."""
+        if self._decode_graphs is _UNSET:
+            self._decode_graphs = self._make_decode_graphs()
+        return self._decode_graphs  # type: ignore[return-value]
+
+    def _make_decode_graphs(self) -> DecodeGraphs | None:
+        if self.kernels.name != "ggml":
+            return None
+        from colibri_aio.kernels import ggml_cpu, ggml_decode
+        from colibri_aio.kernels.ggml_cpu import _Mat
+
+        if ggml_cpu.knob("graphs") != "on":
+            return None
+        a, model, cache = self.args, self.model, self.cache
+        if (not all(a.is_moe(i) for i in range(a.block_count)) or any(w is not None for w in cache.windows)
+                or a.routing != Routing() or cache.layout.values_in_keys or a.n_rot > a.key_length):
+            return None
+        kernels = self.kernels
+        shapes = []
+        for blk in model.blocks:
+            if any(blk.get(n) is not None for n in ("attn_q.bias", "attn_k.bias", "attn_v.bias",
+                                                     "attn_output.bias", "ffn_gate_inp.bias", "exp_probs_b.bias")):
+                return None
+            mats = [blk.get(n) for n in ("attn_q", "attn_k", "attn_v", "attn_output")]
+            if any(m is None or m.ggml_type not in kernels.types for m in mats):
+                return None
+            q, k, v = mats[:3]
+            at = kernels._address
+            fused = q.ggml_type == k.ggml_type == v.ggml_type and at(q.data) + q.nbytes == at(k.data) \
+                and at(k.data) + k.nbytes == at(v.data)   # one product over the three (one graph node)
+            shapes.append(ggml_decode.AttentionShape(
+                *(_Mat(kernels._gid(m), *m.shape) for m in mats), heads=a.head_count, heads_kv=a.head_count_kv,
+                key_width=a.key_length, value_width=a.value_length, n_rot=a.n_rot, rope_base=a.rope_freq_base,
+                n_ctx_orig=a.context_length, eps=a.rms_eps, experts=a.expert_count, used=a.expert_used_count,
+                kv_dtype=np.dtype(cache.dtype).name, qkv_fused=fused,
+                f16_attention=ggml_cpu.knob("attention") == "f16"))
+        return ggml_decode.DecodeGraphs(kernels, shapes)
+
+    async def _blocks(self, tok: np.ndarray, positions: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
+        graphs = self.decode_graphs() if tok.size == 1 and observer is None else None
+        if graphs is not None:
+            x = await self._blocks_on_graphs(graphs, tok, positions)
+            if x is not None:
+                graphs.steps += 1
+                return x
+        return await super()._blocks(tok, positions, observer)
+
+    def output_logits(self, rows: np.ndarray) -> np.ndarray:
+        graphs = self.decode_graphs() if len(rows) == 1 else None
+        if graphs is None:
+            return super().output_logits(rows)
+        return graphs.head(np.ascontiguousarray(rows, np.float32), self.model.output_norm, self.model.output)
+
+    async def _blocks_on_graphs(self, graphs: DecodeGraphs, tok: np.ndarray,
+                                positions: np.ndarray) -> np.ndarray | None:
+        """The residual stream (1, D) after every block, or None when a non-finite value appeared."""
+        model, cache, position = self.model, self.cache, int(positions[0])
+        x = self.embed(tok)
+        self._check_finite(x, "the token embedding (token_embd)", positions)
+        graphs.begin(position, len(cache.k[0]))
+        used = self.args.expert_used_count
+        for layer, blk in enumerate(model.blocks):
+            graphs.attention(layer, x, (blk.attn_norm, blk.attn_q_norm, blk.attn_k_norm, moe_norm(model, layer)),
+                             (blk.attn_q, blk.attn_k, blk.attn_v, blk.attn_output), blk.ffn_gate_inp,
+                             cache.k[layer], cache.v[layer])
+            cache.wrote(layer, position + 1)
+            if not (np.isfinite(graphs.weights).all() and np.isfinite(graphs.check[0])):
+                return None
+            x = await self._experts_on_graphs(graphs, layer, x, graphs.order[0, :used].tolist())
+        return x if np.isfinite(x).all() else None
+
+    async def _experts_on_graphs(self, graphs: DecodeGraphs, layer: int, layer_input: np.ndarray,
+                                 ids: list[int]) -> np.ndarray:
+        """The residual stream after block ``layer``'s experts ``ids`` (in rank order).
+
+        All of them in the source's first batch (resident, or landed): one graph. Otherwise each batch
+        runs as it arrives and the same rank-ordered sum follows in NumPy, which rounds as the graph
+        does (one float32 product, then one addition at a time), so arrival never changes a bit.
+        """
+        predicted = self._lookahead(layer, layer_input, graphs.residual, graphs.moe_input)
+        h, weights = graphs.moe_input, graphs.weights[0]
+        terms: list[np.ndarray | None] = [None] * len(ids)
+        first = True
+        async with aclosing(self.experts.stream(layer, sorted(ids))) as stream:
+            async for batch in stream:
+                if first:
+                    first = False
+                    if predicted is not None:
+                        self.experts.hint(layer + 1, predicted)
+                    if len(batch) == len(ids):
+                        by_id = dict(batch)
+                        ordered = [by_id[e] for e in ids]
+                        return graphs.experts(ordered, graphs.stackable(ordered))
+                ys = self.kernels.expert_ffns([w for _, w in batch], [h] * len(batch))
+                for (expert, _), y in zip(batch, ys):
+                    rank = ids.index(expert)
+                    terms[rank] = y[0] * weights[rank]
+        acc = terms[0]
+        for term in terms[1:]:
+            acc = acc + term
+        return graphs.residual + acc

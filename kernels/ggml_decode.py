@@ -1,0 +1,383 @@
+"""One decode step as a few whole ggml graphs: per block one for attention and the router, one for the
+experts; one for the output head.
+
+The per-operation backend (:mod:`colibri_aio.kernels.ggml_cpu`) runs one small
+graph per product and leaves norms, RoPE, attention and routing to NumPy: about
+thirty graph launches and as many trips through Python per decoded token.
+Here a block's attention graph runs attn_norm, the q/k/v products, the per-head
+q/k RMSNorm, NEOX RoPE, writes k and v into the KV cache in place
+(``ggml_set_rows``), attends over the cache (``ggml_flash_attn_ext``; keys past
+the position masked), projects with attn_output, adds the residual, applies
+ffn_norm and the router, and ranks the experts (softmax, argsort, the chosen
+weights renormalised: llama.cpp's ``build_moe_ffn``). Python then only reads
+the k chosen experts, which the expert source must see (to read them or check
+they are resident), and runs the experts' graph: ``ggml_mul_mat_id`` per matrix
+over the experts seen as one 3-D tensor (pool slots one stride apart), the
+weighted sum in rank order, the residual.
+
+Graphs are built once per shape (every block of a model shares its graphs;
+attention once per context bucket of :data:`CONTEXT_BUCKET` keys) and
+re-pointed at every call: leaves at the trunk's arrays, the expert slots and
+the KV cache, outputs at this object's buffers. No weight and no cache row is
+copied.
+
+Numerics are llama.cpp's products: activations rounded to the weight type's
+partner before each product; ggml's norms, RoPE and softmax. Attention runs in
+float32 over the cache's keys and values (an f16 cache is widened in the graph,
+as the per-operation path and prefill widen it), so a position gives nearly the
+same logits decoded alone or within a prefill and greedy replies do not change
+with KV reuse. ``COLIBRI_GGML_ATTENTION=f16`` attends as llama.cpp's flash
+attention does over an f16 cache (queries rounded to f16, values summed in
+f16): its logits bit for bit on the Q8_0 and F32 fixtures, and no widening
+pass over the cache (which costs ~3x the cache's bytes per step at long
+contexts), but a last prompt token decoded alone then moves by ~1e-2. Within this backend the result depends only on the
+token ids: the same graphs run whatever the placement, the context size (masked
+keys are skipped, never summed) or the order the experts arrive in (the MoE
+falls back to :meth:`GgmlKernels.expert_ffns` plus the same rank-ordered sum
+when the experts come in several batches or from memory that is not one stack).
+
+The families this serves are the ones whose block is "attention with q/k norm
+and plain NEOX RoPE, softmax top-k renormalised, SwiGLU experts, no shared
+expert": qwen3moe. olmoe, qwen2moe and mixtral share most of it (their
+differences: no q/k norm, or q/k/v biases and a gated shared expert, or NORMAL
+RoPE) and gpt-oss (sinks, sliding-window rings), deepseek2 (MLA) and glm4moe
+(partial rotary, sigmoid routing with groups) stay on the per-operation path
+until their variants are written here.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+import ggml.ggml as G
+
+from colibri_aio.kernels.backend import FFNWeights
+from colibri_aio.kernels.ggml_cpu import _STACK_WORK, GgmlKernels, _Graph, _Mat, knob
+from colibri_aio.kernels.qtensor import QTensor
+
+__all__ = ["AttentionShape", "DecodeGraphs", "CONTEXT_BUCKET"]
+
+CONTEXT_BUCKET = 256        # the attention graph is built for the context rounded up to this many keys
+_MASK_ROWS = max(1, int(getattr(G, "GGML_KQ_MASK_PAD", 1)))  # flash attention wants the mask this tall
+_F32, _F16, _I32, _I64 = G.GGML_TYPE_F32, G.GGML_TYPE_F16, G.GGML_TYPE_I32, G.GGML_TYPE_I64
+_KV_GID = {np.dtype(np.float16): _F16, np.dtype(np.float32): _F32}
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    """What one block's attention-and-router graph depends on; every block of a model shares it."""
+
+    q: _Mat
+    k: _Mat
+    v: _Mat
+    o: _Mat
+    heads: int
+    heads_kv: int
+    key_width: int
+    value_width: int
+    n_rot: int
+    rope_base: float
+    n_ctx_orig: int
+    eps: float
+    experts: int
+    used: int
+    kv_dtype: str
+    qkv_fused: bool = False   # q, k and v follow each other in memory with one type: one product
+    f16_attention: bool = False   # attend over an f16 cache as llama.cpp does, not in float32
+
+    @property
+    def qkv(self) -> _Mat:
+        """q, k and v as one matrix (their rows one after another)."""
+        return _Mat(self.q.gid, self.q.rows + self.k.rows + self.v.rows, self.q.cols)
+
+
+def _strided(g: _Graph, gid: int, width: int, n_kv: int, heads: int, row_bytes: int) -> ctypes.Structure:
+    """A leaf over a (positions, heads, width) cache seen as (width, positions, heads), as attention reads it."""
+    t = g.leaf(gid, width, n_kv, heads)
+    c = t.contents
+    item = G.ggml_type_size(gid)
+    c.nb[1], c.nb[2] = row_bytes, width * item
+    c.nb[3] = row_bytes * n_kv
+    return t
+
+
+def _build_attention(g: _Graph, s: AttentionShape, n_kv: int) -> tuple[list, list]:
+    ctx, d, dv = g.ctx, s.key_width, s.value_width
+    kv_gid = _KV_GID[np.dtype(s.kv_dtype)]
+    x = g.leaf(_F32, s.q.cols, 1)                                   # the residual stream entering the block
+    attn_norm = g.leaf(_F32, s.q.cols, 1)
+    if s.qkv_fused:
+        wqkv = g.leaf(s.q.gid, s.q.cols, s.qkv.rows)
+    else:
+        wq, wk, wv = (g.leaf(m.gid, m.cols, m.rows) for m in (s.q, s.k, s.v))
+    q_norm, k_norm = g.leaf(_F32, d, 1), g.leaf(_F32, d, 1)
+    pos32, pos64 = g.leaf(_I32, 1, 1), g.leaf(_I64, 1, 1)
+    k_rows = g.leaf(kv_gid, s.heads_kv * d, n_kv)                  # the cache as rows, for the writes
+    v_rows = g.leaf(kv_gid, s.heads_kv * dv, n_kv)
+    item = G.ggml_type_size(kv_gid)
+    k_all = _strided(g, kv_gid, d, n_kv, s.heads_kv, s.heads_kv * d * item)    # the same memory, as read
+    v_all = _strided(g, kv_gid, dv, n_kv, s.heads_kv, s.heads_kv * dv * item)
+    mask = g.leaf(_F16, n_kv, _MASK_ROWS)
+    wo = g.leaf(s.o.gid, s.o.cols, s.o.rows)
+    ffn_norm = g.leaf(_F32, s.q.cols, 1)
+    router = g.leaf(_F32, s.q.cols, s.experts)
+
+    def rms(t, w):
+        return G.ggml_mul(ctx, G.ggml_rms_norm(ctx, t, s.eps), w)
+
+    def rope(t):
+        return G.ggml_rope_ext(ctx, t, pos32, None, s.n_rot, G.GGML_ROPE_TYPE_NEOX, s.n_ctx_orig, s.rope_base,
+                               1.0, 0.0, 1.0, 32.0, 1.0)
+
+    h = rms(x, attn_norm)
+    if s.qkv_fused:      # one product, its rows seen as q, k and v
+        qkv = G.ggml_mul_mat(ctx, wqkv, h)
+        q = G.ggml_view_3d(ctx, qkv, d, s.heads, 1, 4 * d, 4 * d * s.heads, 0)
+        k = G.ggml_view_3d(ctx, qkv, d, s.heads_kv, 1, 4 * d, 4 * d * s.heads_kv, 4 * s.q.rows)
+        v = G.ggml_view_2d(ctx, qkv, s.v.rows, 1, 4 * s.v.rows, 4 * (s.q.rows + s.k.rows))
+    else:
+        q = G.ggml_reshape_3d(ctx, G.ggml_mul_mat(ctx, wq, h), d, s.heads, 1)
+        k = G.ggml_reshape_3d(ctx, G.ggml_mul_mat(ctx, wk, h), d, s.heads_kv, 1)
+        v = G.ggml_mul_mat(ctx, wv, h)
+    q, k = rope(rms(q, q_norm)), rope(rms(k, k_norm))
+    # Non-finite if q, k, v or an activation rounded before a product (the normed input, the heads'
+    # output) holds a NaN or an infinity (or overflows): rounding to 8 bits and flash attention's online
+    # softmax (it steps over a NaN score) can both give finite numbers from broken weights.
+    sums = [G.ggml_sum(ctx, t) for t in (q, k, v, h)]
+    effects = [G.ggml_set_rows(ctx, k_rows, G.ggml_reshape_2d(ctx, k, s.heads_kv * d, 1), pos64),
+               G.ggml_set_rows(ctx, v_rows, v, pos64)]
+    if kv_gid != _F32 and not s.f16_attention:   # the keys and values the context holds, as float32
+        k_all, v_all = G.ggml_cast(ctx, k_all, _F32), G.ggml_cast(ctx, v_all, _F32)
+    att = G.ggml_flash_attn_ext(ctx, G.ggml_permute(ctx, q, 0, 2, 1, 3), k_all, v_all, mask,
+                                1.0 / math.sqrt(d), 0.0, 0.0)
+    G.ggml_flash_attn_ext_set_prec(att, G.GGML_PREC_F32)
+    heads = G.ggml_reshape_2d(ctx, att, dv * s.heads, 1)
+    x2 = G.ggml_add(ctx, x, G.ggml_mul_mat(ctx, wo, heads))
+    check = G.ggml_sum(ctx, heads)
+    for t in sums:
+        check = G.ggml_add(ctx, check, t)
+    h2 = rms(x2, ffn_norm)
+    probs = G.ggml_soft_max(ctx, G.ggml_mul_mat(ctx, router, h2))                # (E, 1)
+    order = G.ggml_argsort(ctx, probs, G.GGML_SORT_ORDER_DESC)
+    top = G.ggml_view_2d(ctx, order, s.used, 1, order.contents.nb[1], 0)
+    w = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, G.ggml_reshape_3d(ctx, probs, 1, s.experts, 1), top), s.used, 1)
+    w = G.ggml_div(ctx, w, G.ggml_sum_rows(ctx, w))
+    return [x2, h2, order, w, check], effects
+
+
+def _rank_sum(ctx, ys: list, x2):
+    """x2 + ((y0 + y1) + y2) + ...: the weighted expert outputs summed in rank order, then the residual."""
+    acc = ys[0]
+    for y in ys[1:]:
+        acc = G.ggml_add(ctx, acc, y)
+    return G.ggml_add(ctx, x2, acc)
+
+
+def _build_experts_stacked(g: _Graph, gate: _Mat, down: _Mat, used: int, depth: int, gate_up: bool) -> list:
+    """``gate_up``: each expert's up matrix follows its gate matrix, so both are one product of 2F rows."""
+    ctx = g.ctx
+    h = g.leaf(_F32, gate.cols, 1, 1)
+    x2 = g.leaf(_F32, down.rows, 1)
+    if gate_up:
+        wgu = g.stack(gate.gid, gate.cols, 2 * gate.rows, depth)
+    else:
+        wg, wu = g.stack(gate.gid, gate.cols, gate.rows, depth), g.stack(gate.gid, gate.cols, gate.rows, depth)
+    wd = g.stack(down.gid, down.cols, down.rows, depth)
+    ids = g.leaf(_I32, used, 1)                                       # rank r's matrix in the stack
+    w = g.leaf(_F32, 1, used, 1)
+    if gate_up:
+        a = G.ggml_swiglu(ctx, G.ggml_mul_mat_id(ctx, wgu, h, ids))
+    else:
+        a = G.ggml_swiglu_split(ctx, G.ggml_mul_mat_id(ctx, wg, h, ids), G.ggml_mul_mat_id(ctx, wu, h, ids))
+    y = G.ggml_mul(ctx, G.ggml_mul_mat_id(ctx, wd, a, ids), w)       # (D, used, 1)
+    nb1 = y.contents.nb[1]
+    return [_rank_sum(ctx, [G.ggml_view_2d(ctx, y, down.rows, 1, nb1, r * nb1) for r in range(used)], x2)]
+
+
+def _build_experts_each(g: _Graph, gate: _Mat, down: _Mat, used: int) -> list:
+    ctx = g.ctx
+    h = g.leaf(_F32, gate.cols, 1)
+    x2 = g.leaf(_F32, down.rows, 1)
+    ys = []
+    for _ in range(used):                         # leaves: gate, up, down, weight of rank r
+        wg, wu = g.leaf(gate.gid, gate.cols, gate.rows), g.leaf(gate.gid, gate.cols, gate.rows)
+        wd, w = g.leaf(down.gid, down.cols, down.rows), g.leaf(_F32, 1, 1)
+        a = G.ggml_swiglu_split(ctx, G.ggml_mul_mat(ctx, wg, h), G.ggml_mul_mat(ctx, wu, h))
+        ys.append(G.ggml_mul(ctx, G.ggml_mul_mat(ctx, wd, a), w))
+    return [_rank_sum(ctx, ys, x2)]
+
+
+def _build_head(g: _Graph, out: _Mat, eps: float) -> list:
+    ctx = g.ctx
+    x = g.leaf(_F32, out.cols, 1)
+    norm = g.leaf(_F32, out.cols, 1)
+    w = g.leaf(out.gid, out.cols, out.rows)
+    h = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x, eps), norm)
+    return [G.ggml_mul_mat(ctx, w, h), G.ggml_sum(ctx, h)]   # the sum: finite when the rounded input is
+
+
+class DecodeGraphs:
+    """The graphs of one net's decode steps on one :class:`GgmlKernels`, and the buffers they write.
+
+    Outputs live in buffers owned here and are overwritten by the next call of
+    the same kind: :meth:`attention` fills :attr:`residual`, :attr:`moe_input`,
+    :attr:`order` and :attr:`weights`, valid until the next :meth:`attention`;
+    :meth:`experts` writes the residual stream into one of two buffers, taking
+    turns, so a block's input survives its own experts.
+    """
+
+    def __init__(self, kernels: GgmlKernels, shapes: Sequence[AttentionShape]) -> None:
+        """``shapes``: each block's (blocks of one file may differ in their weights' types)."""
+        self.kernels, self.shapes = kernels, list(shapes)
+        self.shape = shape = shapes[0]
+        self._stacked = knob("experts") != "each"
+        dim = shape.q.cols
+        self.residual = np.zeros((1, dim), np.float32)        # x2: after attention
+        self.moe_input = np.zeros((1, dim), np.float32)       # h: ffn_norm(x2)
+        self.order = np.zeros((1, shape.experts), np.int32)   # experts by descending probability
+        self.weights = np.zeros((1, shape.used), np.float32)  # of the first `used`, renormalised
+        self.check = np.zeros(1, np.float32)                  # finite when q, k, v and rounded inputs are
+        self._streams = [np.zeros((1, dim), np.float32) for _ in range(2)]
+        self.steps = 0                                         # decode steps run on these graphs
+        self._turn = 0
+        self._pos32, self._pos64 = np.zeros(1, np.int32), np.zeros(1, np.int64)
+        self._masks: dict[int, np.ndarray] = {}
+        self._ids = np.zeros(shape.used, np.int32)
+        self._n_kv = 0
+        self._addr = kernels._address
+        self._blocks: dict[int, tuple[int, ...]] = {}      # id(keys) -> a block's leaf addresses but x, mask
+        self._expert_mats: dict[tuple, tuple[_Mat, _Mat, int]] = {}
+        # Our buffers' addresses, taken once (``ndarray.ctypes`` costs a few microseconds a call).
+        self._outs = tuple(b.ctypes.data for b in (self.residual, self.moe_input, self.order, self.weights,
+                                                     self.check))
+        self._stream_addrs = [b.ctypes.data for b in self._streams]
+        self._ids_addr, self._weights_addr = self._ids.ctypes.data, self.weights.ctypes.data
+        self._mask_addrs: dict[int, int] = {}
+        self._head_check = np.zeros(1, np.float32)
+        self._head_check_addr = self._head_check.ctypes.data
+
+    def begin(self, position: int, n_ctx: int) -> None:
+        """The next step decodes ``position`` in a cache of ``n_ctx`` positions: mask the keys after it."""
+        n_kv = min(n_ctx, -(-(position + 1) // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+        mask = self._masks.get(n_kv)
+        if mask is None:
+            mask = self._masks[n_kv] = np.full((_MASK_ROWS, n_kv), -np.inf, np.float16)
+            self._mask_addrs[n_kv] = mask.ctypes.data
+        mask[0, :position + 1] = 0
+        mask[0, position + 1:] = -np.inf
+        self._pos32[0] = self._pos64[0] = position
+        self._n_kv = n_kv
+
+    def attention(self, layer: int, x: np.ndarray, norms: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
+                  mats: tuple[QTensor, QTensor, QTensor, QTensor], router: np.ndarray,
+                  keys: np.ndarray, values: np.ndarray) -> None:
+        """Block ``layer``'s attention and router for x (1, D) float32, C-contiguous.
+
+        Fills :attr:`residual`, :attr:`moe_input`, :attr:`order`, :attr:`weights` and :attr:`check`, and
+        writes the position's key and value into ``keys``/``values`` (the block's cache arrays (S, Hkv, d)
+        and (S, Hkv, dv)). ``norms``: attn_norm, attn_q_norm, attn_k_norm, ffn_norm; ``mats``: attn_q,
+        attn_k, attn_v, attn_output; ``router``: ffn_gate_inp (E, D) float32.
+        """
+        s, k, n_kv = self.shapes[layer], self.kernels, self._n_kv
+        block = self._blocks.get(id(keys))
+        if block is None:
+            a = self._addr
+            w = (a(mats[0].data),) if s.qkv_fused else (a(mats[0].data), a(mats[1].data), a(mats[2].data))
+            addrs = (0, a(norms[0]), *w, a(norms[1]), a(norms[2]), self._pos32.ctypes.data,
+                     self._pos64.ctypes.data, a(keys), a(values), a(keys), a(values), 0, a(mats[3].data),
+                     a(norms[3]), a(router))
+            nbytes = sum(m.nbytes for m in (s.q, s.k, s.v, s.o))
+            block = self._blocks[id(keys)] = (addrs, nbytes, keys)      # the array keeps its id taken
+        mask_leaf = 11 if s.qkv_fused else 13   # its place among the leaves _build_attention makes
+        with k.lock:
+            graph = k.graph(("decode-attention", s, n_kv), 64, lambda g: _build_attention(g, s, n_kv),
+                            block[1])
+            leaves = graph.inputs
+            for leaf, addr in zip(leaves, block[0]):
+                leaf.data = addr
+            leaves[0].data = x.ctypes.data
+            leaves[mask_leaf].data = self._mask_addrs[n_kv]
+            for node, addr in zip(graph.outputs, self._outs):
+                node.data = addr
+            k.run(graph)
+
+    def stackable(self, experts: Sequence[FFNWeights]) -> tuple | None:
+        """How ``experts`` (in rank order) run as one stack: (base addresses, stride, index of each, depth),
+        or None when their matrices are not one stride apart (several stacks: the caller falls back)."""
+        a = self._addr
+        gates = [a(e.gate.data) for e in experts]
+        e0, g0 = experts[0], gates[0]
+        offsets = (a(e0.up.data) - g0, a(e0.down.data) - g0)
+        for e, g in zip(experts, gates):
+            if (a(e.up.data) - g, a(e.down.data) - g) != offsets:
+                return None
+        first = min(gates)
+        stride = 0
+        for g in gates:
+            stride = math.gcd(stride, g - first)
+        stride = stride or 1
+        index = [(g - first) // stride for g in gates]
+        depth = 1 << max(index).bit_length()
+        if depth * (len(index) + 1) * 8 > _STACK_WORK:   # ggml_mul_mat_id's bookkeeping is per matrix
+            return None
+        return (first, first + offsets[0], first + offsets[1]), stride, index, depth
+
+    def experts(self, experts: Sequence[FFNWeights], stack: tuple | None) -> np.ndarray:
+        """x2 + sum over ranks r of weights[r] * down_r(swiglu(gate_r h, up_r h)), for :attr:`moe_input` h,
+        :attr:`residual` x2, ``experts`` in rank order: the next residual stream (1, D)."""
+        k, first = self.kernels, experts[0]
+        kind = (first.gate.ggml_type, first.gate.shape, first.down.ggml_type, first.down.shape, len(experts))
+        mats = self._expert_mats.get(kind)
+        if mats is None:
+            gate, down = k._mat(first.gate), k._mat(first.down)
+            mats = self._expert_mats[kind] = (gate, down, len(experts) * (2 * gate.nbytes + down.nbytes))
+        gate, down, weight_bytes = mats
+        used = len(experts)
+        turn = self._turn
+        self._turn ^= 1
+        h, x2 = self._outs[1], self._outs[0]
+        if self._stacked and stack is not None:
+            base, stride, index, depth = stack
+            self._ids[:] = index
+            gate_up = base[1] - base[0] == gate.nbytes
+            key = ("decode-experts", gate, down, used, depth, gate_up)
+            build = lambda g: _build_experts_stacked(g, gate, down, used, depth, gate_up)  # noqa: E731
+            addrs = (h, x2, base[0], *(() if gate_up else (base[1],)), base[2], self._ids_addr, self._weights_addr)
+            strides = (stride,) * (2 if gate_up else 3)
+        else:
+            a, w = self._addr, self._weights_addr
+            key = ("decode-experts-each", gate, down, used)
+            build = lambda g: _build_experts_each(g, gate, down, used)  # noqa: E731
+            addrs = (h, x2, *(p for r, e in enumerate(experts)
+                              for p in (a(e.gate.data), a(e.up.data), a(e.down.data), w + 4 * r)))
+            strides = ()
+        with k.lock:
+            graph = k.graph(key, 12 * used + 8, build, weight_bytes)
+            for leaf, addr in zip(graph.inputs, addrs):
+                leaf.data = addr
+            for st, stride in zip(graph.stacks, strides):
+                graph.set_stride(st, stride)
+            graph.outputs[0].data = self._stream_addrs[turn]
+            k.run(graph)
+        return self._streams[turn]
+
+    def head(self, x: np.ndarray, norm: np.ndarray, output: QTensor) -> np.ndarray:
+        """Logits (1, V): output · rms_norm(x) * output_norm; NaN when that input is not finite (as the
+        per-operation backend gives, :func:`ggml_cpu._keep_non_finite`)."""
+        k, eps = self.kernels, self.shape.eps
+        mat = k._mat(output)
+        logits = np.empty((1, mat.rows), np.float32)
+        with k.lock:
+            graph = k.graph(("decode-head", mat, eps), 8, lambda g: _build_head(g, mat, eps), mat.nbytes)
+            for leaf, addr in zip(graph.inputs, (x.ctypes.data, self._addr(norm), self._addr(output.data))):
+                leaf.data = addr
+            graph.outputs[0].data = logits.ctypes.data
+            graph.outputs[1].data = self._head_check_addr
+            k.run(graph)
+        if not np.isfinite(self._head_check[0]):
+            logits[:] = np.nan
+        return logits

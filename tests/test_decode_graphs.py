@@ -1,0 +1,142 @@
+"""Decode steps on whole ggml graphs (arch/decode_graphs.py, kernels/ggml_decode.py).
+
+With a float32 KV cache the graphs compute what the per-operation ggml path
+computes, with ggml's RMSNorm, RoPE and attention in place of NumPy's: on F32
+weights the logits agree to their summation order (1e-5 x max|logit|); on Q8_0
+weights an activation that lands on the other side of a rounding boundary moves
+them by up to ~3e-4 x max|logit| (measured; held to 1e-3, the ggml backend's
+tolerance against llama.cpp on these fixtures). With the default f16 cache the
+graphs widen keys and values to float32 as the per-operation path does (within
+3e-3 x max|logit| of it, measured 0 to 1.6e-3). With COLIBRI_GGML_ATTENTION=f16
+attention rounds as llama.cpp's flash attention does (queries to f16 against
+f16 keys, values summed in f16): held to llama.cpp's own decode with that cache. Placement never changes a bit (tests/test_engine_placement.py runs the
+ggml backend through these graphs, experts in one batch and in several).
+"""
+from __future__ import annotations
+
+import asyncio
+import shutil
+import struct
+
+import numpy as np
+import pytest
+
+from colibri_aio import Engine, NonFiniteError
+from colibri_aio.gguf.header import GGUFHeader
+from colibri_aio.kernels.backend import Kernels, NumpyKernels
+
+from support import FIXTURES, fixture, oracle_ids, teacher_forced
+from test_arch_qwen3moe import _net, ggml  # noqa: F401 (ggml: the module's kernels, a fixture)
+
+# Against llama.cpp's logits, x max|logit|. Its decode with an F16 cache and flash attention
+# (fixtures/oracle/*.llamacpp_f16_decode.npz): the graphs round as it does, bit for bit on tiny_f32 and
+# tiny_q8_0 (measured 0); on tiny_q4_k 2.4e-2..2.8e-2 (its K-quant products differ from this ggml build's
+# in a few rows, measured 1.1e-2 with a float32 cache, and f16 keys move routing near-ties further).
+# With a float32 cache against the float32 oracle (*.llamacpp.npz): the Q8_0 fixtures bit for bit.
+F16_CACHE_VS_PER_OPERATION = 3e-3
+F16_DECODE_EXACT = 1e-6
+F16_DECODE_Q4_K = 5e-2
+F32_VS_LLAMACPP_Q8 = 1e-6
+
+def _per_operation(monkeypatch, name: str, ggml: Kernels, ids: list[int], kv_type: str = "f32") -> np.ndarray:
+    monkeypatch.setenv("COLIBRI_GGML_GRAPHS", "off")
+    net = _net(name, ggml, kv_type)
+    assert net.decode_graphs() is None
+    got = teacher_forced(net, ids, decode=True)
+    monkeypatch.delenv("COLIBRI_GGML_GRAPHS")
+    return got
+
+
+def test_only_the_ggml_backend_decodes_on_graphs(ggml: Kernels) -> None:
+    assert _net("tiny_q8_0", NumpyKernels()).decode_graphs() is None
+    assert _net("tiny_q8_0", ggml).decode_graphs() is not None
+
+
+@pytest.mark.parametrize("name", ["tiny_q8_0", "colibri-tiny-q8_0"])
+def test_q8_0_decode_on_graphs_matches_the_per_operation_path(monkeypatch, name: str, ggml: Kernels) -> None:
+    ids = oracle_ids()[0]
+    net = _net(name, ggml)
+    got = teacher_forced(net, ids, decode=True)
+    assert net.decode_graphs().steps == len(ids)                # every step ran on the graphs
+    want = _per_operation(monkeypatch, name, ggml, ids)
+    assert float(np.abs(got - want).max()) <= 1e-3 * float(np.abs(want).max())
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_f32_decode_on_graphs_matches_the_per_operation_path(monkeypatch, ggml: Kernels) -> None:
+    ids = oracle_ids()[0]
+    got = teacher_forced(_net("tiny_f32", ggml), ids, decode=True)
+    want = _per_operation(monkeypatch, "tiny_f32", ggml, ids)
+    assert float(np.abs(got - want).max()) <= 1e-5 * float(np.abs(want).max())
+
+
+@pytest.mark.parametrize("name", ["tiny_f32", "tiny_q8_0", "colibri-tiny-q8_0"])
+def test_f16_cache_on_graphs_matches_the_per_operation_path(monkeypatch, name: str, ggml: Kernels) -> None:
+    ids = oracle_ids()[0]
+    net = _net(name, ggml, "f16")
+    got = teacher_forced(net, ids, decode=True)
+    assert net.decode_graphs().steps == len(ids)
+    want = _per_operation(monkeypatch, name, ggml, ids, "f16")
+    assert float(np.abs(got - want).max()) <= F16_CACHE_VS_PER_OPERATION * float(np.abs(want).max())
+
+
+def test_one_product_per_expert_gives_the_stacked_bits(monkeypatch, ggml: Kernels) -> None:
+    """The A/B switch COLIBRI_GGML_EXPERTS=each (one product per expert instead of ggml_mul_mat_id)."""
+    ids = oracle_ids()[1]
+    want = teacher_forced(_net("tiny_q8_0", ggml), ids, decode=True)
+    monkeypatch.setenv("COLIBRI_GGML_EXPERTS", "each")
+    assert np.array_equal(teacher_forced(_net("tiny_q8_0", ggml), ids, decode=True), want)
+
+
+@pytest.mark.parametrize("name,kv_type,oracle,tol", [
+    ("tiny_f32", "f16", "llamacpp_f16_decode", F16_DECODE_EXACT),
+    ("tiny_q8_0", "f16", "llamacpp_f16_decode", F16_DECODE_EXACT),
+    ("tiny_q4_k", "f16", "llamacpp_f16_decode", F16_DECODE_Q4_K),
+    ("tiny_q8_0", "f32", "llamacpp", F32_VS_LLAMACPP_Q8),
+    ("colibri-tiny-q8_0", "f32", "llamacpp", F32_VS_LLAMACPP_Q8)])
+def test_decode_on_graphs_against_llamacpp(monkeypatch, name: str, kv_type: str, oracle: str, tol: float,
+                                           ggml: Kernels) -> None:
+    if oracle == "llamacpp_f16_decode":
+        monkeypatch.setenv("COLIBRI_GGML_ATTENTION", "f16")
+    ref = np.load(FIXTURES / "oracle" / f"{name}.{oracle}.npz")
+    ids = oracle_ids()
+    for key in sorted(ref.files):
+        want = ref[key]
+        seq = ids[int(key[3:])][: want.shape[0]]
+        net = _net(name, ggml, kv_type)
+        got = teacher_forced(net, seq, decode=True)
+        assert net.decode_graphs().steps == len(seq)
+        assert float(np.abs(got - want).max()) <= tol * float(np.abs(want).max()), key
+
+
+def test_rewind_and_continue_on_graphs_gives_the_bits_of_a_fresh_run(ggml: Kernels) -> None:
+    ids = oracle_ids()[0]
+    net = _net("tiny_q8_0", ggml, "f16")
+    want = teacher_forced(net, ids, decode=True)
+
+    async def rewound() -> np.ndarray:
+        net.reset()
+        for t in ids + ids[:5]:               # run past the point, then rewind to it
+            await net.forward([t])
+        net.rewind(len(ids) - 4)
+        return np.stack([await net.forward([t]) for t in ids[-4:]])
+
+    assert np.array_equal(asyncio.run(rewound()), want[-4:])
+
+
+@pytest.mark.parametrize("tensor,value,where", [
+    ("blk.0.attn_q.weight", struct.pack("<H", 0x7C00), "layer 0 attention"),          # +inf scale
+    ("blk.1.ffn_gate_inp.weight", struct.pack("<f", float("nan")), "layer 1 router"),
+])
+async def test_a_non_finite_value_in_a_graph_step_is_named_by_the_per_operation_pass(
+        tmp_path, ggml: Kernels, tensor: str, value: bytes, where: str) -> None:
+    broken = tmp_path / "broken.gguf"
+    shutil.copyfile(fixture("tiny_q8_0.gguf"), broken)
+    t = next(t for t in GGUFHeader(broken).tensors if t.name == tensor)
+    with open(broken, "r+b") as f:
+        f.seek(t.data_offset)
+        f.write(value)
+    async with await Engine.open(broken, io="pread", kernels="ggml") as engine:
+        assert engine.net.decode_graphs() is not None
+        with pytest.raises(NonFiniteError, match=where):
+            await engine.net.forward([5])
