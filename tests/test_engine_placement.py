@@ -45,10 +45,10 @@ async def test_logits_are_bit_identical_across_placements(name: str, kernels: st
         got, _ = await engine_logits(fixture(f"{name}.gguf"), ids, kernels=kernels, io="uring",
                                      cache_per_layer=per_layer, warm_start=True)
         assert np.array_equal(got, want), ("warm start", per_layer)
-    for per_layer in (1, e):  # the prefill's read-ahead (off in every run above) on
+    for per_layer in (1, e):  # the prefill's read-ahead (on by default in every run above) off
         got, _ = await engine_logits(fixture(f"{name}.gguf"), ids, kernels=kernels, io="uring",
-                                     cache_per_layer=per_layer, read_ahead=True)
-        assert np.array_equal(got, want), ("read-ahead", per_layer)
+                                     cache_per_layer=per_layer, read_ahead=False)
+        assert np.array_equal(got, want), ("no read-ahead", per_layer)
     got, _ = await engine_logits(fixture(f"{name}.gguf"), ids, kernels=kernels, ram_budget="600M")  # plan-sized cache
     assert np.array_equal(got, want)
 
@@ -85,8 +85,11 @@ async def test_a_prefill_reads_ahead_what_the_next_layer_routes_and_decode_does_
                                     cache_per_layer=every, prefetch="off", read_ahead=True)
     assert engine.source.policy.stats.prefetch_reads == 0   # --prefetch off: no guesses at all
     _, engine = await engine_logits(fixture("tiny_q8_0.gguf"), ids, split=len(ids) - 1, io="uring",
+                                    cache_per_layer=every, prefetch="auto", read_ahead=False)
+    assert engine.source.policy.stats.ahead_reads == 0       # --no-read-ahead
+    _, engine = await engine_logits(fixture("tiny_q8_0.gguf"), ids, split=len(ids) - 1, io="uring",
                                     cache_per_layer=every, prefetch="auto")
-    assert engine.source.policy.stats.ahead_reads == 0       # off by default
+    assert engine.source.policy.stats.ahead_reads > 0        # on by default
 
 
 async def test_small_cache_evicts_and_prefetch_is_counted() -> None:

@@ -7,11 +7,12 @@ two engines alternate, the order flipped every round. ``--lock PATH`` holds
 an exclusive flock on PATH around each run only.
 
 - ours: ``Engine.open(model)`` with its defaults (context min(model, 4096),
-  f16 KV cache, budget from RAM, ggml kernels, no warm start, no read-ahead), ``prefill``
+  f16 KV cache, budget from RAM, ggml kernels, no warm start, the prefill's read-ahead), ``prefill``
   of the prompt;
 - ours-warm (``--arms``): the same with the warm start;
-- ours-ahead (``--arms``): the same with the prefill's read-ahead (its A/B; receipts
-  before it was off by default have ours-noahead, ours with it off);
+- ours-noahead (``--arms``): the same without the prefill's read-ahead (its A/B, now that
+  it is on by default); ours-ahead: with it named explicitly (receipts from when it was
+  off by default);
 - llama.cpp: llama-cpp-python, ``n_threads=2``, ``n_ctx=4096`` (llama-cli's
   default), mmap, ``eval`` of the prompt.
 
@@ -41,8 +42,9 @@ from colibri_aio.bench.receipt import header as receipt_header, spread, write as
 
 ROOT = Path(__file__).resolve().parents[1]
 # ours-warm: Engine.open(warm_start=True), the warm start's A/B; ours-ahead: read_ahead=True, the read-ahead's
-ARMS = ("ours", "ours-warm", "ours-ahead", "llama.cpp")
-OURS = {"ours": {}, "ours-warm": {"warm_start": True}, "ours-ahead": {"read_ahead": True}}
+ARMS = ("ours", "ours-warm", "ours-ahead", "ours-noahead", "llama.cpp")
+OURS = {"ours": {}, "ours-warm": {"warm_start": True}, "ours-ahead": {"read_ahead": True},
+        "ours-noahead": {"read_ahead": False}}
 PROMPT = 32
 N_CTX = 4096
 
@@ -142,7 +144,8 @@ def summarise(runs: list[dict]) -> dict:
                                                            "steady_tok_s", "first_vs_steady") if ok}
         out[e]["failed"] = sum(1 for r in runs if r["engine"] == e and "error" in r)
     for arm, ref, key in (("ours", "llama.cpp", "ttft_ratio"), ("ours-warm", "ours", "ttft_ratio_warm"),
-                          ("ours-ahead", "ours", "ttft_ratio_ahead")):
+                          ("ours-ahead", "ours", "ttft_ratio_ahead"),
+                          ("ours", "ours-noahead", "ttft_ratio_default_vs_noahead")):
         pairs = [(a, b) for a, b in zip([r for r in runs if r["engine"] == arm],
                                          [r for r in runs if r["engine"] == ref])
                  if "error" not in a and "error" not in b]
@@ -178,6 +181,8 @@ def markdown(receipt: dict) -> str:
               f"TTFT ours with the warm start / without it, per round: {_cell(s.get('ttft_ratio_warm'))}", "",
               f"TTFT ours with the prefill's read-ahead / without it, per round: {_cell(s.get('ttft_ratio_ahead'))}",
               "",
+              f"TTFT ours (defaults) / ours without read-ahead, per round: "
+              f"{_cell(s.get('ttft_ratio_default_vs_noahead'))}", "",
               "Every sample (TTFT s; ours: open steps, warm start):", ""]
     for r in receipt["samples"]:
         if "error" in r:

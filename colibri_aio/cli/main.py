@@ -102,10 +102,10 @@ def _add_placement(p: argparse.ArgumentParser) -> None:
                         "for: all of them when they fit, else the ones a long usage history uses most "
                         "(default: off; on the 8-layer cut its reads slowed the start and doubled the time to "
                         "first token)")
-    g.add_argument("--read-ahead", action=argparse.BooleanOptionalAction, default=False,
+    g.add_argument("--read-ahead", action=argparse.BooleanOptionalAction, default=True,
                    help="while a prompt's layer computes, read the experts the next layer will likely use, with "
-                        "reads issued from io_uring's kernel workers (default: off; its A/B did not clearly "
-                        "shorten the time to first token)")
+                        "reads issued from io_uring's kernel workers (default: on; on the 48-layer file it cut the "
+                        "time to first token by a quarter)")
     g.add_argument("--kernels", choices=KERNEL_NAMES, default=None,
                    help="matrix kernels: ggml (llama.cpp's CPU kernels, activations rounded to 8 bits as "
                         "llama.cpp does) or numpy (the float32 reference); auto picks ggml when it loads "

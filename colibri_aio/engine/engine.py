@@ -107,7 +107,7 @@ class Engine:
                    ram_budget: int | str | None = None, cache_per_layer: int | None = None,
                    prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None, kv_type: str = DEFAULT_KV_TYPE,
                    kernels: str | None = None, progress: Progress | None = None,
-                   history: bool = True, warm_start: bool = False, read_ahead: bool = False) -> "Engine":
+                   history: bool = True, warm_start: bool = False, read_ahead: bool = True) -> "Engine":
         """Load ``path`` (default: the shipped model) and open its expert source.
 
         Placement: ``io`` (auto|uring|pread|mmap), ``ram_budget`` (bytes or a
@@ -134,8 +134,9 @@ class Engine:
         ``read_ahead``: while a prefill computes one layer, read the experts
         the next one will likely use (:mod:`colibri_aio.policy.scheduler`), and
         issue reads from io_uring's kernel workers so that compute goes on while
-        they fault in the pool pages they fill; off by default: its A/B did not
-        clearly shorten the time to first token (evidence/first_token_*).
+        they fault in the pool pages they fill; on by default: its A/B shortened
+        the time to first token on the 8- and 48-layer files and kept the first
+        decoded tokens at the steady rate (evidence/first_token_20261202T01*).
         """
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,

@@ -59,10 +59,13 @@ class Placement:
     # A prefill reads the next layer's likely experts while this one computes, and reads are handed to
     # io_uring's kernel workers (IOSQE_ASYNC): issued inline, a submit faults in the fresh pool pages it
     # reads into on the event loop, which on the 48-layer file held the loop 43 s of a 47 s prefill
-    # (io_uring_submit in a profile), so nothing computed while the disk read. Off by default: its A/B
-    # did not clearly shorten the time to first token, on/off per round 0.98 [0.71-1.09] on the 8-layer
-    # cut and 0.90 [0.79-1.54] on the 48-layer file (evidence/first_token_20261202T010043Z.md, ...T012020Z.md).
-    read_ahead: bool = False
+    # (io_uring_submit in a profile), so nothing computed while the disk read. On by default: with the
+    # pool in huge pages its A/B (on/off per round, same run, page cache dropped) gave 0.89 [0.75-1.08] of
+    # the time to first token on the 8-layer cut and 0.73 [0.48-0.96] on the 48-layer file, and the first
+    # 64 decoded tokens ran at 0.93 of the steady rate against 0.69 without it
+    # (evidence/first_token_20261202T014924Z.md, ...T014508Z.md). Before huge pages the same A/B gave
+    # 0.98 and 0.90 with ranges crossing 1 (...T010043Z.md, ...T012020Z.md).
+    read_ahead: bool = True
     backpressure: BackpressureConfig | None = None  # thresholds of --prefetch auto (None: defaults)
 
     def __post_init__(self) -> None:
