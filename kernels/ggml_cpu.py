@@ -47,7 +47,6 @@ this CPU lacks, instead of letting it die on an illegal instruction.
 from __future__ import annotations
 
 import ctypes
-import itertools
 import math
 import os
 import threading
@@ -80,7 +79,7 @@ PARALLEL_BYTES = 1 << 18         # graphs with fewer weight bytes run on one thr
 # measured winners. threadpool: a persistent ggml threadpool gave no decode gain on the decode graphs
 # (~17 launches a token: 24.8 vs 25.4 tok/s without, evidence/decode_20261202T012629Z.md), so ggml
 # starts and joins its threads per graph as before.
-KNOBS = {"threadpool": "off", "graphs": "on", "experts": "stacked", "attention": "f32"}
+KNOBS = {"threadpool": "off", "graphs": "on", "experts": "stacked", "attention": "f32", "expert_gemm": "1"}
 # Weight types llamafile's GEMM multiplies on x86 (tinyBLAS_Q0_AVX) and whose products there carry the bits of
 # ggml's vec_dot, row for row (tests/test_kernels_ggml.py): an expert with several positions runs on it.
 # (IQ4_NL runs there too, but with other bits than vec_dot's: left out.)
@@ -430,7 +429,7 @@ class GgmlKernels:
         self._type_of = {gid: t for t, gid in self._types.items()}
         # Experts of several rows on llamafile's GEMM (_expert_gemms); COLIBRI_GGML_EXPERT_GEMM=0 keeps every
         # expert on ggml_mul_mat_id (the A/B of evidence/prefill_ab_*).
-        self.expert_gemm = has_gemm() and os.environ.get("COLIBRI_GGML_EXPERT_GEMM", "1") != "0"
+        self.expert_gemm = has_gemm() and knob("expert_gemm") != "0"
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self._address = _Addresses()
         self._work, self._work_ptr = self._work_buffer(1 << 20)
@@ -572,12 +571,8 @@ class GgmlKernels:
             for (g, u, d), x in zip(addrs, inputs):
                 n = x.shape[0]
                 key = ("gemm", activation, gate, down, n)
-                graph = self._graphs.get(key)
-                if graph is None:
-                    graph = self._new_graph(key, 4, lambda gr: self._build_gemm(gr, gate, down, n, activation),
-                                            weight_bytes, own_arena=False)
-                else:
-                    self._graphs.move_to_end(key)
+                graph = self.graph(key, 4, lambda gr: self._build_gemm(gr, gate, down, n, activation),
+                                   weight_bytes, own_arena=False)
                 if graph.arena_size > self._scratch.size:
                     self._scratch, _ = _aligned(graph.arena_size)
                 graph.place(self._scratch.ctypes.data)
@@ -667,12 +662,13 @@ class GgmlKernels:
         return out
 
     def graph(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list | tuple[list, list]],
-              weight_bytes: int) -> _Graph:
+              weight_bytes: int, own_arena: bool = True) -> _Graph:
         """The graph ``key``, built by ``build`` on first use (it returns the outputs, or the outputs and
-        the effects); the caller holds :attr:`lock`, points the leaves and runs it with :meth:`run`."""
+        the effects); the caller holds :attr:`lock`, points the leaves and runs it with :meth:`run`.
+        ``own_arena=False``: its intermediates go where the caller places them (:meth:`_Graph.place`)."""
         graph = self._graphs.get(key)
         if graph is None:
-            return self._new_graph(key, n_tensors, build, weight_bytes)
+            return self._new_graph(key, n_tensors, build, weight_bytes, own_arena)
         self._graphs.move_to_end(key)
         return graph
 

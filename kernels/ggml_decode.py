@@ -56,7 +56,7 @@ import numpy as np
 import ggml.ggml as G
 
 from colibri_aio.kernels.backend import FFNWeights
-from colibri_aio.kernels.ggml_cpu import _STACK_WORK, GgmlKernels, _Graph, _Mat, knob
+from colibri_aio.kernels.ggml_cpu import GgmlKernels, _Graph, _Mat, _stacks, knob
 from colibri_aio.kernels.qtensor import QTensor
 
 __all__ = ["AttentionShape", "DecodeGraphs", "CONTEXT_BUCKET"]
@@ -309,22 +309,13 @@ class DecodeGraphs:
         """How ``experts`` (in rank order) run as one stack: (base addresses, stride, index of each, depth),
         or None when their matrices are not one stride apart (several stacks: the caller falls back)."""
         a = self._addr
-        gates = [a(e.gate.data) for e in experts]
-        e0, g0 = experts[0], gates[0]
-        offsets = (a(e0.up.data) - g0, a(e0.down.data) - g0)
-        for e, g in zip(experts, gates):
-            if (a(e.up.data) - g, a(e.down.data) - g) != offsets:
-                return None
-        first = min(gates)
-        stride = 0
-        for g in gates:
-            stride = math.gcd(stride, g - first)
-        stride = stride or 1
-        index = [(g - first) // stride for g in gates]
-        depth = 1 << max(index).bit_length()
-        if depth * (len(index) + 1) * 8 > _STACK_WORK:   # ggml_mul_mat_id's bookkeeping is per matrix
+        stacks = _stacks([(a(e.gate.data), a(e.up.data), a(e.down.data)) for e in experts], [1] * len(experts))
+        if len(stacks) != 1:
             return None
-        return (first, first + offsets[0], first + offsets[1]), stride, index, depth
+        stack, index = stacks[0], [0] * len(experts)
+        for member, i in zip(stack.members, stack.index):
+            index[member] = i  # back to rank order
+        return stack.base, stack.stride, index, stack.depth
 
     def experts(self, experts: Sequence[FFNWeights], stack: tuple | None) -> np.ndarray:
         """x2 + sum over ranks r of weights[r] * down_r(swiglu(gate_r h, up_r h)), for :attr:`moe_input` h,
