@@ -307,13 +307,13 @@ def fio_arms(bs: int, qd: int, huge_free: int = 0) -> dict[str, tuple[int, int, 
 
 def hugetlb_free_bytes() -> int:
     """Bytes of free reserved huge pages (``/proc/sys/vm/nr_hugepages``), what ``fio --mem=mmaphuge`` needs."""
+    from colibri_aio.engine.memory import meminfo  # here: colibri_aio.engine imports the whole engine
+
     try:
-        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        info = meminfo()
     except OSError:
         return 0
-    free = int(fields.get("HugePages_Free", "0").strip() or 0)
-    size = int(fields.get("Hugepagesize", "0 kB").split()[0]) << 10
-    return free * size
+    return info.get("HugePages_Free", 0) * info.get("Hugepagesize", 0)
 
 
 async def measure_pair(path: Path, args: argparse.Namespace, backend: str, bs: int, qd: int, run: int,

@@ -10,9 +10,8 @@ an exclusive flock on PATH around each run only.
   f16 KV cache, budget from RAM, ggml kernels, no warm start, the prefill's read-ahead), ``prefill``
   of the prompt;
 - ours-warm (``--arms``): the same with the warm start;
-- ours-noahead (``--arms``): the same without the prefill's read-ahead (its A/B, now that
-  it is on by default); ours-ahead: with it named explicitly (receipts from when it was
-  off by default);
+- ours-noahead (``--arms``): the same without the prefill's read-ahead (its A/B; receipts
+  from when it was off by default have ours-ahead, ours with it on);
 - llama.cpp: llama-cpp-python, ``n_threads=2``, ``n_ctx=4096`` (llama-cli's
   default), mmap, ``eval`` of the prompt.
 
@@ -28,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -41,10 +39,9 @@ from colibri_aio.bench.lock import exclusive  # noqa: E402
 from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-# ours-warm: Engine.open(warm_start=True), the warm start's A/B; ours-ahead: read_ahead=True, the read-ahead's
-ARMS = ("ours", "ours-warm", "ours-ahead", "ours-noahead", "llama.cpp")
-OURS = {"ours": {}, "ours-warm": {"warm_start": True}, "ours-ahead": {"read_ahead": True},
-        "ours-noahead": {"read_ahead": False}}
+# ours-warm: Engine.open(warm_start=True), the warm start's A/B; ours-noahead: read_ahead=False, the read-ahead's A/B
+ARMS = ("ours", "ours-warm", "ours-noahead", "llama.cpp")
+OURS = {"ours": {}, "ours-warm": {"warm_start": True}, "ours-noahead": {"read_ahead": False}}
 PROMPT = 32
 N_CTX = 4096
 
@@ -144,7 +141,6 @@ def summarise(runs: list[dict]) -> dict:
                                                            "steady_tok_s", "first_vs_steady") if ok}
         out[e]["failed"] = sum(1 for r in runs if r["engine"] == e and "error" in r)
     for arm, ref, key in (("ours", "llama.cpp", "ttft_ratio"), ("ours-warm", "ours", "ttft_ratio_warm"),
-                          ("ours-ahead", "ours", "ttft_ratio_ahead"),
                           ("ours", "ours-noahead", "ttft_ratio_default_vs_noahead")):
         pairs = [(a, b) for a, b in zip([r for r in runs if r["engine"] == arm],
                                          [r for r in runs if r["engine"] == ref])
@@ -179,9 +175,7 @@ def markdown(receipt: dict) -> str:
                      f"{_cell(x.get('first_vs_steady'))} |")
     lines += ["", f"TTFT ours / llama.cpp, per round: {_cell(s.get('ttft_ratio'))}", "",
               f"TTFT ours with the warm start / without it, per round: {_cell(s.get('ttft_ratio_warm'))}", "",
-              f"TTFT ours with the prefill's read-ahead / without it, per round: {_cell(s.get('ttft_ratio_ahead'))}",
-              "",
-              f"TTFT ours (defaults) / ours without read-ahead, per round: "
+              f"TTFT ours (defaults, read-ahead on) / ours without read-ahead, per round: "
               f"{_cell(s.get('ttft_ratio_default_vs_noahead'))}", "",
               "Every sample (TTFT s; ours: open steps, warm start):", ""]
     for r in receipt["samples"]:
