@@ -395,10 +395,11 @@ class DecodeGraphs:
             block = self._blocks[id(keys)] = (addrs, nbytes, keys)      # the array keeps its id taken
         return block
 
-    def step_shape(self, experts: Sequence[FFNWeights], depth: int, stride: int, bases: Sequence[tuple[int, int, int]],
+    def step_shape(self, experts: Sequence[Sequence], depth: int, stride: int, bases: Sequence[tuple[int, int, int]],
                    output: QTensor) -> StepShape | None:
         """The :class:`StepShape` of this net's one-graph steps over a pool of ``depth`` slots ``stride`` bytes
-        apart (``experts``: one expert of each block, for its matrices' types and shapes; ``bases``: each
+        apart (``experts``: each block's experts, the first one's matrices give their types and shapes: an
+        ExpertLocation's ranges or an expert's weights; ``bases``: each
         block's gate, up and down address of slot 0), for the current context bucket; None when its
         intermediates (every block's, a step graph does not share them) would exceed :data:`STEP_SCRATCH`.
         Remembered per bucket: one net's decode graphs serve one pool."""
@@ -407,8 +408,8 @@ class DecodeGraphs:
             return self._step_shapes[n_kv]
         k = self.kernels
         mats = []
-        for e, base in zip(experts, bases):
-            gate, down = k._mat(e.gate), k._mat(e.down)
+        for block, base in zip(experts, bases):
+            gate, down = k._mat(block[0].gate), k._mat(block[0].down)
             mats.append((gate, down, base[1] - base[0] == gate.nbytes))
         widened = sum(2 * n_kv * s.heads_kv * max(s.key_width, s.value_width) * 4 for s in self.shapes
                       if s.kv_dtype != "float32" and not s.f16_attention)

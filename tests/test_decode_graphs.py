@@ -199,6 +199,6 @@ async def test_the_scheduler_counts_a_one_graph_step_as_its_per_block_steps(monk
         p = engine.source.policy
         c = p.cache
         state.append((c.stats, p.stats, [list(g) for g in c._groups.values()], dict(c._uses), dict(c._crf),
-                      None if p.usage is None else p.usage.counts.tolist()))
+                      p.usage.counts.tolist()))
         assert (engine.net.one_graph_steps >= len(ids)) == (step == "graph")
     assert state[0] == state[1]

@@ -137,8 +137,7 @@ class GraphDecode(MoETransformer):
                 ((blk.attn_norm, blk.attn_q_norm, blk.attn_k_norm, moe_norm(model, layer)),
                  (blk.attn_q, blk.attn_k, blk.attn_v, blk.attn_output), blk.ffn_gate_inp, cache.k[layer],
                  cache.v[layer]) for layer, blk in enumerate(model.blocks)]
-        shape = graphs.step_shape([model.expert(layer, 0) for layer in range(a.block_count)], resident.depth,
-                                  resident.stride, resident.bases, model.output)
+        shape = graphs.step_shape(model.experts, resident.depth, resident.stride, resident.bases, model.output)
         if shape is None:
             return None
         graphs.step(shape, self.embed(tok), blocks, resident.slots, resident.bases,
