@@ -97,7 +97,7 @@ class AttentionShape:
     @property
     def qkv(self) -> _Mat:
         """q, k and v as one matrix (their rows one after another)."""
-        return _Mat(self.q.gid, self.q.rows + self.k.rows + self.v.rows, self.q.cols)
+        return _Mat(self.q.gid, self.q.rows + self.k.rows + self.v.rows, self.q.cols, self.q.packed)
 
 
 def _mask_leaf(s: AttentionShape) -> int:
@@ -121,9 +121,9 @@ def _build_attention(g: _Graph, s: AttentionShape, n_kv: int) -> tuple[list, lis
     x = g.leaf(_F32, s.q.cols, 1)                                   # the residual stream entering the block
     attn_norm = g.leaf(_F32, s.q.cols, 1)
     if s.qkv_fused:
-        wqkv = g.leaf(s.q.gid, s.q.cols, s.qkv.rows)
+        wqkv = g.weight(s.qkv)
     else:
-        wq, wk, wv = (g.leaf(m.gid, m.cols, m.rows) for m in (s.q, s.k, s.v))
+        wq, wk, wv = (g.weight(m) for m in (s.q, s.k, s.v))
     q_norm, k_norm = g.leaf(_F32, d, 1), g.leaf(_F32, d, 1)
     pos32, pos64 = g.leaf(_I32, 1, 1), g.leaf(_I64, 1, 1)
     k_rows = g.leaf(kv_gid, s.heads_kv * d, n_kv)                  # the cache as rows, for the writes
@@ -132,7 +132,7 @@ def _build_attention(g: _Graph, s: AttentionShape, n_kv: int) -> tuple[list, lis
     k_all = _strided(g, kv_gid, d, n_kv, s.heads_kv, s.heads_kv * d * item)    # the same memory, as read
     v_all = _strided(g, kv_gid, dv, n_kv, s.heads_kv, s.heads_kv * dv * item)
     mask = g.leaf(_F16, n_kv, _MASK_ROWS)
-    wo = g.leaf(s.o.gid, s.o.cols, s.o.rows)
+    wo = g.weight(s.o)
     ffn_norm = g.leaf(_F32, s.q.cols, 1)
     router = g.leaf(_F32, s.q.cols, s.experts)
 
@@ -288,7 +288,7 @@ def _build_head(g: _Graph, out: _Mat, eps: float) -> list:
     ctx = g.ctx
     x = g.leaf(_F32, out.cols, 1)
     norm = g.leaf(_F32, out.cols, 1)
-    w = g.leaf(out.gid, out.cols, out.rows)
+    w = g.weight(out)
     h = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x, eps), norm)
     return [G.ggml_mul_mat(ctx, w, h), G.ggml_sum(ctx, h)]   # the sum: finite when the rounded input is
 
