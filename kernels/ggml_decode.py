@@ -15,6 +15,16 @@ they are resident), and runs the experts' graph: ``ggml_mul_mat_id`` per matrix
 over the experts seen as one 3-D tensor (pool slots one stride apart), the
 weighted sum in rank order, the residual.
 
+When every expert a step routes to is resident in the expert source's buffer
+pool (:class:`~colibri_aio.experts.ResidentExperts`), the whole step is one
+graph (:meth:`DecodeGraphs.step`): each block's attention and router nodes,
+then ``ggml_get_rows`` of the block's slot table (expert -> pool slot, kept by
+the cache) by the chosen experts gives ``ggml_mul_mat_id`` its indices into
+the whole pool seen as one stack per matrix, then the next block, then the
+head: one launch, one fork and join of the threads, and no Python between the
+blocks per token instead of 2 per block plus 1. Same nodes, same products,
+same rank-ordered sum: the same bits as the per-block graphs.
+
 Graphs are built once per shape (every block of a model shares its graphs;
 attention once per context bucket of :data:`CONTEXT_BUCKET` keys) and
 re-pointed at every call: leaves at the trunk's arrays, the expert slots and
@@ -441,7 +451,8 @@ class DecodeGraphs:
                             own_arena=False, n_nodes=max(4096, size))
             if leaves.attention:
                 self._step_leaves[key] = leaves
-            if graph is not self._step_graph or keys != self._step_keys:
+            if (graph is not self._step_graph or len(keys) != len(self._step_keys)
+                    or any(a is not b for a, b in zip(keys, self._step_keys))):
                 self._point_step(graph, self._step_leaves[key], shape, blocks, tables, bases, head)
                 self._step_graph, self._step_keys = graph, keys
             k.run(graph)

@@ -4,7 +4,11 @@
 When the net runs on the ggml backend and decodes one position without an
 observer, each block is one attention-and-router graph, the expert source's
 stream of the chosen experts, and one experts graph
-(:mod:`colibri_aio.kernels.ggml_decode`); the output head is one graph. Anything
+(:mod:`colibri_aio.kernels.ggml_decode`); the output head is one graph. When
+the expert source keeps its experts in one strided pool with a slot table
+(:meth:`CachedExpertSource.resident`), a step whose every chosen expert is
+resident runs as a single graph, blocks and head (:meth:`GraphDecode._step_on_one_graph`;
+``COLIBRI_GGML_STEP=layers`` turns it off). Anything
 else (prefill, tracing, the NumPy backend, a block shape the graphs do not
 cover) takes the per-operation pass, which also names the place of any
 non-finite value: a step whose graphs produce one is run again that way.
