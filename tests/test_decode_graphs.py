@@ -89,8 +89,9 @@ def test_one_product_per_expert_gives_the_stacked_bits(monkeypatch, ggml: Kernel
 
 
 def test_widening_the_cache_by_rows_gives_the_bits_of_a_cast(monkeypatch, ggml: Kernels) -> None:
-    """The A/B switch COLIBRI_GGML_WIDEN=cast (ggml_cast of the f16 cache instead of ggml_get_rows), over
-    the whole context (every key of the bucket, the last steps with none masked)."""
+    """The A/B switch COLIBRI_GGML_WIDEN (ggml_get_rows or ggml_cast widening the f16 cache), over the
+    whole context (every key of the bucket, the last steps with none masked)."""
+    monkeypatch.setenv("COLIBRI_GGML_WIDEN", "rows")
     net = _net("tiny_q8_0", ggml, "f16")
     ids = np.random.default_rng(0).integers(3, 2000, net.n_ctx).tolist()
     want = teacher_forced(net, ids, decode=True)
