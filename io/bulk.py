@@ -12,9 +12,9 @@ from bytes that are copied into RAM once.
 The buffer is an anonymous mapping that nothing touches before the reads:
 each page is faulted in by the read that fills it, in the worker that does
 the read, instead of page by page in advance. It asks for transparent huge
-pages (the trunk is read once per decoded token: its largest matrix, the
-output head, went 12.5% faster on 2 MiB pages than on 4 KiB ones, fewer TLB
-misses; ``COLIBRI_TRUNK_HUGE_PAGES=off`` keeps 4 KiB pages, the A/B).
+pages: the trunk is streamed once per decoded token, and on 2 MiB pages its
+TLB misses go (decode x1.044 on the 8-layer cut, evidence/decode_20261202T034250Z.md;
+``COLIBRI_TRUNK_HUGE_PAGES=off`` keeps 4 KiB pages, the A/B).
 """
 from __future__ import annotations
 

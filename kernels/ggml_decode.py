@@ -125,6 +125,18 @@ def _strided(g: _Graph, gid: int, width: int, n_kv: int, heads: int, row_bytes: 
     return t
 
 
+def _widened(ctx, caches: Sequence, n_kv: int, heads: int) -> list:
+    """Each f16 cache leaf seen as (width, positions, heads) (:func:`_strided`), as a float32 copy laid out
+    (width, positions, heads) contiguous: what ``ggml_cast`` gives, the same values (f16 -> f32 is exact).
+
+    ``ggml_get_rows`` widens a whole row of ``width`` at a time (F16C) where ``ggml_cast`` converts
+    element by element (~6x slower per row measured on 2304 positions x 4 heads x 128)."""
+    positions = G.ggml_arange(ctx, 0.0, float(n_kv), 1.0)
+    index = G.ggml_cast(ctx, G.ggml_repeat_4d(ctx, G.ggml_reshape_2d(ctx, positions, n_kv, 1), n_kv, heads, 1, 1),
+                        _I32)                                   # (positions, heads): row p of every head
+    return [G.ggml_get_rows(ctx, cache, index) for cache in caches]
+
+
 def _build_attention(g: _Graph, s: AttentionShape, n_kv: int) -> tuple[list, list]:
     ctx, d, dv = g.ctx, s.key_width, s.value_width
     kv_gid = _KV_GID[np.dtype(s.kv_dtype)]
@@ -171,7 +183,10 @@ def _build_attention(g: _Graph, s: AttentionShape, n_kv: int) -> tuple[list, lis
     effects = [G.ggml_set_rows(ctx, k_rows, G.ggml_reshape_2d(ctx, k, s.heads_kv * d, 1), pos64),
                G.ggml_set_rows(ctx, v_rows, v, pos64)]
     if kv_gid != _F32 and not s.f16_attention:   # the keys and values the context holds, as float32
-        k_all, v_all = G.ggml_cast(ctx, k_all, _F32), G.ggml_cast(ctx, v_all, _F32)
+        if knob("widen") == "rows":
+            k_all, v_all = _widened(ctx, (k_all, v_all), n_kv, s.heads_kv)
+        else:
+            k_all, v_all = G.ggml_cast(ctx, k_all, _F32), G.ggml_cast(ctx, v_all, _F32)
     att = G.ggml_flash_attn_ext(ctx, G.ggml_permute(ctx, q, 0, 2, 1, 3), k_all, v_all, mask,
                                 1.0 / math.sqrt(d), 0.0, 0.0)
     G.ggml_flash_attn_ext_set_prec(att, G.GGML_PREC_F32)

@@ -88,6 +88,18 @@ def test_one_product_per_expert_gives_the_stacked_bits(monkeypatch, ggml: Kernel
     assert np.array_equal(teacher_forced(_net("tiny_q8_0", ggml), ids, decode=True), want)
 
 
+def test_widening_the_cache_by_rows_gives_the_bits_of_a_cast(monkeypatch, ggml: Kernels) -> None:
+    """The A/B switch COLIBRI_GGML_WIDEN (ggml_get_rows or ggml_cast widening the f16 cache), over the
+    whole context (every key of the bucket, the last steps with none masked)."""
+    monkeypatch.setenv("COLIBRI_GGML_WIDEN", "rows")
+    net = _net("tiny_q8_0", ggml, "f16")
+    ids = np.random.default_rng(0).integers(3, 2000, net.n_ctx).tolist()
+    want = teacher_forced(net, ids, decode=True)
+    assert net.decode_graphs().steps == len(ids)
+    monkeypatch.setenv("COLIBRI_GGML_WIDEN", "cast")
+    assert np.array_equal(teacher_forced(_net("tiny_q8_0", ggml, "f16"), ids, decode=True), want)
+
+
 @pytest.mark.parametrize("name,kv_type,oracle,tol", [
     ("tiny_f32", "f16", "llamacpp_f16_decode", F16_DECODE_EXACT),
     ("tiny_q8_0", "f16", "llamacpp_f16_decode", F16_DECODE_EXACT),
