@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 from gguf import GGMLQuantizationType
 
 from colibri_aio.kernels.qtensor import QTensor
@@ -56,6 +57,28 @@ class ExpertWeights:
     gate: QTensor
     up: QTensor
     down: QTensor
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ResidentExperts:
+    """Every expert a source holds, seen as one stack per matrix and layer, with a table of which are in.
+
+    Expert ``e`` of MoE layer ``l`` whose ``ready[l, e]`` is True has its gate,
+    up and down matrices at ``bases[l][i] + slots[l, e] * stride`` (a buffer
+    pool's slots, one stride apart, each expert of a layer at the same offsets
+    in its slot), for ``slots[l, e]`` < ``depth``. The source keeps both
+    arrays current: an entry is ready only once its bytes have landed, and
+    stops being ready before its slot is given to another read. A kernel graph
+    may thus pick its experts by these arrays without asking the source, as
+    long as nothing reads into the pool while it runs and the caller then
+    checks ``ready`` for each expert it used.
+    """
+
+    slots: np.ndarray                      # (layers, experts) int32: stack index (0 where not ready)
+    ready: np.ndarray                      # (layers, experts) bool
+    bases: tuple[tuple[int, int, int], ...]   # per layer: gate, up, down address of stack index 0
+    stride: int
+    depth: int
 
 
 ExpertBatch = list[tuple[int, ExpertWeights]]  # (expert id, views of its bytes), as a source yields them

@@ -79,10 +79,12 @@ PARALLEL_BYTES = 1 << 18         # graphs with fewer weight bytes run on one thr
 # measured winners. threadpool: a persistent ggml threadpool gave no decode gain on the decode graphs
 # (~17 launches a token: 24.8 vs 25.4 tok/s without, evidence/decode_20261202T012629Z.md), so ggml
 # starts and joins its threads per graph as before.
-KNOBS = {"threadpool": "off", "graphs": "on", "experts": "stacked", "attention": "f32", "expert_gemm": "1",
-         "widen": "cast"}
+# step: "graph" runs a decode step whose experts are all resident as one graph (arch/decode_graphs.py),
+# "layers" as two graphs per block and one for the head.
 # widen: how decode attention widens an f16 cache to float32 (kernels/ggml_decode.py _widened): "cast"
 # (ggml_cast, element by element) until a decode A/B receipt shows "rows" (ggml_get_rows, same bits) paying.
+KNOBS = {"threadpool": "off", "graphs": "on", "experts": "stacked", "attention": "f32", "expert_gemm": "1",
+         "step": "graph", "widen": "cast"}
 # Weight types llamafile's GEMM multiplies on x86 (tinyBLAS_Q0_AVX) and whose products there carry the bits of
 # ggml's vec_dot, row for row (tests/test_kernels_ggml.py): an expert with several positions runs on it.
 # (IQ4_NL runs there too, but with other bits than vec_dot's: left out.)
@@ -229,13 +231,13 @@ class _Graph:
     ``_arena`` when the graph is built.
     """
 
-    def __init__(self, n_tensors: int) -> None:
+    def __init__(self, n_tensors: int, n_nodes: int = _GRAPH_NODES) -> None:
         n_tensors += 8
-        size = n_tensors * G.ggml_tensor_overhead() + G.ggml_graph_overhead_custom(_GRAPH_NODES, False)
+        size = n_tensors * G.ggml_tensor_overhead() + G.ggml_graph_overhead_custom(n_nodes, False)
         self.ctx = G.ggml_init(G.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
         if not self.ctx:
             raise MemoryError("ggml_init failed")
-        self.gf = G.ggml_new_graph_custom(self.ctx, _GRAPH_NODES, False)
+        self.gf = G.ggml_new_graph_custom(self.ctx, n_nodes, False)
         self.inputs: list[ctypes.Structure] = []
         self.outputs: list[ctypes.Structure] = []
         self.stacks: list[ctypes.Structure] = []
@@ -245,6 +247,7 @@ class _Graph:
         self.arena_size = 0
         self._arena: np.ndarray | None = None
         self._places: list[tuple[ctypes.Structure, int]] = []
+        self._fixed_views: list[tuple[ctypes.Structure, ctypes.Structure]] = []   # views of intermediates
 
     def leaf(self, gid: int, cols: int, rows: int, depth: int = 1) -> ctypes.Structure:
         """A (depth, rows, cols) tensor whose data is given at every call."""
@@ -292,26 +295,28 @@ class _Graph:
             self._places.append((node, offset))
             offset += -(-G.ggml_nbytes(ctypes.pointer(node)) // _ALIGN) * _ALIGN
         self.arena_size = offset
-        self.views = []
-        if own_arena:
-            self._arena, base = _aligned(offset)
-            self.place(base)
-        for node in views:                     # in graph order: a view's source is placed before it
+        self.views, self._fixed_views = [], []
+        for node in views:                     # in graph order
             src = node.view_src.contents
             if ctypes.addressof(src) in moving:
                 moving.add(ctypes.addressof(node))
                 self.views.append((node, src))
             else:
-                node.data = (src.data or 0) + node.view_offs
+                self._fixed_views.append((node, src))
+        if own_arena:
+            self._arena, base = _aligned(offset)
+            self.place(base)
         self.refresh_views()
         self.plan = G.ggml_graph_plan(self.gf, n_threads, threadpool)
         self._plan_ref = ctypes.byref(self.plan)
         self.work_size = self.plan.work_size
 
     def place(self, base: int) -> None:
-        """Put the intermediates at ``base`` (``arena_size`` bytes, _ALIGN-aligned)."""
+        """Put the intermediates at ``base`` (``arena_size`` bytes, _ALIGN-aligned), and their views."""
         for node, off in self._places:
             node.data = base + off
+        for node, src in self._fixed_views:
+            node.data = (src.data or 0) + node.view_offs
 
     def refresh_views(self) -> None:
         """Point the views of re-pointed tensors at their sources' memory of this call."""
@@ -665,13 +670,14 @@ class GgmlKernels:
         return out
 
     def graph(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list | tuple[list, list]],
-              weight_bytes: int, own_arena: bool = True) -> _Graph:
+              weight_bytes: int, own_arena: bool = True, n_nodes: int = _GRAPH_NODES) -> _Graph:
         """The graph ``key``, built by ``build`` on first use (it returns the outputs, or the outputs and
         the effects); the caller holds :attr:`lock`, points the leaves and runs it with :meth:`run`.
-        ``own_arena=False``: its intermediates go where the caller places them (:meth:`_Graph.place`)."""
+        ``own_arena=False``: its intermediates go where the caller places them (:meth:`_Graph.place`).
+        ``n_nodes``: its capacity in nodes (and in leaves)."""
         graph = self._graphs.get(key)
         if graph is None:
-            return self._new_graph(key, n_tensors, build, weight_bytes, own_arena)
+            return self._new_graph(key, n_tensors, build, weight_bytes, own_arena, n_nodes)
         self._graphs.move_to_end(key)
         return graph
 
@@ -686,8 +692,8 @@ class GgmlKernels:
         graph.run(self._work_ptr)
 
     def _new_graph(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list | tuple[list, list]],
-                   weight_bytes: int, own_arena: bool = True) -> _Graph:
-        graph = _Graph(n_tensors)
+                   weight_bytes: int, own_arena: bool = True, n_nodes: int = _GRAPH_NODES) -> _Graph:
+        graph = _Graph(n_tensors, n_nodes)
         threads = self.n_threads if weight_bytes >= self.parallel_bytes else 1
         built = build(graph)
         outputs, effects = built if isinstance(built, tuple) else (built, ())

@@ -15,6 +15,16 @@ they are resident), and runs the experts' graph: ``ggml_mul_mat_id`` per matrix
 over the experts seen as one 3-D tensor (pool slots one stride apart), the
 weighted sum in rank order, the residual.
 
+When every expert a step routes to is resident in the expert source's buffer
+pool (:class:`~colibri_aio.experts.ResidentExperts`), the whole step is one
+graph (:meth:`DecodeGraphs.step`): each block's attention and router nodes,
+then ``ggml_get_rows`` of the block's slot table (expert -> pool slot, kept by
+the cache) by the chosen experts gives ``ggml_mul_mat_id`` its indices into
+the whole pool seen as one stack per matrix, then the next block, then the
+head: one launch, one fork and join of the threads, and no Python between the
+blocks per token instead of 2 per block plus 1. Same nodes, same products,
+same rank-ordered sum: the same bits as the per-block graphs.
+
 Graphs are built once per shape (every block of a model shares its graphs;
 attention once per context bucket of :data:`CONTEXT_BUCKET` keys) and
 re-pointed at every call: leaves at the trunk's arrays, the expert slots and
@@ -47,6 +57,7 @@ until their variants are written here.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -56,15 +67,19 @@ import numpy as np
 import ggml.ggml as G
 
 from colibri_aio.kernels.backend import FFNWeights
-from colibri_aio.kernels.ggml_cpu import GgmlKernels, _Graph, _Mat, _stacks, knob
+from colibri_aio.kernels.ggml_cpu import GgmlKernels, _Graph, _Mat, _aligned, _stacks, knob
 from colibri_aio.kernels.qtensor import QTensor
 
-__all__ = ["AttentionShape", "DecodeGraphs", "CONTEXT_BUCKET"]
+__all__ = ["AttentionShape", "DecodeGraphs", "StepShape", "CONTEXT_BUCKET", "STEP_SCRATCH"]
 
 CONTEXT_BUCKET = 256        # the attention graph is built for the context rounded up to this many keys
+# The most bytes a one-graph step's float32 copies of the KV cache may take (every block keeps its own in one
+# graph, where the per-block graphs share one): beyond it, at long contexts, steps run block by block.
+STEP_SCRATCH = 256 << 20
 _MASK_ROWS = max(1, int(getattr(G, "GGML_KQ_MASK_PAD", 1)))  # flash attention wants the mask this tall
 _F32, _F16, _I32, _I64 = G.GGML_TYPE_F32, G.GGML_TYPE_F16, G.GGML_TYPE_I32, G.GGML_TYPE_I64
 _KV_GID = {np.dtype(np.float16): _F16, np.dtype(np.float32): _F32}
+_TOKENS = itertools.count()
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +108,11 @@ class AttentionShape:
     def qkv(self) -> _Mat:
         """q, k and v as one matrix (their rows one after another)."""
         return _Mat(self.q.gid, self.q.rows + self.k.rows + self.v.rows, self.q.cols)
+
+
+def _mask_leaf(s: AttentionShape) -> int:
+    """The mask's place among the leaves :func:`_build_attention` makes."""
+    return 11 if s.qkv_fused else 13
 
 
 def _strided(g: _Graph, gid: int, width: int, n_kv: int, heads: int, row_bytes: int) -> ctypes.Structure:
@@ -226,6 +246,69 @@ def _build_experts_each(g: _Graph, gate: _Mat, down: _Mat, used: int) -> list:
     return [_rank_sum(ctx, ys, x2)]
 
 
+@dataclass(frozen=True, slots=True)
+class StepShape:
+    """What the one-graph decode step depends on, beside the blocks' :class:`AttentionShape`: each block's
+    expert matrices (gate, down; gate and up adjacent), the pool's stack (``depth`` slots ``stride`` bytes
+    apart), the output head, the context bucket."""
+
+    experts: tuple[tuple[_Mat, _Mat, bool], ...]
+    depth: int
+    stride: int
+    head: _Mat
+    n_kv: int
+
+
+@dataclass(slots=True)
+class _StepLeaves:
+    """Where each block's leaves sit among a step graph's inputs (the graph's build order)."""
+
+    attention: list[int]   # first attention leaf of each block
+    experts: list[int]     # each block's slot table leaf; its stacks follow
+    head: int              # the head's x leaf; its norm and matrix follow
+
+
+def _build_step(g: _Graph, shapes: Sequence[AttentionShape], step: StepShape, leaves: _StepLeaves) -> list:
+    """A whole decode step: every block's attention and router (:func:`_build_attention`), its experts
+    picked through the slot table by ``ggml_get_rows`` and run over the pool's stack, the head.
+
+    The blocks follow each other through memory, not through the graph: block l + 1's input leaf is
+    pointed at block l's output buffer. ggml runs nodes in graph order, so each block's nodes are
+    expanded here in order, the cache writes of a block (its effects) before its attention reads the
+    cache. Outputs: per block the experts' order, their weights and the residual stream after it; the
+    logits; one sum that is finite when every check of the per-block graphs is.
+    """
+    ctx, outputs, check = g.ctx, [], None
+    for s, (gate, down, gate_up) in zip(shapes, step.experts):
+        leaves.attention.append(len(g.inputs))
+        (x2, h2, order, w, att_check), effects = _build_attention(g, s, step.n_kv)
+        for t in effects:
+            G.ggml_build_forward_expand(g.gf, t)
+        leaves.experts.append(len(g.inputs))
+        table = g.leaf(_I32, 1, s.experts)                    # stack index of each expert (slots)
+        top = G.ggml_view_2d(ctx, order, s.used, 1, order.contents.nb[1], 0)
+        ids = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, table, top), s.used, 1)
+        if gate_up:
+            wgu = g.stack(gate.gid, gate.cols, 2 * gate.rows, step.depth)
+            a = G.ggml_swiglu(ctx, G.ggml_mul_mat_id(ctx, wgu, h2, ids))
+        else:
+            wg = g.stack(gate.gid, gate.cols, gate.rows, step.depth)
+            wu = g.stack(gate.gid, gate.cols, gate.rows, step.depth)
+            a = G.ggml_swiglu_split(ctx, G.ggml_mul_mat_id(ctx, wg, h2, ids), G.ggml_mul_mat_id(ctx, wu, h2, ids))
+        wd = g.stack(down.gid, down.cols, down.rows, step.depth)
+        y = G.ggml_mul(ctx, G.ggml_mul_mat_id(ctx, wd, a, ids), G.ggml_reshape_3d(ctx, w, 1, s.used, 1))
+        nb1 = y.contents.nb[1]
+        x_out = _rank_sum(ctx, [G.ggml_view_2d(ctx, y, down.rows, 1, nb1, r * nb1) for r in range(s.used)], x2)
+        G.ggml_build_forward_expand(g.gf, x_out)
+        block_check = G.ggml_add(ctx, att_check, G.ggml_sum(ctx, w))
+        check = block_check if check is None else G.ggml_add(ctx, check, block_check)
+        outputs += [order, w, x_out]
+    leaves.head = len(g.inputs)
+    logits, head_check = _build_head(g, step.head, shapes[0].eps)
+    check = G.ggml_add(ctx, G.ggml_add(ctx, check, G.ggml_sum(ctx, outputs[-1])), head_check)
+    return outputs + [logits, check]
+
+
 def _build_head(g: _Graph, out: _Mat, eps: float) -> list:
     ctx = g.ctx
     x = g.leaf(_F32, out.cols, 1)
@@ -250,6 +333,7 @@ class DecodeGraphs:
         self.kernels, self.shapes = kernels, list(shapes)
         self.shape = shape = shapes[0]
         self._stacked = knob("experts") != "each"
+        self.step_knob = knob("step")     # "graph": a step whose experts are all resident is one graph
         dim = shape.q.cols
         self.residual = np.zeros((1, dim), np.float32)        # x2: after attention
         self.moe_input = np.zeros((1, dim), np.float32)       # h: ffn_norm(x2)
@@ -274,6 +358,15 @@ class DecodeGraphs:
         self._mask_addrs: dict[int, int] = {}
         self._head_check = np.zeros(1, np.float32)
         self._head_check_addr = self._head_check.ctypes.data
+        # The one-graph step (step()): its outputs, input, intermediates, and what its graph was pointed at.
+        self._token = next(_TOKENS)          # its graphs' key: another net's graphs are pointed elsewhere
+        self._step_buffers: tuple[np.ndarray, ...] | None = None
+        self._step_in = np.zeros((1, shape.q.cols), np.float32)
+        self._step_scratch, _ = _aligned(0)
+        self._step_graph: _Graph | None = None
+        self._step_keys: tuple = ()
+        self._step_leaves: dict[tuple, _StepLeaves] = {}
+        self._step_shapes: dict[int, StepShape | None] = {}
 
     def begin(self, position: int, n_ctx: int) -> None:
         """The next step decodes ``position`` in a cache of ``n_ctx`` positions: mask the keys after it."""
@@ -298,16 +391,8 @@ class DecodeGraphs:
         attn_k, attn_v, attn_output; ``router``: ffn_gate_inp (E, D) float32.
         """
         s, k, n_kv = self.shapes[layer], self.kernels, self._n_kv
-        block = self._blocks.get(id(keys))
-        if block is None:
-            a = self._addr
-            w = (a(mats[0].data),) if s.qkv_fused else (a(mats[0].data), a(mats[1].data), a(mats[2].data))
-            addrs = (0, a(norms[0]), *w, a(norms[1]), a(norms[2]), self._pos32.ctypes.data,
-                     self._pos64.ctypes.data, a(keys), a(values), a(keys), a(values), 0, a(mats[3].data),
-                     a(norms[3]), a(router))
-            nbytes = sum(m.nbytes for m in (s.q, s.k, s.v, s.o))
-            block = self._blocks[id(keys)] = (addrs, nbytes, keys)      # the array keeps its id taken
-        mask_leaf = 11 if s.qkv_fused else 13   # its place among the leaves _build_attention makes
+        block = self._block(layer, norms, mats, router, keys, values)
+        mask_leaf = _mask_leaf(s)
         with k.lock:
             graph = k.graph(("decode-attention", s, n_kv), 64, lambda g: _build_attention(g, s, n_kv),
                             block[1])
@@ -319,6 +404,114 @@ class DecodeGraphs:
             for node, addr in zip(graph.outputs, self._outs):
                 node.data = addr
             k.run(graph)
+
+    def _block(self, layer: int, norms: tuple[np.ndarray, ...], mats: tuple[QTensor, ...], router: np.ndarray,
+               keys: np.ndarray, values: np.ndarray) -> tuple[tuple[int, ...], int, np.ndarray]:
+        """Block ``layer``'s attention leaf addresses (x and the mask as 0: given per call), its weights'
+        bytes, and its keys array (kept, so that its id, the memo's key, is not reused)."""
+        block = self._blocks.get(id(keys))
+        if block is None:
+            s, a = self.shapes[layer], self._addr
+            w = (a(mats[0].data),) if s.qkv_fused else (a(mats[0].data), a(mats[1].data), a(mats[2].data))
+            addrs = (0, a(norms[0]), *w, a(norms[1]), a(norms[2]), self._pos32.ctypes.data,
+                     self._pos64.ctypes.data, a(keys), a(values), a(keys), a(values), 0, a(mats[3].data),
+                     a(norms[3]), a(router))
+            nbytes = sum(m.nbytes for m in (s.q, s.k, s.v, s.o))
+            block = self._blocks[id(keys)] = (addrs, nbytes, keys)      # the array keeps its id taken
+        return block
+
+    def step_shape(self, experts: Sequence[Sequence], depth: int, stride: int, bases: Sequence[tuple[int, int, int]],
+                   output: QTensor) -> StepShape | None:
+        """The :class:`StepShape` of this net's one-graph steps over a pool of ``depth`` slots ``stride`` bytes
+        apart (``experts``: each block's experts, the first one's matrices give their types and shapes: an
+        ExpertLocation's ranges or an expert's weights; ``bases``: each
+        block's gate, up and down address of slot 0), for the current context bucket; None when its
+        intermediates (every block's, a step graph does not share them) would exceed :data:`STEP_SCRATCH`.
+        Remembered per bucket: one net's decode graphs serve one pool."""
+        n_kv = self._n_kv
+        if n_kv in self._step_shapes:
+            return self._step_shapes[n_kv]
+        k = self.kernels
+        mats = []
+        for block, base in zip(experts, bases):
+            gate, down = k._mat(block[0].gate), k._mat(block[0].down)
+            mats.append((gate, down, base[1] - base[0] == gate.nbytes))
+        widened = sum(2 * n_kv * s.heads_kv * max(s.key_width, s.value_width) * 4 for s in self.shapes
+                      if s.kv_dtype != "float32" and not s.f16_attention)
+        shape = None if widened > STEP_SCRATCH else StepShape(tuple(mats), depth, stride, k._mat(output), n_kv)
+        self._step_shapes[n_kv] = shape
+        return shape
+
+    def step(self, shape: StepShape, x: np.ndarray, blocks: Sequence[tuple], tables: np.ndarray,
+             bases: Sequence[tuple[int, int, int]], head: tuple[np.ndarray, QTensor]) -> None:
+        """One decode step, every block and the head, as one graph (:func:`_build_step`), after :meth:`begin`.
+
+        ``x``: the token's embedding (1, D); ``blocks``: per block the arguments of :meth:`attention` after
+        x (norms, mats, router, keys, values); ``tables``: (blocks, experts) int32, each expert's slot in
+        the stack (read as the graph runs); ``bases``: each block's stack addresses; ``head``: output_norm,
+        output. Fills :attr:`step_order`, :attr:`step_weights`, :attr:`step_x`, :attr:`step_logits` and
+        :attr:`step_check`, and writes the position's keys and values into every block's cache.
+        """
+        k, n = self.kernels, len(blocks)
+        if self._step_buffers is None or len(self._step_buffers[0]) != n:
+            self._make_step_buffers(n, shape.head.rows)
+        order, weights, xs, logits, check = self._step_buffers
+        np.copyto(self._step_in, x)
+        keys = tuple(b[3] for b in blocks)
+        key = ("decode-step", self._token, shape.n_kv)   # one shape per context bucket (step_shape)
+        size = n * (96 + 3 * self.shape.used) + 64
+        with k.lock:
+            leaves = _StepLeaves([], [], 0)
+            graph = k.graph(key, size, lambda g: _build_step(g, self.shapes, shape, leaves), 1 << 40,
+                            own_arena=False, n_nodes=max(4096, size))
+            if leaves.attention:
+                self._step_leaves[key] = leaves
+            if (graph is not self._step_graph or len(keys) != len(self._step_keys)
+                    or any(a is not b for a, b in zip(keys, self._step_keys))):
+                self._point_step(graph, self._step_leaves[key], shape, blocks, tables, bases, head)
+                self._step_graph, self._step_keys = graph, keys
+            k.run(graph)
+
+    def _make_step_buffers(self, n_blocks: int, vocab: int) -> None:
+        s = self.shape
+        self._step_buffers = (np.zeros((n_blocks, s.experts), np.int32), np.zeros((n_blocks, s.used), np.float32),
+                              np.zeros((n_blocks, s.q.cols), np.float32), np.zeros((1, vocab), np.float32),
+                              np.zeros(1, np.float32))
+        self.step_order, self.step_weights, self.step_x, self.step_logits, self.step_check = self._step_buffers
+        self._step_graph = None
+
+    def _point_step(self, graph: _Graph, leaves: _StepLeaves, shape: StepShape, blocks: Sequence[tuple],
+                    tables: np.ndarray, bases: Sequence[tuple[int, int, int]], head: tuple[np.ndarray, QTensor]) -> None:
+        """Point a step graph's leaves and outputs at their memory: all of it stays the same from step to
+        step (the token's embedding is copied into :attr:`_step_in`, the mask and position are updated in
+        place), so this runs only for a new graph (a new context bucket) or new cache arrays."""
+        a, inputs = self._addr, graph.inputs
+        if graph.arena_size > self._step_scratch.size:
+            self._step_scratch, _ = _aligned(graph.arena_size)
+        graph.place(self._step_scratch.ctypes.data)
+        order, weights, xs, logits, check = self._step_buffers
+        for layer, block in enumerate(blocks):
+            s = self.shapes[layer]
+            addrs = list(self._block(layer, *block)[0])
+            addrs[0] = self._step_in.ctypes.data if layer == 0 else xs[layer - 1].ctypes.data
+            addrs[_mask_leaf(s)] = self._mask_addrs[shape.n_kv]
+            first = leaves.attention[layer]
+            for leaf, addr in zip(inputs[first:first + len(addrs)], addrs):
+                leaf.data = addr
+            gate_up = shape.experts[layer][2]
+            base = bases[layer]
+            mats = (base[0], base[2]) if gate_up else base
+            first = leaves.experts[layer]
+            inputs[first].data = tables[layer].ctypes.data
+            for leaf, addr in zip(inputs[first + 1:first + 1 + len(mats)], mats):
+                leaf.data = addr
+        for st in graph.stacks:
+            graph.set_stride(st, shape.stride)
+        for leaf, addr in zip(inputs[leaves.head:], (xs[-1].ctypes.data, a(head[0]), a(head[1].data))):
+            leaf.data = addr
+        outs = [b for layer in range(len(blocks)) for b in (order[layer], weights[layer], xs[layer])]
+        for node, buf in zip(graph.outputs, outs + [logits, check]):
+            node.data = buf.ctypes.data
 
     def stackable(self, experts: Sequence[FFNWeights]) -> tuple | None:
         """How ``experts`` (in rank order) run as one stack: (base addresses, stride, index of each, depth),

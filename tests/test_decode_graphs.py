@@ -152,3 +152,65 @@ async def test_a_non_finite_value_in_a_graph_step_is_named_by_the_per_operation_
         assert engine.net.decode_graphs() is not None
         with pytest.raises(NonFiniteError, match=where):
             await engine.net.forward([5])
+
+
+# --- one graph per decode step when every chosen expert is resident in the pool ---
+
+async def _engine_run(name: str, ids: list[int], kv_type: str, per_layer: int, **placement) -> tuple[np.ndarray, Engine]:
+    """Decode ``ids`` twice from an empty context (the second pass finds what the first read), one token at a
+    time, on the ggml backend with ``per_layer`` cache slots per layer: every step's logits, and the engine."""
+    async with await Engine.open(fixture(f"{name}.gguf"), io="uring", kernels="ggml", kv_type=kv_type,
+                                 cache_per_layer=per_layer, **placement) as engine:
+        rows = []
+        for _ in range(2):
+            engine.net.reset()
+            rows += [await engine.net.forward([t]) for t in ids]
+    return np.stack(rows), engine
+
+
+@pytest.mark.parametrize("name", ["tiny_f32", "tiny_f16"])     # fixtures whose experts sit alike in their slots
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+async def test_a_step_as_one_graph_gives_the_bits_of_the_per_block_graphs(monkeypatch, name: str, kv_type: str,
+                                                                        ggml: Kernels) -> None:
+    ids = oracle_ids()[2]
+    monkeypatch.setenv("COLIBRI_GGML_STEP", "layers")
+    want, engine = await _engine_run(name, ids, kv_type, 10**6)
+    assert engine.net.one_graph_steps == 0
+    monkeypatch.setenv("COLIBRI_GGML_STEP", "graph")
+    got, engine = await _engine_run(name, ids, kv_type, 10**6)
+    assert engine.net.one_graph_steps >= len(ids)           # the second pass at least: all resident
+    assert np.array_equal(got, want)
+    # One slot per layer: nearly every step misses, is run again block by block, gives the same bits.
+    got, engine = await _engine_run(name, ids, kv_type, 1)
+    assert engine.net.one_graph_misses >= 1 and engine.net.one_graph_misses < len(ids)
+    assert np.array_equal(got, want)
+
+
+async def test_a_step_as_one_graph_against_llamacpp(monkeypatch, ggml: Kernels) -> None:
+    """llama.cpp's own decode with an f16 cache (tiny_f32: bit for bit on the per-block graphs)."""
+    monkeypatch.setenv("COLIBRI_GGML_ATTENTION", "f16")
+    ref = np.load(FIXTURES / "oracle" / "tiny_f32.llamacpp_f16_decode.npz")
+    ids = oracle_ids()
+    for key in sorted(ref.files):
+        want = ref[key]
+        seq = ids[int(key[3:])][: want.shape[0]]
+        got, engine = await _engine_run("tiny_f32", seq, "f16", 10**6)
+        assert engine.net.one_graph_steps >= len(seq)
+        for half in (got[:len(seq)], got[len(seq):]):
+            assert float(np.abs(half - want).max()) <= F16_DECODE_EXACT * float(np.abs(want).max()), key
+
+
+async def test_the_scheduler_counts_a_one_graph_step_as_its_per_block_steps(monkeypatch, ggml: Kernels) -> None:
+    """Hits, recency, use counts and usage after the same steps, whichever way they ran (no prefetch: a
+    one-graph step gives no hints, there being nothing to read)."""
+    ids = oracle_ids()[2]
+    state = []
+    for step in ("layers", "graph"):
+        monkeypatch.setenv("COLIBRI_GGML_STEP", step)
+        _, engine = await _engine_run("tiny_f32", ids, "f32", 10**6, prefetch="off")
+        p = engine.source.policy
+        c = p.cache
+        state.append((c.stats, p.stats, [list(g) for g in c._groups.values()], dict(c._uses), dict(c._crf),
+                      p.usage.counts.tolist()))
+        assert (engine.net.one_graph_steps >= len(ids)) == (step == "graph")
+    assert state[0] == state[1]

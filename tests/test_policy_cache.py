@@ -244,3 +244,41 @@ def test_slots_for_budget() -> None:
     assert slots_for_budget(1_000, 1_000, 2_500) == 0
     with pytest.raises(ValueError):
         slots_for_budget(1_000, 0, 0)
+
+
+# --- the residency table a one-graph decode step reads (ExpertCache.track_residency) ---
+
+def test_an_expert_is_resident_only_from_its_reads_success_until_its_slot_is_reserved_again() -> None:
+    c = ExpertCache(2, policy="lru")
+    r = c.track_residency(1, 4)
+    a = c.reserve((0, 1))
+    assert not r.ready[0, 1]                         # filling: the read may still write there
+    c.mark_filled(a.slot)
+    assert r.ready[0, 1] and r.slots[0, 1] == a.slot
+    demand(c, (0, 2))
+    b = c.reserve((0, 3))                            # evicts (0, 1): its slot goes to another read
+    assert b.evicted == (0, 1) and b.slot == a.slot
+    assert not r.ready[0, 1] and not r.ready[0, 3]   # both before the new read is even started
+    assert r.ready[0, 2]
+    c.mark_filled(b.slot)
+    assert r.ready[0, 3] and r.slots[0, 3] == b.slot and not r.ready[0, 1]
+
+
+def test_a_failed_read_never_makes_an_expert_resident() -> None:
+    c = ExpertCache(2, pinned=[(0, 0)])
+    r = c.track_residency(1, 4)
+    c.mark_failed(c.slot_of((0, 0)))                 # a pinned fill that failed
+    failed = c.reserve((0, 2))
+    c.mark_failed(failed.slot)
+    assert not r.ready.any()
+    assert r.slots.max() == 0                        # an index ggml may still read: always a slot
+
+
+def test_residency_taken_late_starts_from_the_ready_entries() -> None:
+    c = ExpertCache(3)
+    demand(c, (1, 2))
+    filling = c.reserve((0, 1))
+    r = c.track_residency(2, 4)
+    assert r.ready.sum() == 1 and r.ready[1, 2] and r.slots[1, 2] == c.slot_of((1, 2))
+    c.mark_filled(filling.slot)
+    assert r.ready[0, 1]

@@ -313,3 +313,44 @@ def test_a_read_ahead_still_waiting_when_its_layer_routes_is_dropped() -> None:
     p.on_hint(1, [4, 5], 0.0)
     demand, actions = p.on_route(1, [6], 0.0)                  # layer 1 is here before the read-ahead went
     assert [r.key for r in actions.reads] == [(1, 6)] and p.stats.ahead_reads == 0
+
+
+def _state(p: SchedulerPolicy) -> tuple:
+    """Everything a pass leaves behind that later decisions read: counters, recency, use counts, usage."""
+    c = p.cache
+    return (c.stats, p.stats, [list(g) for g in c._groups.values()], dict(c._uses),
+            {k: v for k, v in c._crf.items()}, c._clock, p.usage.counts.tolist(), p._current_layer)
+
+
+def test_a_pass_counted_at_once_leaves_the_policy_as_its_per_layer_requests_do() -> None:
+    """on_routes (a one-graph decode step on resident experts) against on_route/on_used/on_end per layer."""
+    passes = [[(0, [1, 4]), (1, [2, 3]), (2, [0, 5])], [(0, [4, 9]), (1, [2, 3]), (2, [5, 7])],
+              [(0, [1, 9]), (1, [3, 8]), (2, [0, 7])]]
+    first = [(layer, e) for route in passes for layer, es in route for e in es]
+    policies = [make(per_layer=5, mode="off", usage=UsageHistory("test", LAYERS, EXPERTS)) for _ in range(2)]
+    for p in policies:                       # the same misses first: every expert read once (in 0.1 s)
+        for layer in range(LAYERS):
+            experts = sorted({e for l, e in first if l == layer})
+            demand, actions = p.on_route(layer, experts, 0.0)
+            land(p, actions, 0.1)
+            assert consume(p, demand) == experts
+            p.on_end(demand, 0.1)
+    per_layer, at_once = policies
+    now = 1.0
+    for route in passes * 2:
+        per_layer.on_step(1, now)
+        at_once.on_step(1, now)
+        for layer, experts in route:
+            demand, actions = per_layer.on_route(layer, experts, now)
+            assert actions.reads == [] and consume(per_layer, demand) == experts
+            per_layer.on_end(demand, now)
+        assert at_once.on_routes(route, now).reads == []
+        now += 1.0
+    assert _state(at_once) == _state(per_layer)
+    assert per_layer.cache.stats.cached_hits == 2 * 3 * 6
+
+
+def test_a_pass_counted_at_once_refuses_an_expert_that_is_not_cached() -> None:
+    p = make()
+    with pytest.raises(ValueError, match="not cached"):
+        p.on_routes([(0, [3])], 0.0)

@@ -21,7 +21,12 @@ switch in one run. The decode switches (``kernels/ggml_cpu.KNOBS``):
 ``COLIBRI_GGML_GRAPHS=off`` (one graph per product, NumPy trunk ops),
 ``COLIBRI_GGML_THREADPOOL=off``, ``COLIBRI_GGML_EXPERTS=each`` (one product per
 expert instead of ``ggml_mul_mat_id``), ``COLIBRI_GGML_ATTENTION=f16``
-(llama.cpp's flash-attention rounding over the f16 cache).
+(llama.cpp's flash-attention rounding over the f16 cache), ``COLIBRI_GGML_STEP=layers``
+(two graphs per block and one for the head instead of one graph per step
+whose experts are all resident), ``COLIBRI_TRUNK_HUGE_PAGES=off`` (the
+resident trunk on 4 KiB pages). ``--cache-per-layer N`` gives our engine N
+expert slots per layer instead of every expert: a cache smaller than the
+working set, so that steps miss (llama.cpp still maps the whole file).
 
     python tools/bench_decode.py MODEL.gguf --runs 5 --tokens 32 --prefill 128 --arms ggml,llama.cpp
     python tools/bench_decode.py MODEL.gguf --context 2048 --arms ggml,ggml@COLIBRI_GGML_ATTENTION=f16,llama.cpp
@@ -43,6 +48,7 @@ from colibri_aio.bench.lock import exclusive
 from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
+EVERY_EXPERT = 10**6   # cache slots per layer: every expert of any model
 
 
 # --- workers: one engine each, answering {"op": "decode"|"prefill", "ids": [...]} with seconds ---
@@ -50,12 +56,12 @@ ROOT = Path(__file__).resolve().parents[1]
 class Ours:
     """Our engine with one kernel backend; every expert cached (a model in RAM)."""
 
-    def __init__(self, path: Path, kernels: str, n_ctx: int) -> None:
+    def __init__(self, path: Path, kernels: str, n_ctx: int, cache_per_layer: int = EVERY_EXPERT) -> None:
         from colibri_aio.engine.engine import Engine
 
         self.loop = asyncio.new_event_loop()
         self.engine = self.loop.run_until_complete(Engine.open(
-            path, prefetch="off", n_ctx=n_ctx, cache_per_layer=10**6, kernels=kernels))
+            path, prefetch="off", n_ctx=n_ctx, cache_per_layer=cache_per_layer, kernels=kernels))
         self.describe = f"{self.engine.kernels.name}: {self.engine.kernels.reason}"
 
     def decode(self, ids: list[int], context: int = 0) -> float:
@@ -107,8 +113,8 @@ class LlamaCpp:
         return time.perf_counter() - t0
 
 
-def worker(arm: str, path: Path, n_ctx: int) -> int:
-    engine = LlamaCpp(path, n_ctx) if arm == "llama.cpp" else Ours(path, arm, n_ctx)
+def worker(arm: str, path: Path, n_ctx: int, cache_per_layer: int) -> int:
+    engine = LlamaCpp(path, n_ctx) if arm == "llama.cpp" else Ours(path, arm, n_ctx, cache_per_layer)
     print(json.dumps({"ready": engine.describe}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -117,14 +123,15 @@ def worker(arm: str, path: Path, n_ctx: int) -> int:
 
 
 class Worker:
-    def __init__(self, arm: str, path: Path, n_ctx: int) -> None:
+    def __init__(self, arm: str, path: Path, n_ctx: int, cache_per_layer: int) -> None:
         self.arm = arm
         backend, _, setting = arm.partition("@")
         env = dict(os.environ)
         if setting:
             key, _, value = setting.partition("=")
             env[key] = value
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", backend, str(path), "--n-ctx", str(n_ctx)],
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", backend, str(path), "--n-ctx", str(n_ctx),
+                                      "--cache-per-layer", str(cache_per_layer)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.describe = self._reply()["ready"]
 
@@ -169,11 +176,15 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
     p.add_argument("--lock", type=Path, default=None, help="hold this lock file exclusively during each run")
+    p.add_argument("--cache-per-layer", type=int, default=EVERY_EXPERT,
+                   help="our expert slots per layer (default: every expert)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--n-ctx", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.cache_per_layer < 1:
+        p.error("--cache-per-layer must be at least 1")
     if args.worker:
-        return worker(args.worker, args.model, args.n_ctx)
+        return worker(args.worker, args.model, args.n_ctx, args.cache_per_layer)
     if min(args.runs, args.tokens, args.prefill) < 1 or args.context < 0:
         p.error("--runs, --tokens and --prefill must be positive, --context not negative")
     arms = args.arms.split(",")
@@ -182,7 +193,7 @@ def main() -> int:
     ids = rng.integers(3, 2048, max(decoded, args.prefill)).tolist()
     with exclusive(args.lock):
         dropped = drop_page_cache()
-        workers = {a: Worker(a, args.model, len(ids) + 8) for a in arms}
+        workers = {a: Worker(a, args.model, len(ids) + 8, args.cache_per_layer) for a in arms}
     samples: dict[str, dict[str, list[float]]] = {a: {"decode_tok_s": [], "prefill_tok_s": []} for a in arms}
     try:
         for run in range(args.runs + 1):
@@ -209,12 +220,13 @@ def main() -> int:
     receipt = {
         **receipt_header("tools/bench_decode.py"), "model": args.model.name,
         "model_bytes": args.model.stat().st_size, "tokens": args.tokens, "prefill": args.prefill,
-        "context": args.context,
-        "page_cache_dropped": dropped, "arms": {a: w.describe for a, w in workers.items()},
+        "context": args.context, "page_cache_dropped": dropped, "cache_per_layer": args.cache_per_layer,
+        "arms": {a: w.describe for a, w in workers.items()},
         "summary": summary, "ratios_vs_llama_cpp": ratios,
     }
     stamp = receipt["date"]
-    lines = [f"# Decode and prefill, in RAM — {stamp}", "",
+    where = "in RAM" if args.cache_per_layer == EVERY_EXPERT else f"{args.cache_per_layer} expert slots per layer"
+    lines = [f"# Decode and prefill, {where} — {stamp}", "",
              f"host `{receipt['host']}`, commit `{receipt['commit']}`, model `{args.model.name}` "
              f"({receipt['model_bytes'] / 1e9:.2f} GB), load average at end {receipt['load_average']}", "",
              f"Command: `{receipt['command']}`", "",

@@ -15,7 +15,9 @@ per kernel backend. Timers wrap:
 
 On the decode graphs (qwen3moe on ggml: arch/decode_graphs.py) the kernel lines
 are the block attention-and-router graph, the block experts graph and the
-output head graph; NumPy does no trunk op there.
+output head graph, or, when every expert a step routes to is resident, the
+one-graph step (all blocks and the head) and what Python does around it;
+NumPy does no trunk op there.
 
 **Python overhead** = wall time − native kernel time: for ggml the time inside
 ``ggml_graph_compute``, for NumPy the time inside kernel calls (NumPy's own
@@ -91,7 +93,19 @@ class Timers:
             graphs.attention = self.timed("kernel: block attention + router graph", graphs.attention)
             graphs.experts = self.timed("kernel: block experts graph", graphs.experts)
             graphs.head = self.timed("kernel: output head graph", graphs.head)
+            graphs.step = self.timed("kernel: one-graph step (every block and the head)", graphs.step)
             from colibri_aio.arch import decode_graphs
+            one_graph = decode_graphs.GraphDecode._step_on_one_graph
+            step_key = "kernel: one-graph step (every block and the head)"
+
+            async def one_graph_step(net, *a, **kw):
+                t0, inner = time.perf_counter(), timers.t[step_key]
+                out = await one_graph(net, *a, **kw)
+                timers.t["one-graph step without its graph (slot check, scheduler)"] += (
+                    time.perf_counter() - t0 - (timers.t[step_key] - inner))
+                return out
+
+            decode_graphs.GraphDecode._step_on_one_graph = one_graph_step
             on_graphs = decode_graphs.GraphDecode._experts_on_graphs
             inner_keys = ("kernel: block experts graph", "kernel: expert FFNs")
 
@@ -133,7 +147,8 @@ async def one_run(engine: Engine, timers: Timers, ids: list[int], context: int =
     t["kernel call wrappers"] = kernel_calls - native if "native: ggml_graph_compute" in t else 0.0
     t["other (forward pass, embedding, residuals)"] = (
         wall - kernel_calls - sum(v for k, v in t.items() if k.startswith("numpy:"))
-        - t.get("moe step without kernels and routing", 0.0))
+        - t.get("moe step without kernels and routing", 0.0)
+        - t.get("one-graph step without its graph (slot check, scheduler)", 0.0))
     t["python overhead"] = wall - native
     n = len(ids) - 1 - context
     out = {k: v / n * 1e3 for k, v in t.items()}

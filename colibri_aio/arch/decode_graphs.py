@@ -4,13 +4,18 @@
 When the net runs on the ggml backend and decodes one position without an
 observer, each block is one attention-and-router graph, the expert source's
 stream of the chosen experts, and one experts graph
-(:mod:`colibri_aio.kernels.ggml_decode`); the output head is one graph. Anything
+(:mod:`colibri_aio.kernels.ggml_decode`); the output head is one graph. When
+the expert source keeps its experts in one strided pool with a slot table
+(:meth:`CachedExpertSource.resident`), a step whose every chosen expert is
+resident runs as a single graph, blocks and head (:meth:`GraphDecode._step_on_one_graph`;
+``COLIBRI_GGML_STEP=layers`` turns it off). Anything
 else (prefill, tracing, the NumPy backend, a block shape the graphs do not
 cover) takes the per-operation pass, which also names the place of any
 non-finite value: a step whose graphs produce one is run again that way.
 """
 from __future__ import annotations
 
+import asyncio
 from contextlib import aclosing
 from typing import TYPE_CHECKING
 
@@ -70,20 +75,93 @@ class GraphDecode(MoETransformer):
                 f16_attention=ggml_cpu.knob("attention") == "f16"))
         return ggml_decode.DecodeGraphs(kernels, shapes)
 
+    _step_blocks: list[tuple] | None = None   # each block's arguments of DecodeGraphs.attention after x
+    _step_logits: np.ndarray | None = None   # the head's output of a one-graph step, for output_logits
+    _step_missed = False                     # the last step routed to an expert that was not resident
+    one_graph_steps = 0                      # steps run as one graph
+    one_graph_misses = 0                     # one-graph steps discarded: an expert was not resident
+
     async def _blocks(self, tok: np.ndarray, positions: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
+        self._step_logits = None
         graphs = self.decode_graphs() if tok.size == 1 and observer is None else None
         if graphs is not None:
+            x = await self._step_on_one_graph(graphs, tok, positions)
+            if x is not None:
+                return x
+            misses = self._expert_misses()
             x = await self._blocks_on_graphs(graphs, tok, positions)
+            self._step_missed = self._expert_misses() != misses
             if x is not None:
                 graphs.steps += 1
                 return x
         return await super()._blocks(tok, positions, observer)
 
     def output_logits(self, rows: np.ndarray) -> np.ndarray:
+        logits, self._step_logits = self._step_logits, None
+        if logits is not None:
+            return logits.copy()
         graphs = self.decode_graphs() if len(rows) == 1 else None
         if graphs is None:
             return super().output_logits(rows)
         return graphs.head(np.ascontiguousarray(rows, np.float32), self.model.output_norm, self.model.output)
+
+    def _expert_misses(self) -> int:
+        """Demand misses of the expert source so far (-1 for a source without a cache)."""
+        policy = getattr(self.experts, "policy", None)
+        return -1 if policy is None else policy.cache.stats.misses
+
+    async def _step_on_one_graph(self, graphs: DecodeGraphs, tok: np.ndarray, positions: np.ndarray) -> np.ndarray | None:
+        """The residual stream after every block, and the logits (kept for :meth:`output_logits`), from one
+        graph for the whole step, when every expert it routes to is resident in the source's pool; None
+        when the step must run block by block instead (nothing of this attempt is kept but the KV cache
+        rows at this position, which that run writes again before any block reads them).
+
+        The graph picks each block's experts through the source's slot table (ResidentExperts) while it
+        runs; afterwards the table says whether each chosen expert was really in (a slot that was not
+        ready was read for nothing, its result is dropped). The graph runs on this thread, the event
+        loop's, so no read can start into a slot and no slot can change hands while it runs: the table
+        cannot go stale under it. The source then counts the step as its per-block requests would have.
+        Nothing was read, so nothing is hinted or prefetched: lookahead only pays when something misses.
+        It is tried while the step before found every expert resident: where experts miss every step (a
+        cache smaller than the working set) each try would be a step computed twice.
+        """
+        source = self.experts
+        if self._step_missed or graphs.step_knob != "graph" or not hasattr(source, "resident"):
+            return None
+        a, model, cache, position = self.args, self.model, self.cache, int(positions[0])
+        resident = source.resident(range(a.block_count), a.expert_count)
+        if resident is None:
+            return None
+        if source.reading:
+            await asyncio.sleep(0)  # let reads that have landed report (their slots become ready)
+        graphs.begin(position, len(cache.k[0]))
+        blocks = self._step_blocks
+        if blocks is None or blocks[0][3] is not cache.k[0]:
+            blocks = self._step_blocks = [
+                ((blk.attn_norm, blk.attn_q_norm, blk.attn_k_norm, moe_norm(model, layer)),
+                 (blk.attn_q, blk.attn_k, blk.attn_v, blk.attn_output), blk.ffn_gate_inp, cache.k[layer],
+                 cache.v[layer]) for layer, blk in enumerate(model.blocks)]
+        shape = graphs.step_shape(model.experts, resident.depth, resident.stride, resident.bases, model.output)
+        if shape is None:
+            return None
+        graphs.step(shape, self.embed(tok), blocks, resident.slots, resident.bases,
+                    (model.output_norm, model.output))
+        for layer in range(a.block_count):
+            cache.wrote(layer, position + 1)
+        used = a.expert_used_count
+        chosen = graphs.step_order[:, :used]
+        if not resident.ready[np.arange(a.block_count)[:, None], chosen].all():
+            self.one_graph_misses += 1
+            self._step_missed = True
+            return None
+        if not np.isfinite(graphs.step_check[0]):
+            return None       # the per-block graphs find the place, or the per-operation pass names it
+        chosen = np.sort(chosen, axis=1)
+        source.routed([(layer, row.tolist()) for layer, row in enumerate(chosen)])
+        self.one_graph_steps += 1
+        graphs.steps += 1
+        self._step_logits = graphs.step_logits
+        return graphs.step_x[-1:]
 
     async def _blocks_on_graphs(self, graphs: DecodeGraphs, tok: np.ndarray,
                                 positions: np.ndarray) -> np.ndarray | None:

@@ -30,7 +30,8 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 
-from colibri_aio.experts import ExpertBatch, ExpertLocation, ExpertWeights
+from colibri_aio.experts import ExpertBatch, ExpertLocation, ExpertWeights, ResidentExperts
+from colibri_aio.io.align import plan_expert
 from colibri_aio.io.reader import ExpertReader
 from colibri_aio.logs import get_logger
 from colibri_aio.policy.scheduler import Actions, Failed, Read, Ready, SchedulerPolicy, Wait
@@ -53,6 +54,8 @@ class CachedExpertSource:
         self._weights: dict[int, ExpertWeights] = {}                # slot -> views of the bytes it holds
         self._errors: dict[int, BaseException] = {}                 # slot -> why its read failed
         self.demand_wait_s = 0.0  # time the consumer waited for demand bytes
+        self._resident: ResidentExperts | None = None
+        self._resident_checked = False
 
     # --- start ---------------------------------------------------------------------------
 
@@ -106,6 +109,43 @@ class CachedExpertSource:
         finally:
             self._perform(self.policy.on_end(demand, time.perf_counter()))
 
+    def resident(self, layers: Sequence[int], n_experts: int) -> ResidentExperts | None:
+        """The pool's experts of ``layers`` (the MoE blocks) as one stack per matrix and layer, with the
+        cache's table of who is in (:class:`ResidentExperts`); None when the pool is not one stride (no
+        pool: mmap reads) or the experts of a layer do not sit at the same offsets in their slots (O_DIRECT
+        puts each range after its file offset's misalignment, which differs between experts whose size
+        is not a multiple of the alignment)."""
+        if self._resident_checked:
+            return self._resident
+        self._resident_checked = True
+        pool = self.reader.pool
+        if pool is None or not layers:
+            return None
+        stride, first = pool.slot_nbytes, pool.slots[0].address
+        if any(s.address != first + s.index * stride for s in pool.slots):
+            return None
+        n_blocks = max(layers) + 1
+        bases = [(0, 0, 0)] * n_blocks
+        for layer in layers:
+            offsets = {tuple(r.view_offset for r in plan_expert(self._locate(layer, e)).reads)
+                       for e in range(n_experts)}
+            if len(offsets) != 1:
+                return None
+            bases[layer] = tuple(first + off for off in offsets.pop())  # type: ignore[assignment]
+        table = self.policy.cache.track_residency(n_blocks, n_experts)
+        self._resident = ResidentExperts(table.slots, table.ready, tuple(bases), stride, pool.n_slots)
+        return self._resident
+
+    @property
+    def reading(self) -> bool:
+        """Whether a read is in flight (its end waits for the event loop to run its callbacks)."""
+        return bool(self._reads)
+
+    def routed(self, routes: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """A forward pass used only resident experts, picked through :meth:`resident`'s table: each layer's
+        routing (its unique experts, ascending), counted as :meth:`stream` would have counted it."""
+        self._perform(self.policy.on_routes(routes, time.perf_counter()))
+
     def hint(self, layer: int, experts: Sequence[int]) -> None:
         """Lookahead's ranking for ``layer`` (best first): the policy picks what to prefetch."""
         self._perform(self.policy.on_hint(layer, experts, time.perf_counter()))
@@ -144,12 +184,25 @@ class CachedExpertSource:
         self._background.discard(read.slot)
         error = asyncio.CancelledError() if future.cancelled() else future.exception()
         if error is None:
-            self._weights[read.slot] = future.result()
+            weights = self._weights[read.slot] = future.result()
+            if self._resident is not None:
+                self._check_resident(read, weights)
         else:
             self._errors[read.slot] = error
             if read.kind == "prefetch":
                 log.warning("prefetch read failed", layer=read.key[0], expert=read.key[1], error=str(error))
         self._perform(self.policy.on_read_done(read, error is None, time.perf_counter()))
+
+    def _check_resident(self, read: Read, weights: ExpertWeights) -> None:
+        """Landed bytes where :meth:`resident` says they are, or the table is given up (never a wrong expert)."""
+        r = self._resident
+        assert r is not None
+        base = r.bases[read.key[0]]
+        at = [m.data.ctypes.data for m in (weights.gate, weights.up, weights.down)]
+        if at != [b + read.slot * r.stride for b in base]:
+            log.warning("pool slots are not where the resident table expects them; one-step decode off",
+                        layer=read.key[0], expert=read.key[1], slot=read.slot)
+            self._resident = None
 
     async def _wait(self, slots: tuple[int, ...]) -> None:
         """Until one of the reads into ``slots`` (any read, if none named) is over."""

@@ -48,6 +48,8 @@ from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, Literal
 
+import numpy as np
+
 Key = tuple[int, int]  # (layer, expert)
 PolicyName = Literal["lru", "lfu", "lfru", "belady"]
 Scope = Literal["global", "layer"]
@@ -112,6 +114,33 @@ class CacheStats:
         return {**asdict(self), "hits": self.hits, "lookups": self.lookups, "hit_rate": self.hit_rate}
 
 
+class Residency:
+    """Which experts' bytes are in place, as two arrays a kernel graph can read without asking the cache.
+
+    ``ready[layer, expert]`` is True only between the successful end of the
+    expert's read (:meth:`ExpertCache.mark_filled`) and the moment its entry
+    leaves the cache (evicted, failed, dropped): it turns False *before* the
+    slot is handed to another read, so a graph that only uses experts it
+    sees ready never reads a slot being overwritten. ``slots[layer, expert]``
+    is the slot of a ready expert and 0 otherwise: always a valid slot
+    number, because ggml aborts on an expert index outside its stack; the
+    bytes of slot 0 read for an expert that is not ready are discarded by
+    the caller, which checks ``ready`` for every expert it used.
+    """
+
+    def __init__(self, n_layers: int, n_experts: int) -> None:
+        self.slots = np.zeros((n_layers, n_experts), np.int32)
+        self.ready = np.zeros((n_layers, n_experts), bool)
+
+    def filled(self, key: Key, slot: int) -> None:
+        self.slots[key] = slot
+        self.ready[key] = True
+
+    def gone(self, key: Key) -> None:
+        self.ready[key] = False
+        self.slots[key] = 0
+
+
 class ExpertCache:
     """Maps (layer, expert) keys to pool slots and picks victims; does no I/O."""
 
@@ -151,6 +180,7 @@ class ExpertCache:
         self._uses: dict[Key, int] = {}                    # lfu: uses since creation
         self._crf: dict[Key, tuple[float, int]] = {}       # lfru: (score, clock of last update)
         self._pinned_keys = set(pins)
+        self.residency: Residency | None = None
         for key in pins:
             self._insert(key, EntryState.FILLING, pinned=True, prefetched=False)
 
@@ -188,6 +218,15 @@ class ExpertCache:
     @property
     def free_slots(self) -> int:
         return len(self._free)
+
+    def track_residency(self, n_layers: int, n_experts: int) -> Residency:
+        """Keep a :class:`Residency` of every key from now on (filled from the entries ready now)."""
+        if self.residency is None:
+            self.residency = Residency(n_layers, n_experts)
+            for e in self._by_key.values():
+                if e.state is EntryState.READY:
+                    self.residency.filled(e.key, e.slot)
+        return self.residency
 
     # --- demand path ---------------------------------------------------------------
 
@@ -260,6 +299,8 @@ class ExpertCache:
         if e.state is not EntryState.FILLING:
             raise ValueError(f"slot {slot} is not filling")
         e.state = EntryState.READY
+        if self.residency is not None:
+            self.residency.filled(e.key, slot)
 
     def mark_failed(self, slot: int) -> None:
         """The read into ``slot`` failed or was cancelled before submission: the entry is dropped.
@@ -331,6 +372,8 @@ class ExpertCache:
         return e
 
     def _remove(self, e: _Entry) -> None:
+        if self.residency is not None:
+            self.residency.gone(e.key)  # before the slot can be reserved again
         del self._by_key[e.key], self._by_slot[e.slot]
         if not e.pinned:
             del self._groups[self._group_of(e.key)][e.key]

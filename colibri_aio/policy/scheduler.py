@@ -11,6 +11,7 @@ starts the reads it asks for and reports each one's end. Time comes in as
 Events in, and what comes out::
 
     on_route(layer, experts, now)  -> (Demand, Actions)   a layer asks for its routed experts
+    on_routes(routes, now)         -> Actions             a whole pass ran on resident experts only
     next_event(demand)             -> Ready | Wait | Failed | Done   what that request does now
     on_used(slot, now)             -> Actions             compute is done with a Ready expert
     on_end(demand, now)            -> Actions             the request is over (or abandoned)
@@ -220,14 +221,7 @@ class SchedulerPolicy:
 
     def on_route(self, layer: int, experts: Sequence[int], now: float) -> tuple[Demand, Actions]:
         """``layer`` routed to ``experts`` (unique ids): hold the cached ones, read the misses."""
-        self._current_layer = layer
-        if self._ahead is not None and self._ahead[0] <= layer:
-            self._ahead = None  # its layer is here: what it would read is demand now
-        self.predictor.observed(layer, experts)
-        for e in self._prefetched.pop(layer, set()).difference(experts):
-            self.cache.demote((layer, e))  # a wrong guess: evict it first, before anything useful
-        if self.usage is not None:
-            self.usage.record(layer, experts)
+        self._routed(layer, experts)
         demand = Demand(layer)
         for e in experts:
             slot = self.cache.lookup((layer, e))
@@ -245,6 +239,25 @@ class SchedulerPolicy:
         actions = Actions()
         self._serve(demand, now, actions)
         return demand, actions
+
+    def on_routes(self, routes: Sequence[tuple[int, Sequence[int]]], now: float) -> Actions:
+        """A whole forward pass whose every routed expert was ready (``routes``: each layer's unique ids,
+        in layer order) ran without asking: count it as :meth:`on_route`, :meth:`on_used` and
+        :meth:`on_end` per layer would (hits, recency, usage), leaving the cache as they would leave it.
+
+        Slots are neither held nor released (nothing could evict them while that pass ran: it ran
+        without an event in between); the reads that the per-layer events could start (warm start) are
+        asked for once, after the last layer, instead of after each. Prefetch has nothing to do when
+        every expert was resident, and no hint was given.
+        """
+        for layer, experts in routes:
+            self._routed(layer, experts)
+            for e in experts:
+                if self.cache.lookup((layer, e)) is None:
+                    raise ValueError(f"on_routes: expert {e} of layer {layer} is not cached")
+        actions = Actions()
+        self._serve_all(now, actions)
+        return actions
 
     def next_event(self, demand: Demand) -> Event:
         """What ``demand``'s consumer does now: take a Ready expert, Wait, raise a Failed read, or stop."""
@@ -384,6 +397,17 @@ class SchedulerPolicy:
                 self.stats.prefetch_reads += 1
         self._in_flight[slot] = read
         return read
+
+    def _routed(self, layer: int, experts: Sequence[int]) -> None:
+        """What a layer's routing teaches before any slot is looked up: predictor score, demotions, usage."""
+        self._current_layer = layer
+        if self._ahead is not None and self._ahead[0] <= layer:
+            self._ahead = None  # its layer is here: what it would read is demand now
+        self.predictor.observed(layer, experts)
+        for e in self._prefetched.pop(layer, set()).difference(experts):
+            self.cache.demote((layer, e))  # a wrong guess: evict it first, before anything useful
+        if self.usage is not None:
+            self.usage.record(layer, experts)
 
     def _serve(self, demand: Demand, now: float, actions: Actions) -> None:
         """Reserve slots and start reads for as many of ``demand``'s misses as the cache can take now."""
