@@ -11,10 +11,17 @@ graphs widen keys and values to float32 as the per-operation path does (within
 attention rounds as llama.cpp's flash attention does (queries to f16 against
 f16 keys, values summed in f16): held to llama.cpp's own decode with that cache. Placement never changes a bit (tests/test_engine_placement.py runs the
 ggml backend through these graphs, experts in one batch and in several).
+
+The other families whose block the graphs cover (olmoe: q/k RMSNorm over the whole projection, no
+renormalisation; qwen2moe: q/k/v biases, no renormalisation, a gated shared expert; mixtral: no q/k norm,
+NORMAL RoPE) are held to the same tolerances against their per-operation path (measured on their
+fixtures: Q8_0 0, F32 up to 1.3e-6 with a float32 cache, up to 2.1e-5 with an f16 one) and against
+llama.cpp (measured: Q8_0 0, F32 up to 1.3e-6 x max|logit|).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import struct
 
@@ -25,7 +32,11 @@ from colibri_aio import Engine, NonFiniteError
 from colibri_aio.gguf.header import GGUFHeader
 from colibri_aio.kernels.backend import Kernels, NumpyKernels
 
-from support import FIXTURES, fixture, oracle_ids, teacher_forced
+from colibri_aio.arch import build_net
+from colibri_aio.engine.mapped_source import MappedExpertSource
+from colibri_aio.gguf.model import load
+
+from support import FIXTURES, ORACLE, fixture, oracle_ids, teacher_forced
 from test_arch_qwen3moe import _net, ggml  # noqa: F401 (ggml: the module's kernels, a fixture)
 
 # Against llama.cpp's logits, x max|logit|. Its decode with an F16 cache and flash attention
@@ -37,10 +48,28 @@ F16_CACHE_VS_PER_OPERATION = 3e-3
 F16_DECODE_EXACT = 1e-6
 F16_DECODE_Q4_K = 5e-2
 F32_VS_LLAMACPP_Q8 = 1e-6
+F32_WEIGHTS_VS_LLAMACPP = 1e-5
+# Every family whose decode runs on the graphs, beyond qwen3moe (its fixtures: tiny_*): F32 and Q8_0.
+FAMILIES = [f"{family}_{kind}" for family in ("olmoe", "qwen2moe", "mixtral") for kind in ("f32", "q8_0")]
 
 def _per_operation(monkeypatch, name: str, ggml: Kernels, ids: list[int], kv_type: str = "f32") -> np.ndarray:
     monkeypatch.setenv("COLIBRI_GGML_GRAPHS", "off")
     net = _net(name, ggml, kv_type)
+    assert net.decode_graphs() is None
+    got = teacher_forced(net, ids, decode=True)
+    monkeypatch.delenv("COLIBRI_GGML_GRAPHS")
+    return got
+
+
+def _family_net(name: str, kernels: Kernels, kv_type: str = "f32"):
+    """The family's own net (build_net picks it from the file's architecture)."""
+    model = load(fixture(f"{name}.gguf"))
+    return build_net(model, MappedExpertSource(model), kernels=kernels, kv_type=kv_type)
+
+
+def _family_per_operation(monkeypatch, name: str, ggml: Kernels, ids: list[int], kv_type: str) -> np.ndarray:
+    monkeypatch.setenv("COLIBRI_GGML_GRAPHS", "off")
+    net = _family_net(name, ggml, kv_type)
     assert net.decode_graphs() is None
     got = teacher_forced(net, ids, decode=True)
     monkeypatch.delenv("COLIBRI_GGML_GRAPHS")
@@ -80,12 +109,44 @@ def test_f16_cache_on_graphs_matches_the_per_operation_path(monkeypatch, name: s
     assert float(np.abs(got - want).max()) <= F16_CACHE_VS_PER_OPERATION * float(np.abs(want).max())
 
 
-def test_one_product_per_expert_gives_the_stacked_bits(monkeypatch, ggml: Kernels) -> None:
+@pytest.mark.parametrize("name", ["tiny_q8_0", "qwen2moe_q8_0"])   # qwen2moe: with its shared expert
+def test_one_product_per_expert_gives_the_stacked_bits(monkeypatch, ggml: Kernels, name: str) -> None:
     """The A/B switch COLIBRI_GGML_EXPERTS=each (one product per expert instead of ggml_mul_mat_id)."""
-    ids = oracle_ids()[1]
-    want = teacher_forced(_net("tiny_q8_0", ggml), ids, decode=True)
+    ids = [t % load(fixture(f"{name}.gguf")).args.vocab_size for t in oracle_ids()[1]]
+    net = _family_net(name, ggml)
+    want = teacher_forced(net, ids, decode=True)
+    assert net.decode_graphs().steps == len(ids)
     monkeypatch.setenv("COLIBRI_GGML_EXPERTS", "each")
-    assert np.array_equal(teacher_forced(_net("tiny_q8_0", ggml), ids, decode=True), want)
+    assert np.array_equal(teacher_forced(_family_net(name, ggml), ids, decode=True), want)
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_decode_on_graphs_matches_the_per_operation_path(monkeypatch, name: str, kv_type: str,
+                                                                ggml: Kernels) -> None:
+    ids = [t % load(fixture(f"{name}.gguf")).args.vocab_size for t in oracle_ids()[0]]
+    net = _family_net(name, ggml, kv_type)
+    got = teacher_forced(net, ids, decode=True)
+    assert net.decode_graphs().steps == len(ids)                # not one step left on the per-operation path
+    want = _family_per_operation(monkeypatch, name, ggml, ids, kv_type)
+    rel = F16_CACHE_VS_PER_OPERATION if kv_type == "f16" else 1e-5 if name.endswith("_f32") else 1e-3
+    assert float(np.abs(got - want).max()) <= rel * float(np.abs(want).max())
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_decode_on_graphs_against_llamacpp(name: str, ggml: Kernels) -> None:
+    """llama.cpp's decode with a float32 cache: the Q8_0 fixtures bit for bit, F32 to its summation order."""
+    ref = np.load(ORACLE / f"{name}.llamacpp.npz")
+    ids = json.loads((ORACLE / "family_ids.json").read_text())["sequences"]
+    tol = F32_WEIGHTS_VS_LLAMACPP if name.endswith("_f32") else F32_VS_LLAMACPP_Q8
+    for key in sorted(ref.files):
+        want = ref[key]
+        seq = ids[int(key[3:])][: want.shape[0]]
+        net = _family_net(name, ggml)
+        got = teacher_forced(net, seq, decode=True)
+        assert net.decode_graphs().steps == len(seq)
+        assert float(np.abs(got - want).max()) <= tol * float(np.abs(want).max()), key
 
 
 @pytest.mark.parametrize("name,kv_type,oracle,tol", [
