@@ -4,12 +4,12 @@ experts; one for the output head.
 The per-operation backend (:mod:`colibri_aio.kernels.ggml_cpu`) runs one small
 graph per product and leaves norms, RoPE, attention and routing to NumPy: about
 thirty graph launches and as many trips through Python per decoded token.
-Here a block's attention graph runs attn_norm, the q/k/v products, the per-head
-q/k RMSNorm, NEOX RoPE, writes k and v into the KV cache in place
+Here a block's attention graph runs attn_norm, the q/k/v products (and biases), the
+family's q/k RMSNorm and RoPE, writes k and v into the KV cache in place
 (``ggml_set_rows``), attends over the cache (``ggml_flash_attn_ext``; keys past
 the position masked), projects with attn_output, adds the residual, applies
 ffn_norm and the router, and ranks the experts (softmax, argsort, the chosen
-weights renormalised: llama.cpp's ``build_moe_ffn``). Python then only reads
+weights renormalised where the family does: llama.cpp's ``build_moe_ffn``). Python then only reads
 the k chosen experts, which the expert source must see (to read them or check
 they are resident), and runs the experts' graph: ``ggml_mul_mat_id`` per matrix
 over the experts seen as one 3-D tensor (pool slots one stride apart), the
@@ -36,13 +36,20 @@ keys are skipped, never summed) or the order the experts arrive in (the MoE
 falls back to :meth:`GgmlKernels.expert_ffns` plus the same rank-ordered sum
 when the experts come in several batches or from memory that is not one stack).
 
-The families this serves are the ones whose block is "attention with q/k norm
-and plain NEOX RoPE, softmax top-k renormalised, SwiGLU experts, no shared
-expert": qwen3moe. olmoe, qwen2moe and mixtral share most of it (their
-differences: no q/k norm, or q/k/v biases and a gated shared expert, or NORMAL
-RoPE) and gpt-oss (sinks, sliding-window rings), deepseek2 (MLA) and glm4moe
-(partial rotary, sigmoid routing with groups) stay on the per-operation path
-until their variants are written here.
+The families this serves are those whose block is "attention, softmax top-k, SwiGLU experts", with
+the variants :class:`AttentionShape` names: qwen3moe (per-head q/k RMSNorm, NEOX RoPE, weights
+renormalised), olmoe (q/k RMSNorm over the whole projection, weights not renormalised), qwen2moe
+(q/k/v biases, no q/k norm, weights not renormalised, and a shared expert behind a sigmoid gate: a
+small graph of its own, run once the layer's reads are out, whose output the experts graph adds to the
+routed sum before the residual, as the per-operation path does) and mixtral (no q/k norm, NORMAL RoPE).
+The others stay on the per-operation path; what each lacks here: gpt-oss: attention sinks, the
+sliding-window ring on alternate layers, YaRN RoPE, the attn_output and router biases, routing by
+logits with a softmax over the k chosen, the clamped SwiGLU with biases on every expert product.
+deepseek2: multi-head latent attention (q LoRA, a latent cache whose values live in the keys, the
+absorbed attn_k_b/attn_v_b products, YaRN), sigmoid routing with a selection bias and expert groups,
+scaled weights, leading dense blocks and an ungated shared expert. glm4moe: partial NEOX RoPE
+(n_rot < key_length) with its scaling, sigmoid routing with a selection bias and scaled weights,
+leading dense blocks and an ungated shared expert.
 """
 from __future__ import annotations
 

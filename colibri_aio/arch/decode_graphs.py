@@ -27,10 +27,12 @@ _UNSET = object()
 
 
 class GraphDecode(MoETransformer):
-    """Decode of one position as whole ggml graphs (qwen3moe's block: q/k norm, NEOX RoPE, softmax top-k).
+    """Decode of one position as whole ggml graphs: attention with optional q/k/v biases, q/k norm and
+    RoPE, softmax top-k (renormalised or not, by ``args.routing``), SwiGLU experts, an optional gated
+    shared expert (:mod:`colibri_aio.kernels.ggml_decode` lists the variants and what others lack).
 
-    A family whose block differs says how in the class attributes below, which its per-operation
-    :meth:`attention` and :meth:`shared_expert` must match.
+    The defaults are qwen3moe's block; a family whose block differs says how in the class attributes
+    below, which must describe what its per-operation :meth:`attention` and :meth:`shared_expert` do.
     """
 
     graph_qk_norm = "head"        # RMSNorm of q and k: per head, "whole" (over the projection), or "none"
