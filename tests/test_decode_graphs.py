@@ -56,14 +56,6 @@ F32_WEIGHTS_VS_LLAMACPP = 1e-5
 # Every family whose decode runs on the graphs, beyond qwen3moe (its fixtures: tiny_*): F32 and Q8_0.
 FAMILIES = [f"{family}_{kind}" for family in ("olmoe", "qwen2moe", "mixtral") for kind in ("f32", "q8_0")]
 
-def _per_operation(monkeypatch, name: str, ggml: Kernels, ids: list[int], kv_type: str = "f32") -> np.ndarray:
-    monkeypatch.setenv("COLIBRI_GGML_GRAPHS", "off")
-    net = _net(name, ggml, kv_type)
-    assert net.decode_graphs() is None
-    got = teacher_forced(net, ids, decode=True)
-    monkeypatch.delenv("COLIBRI_GGML_GRAPHS")
-    return got
-
 
 def _family_net(name: str, kernels: Kernels, kv_type: str = "f32"):
     """The family's own net (build_net picks it from the file's architecture)."""
@@ -71,7 +63,7 @@ def _family_net(name: str, kernels: Kernels, kv_type: str = "f32"):
     return build_net(model, MappedExpertSource(model), kernels=kernels, kv_type=kv_type)
 
 
-def _family_per_operation(monkeypatch, name: str, ggml: Kernels, ids: list[int], kv_type: str) -> np.ndarray:
+def _per_operation(monkeypatch, name: str, ggml: Kernels, ids: list[int], kv_type: str = "f32") -> np.ndarray:
     monkeypatch.setenv("COLIBRI_GGML_GRAPHS", "off")
     net = _family_net(name, ggml, kv_type)
     assert net.decode_graphs() is None
@@ -132,7 +124,7 @@ def test_family_decode_on_graphs_matches_the_per_operation_path(monkeypatch, nam
     net = _family_net(name, ggml, kv_type)
     got = teacher_forced(net, ids, decode=True)
     assert net.decode_graphs().steps == len(ids)                # not one step left on the per-operation path
-    want = _family_per_operation(monkeypatch, name, ggml, ids, kv_type)
+    want = _per_operation(monkeypatch, name, ggml, ids, kv_type)
     rel = F16_CACHE_VS_PER_OPERATION if kv_type == "f16" else 1e-5 if name.endswith("_f32") else 1e-3
     assert float(np.abs(got - want).max()) <= rel * float(np.abs(want).max())
     np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
