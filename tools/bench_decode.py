@@ -3,7 +3,10 @@
 The model must fit in RAM (this measures kernels and overheads, not the disk):
 our engine holds every expert in its cache, llama.cpp maps the file. The same
 fixed ids are fed one at a time (DESIGN's "replay" protocol, so neither engine
-can fall into a cached loop); prefill is the same ids as one batch.
+can fall into a cached loop); prefill is the same ids as one batch. With
+``--context N`` the decoded tokens follow N positions of context (the first N
+ids, fed as one untimed batch), so decode is measured at that depth of the KV
+cache, where attention's share of a step grows.
 
 Every arm runs in its own worker process, started after the page cache is
 dropped (when allowed) and kept for the whole benchmark: two copies of ggml
@@ -21,6 +24,7 @@ expert instead of ``ggml_mul_mat_id``), ``COLIBRI_GGML_ATTENTION=f16``
 (llama.cpp's flash-attention rounding over the f16 cache).
 
     python tools/bench_decode.py MODEL.gguf --runs 5 --tokens 32 --prefill 128 --arms ggml,llama.cpp
+    python tools/bench_decode.py MODEL.gguf --context 2048 --arms ggml,ggml@COLIBRI_GGML_ATTENTION=f16,llama.cpp
 """
 from __future__ import annotations
 
@@ -54,14 +58,14 @@ class Ours:
             path, prefetch="off", n_ctx=n_ctx, cache_per_layer=10**6, kernels=kernels))
         self.describe = f"{self.engine.kernels.name}: {self.engine.kernels.reason}"
 
-    def decode(self, ids: list[int]) -> float:
+    def decode(self, ids: list[int], context: int = 0) -> float:
         net = self.engine.net
 
         async def run() -> float:
             net.reset()
-            await net.forward(ids[:1])
+            await net.forward(ids[: context + 1])
             t0 = time.perf_counter()
-            for t in ids[1:]:
+            for t in ids[context + 1:]:
                 await net.forward([t])
             return time.perf_counter() - t0
 
@@ -88,11 +92,11 @@ class LlamaCpp:
                          logits_all=False, verbose=False)
         self.describe = f"llama-cpp-python {llama_cpp.__version__}, n_threads=2, mmap"
 
-    def decode(self, ids: list[int]) -> float:
+    def decode(self, ids: list[int], context: int = 0) -> float:
         self.llm.reset()
-        self.llm.eval(ids[:1])
+        self.llm.eval(ids[: context + 1])
         t0 = time.perf_counter()
-        for t in ids[1:]:
+        for t in ids[context + 1:]:
             self.llm.eval([t])
         return time.perf_counter() - t0
 
@@ -108,7 +112,7 @@ def worker(arm: str, path: Path, n_ctx: int) -> int:
     print(json.dumps({"ready": engine.describe}), flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
-        print(json.dumps({"seconds": getattr(engine, cmd["op"])(cmd["ids"])}), flush=True)
+        print(json.dumps({"seconds": getattr(engine, cmd.pop("op"))(**cmd)}), flush=True)
     return 0
 
 
@@ -130,8 +134,8 @@ class Worker:
             raise SystemExit(f"worker {self.arm} died (exit {self.proc.wait()})")
         return json.loads(line)
 
-    def time(self, op: str, ids: list[int]) -> float:
-        self.proc.stdin.write(json.dumps({"op": op, "ids": ids}) + "\n")
+    def time(self, op: str, ids: list[int], **options: int) -> float:
+        self.proc.stdin.write(json.dumps({"op": op, "ids": ids, **options}) + "\n")
         self.proc.stdin.flush()
         return self._reply()["seconds"]
 
@@ -160,6 +164,7 @@ def main() -> int:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--tokens", type=int, default=32, help="decode tokens per run (teacher-forced)")
     p.add_argument("--prefill", type=int, default=128, help="prefill positions per run")
+    p.add_argument("--context", type=int, default=0, help="positions of context before the decoded tokens")
     p.add_argument("--arms", default="auto,llama.cpp")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
@@ -169,9 +174,12 @@ def main() -> int:
     args = p.parse_args()
     if args.worker:
         return worker(args.worker, args.model, args.n_ctx)
+    if min(args.runs, args.tokens, args.prefill) < 1 or args.context < 0:
+        p.error("--runs, --tokens and --prefill must be positive, --context not negative")
     arms = args.arms.split(",")
     rng = np.random.default_rng(args.seed)
-    ids = rng.integers(3, 2048, max(args.tokens + 1, args.prefill)).tolist()
+    decoded = args.context + args.tokens + 1
+    ids = rng.integers(3, 2048, max(decoded, args.prefill)).tolist()
     with exclusive(args.lock):
         dropped = drop_page_cache()
         workers = {a: Worker(a, args.model, len(ids) + 8) for a in arms}
@@ -180,7 +188,7 @@ def main() -> int:
         for run in range(args.runs + 1):
             for a in (arms if run % 2 == 0 else arms[::-1]):
                 with exclusive(args.lock):
-                    d = workers[a].time("decode", ids[: args.tokens + 1])
+                    d = workers[a].time("decode", ids[:decoded], context=args.context)
                     pf = workers[a].time("prefill", ids[: args.prefill])
                 if run == 0:
                     continue  # warm-up
@@ -201,6 +209,7 @@ def main() -> int:
     receipt = {
         **receipt_header("tools/bench_decode.py"), "model": args.model.name,
         "model_bytes": args.model.stat().st_size, "tokens": args.tokens, "prefill": args.prefill,
+        "context": args.context,
         "page_cache_dropped": dropped, "arms": {a: w.describe for a, w in workers.items()},
         "summary": summary, "ratios_vs_llama_cpp": ratios,
     }
@@ -209,7 +218,9 @@ def main() -> int:
              f"host `{receipt['host']}`, commit `{receipt['commit']}`, model `{args.model.name}` "
              f"({receipt['model_bytes'] / 1e9:.2f} GB), load average at end {receipt['load_average']}", "",
              f"Command: `{receipt['command']}`", "",
-             f"Teacher-forced decode of {args.tokens} fixed ids one at a time; prefill of {args.prefill} ids as one "
+             f"Teacher-forced decode of {args.tokens} fixed ids one at a time"
+             + (f" after {args.context} positions of context (one untimed batch)" if args.context else "")
+             + f"; prefill of {args.prefill} ids as one "
              f"batch. One worker process per arm (page cache dropped before they started: {dropped}); "
              f"{args.runs} timed runs per arm after one warm-up, arms interleaved (order flipped every run).", ""]
     lines += [f"- {a}: {w.describe}" for a, w in workers.items()]

@@ -1,6 +1,7 @@
 """Quantised matvec on the ggml backend against the memory-bandwidth roofline of the same bytes.
 
-For each type (Q8_0, Q4_K by default) one weight matrix larger than the
+For each type (Q8_0, Q4_K by default; ``--types all`` for every type the engine
+runs on ggml) one weight matrix larger than the
 last-level cache (``--shape``, default the 65536 x 2048 of an output head) is
 multiplied by one position on the engine's ggml backend (``GgmlKernels.linear``,
 ``--threads`` threads), and the same bytes are read by a streaming reduction
@@ -10,6 +11,7 @@ passes; arms alternate sample by sample; n samples each after one warm-up. The r
 bytes, median and min–max, and the matvec's fraction of the roofline.
 
     python tools/bench_roofline.py --runs 7
+    python tools/bench_roofline.py --runs 7 --types all
 """
 from __future__ import annotations
 
@@ -27,22 +29,37 @@ from colibri_aio.bench.lock import exclusive
 from colibri_aio.bench.receipt import header, spread, write
 from colibri_aio.kernels.ggml_cpu import GgmlKernels
 from colibri_aio.kernels.qtensor import QTensor
+from colibri_aio.kernels.quant import SUPPORTED_TYPES
 
 ROOT = Path(__file__).resolve().parents[1]
-# Where each type keeps its block's float16 scale(s): set to a normal value so no product meets a NaN.
-SCALE_BYTES = {"Q8_0": slice(0, 2), "Q4_0": slice(0, 2), "Q4_K": slice(0, 4), "Q5_K": slice(0, 4),
-               "Q6_K": slice(208, 210)}
+# Byte offsets of each block's float16 scale(s) (ggml's block_* structs): set to a normal value so no
+# product meets a NaN or an infinity. MXFP4's one scale is an E8M0 exponent byte; float types get floats.
+F16_SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
+              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+E8M0_SCALES = {"MXFP4": (0,)}
+FLOATS = {"F32": np.float32, "F16": np.float16}
 TARGET = 0.85  # issue 12: matvec at >= 85% of the roofline
 
 
 def weights(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> QTensor:
-    """Random blocks of ``type_name`` with finite scales."""
+    """Random blocks of ``type_name`` with finite scales (random finite values for the float types)."""
     t = GGMLQuantizationType[type_name]
+    if type_name in FLOATS or type_name == "BF16":
+        x = (rng.standard_normal((rows, cols), dtype=np.float32) * 0.01).astype(FLOATS.get(type_name, np.float32))
+        raw = (x.view(np.uint32) >> 16).astype(np.uint16) if type_name == "BF16" else x
+        return QTensor(raw.reshape(-1).view(np.uint8), t, (rows, cols))
     block, type_size = GGML_QUANT_SIZES[t]
     blocks = rng.integers(0, 256, (rows * cols // block, type_size), dtype=np.uint8)
-    blocks[:, SCALE_BYTES[type_name]] = np.frombuffer(np.float16(0.01).tobytes() * 2, np.uint8)[
-        :SCALE_BYTES[type_name].stop - SCALE_BYTES[type_name].start]
+    for at in F16_SCALES.get(type_name, ()):
+        blocks[:, at:at + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    for at in E8M0_SCALES.get(type_name, ()):
+        blocks[:, at] = 127 - 7  # 2**-7
     return QTensor(blocks.reshape(-1), t, (rows, cols))
+
+
+def engine_types(kernels: GgmlKernels) -> list[str]:
+    """Every weight type the engine loads and its ggml backend multiplies, in GGUF's order."""
+    return [t.name for t in sorted(SUPPORTED_TYPES & kernels.types, key=lambda t: t.value)]
 
 
 def streaming_read(threads: int):
@@ -60,7 +77,7 @@ def streaming_read(threads: int):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--types", default="Q8_0,Q4_K")
+    p.add_argument("--types", default="Q8_0,Q4_K", help="comma-separated GGUF type names, or all")
     p.add_argument("--shape", default="65536x2048", help="rows x cols of the weight matrix")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--runs", type=int, default=7)
@@ -71,11 +88,15 @@ def main() -> int:
     rows, cols = map(int, args.shape.split("x"))
     rng = np.random.default_rng(0)
     kernels = GgmlKernels(args.threads)
+    known = engine_types(kernels)
+    names = known if args.types == "all" else args.types.split(",")
+    if unknown := [n for n in names if n not in known]:
+        p.error(f"--types: {', '.join(unknown)} not among the types the engine runs on ggml ({','.join(known)})")
     read = streaming_read(args.threads)
     x = rng.standard_normal((1, cols)).astype(np.float32)
     samples: dict[str, dict[str, list[float]]] = {}
     with exclusive(args.lock):
-        for name in args.types.split(","):
+        for name in names:
             w = weights(name, rows, cols, rng)
             arms = {"ggml matvec": lambda: kernels.linear(w, x), "streaming read": lambda: read(w.data)}
             got = samples[name] = {arm: [] for arm in arms}

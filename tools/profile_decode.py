@@ -22,12 +22,17 @@ output head graph; NumPy does no trunk op there.
 per-call overhead counts as kernel time there, which flatters it). The
 target of issue 12 is below 5% of the step for the fast backend.
 
+With ``--context N`` the decoded tokens follow N positions of context (one
+untimed batch), as in tools/bench_decode.py.
+
     python tools/profile_decode.py MODEL.gguf --runs 5 --tokens 32 --kernels ggml
+    COLIBRI_GGML_ATTENTION=f16 python tools/profile_decode.py MODEL.gguf --context 2048
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import sys
 import time
@@ -113,13 +118,13 @@ class Timers:
         return out
 
 
-async def one_run(engine: Engine, timers: Timers, ids: list[int]) -> dict[str, float]:
+async def one_run(engine: Engine, timers: Timers, ids: list[int], context: int = 0) -> dict[str, float]:
     net = engine.net
     net.reset()
-    await net.forward(ids[:1])
+    await net.forward(ids[: context + 1])
     timers.take()
     t0 = time.perf_counter()
-    for t in ids[1:]:
+    for t in ids[context + 1:]:
         await net.forward([t])
     wall = time.perf_counter() - t0
     t = timers.take()
@@ -130,7 +135,7 @@ async def one_run(engine: Engine, timers: Timers, ids: list[int]) -> dict[str, f
         wall - kernel_calls - sum(v for k, v in t.items() if k.startswith("numpy:"))
         - t.get("moe step without kernels and routing", 0.0))
     t["python overhead"] = wall - native
-    n = len(ids) - 1
+    n = len(ids) - 1 - context
     out = {k: v / n * 1e3 for k, v in t.items()}
     out["total"] = wall / n * 1e3
     out["python overhead %"] = 100 * (wall - native) / wall
@@ -142,11 +147,14 @@ def main() -> int:
     p.add_argument("model", type=Path)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--tokens", type=int, default=32)
+    p.add_argument("--context", type=int, default=0, help="positions of context before the decoded tokens")
     p.add_argument("--kernels", default="ggml")
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
     p.add_argument("--lock", type=Path, default=None, help="hold this lock file exclusively during each run")
     args = p.parse_args()
-    ids = np.random.default_rng(0).integers(3, 2048, args.tokens + 1).tolist()
+    if min(args.runs, args.tokens) < 1 or args.context < 0:
+        p.error("--runs and --tokens must be positive, --context not negative")
+    ids = np.random.default_rng(0).integers(3, 2048, args.context + args.tokens + 1).tolist()
     loop = asyncio.new_event_loop()
     engine = loop.run_until_complete(Engine.open(args.model, prefetch="off", n_ctx=len(ids) + 1,
                                                  cache_per_layer=10**6, kernels=args.kernels))
@@ -155,7 +163,7 @@ def main() -> int:
     samples = []
     for run in range(args.runs + 1):
         with exclusive(args.lock):
-            r = loop.run_until_complete(one_run(engine, timers, ids))
+            r = loop.run_until_complete(one_run(engine, timers, ids, args.context))
         if run:
             samples.append(r)
     loop.run_until_complete(engine.aclose())
@@ -165,14 +173,18 @@ def main() -> int:
                    "min": min(s.get(k, 0.0) for s in samples), "max": max(s.get(k, 0.0) for s in samples)}
                for k in keys}
     receipt = {**receipt_header("tools/profile_decode.py"), "model": args.model.name, "kernels": args.kernels,
-               "kernels_reason": engine.kernels.reason, "unit": "ms per decoded token", "summary": summary,
+               "kernels_reason": engine.kernels.reason, "unit": "ms per decoded token", "context": args.context,
+               "settings": {k: v for k, v in os.environ.items() if k.startswith("COLIBRI_")}, "summary": summary,
                "samples": samples}
     stamp = receipt["date"]
     lines = [f"# One decode step, by category — {stamp}", "",
              f"host `{receipt['host']}`, commit `{receipt['commit']}`, model `{args.model.name}` (every expert "
              f"cached: a model in RAM), kernels {engine.kernels.name} ({engine.kernels.reason}), load average "
              f"at end {receipt['load_average']}", "", f"Command: `{receipt['command']}`", "",
-             f"ms per decoded token over {args.tokens} teacher-forced tokens, median [min–max] of {args.runs} runs. "
+             f"ms per decoded token over {args.tokens} teacher-forced tokens"
+             + (f" after {args.context} positions of context" if args.context else "")
+             + "".join(f", {k}={v}" for k, v in receipt["settings"].items())
+             + f", median [min–max] of {args.runs} runs. "
              "Kernel lines include the native time inside them; **python overhead** is wall time minus native "
              "kernel time (tools/profile_decode.py docstring).", "", "| category | ms/token |", "|---|---|"]
     for k in keys:
