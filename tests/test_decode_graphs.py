@@ -164,7 +164,7 @@ def test_family_decode_on_graphs_against_llamacpp(name: str, ggml: Kernels) -> N
 
 
 def test_widening_the_cache_by_rows_gives_the_bits_of_a_cast(monkeypatch, ggml: Kernels) -> None:
-    """The A/B switch COLIBRI_GGML_WIDEN (ggml_get_rows or ggml_cast widening the f16 cache), over the
+    """The A/B switch COLIBRI_GGML_WIDEN (ggml_get_rows, the default, or ggml_cast widening the f16 cache), over the
     whole context (every key of the bucket, the last steps with none masked)."""
     monkeypatch.setenv("COLIBRI_GGML_WIDEN", "rows")
     net = _net("tiny_q8_0", ggml, "f16")
