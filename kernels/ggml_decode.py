@@ -4,12 +4,12 @@ experts; one for the output head.
 The per-operation backend (:mod:`colibri_aio.kernels.ggml_cpu`) runs one small
 graph per product and leaves norms, RoPE, attention and routing to NumPy: about
 thirty graph launches and as many trips through Python per decoded token.
-Here a block's attention graph runs attn_norm, the q/k/v products, the per-head
-q/k RMSNorm, NEOX RoPE, writes k and v into the KV cache in place
+Here a block's attention graph runs attn_norm, the q/k/v products (and biases), the
+family's q/k RMSNorm and RoPE, writes k and v into the KV cache in place
 (``ggml_set_rows``), attends over the cache (``ggml_flash_attn_ext``; keys past
 the position masked), projects with attn_output, adds the residual, applies
 ffn_norm and the router, and ranks the experts (softmax, argsort, the chosen
-weights renormalised: llama.cpp's ``build_moe_ffn``). Python then only reads
+weights renormalised where the family does: llama.cpp's ``build_moe_ffn``). Python then only reads
 the k chosen experts, which the expert source must see (to read them or check
 they are resident), and runs the experts' graph: ``ggml_mul_mat_id`` per matrix
 over the experts seen as one 3-D tensor (pool slots one stride apart), the
@@ -46,13 +46,20 @@ keys are skipped, never summed) or the order the experts arrive in (the MoE
 falls back to :meth:`GgmlKernels.expert_ffns` plus the same rank-ordered sum
 when the experts come in several batches or from memory that is not one stack).
 
-The families this serves are the ones whose block is "attention with q/k norm
-and plain NEOX RoPE, softmax top-k renormalised, SwiGLU experts, no shared
-expert": qwen3moe. olmoe, qwen2moe and mixtral share most of it (their
-differences: no q/k norm, or q/k/v biases and a gated shared expert, or NORMAL
-RoPE) and gpt-oss (sinks, sliding-window rings), deepseek2 (MLA) and glm4moe
-(partial rotary, sigmoid routing with groups) stay on the per-operation path
-until their variants are written here.
+The families this serves are those whose block is "attention, softmax top-k, SwiGLU experts", with
+the variants :class:`AttentionShape` names: qwen3moe (per-head q/k RMSNorm, NEOX RoPE, weights
+renormalised), olmoe (q/k RMSNorm over the whole projection, weights not renormalised), qwen2moe
+(q/k/v biases, no q/k norm, weights not renormalised, and a shared expert behind a sigmoid gate: a
+small graph of its own, run once the layer's reads are out, whose output the experts graph adds to the
+routed sum before the residual, as the per-operation path does) and mixtral (no q/k norm, NORMAL RoPE).
+The others stay on the per-operation path; what each lacks here: gpt-oss: attention sinks, the
+sliding-window ring on alternate layers, YaRN RoPE, the attn_output and router biases, routing by
+logits with a softmax over the k chosen, the clamped SwiGLU with biases on every expert product.
+deepseek2: multi-head latent attention (q LoRA, a latent cache whose values live in the keys, the
+absorbed attn_k_b/attn_v_b products, YaRN), sigmoid routing with a selection bias and expert groups,
+scaled weights, leading dense blocks and an ungated shared expert. glm4moe: partial NEOX RoPE
+(n_rot < key_length) with its scaling, sigmoid routing with a selection bias and scaled weights,
+leading dense blocks and an ungated shared expert.
 """
 from __future__ import annotations
 
@@ -103,6 +110,11 @@ class AttentionShape:
     kv_dtype: str
     qkv_fused: bool = False   # q, k and v follow each other in memory with one type: one product
     f16_attention: bool = False   # attend over an f16 cache as llama.cpp does, not in float32
+    # What families vary (the defaults are qwen3moe's block):
+    qk_norm: str = "head"     # RMSNorm of q and k: per head ("head"), over the whole projection ("whole"), "none"
+    neox_rope: bool = True    # NEOX RoPE (dimension i pairs with i + n_rot/2); False: NORMAL (2i with 2i+1)
+    qkv_bias: bool = False    # attn_q/k/v biases added to the products (three leaves after the router's)
+    normalize: bool = True    # the chosen experts' weights divided by their sum
 
     @property
     def qkv(self) -> _Mat:
@@ -146,7 +158,9 @@ def _build_attention(g: _Graph, s: AttentionShape, n_kv: int) -> tuple[list, lis
         wqkv = g.weight(s.qkv)
     else:
         wq, wk, wv = (g.weight(m) for m in (s.q, s.k, s.v))
-    q_norm, k_norm = g.leaf(_F32, d, 1), g.leaf(_F32, d, 1)
+    # q/k norm leaves in every variant, so each leaf keeps its place (unused, pointed nowhere, without q/k norm)
+    whole = s.qk_norm == "whole"
+    q_norm, k_norm = g.leaf(_F32, s.q.rows if whole else d, 1), g.leaf(_F32, s.k.rows if whole else d, 1)
     pos32, pos64 = g.leaf(_I32, 1, 1), g.leaf(_I64, 1, 1)
     k_rows = g.leaf(kv_gid, s.heads_kv * d, n_kv)                  # the cache as rows, for the writes
     v_rows = g.leaf(kv_gid, s.heads_kv * dv, n_kv)
@@ -157,13 +171,19 @@ def _build_attention(g: _Graph, s: AttentionShape, n_kv: int) -> tuple[list, lis
     wo = g.weight(s.o)
     ffn_norm = g.leaf(_F32, s.q.cols, 1)
     router = g.leaf(_F32, s.q.cols, s.experts)
+    if s.qkv_bias:
+        q_bias, k_bias, v_bias = g.leaf(_F32, d, s.heads), g.leaf(_F32, d, s.heads_kv), g.leaf(_F32, s.v.rows, 1)
+    rope_type = G.GGML_ROPE_TYPE_NEOX if s.neox_rope else G.GGML_ROPE_TYPE_NORMAL
 
     def rms(t, w):
         return G.ggml_mul(ctx, G.ggml_rms_norm(ctx, t, s.eps), w)
 
     def rope(t):
-        return G.ggml_rope_ext(ctx, t, pos32, None, s.n_rot, G.GGML_ROPE_TYPE_NEOX, s.n_ctx_orig, s.rope_base,
+        return G.ggml_rope_ext(ctx, t, pos32, None, s.n_rot, rope_type, s.n_ctx_orig, s.rope_base,
                                1.0, 0.0, 1.0, 32.0, 1.0)
+
+    def rms_whole(t, w, heads):      # over the projection before its split into heads (olmoe)
+        return G.ggml_reshape_3d(ctx, rms(G.ggml_reshape_2d(ctx, t, d * heads, 1), w), d, heads, 1)
 
     h = rms(x, attn_norm)
     if s.qkv_fused:      # one product, its rows seen as q, k and v
@@ -175,7 +195,13 @@ def _build_attention(g: _Graph, s: AttentionShape, n_kv: int) -> tuple[list, lis
         q = G.ggml_reshape_3d(ctx, G.ggml_mul_mat(ctx, wq, h), d, s.heads, 1)
         k = G.ggml_reshape_3d(ctx, G.ggml_mul_mat(ctx, wk, h), d, s.heads_kv, 1)
         v = G.ggml_mul_mat(ctx, wv, h)
-    q, k = rope(rms(q, q_norm)), rope(rms(k, k_norm))
+    if s.qkv_bias:
+        q, k, v = G.ggml_add(ctx, q, q_bias), G.ggml_add(ctx, k, k_bias), G.ggml_add(ctx, v, v_bias)
+    if s.qk_norm == "head":
+        q, k = rms(q, q_norm), rms(k, k_norm)
+    elif whole:
+        q, k = rms_whole(q, q_norm, s.heads), rms_whole(k, k_norm, s.heads_kv)
+    q, k = rope(q), rope(k)
     # Non-finite if q, k, v or an activation rounded before a product (the normed input, the heads'
     # output) holds a NaN or an infinity (or overflows): rounding to 8 bits and flash attention's online
     # softmax (it steps over a NaN score) can both give finite numbers from broken weights.
@@ -199,21 +225,29 @@ def _build_attention(g: _Graph, s: AttentionShape, n_kv: int) -> tuple[list, lis
     probs = G.ggml_soft_max(ctx, G.ggml_mul_mat(ctx, router, h2))                # (E, 1)
     order = G.ggml_argsort(ctx, probs, G.GGML_SORT_ORDER_DESC)
     top = G.ggml_view_2d(ctx, order, s.used, 1, order.contents.nb[1], 0)
-    w = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, G.ggml_reshape_3d(ctx, probs, 1, s.experts, 1), top), s.used, 1)
-    w = G.ggml_div(ctx, w, G.ggml_sum_rows(ctx, w))
+    w = G.ggml_get_rows(ctx, G.ggml_reshape_3d(ctx, probs, 1, s.experts, 1), top)     # (1, used, 1)
+    if s.normalize:
+        w = G.ggml_reshape_2d(ctx, w, s.used, 1)
+        w = G.ggml_div(ctx, w, G.ggml_sum_rows(ctx, w))
+    # else the rows themselves are the output (a view as output would leave the buffer unwritten)
     return [x2, h2, order, w, check], effects
 
 
-def _rank_sum(ctx, ys: list, x2):
-    """x2 + ((y0 + y1) + y2) + ...: the weighted expert outputs summed in rank order, then the residual."""
+def _rank_sum(ctx, ys: list, x2, shared=None):
+    """x2 + ((y0 + y1) + y2) + ...: the weighted expert outputs summed in rank order, then the shared
+    expert's output when there is one, then the residual (the per-operation path's order)."""
     acc = ys[0]
     for y in ys[1:]:
         acc = G.ggml_add(ctx, acc, y)
+    if shared is not None:
+        acc = G.ggml_add(ctx, acc, shared)
     return G.ggml_add(ctx, x2, acc)
 
 
-def _build_experts_stacked(g: _Graph, gate: _Mat, down: _Mat, used: int, depth: int, gate_up: bool) -> list:
-    """``gate_up``: each expert's up matrix follows its gate matrix, so both are one product of 2F rows."""
+def _build_experts_stacked(g: _Graph, gate: _Mat, down: _Mat, used: int, depth: int, gate_up: bool,
+                           shared: bool = False) -> list:
+    """``gate_up``: each expert's up matrix follows its gate matrix, so both are one product of 2F rows.
+    ``shared``: one more leaf, last, the shared expert's output (D, 1) added to the routed sum."""
     ctx = g.ctx
     h = g.leaf(_F32, gate.cols, 1, 1)
     x2 = g.leaf(_F32, down.rows, 1)
@@ -230,10 +264,11 @@ def _build_experts_stacked(g: _Graph, gate: _Mat, down: _Mat, used: int, depth: 
         a = G.ggml_swiglu_split(ctx, G.ggml_mul_mat_id(ctx, wg, h, ids), G.ggml_mul_mat_id(ctx, wu, h, ids))
     y = G.ggml_mul(ctx, G.ggml_mul_mat_id(ctx, wd, a, ids), w)       # (D, used, 1)
     nb1 = y.contents.nb[1]
-    return [_rank_sum(ctx, [G.ggml_view_2d(ctx, y, down.rows, 1, nb1, r * nb1) for r in range(used)], x2)]
+    ys = [G.ggml_view_2d(ctx, y, down.rows, 1, nb1, r * nb1) for r in range(used)]
+    return [_rank_sum(ctx, ys, x2, g.leaf(_F32, down.rows, 1) if shared else None)]
 
 
-def _build_experts_each(g: _Graph, gate: _Mat, down: _Mat, used: int) -> list:
+def _build_experts_each(g: _Graph, gate: _Mat, down: _Mat, used: int, shared: bool = False) -> list:
     ctx = g.ctx
     h = g.leaf(_F32, gate.cols, 1)
     x2 = g.leaf(_F32, down.rows, 1)
@@ -243,7 +278,17 @@ def _build_experts_each(g: _Graph, gate: _Mat, down: _Mat, used: int) -> list:
         wd, w = g.leaf(down.gid, down.cols, down.rows), g.leaf(_F32, 1, 1)
         a = G.ggml_swiglu_split(ctx, G.ggml_mul_mat(ctx, wg, h), G.ggml_mul_mat(ctx, wu, h))
         ys.append(G.ggml_mul(ctx, G.ggml_mul_mat(ctx, wd, a), w))
-    return [_rank_sum(ctx, ys, x2)]
+    return [_rank_sum(ctx, ys, x2, g.leaf(_F32, down.rows, 1) if shared else None)]
+
+
+def _build_shared_expert(g: _Graph, gate: _Mat, down: _Mat) -> list:
+    """sigmoid(gate_inp · h) * down(swiglu(gate h, up h)): a shared expert behind a scalar gate (qwen2moe)."""
+    ctx = g.ctx
+    h = g.leaf(_F32, gate.cols, 1)
+    wg, wu, wd = g.weight(gate), g.weight(gate), g.weight(down)      # resident: repacked when their type is
+    gate_inp = g.leaf(_F32, gate.cols, 1)
+    a = G.ggml_swiglu_split(ctx, G.ggml_mul_mat(ctx, wg, h), G.ggml_mul_mat(ctx, wu, h))
+    return [G.ggml_mul(ctx, G.ggml_mul_mat(ctx, wd, a), G.ggml_sigmoid(ctx, G.ggml_mul_mat(ctx, gate_inp, h)))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,9 +373,12 @@ class DecodeGraphs:
     turns, so a block's input survives its own experts.
     """
 
-    def __init__(self, kernels: GgmlKernels, shapes: Sequence[AttentionShape]) -> None:
-        """``shapes``: each block's (blocks of one file may differ in their weights' types)."""
+    def __init__(self, kernels: GgmlKernels, shapes: Sequence[AttentionShape], shared_expert: bool = False) -> None:
+        """``shapes``: each block's (blocks of one file may differ in their weights' types); ``shared_expert``:
+        every block has a gated shared expert (:meth:`shared_expert` fills :attr:`shared` before
+        :meth:`experts` adds it)."""
         self.kernels, self.shapes = kernels, list(shapes)
+        self.shared_expert_on = shared_expert
         self.shape = shape = shapes[0]
         self._stacked = knob("experts") != "each"
         self.step_knob = knob("step")     # "graph": a step whose experts are all resident is one graph
@@ -340,6 +388,7 @@ class DecodeGraphs:
         self.order = np.zeros((1, shape.experts), np.int32)   # experts by descending probability
         self.weights = np.zeros((1, shape.used), np.float32)  # of the first `used`, renormalised
         self.check = np.zeros(1, np.float32)                  # finite when q, k, v and rounded inputs are
+        self.shared = np.zeros((1, dim), np.float32)          # the gated shared expert's output
         self._streams = [np.zeros((1, dim), np.float32) for _ in range(2)]
         self.steps = 0                                         # decode steps run on these graphs
         self._turn = 0
@@ -367,6 +416,7 @@ class DecodeGraphs:
         self._step_keys: tuple = ()
         self._step_leaves: dict[tuple, _StepLeaves] = {}
         self._step_shapes: dict[int, StepShape | None] = {}
+        self._shared_addr = self.shared.ctypes.data
 
     def begin(self, position: int, n_ctx: int) -> None:
         """The next step decodes ``position`` in a cache of ``n_ctx`` positions: mask the keys after it."""
@@ -382,16 +432,18 @@ class DecodeGraphs:
 
     def attention(self, layer: int, x: np.ndarray, norms: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray],
                   mats: tuple[QTensor, QTensor, QTensor, QTensor], router: np.ndarray,
-                  keys: np.ndarray, values: np.ndarray) -> None:
+                  keys: np.ndarray, values: np.ndarray,
+                  biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
         """Block ``layer``'s attention and router for x (1, D) float32, C-contiguous.
 
         Fills :attr:`residual`, :attr:`moe_input`, :attr:`order`, :attr:`weights` and :attr:`check`, and
         writes the position's key and value into ``keys``/``values`` (the block's cache arrays (S, Hkv, d)
-        and (S, Hkv, dv)). ``norms``: attn_norm, attn_q_norm, attn_k_norm, ffn_norm; ``mats``: attn_q,
-        attn_k, attn_v, attn_output; ``router``: ffn_gate_inp (E, D) float32.
+        and (S, Hkv, dv)). ``norms``: attn_norm, attn_q_norm, attn_k_norm (None without q/k norm),
+        ffn_norm; ``mats``: attn_q, attn_k, attn_v, attn_output; ``router``: ffn_gate_inp (E, D) float32;
+        ``biases``: attn_q/k/v's, when the shape has them.
         """
         s, k, n_kv = self.shapes[layer], self.kernels, self._n_kv
-        block = self._block(layer, norms, mats, router, keys, values)
+        block = self._block(layer, norms, mats, router, keys, values, biases)
         mask_leaf = _mask_leaf(s)
         with k.lock:
             graph = k.graph(("decode-attention", s, n_kv), 64, lambda g: _build_attention(g, s, n_kv),
@@ -406,16 +458,18 @@ class DecodeGraphs:
             k.run(graph)
 
     def _block(self, layer: int, norms: tuple[np.ndarray, ...], mats: tuple[QTensor, ...], router: np.ndarray,
-               keys: np.ndarray, values: np.ndarray) -> tuple[tuple[int, ...], int, np.ndarray]:
+               keys: np.ndarray, values: np.ndarray,
+               biases: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> tuple[tuple[int, ...], int, np.ndarray]:
         """Block ``layer``'s attention leaf addresses (x and the mask as 0: given per call), its weights'
         bytes, and its keys array (kept, so that its id, the memo's key, is not reused)."""
         block = self._blocks.get(id(keys))
         if block is None:
             s, a = self.shapes[layer], self._addr
             w = (a(mats[0].data),) if s.qkv_fused else (a(mats[0].data), a(mats[1].data), a(mats[2].data))
-            addrs = (0, a(norms[0]), *w, a(norms[1]), a(norms[2]), self._pos32.ctypes.data,
+            qk_norms = (0, 0) if s.qk_norm == "none" else (a(norms[1]), a(norms[2]))
+            addrs = (0, a(norms[0]), *w, *qk_norms, self._pos32.ctypes.data,
                      self._pos64.ctypes.data, a(keys), a(values), a(keys), a(values), 0, a(mats[3].data),
-                     a(norms[3]), a(router))
+                     a(norms[3]), a(router), *(map(a, biases) if s.qkv_bias else ()))
             nbytes = sum(m.nbytes for m in (s.q, s.k, s.v, s.o))
             block = self._blocks[id(keys)] = (addrs, nbytes, keys)      # the array keeps its id taken
         return block
@@ -447,7 +501,7 @@ class DecodeGraphs:
         """One decode step, every block and the head, as one graph (:func:`_build_step`), after :meth:`begin`.
 
         ``x``: the token's embedding (1, D); ``blocks``: per block the arguments of :meth:`attention` after
-        x (norms, mats, router, keys, values); ``tables``: (blocks, experts) int32, each expert's slot in
+        x (norms, mats, router, keys, values, biases); ``tables``: (blocks, experts) int32, each expert's slot in
         the stack (read as the graph runs); ``bases``: each block's stack addresses; ``head``: output_norm,
         output. Fills :attr:`step_order`, :attr:`step_weights`, :attr:`step_x`, :attr:`step_logits` and
         :attr:`step_check`, and writes the position's keys and values into every block's cache.
@@ -539,20 +593,23 @@ class DecodeGraphs:
         turn = self._turn
         self._turn ^= 1
         h, x2 = self._outs[1], self._outs[0]
+        shared = self.shared_expert_on
+        last = (self._shared_addr,) if shared else ()
         if self._stacked and stack is not None:
             base, stride, index, depth = stack
             self._ids[:] = index
             gate_up = base[1] - base[0] == gate.nbytes
-            key = ("decode-experts", gate, down, used, depth, gate_up)
-            build = lambda g: _build_experts_stacked(g, gate, down, used, depth, gate_up)  # noqa: E731
-            addrs = (h, x2, base[0], *(() if gate_up else (base[1],)), base[2], self._ids_addr, self._weights_addr)
+            key = ("decode-experts", gate, down, used, depth, gate_up, shared)
+            build = lambda g: _build_experts_stacked(g, gate, down, used, depth, gate_up, shared)  # noqa: E731
+            addrs = (h, x2, base[0], *(() if gate_up else (base[1],)), base[2], self._ids_addr, self._weights_addr,
+                     *last)
             strides = (stride,) * (2 if gate_up else 3)
         else:
             a, w = self._addr, self._weights_addr
-            key = ("decode-experts-each", gate, down, used)
-            build = lambda g: _build_experts_each(g, gate, down, used)  # noqa: E731
+            key = ("decode-experts-each", gate, down, used, shared)
+            build = lambda g: _build_experts_each(g, gate, down, used, shared)  # noqa: E731
             addrs = (h, x2, *(p for r, e in enumerate(experts)
-                              for p in (a(e.gate.data), a(e.up.data), a(e.down.data), w + 4 * r)))
+                              for p in (a(e.gate.data), a(e.up.data), a(e.down.data), w + 4 * r)), *last)
             strides = ()
         with k.lock:
             graph = k.graph(key, 12 * used + 8, build, weight_bytes)
@@ -563,6 +620,20 @@ class DecodeGraphs:
             graph.outputs[0].data = self._stream_addrs[turn]
             k.run(graph)
         return self._streams[turn]
+
+    def shared_expert(self, mats: tuple[QTensor, QTensor, QTensor], gate_inp: np.ndarray) -> None:
+        """Fills :attr:`shared`: sigmoid(gate_inp · h) * down(swiglu(gate h, up h)) for h = :attr:`moe_input`
+        (``mats``: ffn_{gate,up,down}_shexp; ``gate_inp``: ffn_gate_inp_shexp (D,) float32)."""
+        k, a = self.kernels, self._addr
+        gate, down = k._mat(mats[0]), k._mat(mats[2])
+        with k.lock:
+            graph = k.graph(("decode-shared-expert", gate, down), 12, lambda g: _build_shared_expert(g, gate, down),
+                            2 * gate.nbytes + down.nbytes)
+            addrs = (self._outs[1], *(a(m.data) for m in mats), a(gate_inp))
+            for leaf, addr in zip(graph.inputs, addrs):
+                leaf.data = addr
+            graph.outputs[0].data = self._shared_addr
+            k.run(graph)
 
     def head(self, x: np.ndarray, norm: np.ndarray, output: QTensor) -> np.ndarray:
         """Logits (1, V): output · rms_norm(x) * output_norm; NaN when that input is not finite (as the

@@ -11,12 +11,20 @@ graphs widen keys and values to float32 as the per-operation path does (within
 attention rounds as llama.cpp's flash attention does (queries to f16 against
 f16 keys, values summed in f16): held to llama.cpp's own decode with that cache. Placement never changes a bit (tests/test_engine_placement.py runs the
 ggml backend through these graphs, experts in one batch and in several).
+
+The other families whose block the graphs cover (olmoe: q/k RMSNorm over the whole projection, no
+renormalisation; qwen2moe: q/k/v biases, no renormalisation, a gated shared expert; mixtral: no q/k norm,
+NORMAL RoPE) are held to the same tolerances against their per-operation path (measured on their
+fixtures: Q8_0 0, F32 up to 1.3e-6 with a float32 cache, up to 2.1e-5 with an f16 one) and against
+llama.cpp (measured: Q8_0 0, F32 up to 1.3e-6 x max|logit|).
 """
 from __future__ import annotations
 
 import asyncio
+import json
 import shutil
 import struct
+import sys
 
 import numpy as np
 import pytest
@@ -25,8 +33,15 @@ from colibri_aio import Engine, NonFiniteError
 from colibri_aio.gguf.header import GGUFHeader
 from colibri_aio.kernels.backend import Kernels, NumpyKernels
 
-from support import FIXTURES, fixture, oracle_ids, teacher_forced
+from colibri_aio.arch import build_net
+from colibri_aio.engine.mapped_source import MappedExpertSource
+from colibri_aio.gguf.model import load
+
+from support import FIXTURES, ORACLE, fixture, oracle_ids, teacher_forced
 from test_arch_qwen3moe import _net, ggml  # noqa: F401 (ggml: the module's kernels, a fixture)
+
+sys.path.insert(0, str(FIXTURES.parent / "tools"))
+import make_synthetic_gguf  # noqa: E402
 
 # Against llama.cpp's logits, x max|logit|. Its decode with an F16 cache and flash attention
 # (fixtures/oracle/*.llamacpp_f16_decode.npz): the graphs round as it does, bit for bit on tiny_f32 and
@@ -37,10 +52,20 @@ F16_CACHE_VS_PER_OPERATION = 3e-3
 F16_DECODE_EXACT = 1e-6
 F16_DECODE_Q4_K = 5e-2
 F32_VS_LLAMACPP_Q8 = 1e-6
+F32_WEIGHTS_VS_LLAMACPP = 1e-5
+# Every family whose decode runs on the graphs, beyond qwen3moe (its fixtures: tiny_*): F32 and Q8_0.
+FAMILIES = [f"{family}_{kind}" for family in ("olmoe", "qwen2moe", "mixtral") for kind in ("f32", "q8_0")]
+
+
+def _family_net(name: str, kernels: Kernels, kv_type: str = "f32"):
+    """The family's own net (build_net picks it from the file's architecture)."""
+    model = load(fixture(f"{name}.gguf"))
+    return build_net(model, MappedExpertSource(model), kernels=kernels, kv_type=kv_type)
+
 
 def _per_operation(monkeypatch, name: str, ggml: Kernels, ids: list[int], kv_type: str = "f32") -> np.ndarray:
     monkeypatch.setenv("COLIBRI_GGML_GRAPHS", "off")
-    net = _net(name, ggml, kv_type)
+    net = _family_net(name, ggml, kv_type)
     assert net.decode_graphs() is None
     got = teacher_forced(net, ids, decode=True)
     monkeypatch.delenv("COLIBRI_GGML_GRAPHS")
@@ -80,16 +105,66 @@ def test_f16_cache_on_graphs_matches_the_per_operation_path(monkeypatch, name: s
     assert float(np.abs(got - want).max()) <= F16_CACHE_VS_PER_OPERATION * float(np.abs(want).max())
 
 
-def test_one_product_per_expert_gives_the_stacked_bits(monkeypatch, ggml: Kernels) -> None:
+@pytest.mark.parametrize("name", ["tiny_q8_0", "qwen2moe_q8_0"])   # qwen2moe: with its shared expert
+def test_one_product_per_expert_gives_the_stacked_bits(monkeypatch, ggml: Kernels, name: str) -> None:
     """The A/B switch COLIBRI_GGML_EXPERTS=each (one product per expert instead of ggml_mul_mat_id)."""
-    ids = oracle_ids()[1]
-    want = teacher_forced(_net("tiny_q8_0", ggml), ids, decode=True)
+    ids = [t % load(fixture(f"{name}.gguf")).args.vocab_size for t in oracle_ids()[1]]
+    net = _family_net(name, ggml)
+    want = teacher_forced(net, ids, decode=True)
+    assert net.decode_graphs().steps == len(ids)
     monkeypatch.setenv("COLIBRI_GGML_EXPERTS", "each")
-    assert np.array_equal(teacher_forced(_net("tiny_q8_0", ggml), ids, decode=True), want)
+    assert np.array_equal(teacher_forced(_family_net(name, ggml), ids, decode=True), want)
+
+
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_decode_on_graphs_matches_the_per_operation_path(monkeypatch, name: str, kv_type: str,
+                                                                ggml: Kernels) -> None:
+    ids = [t % load(fixture(f"{name}.gguf")).args.vocab_size for t in oracle_ids()[0]]
+    net = _family_net(name, ggml, kv_type)
+    got = teacher_forced(net, ids, decode=True)
+    assert net.decode_graphs().steps == len(ids)                # not one step left on the per-operation path
+    want = _per_operation(monkeypatch, name, ggml, ids, kv_type)
+    rel = F16_CACHE_VS_PER_OPERATION if kv_type == "f16" else 1e-5 if name.endswith("_f32") else 1e-3
+    assert float(np.abs(got - want).max()) <= rel * float(np.abs(want).max())
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("shape", ["tiny-olmoe", "tiny-qwen2moe", "tiny-mixtral"])
+def test_family_decode_on_graphs_with_one_qkv_product(monkeypatch, tmp_path, shape: str, ggml: Kernels) -> None:
+    """tools/make_synthetic_gguf.py writes attn_q, attn_k and attn_v one after another (the layout the
+    fixtures lack): the graphs' single q/k/v product, seen as q, k and v, then biases or the whole-width
+    q/k norm. Against the per-operation path with the default f16 cache (measured 0 on each shape)."""
+    path = tmp_path / f"{shape}.gguf"
+    make_synthetic_gguf.main(["--shape", shape, "--type", "q8_0", "--out", str(path), "--quiet"])
+    model = load(path)
+    ids = list(range(3, 40, 3))
+    net = build_net(model, MappedExpertSource(model), kernels=ggml)
+    got = teacher_forced(net, ids, decode=True)
+    assert net.decode_graphs().shapes[0].qkv_fused and net.decode_graphs().steps == len(ids)
+    monkeypatch.setenv("COLIBRI_GGML_GRAPHS", "off")
+    want = teacher_forced(build_net(model, MappedExpertSource(model), kernels=ggml), ids, decode=True)
+    assert float(np.abs(got - want).max()) <= 1e-3 * float(np.abs(want).max())
+    np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_decode_on_graphs_against_llamacpp(name: str, ggml: Kernels) -> None:
+    """llama.cpp's decode with a float32 cache: the Q8_0 fixtures bit for bit, F32 to its summation order."""
+    ref = np.load(ORACLE / f"{name}.llamacpp.npz")
+    ids = json.loads((ORACLE / "family_ids.json").read_text())["sequences"]
+    tol = F32_WEIGHTS_VS_LLAMACPP if name.endswith("_f32") else F32_VS_LLAMACPP_Q8
+    for key in sorted(ref.files):
+        want = ref[key]
+        seq = ids[int(key[3:])][: want.shape[0]]
+        net = _family_net(name, ggml)
+        got = teacher_forced(net, seq, decode=True)
+        assert net.decode_graphs().steps == len(seq)
+        assert float(np.abs(got - want).max()) <= tol * float(np.abs(want).max()), key
 
 
 def test_widening_the_cache_by_rows_gives_the_bits_of_a_cast(monkeypatch, ggml: Kernels) -> None:
-    """The A/B switch COLIBRI_GGML_WIDEN (ggml_get_rows or ggml_cast widening the f16 cache), over the
+    """The A/B switch COLIBRI_GGML_WIDEN (ggml_get_rows, the default, or ggml_cast widening the f16 cache), over the
     whole context (every key of the bucket, the last steps with none masked)."""
     monkeypatch.setenv("COLIBRI_GGML_WIDEN", "rows")
     net = _net("tiny_q8_0", ggml, "f16")
@@ -214,3 +289,20 @@ async def test_the_scheduler_counts_a_one_graph_step_as_its_per_block_steps(monk
                       p.usage.counts.tolist()))
         assert (engine.net.one_graph_steps >= len(ids)) == (step == "graph")
     assert state[0] == state[1]
+
+
+@pytest.mark.parametrize("name", ["olmoe_f32", "mixtral_f32", "qwen2moe_f32"])
+async def test_a_family_step_as_one_graph_gives_the_bits_of_the_per_block_graphs(monkeypatch, name: str,
+                                                                               ggml: Kernels) -> None:
+    """olmoe (q/k norm over the whole width) and mixtral (no q/k norm, NORMAL RoPE) run a step as one graph;
+    qwen2moe's shared expert is not in the step graph, so its steps stay block by block."""
+    ids = [t % load(fixture(f"{name}.gguf")).args.vocab_size for t in oracle_ids()[2]]
+    monkeypatch.setenv("COLIBRI_GGML_STEP", "layers")
+    want, _ = await _engine_run(name, ids, "f32", 10**6)
+    monkeypatch.setenv("COLIBRI_GGML_STEP", "graph")
+    got, engine = await _engine_run(name, ids, "f32", 10**6)
+    if name.startswith("qwen2moe"):
+        assert engine.net.one_graph_steps == 0
+    else:
+        assert engine.net.one_graph_steps >= len(ids)
+    assert np.array_equal(got, want)

@@ -32,8 +32,17 @@ _UNSET = object()
 
 
 class GraphDecode(MoETransformer):
-    """Decode of one position as whole ggml graphs (qwen3moe's block: q/k norm, NEOX RoPE, softmax top-k)."""
+    """Decode of one position as whole ggml graphs: attention with optional q/k/v biases, q/k norm and
+    RoPE, softmax top-k (renormalised or not, by ``args.routing``), SwiGLU experts, an optional gated
+    shared expert (:mod:`colibri_aio.kernels.ggml_decode` lists the variants and what others lack).
 
+    The defaults are qwen3moe's block; a family whose block differs says how in the class attributes
+    below, which must describe what its per-operation :meth:`attention` and :meth:`shared_expert` do.
+    """
+
+    graph_qk_norm = "head"        # RMSNorm of q and k: per head, "whole" (over the projection), or "none"
+    graph_neox_rope = True        # False: NORMAL RoPE (adjacent pairs)
+    graph_shared_expert = False   # True: :meth:`gated_shared_expert` (ffn_*_shexp behind ffn_gate_inp_shexp)
     _decode_graphs: object = _UNSET
 
     def decode_graphs(self) -> DecodeGraphs | None:
@@ -51,16 +60,21 @@ class GraphDecode(MoETransformer):
             return None
         a, model, cache = self.args, self.model, self.cache
         if (not all(a.is_moe(i) for i in range(a.block_count)) or any(w is not None for w in cache.windows)
-                or a.routing != Routing() or cache.layout.values_in_keys or a.n_rot > a.key_length):
+                or a.routing not in (Routing(), Routing(normalize=False)) or cache.layout.values_in_keys
+                or a.n_rot > a.key_length):
             return None
         kernels = self.kernels
         shapes = []
         for blk in model.blocks:
-            if any(blk.get(n) is not None for n in ("attn_q.bias", "attn_k.bias", "attn_v.bias",
-                                                     "attn_output.bias", "ffn_gate_inp.bias", "exp_probs_b.bias")):
+            if any(blk.get(n) is not None for n in ("attn_output.bias", "ffn_gate_inp.bias", "exp_probs_b.bias")):
+                return None
+            biases = [blk.get(n) is not None for n in ("attn_q.bias", "attn_k.bias", "attn_v.bias")]
+            if any(biases) and not all(biases):
                 return None
             mats = [blk.get(n) for n in ("attn_q", "attn_k", "attn_v", "attn_output")]
-            if any(m is None or m.ggml_type not in kernels.types for m in mats):
+            shared = [blk.get(n) for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+                      if self.graph_shared_expert]
+            if any(m is None or m.ggml_type not in kernels.types for m in mats + shared):
                 return None
             q, k, v = mats[:3]
             sigs = [kernels._mat(m) for m in mats]
@@ -73,8 +87,9 @@ class GraphDecode(MoETransformer):
                 key_width=a.key_length, value_width=a.value_length, n_rot=a.n_rot, rope_base=a.rope_freq_base,
                 n_ctx_orig=a.context_length, eps=a.rms_eps, experts=a.expert_count, used=a.expert_used_count,
                 kv_dtype=np.dtype(cache.dtype).name, qkv_fused=fused,
-                f16_attention=ggml_cpu.knob("attention") == "f16"))
-        return ggml_decode.DecodeGraphs(kernels, shapes)
+                f16_attention=ggml_cpu.knob("attention") == "f16", qk_norm=self.graph_qk_norm,
+                neox_rope=self.graph_neox_rope, qkv_bias=all(biases), normalize=a.routing.normalize))
+        return ggml_decode.DecodeGraphs(kernels, shapes, self.graph_shared_expert)
 
     _step_blocks: list[tuple] | None = None   # each block's arguments of DecodeGraphs.attention after x
     _step_logits: np.ndarray | None = None   # the head's output of a one-graph step, for output_logits
@@ -127,7 +142,8 @@ class GraphDecode(MoETransformer):
         cache smaller than the working set) each try would be a step computed twice.
         """
         source = self.experts
-        if self._step_missed or graphs.step_knob != "graph" or not hasattr(source, "resident"):
+        if (self._step_missed or graphs.step_knob != "graph" or not hasattr(source, "resident")
+                or graphs.shared_expert_on):   # the step graph has no shared expert (qwen2moe): block by block
             return None
         a, model, cache, position = self.args, self.model, self.cache, int(positions[0])
         resident = source.resident(range(a.block_count), a.expert_count)
@@ -139,9 +155,10 @@ class GraphDecode(MoETransformer):
         blocks = self._step_blocks
         if blocks is None or blocks[0][3] is not cache.k[0]:
             blocks = self._step_blocks = [
-                ((blk.attn_norm, blk.attn_q_norm, blk.attn_k_norm, moe_norm(model, layer)),
+                ((blk.attn_norm, blk.get("attn_q_norm"), blk.get("attn_k_norm"), moe_norm(model, layer)),
                  (blk.attn_q, blk.attn_k, blk.attn_v, blk.attn_output), blk.ffn_gate_inp, cache.k[layer],
-                 cache.v[layer]) for layer, blk in enumerate(model.blocks)]
+                 cache.v[layer], (blk.get("attn_q.bias"), blk.get("attn_k.bias"), blk.get("attn_v.bias")))
+                for layer, blk in enumerate(model.blocks)]
         shape = graphs.step_shape(model.experts, resident.depth, resident.stride, resident.bases, model.output)
         if shape is None:
             return None
@@ -173,9 +190,11 @@ class GraphDecode(MoETransformer):
         graphs.begin(position, len(cache.k[0]))
         used = self.args.expert_used_count
         for layer, blk in enumerate(model.blocks):
-            graphs.attention(layer, x, (blk.attn_norm, blk.attn_q_norm, blk.attn_k_norm, moe_norm(model, layer)),
+            graphs.attention(layer, x, (blk.attn_norm, blk.get("attn_q_norm"), blk.get("attn_k_norm"),
+                                        moe_norm(model, layer)),
                              (blk.attn_q, blk.attn_k, blk.attn_v, blk.attn_output), blk.ffn_gate_inp,
-                             cache.k[layer], cache.v[layer])
+                             cache.k[layer], cache.v[layer],
+                             (blk.get("attn_q.bias"), blk.get("attn_k.bias"), blk.get("attn_v.bias")))
             cache.wrote(layer, position + 1)
             if not (np.isfinite(graphs.weights).all() and np.isfinite(graphs.check[0])):
                 return None
@@ -184,7 +203,8 @@ class GraphDecode(MoETransformer):
 
     async def _experts_on_graphs(self, graphs: DecodeGraphs, layer: int, layer_input: np.ndarray,
                                  ids: list[int]) -> np.ndarray:
-        """The residual stream after block ``layer``'s experts ``ids`` (in rank order).
+        """The residual stream after block ``layer``'s experts ``ids`` (in rank order), plus the shared
+        expert's output when the family has one (its graph runs once this layer's reads are out).
 
         All of them in the source's first batch (resident, or landed): one graph. Otherwise each batch
         runs as it arrives and the same rank-ordered sum follows in NumPy, which rounds as the graph
@@ -200,6 +220,10 @@ class GraphDecode(MoETransformer):
                     first = False
                     if predicted is not None:
                         self.experts.hint(layer + 1, predicted)
+                    if graphs.shared_expert_on:
+                        blk = self.model.blocks[layer]
+                        graphs.shared_expert((blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp),
+                                             blk.ffn_gate_inp_shexp)
                     if len(batch) == len(ids):
                         by_id = dict(batch)
                         ordered = [by_id[e] for e in ids]
@@ -211,4 +235,6 @@ class GraphDecode(MoETransformer):
         acc = terms[0]
         for term in terms[1:]:
             acc = acc + term
+        if graphs.shared_expert_on:
+            acc = acc + graphs.shared
         return graphs.residual + acc

@@ -14,7 +14,8 @@ from typing import Self
 import numpy as np
 
 from colibri_aio.arch.base import BaseArgs, Family, Metadata, TensorSpec, attention_tensors, router_tensors
-from colibri_aio.arch.layers import MoETransformer, Rope
+from colibri_aio.arch.decode_graphs import GraphDecode
+from colibri_aio.arch.layers import Rope
 from colibri_aio.kernels.ops import rope_norm
 
 
@@ -34,8 +35,12 @@ def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
     return [*attention_tensors(a), *router_tensors(a)]
 
 
-class Mixtral(MoETransformer):
-    """A llama model with experts (Mixtral) bound to an expert source and a KV cache."""
+class Mixtral(GraphDecode):
+    """A llama model with experts (Mixtral) bound to an expert source and a KV cache; its decode steps run as
+    whole graphs on the ggml backend (:mod:`colibri_aio.arch.decode_graphs`), with NORMAL RoPE."""
+
+    graph_qk_norm = "none"
+    graph_neox_rope = False
 
     def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
         q, k, v = self.qkv(self.model.blocks[layer], h)

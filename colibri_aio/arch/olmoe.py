@@ -34,7 +34,10 @@ def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
 
 
 class OLMoE(Qwen3MoE):
-    """An olmoe model bound to an expert source and a KV cache."""
+    """An olmoe model bound to an expert source and a KV cache; its decode steps run as whole graphs on the
+    ggml backend (:mod:`colibri_aio.arch.decode_graphs`), q/k normed over the whole projection."""
+
+    graph_qk_norm = "whole"
 
     def qk_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         """RMSNorm of q or k (T, heads, d) over heads * d: the projection before its split."""

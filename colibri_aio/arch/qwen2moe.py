@@ -13,7 +13,8 @@ import numpy as np
 
 from colibri_aio.arch.base import (BaseArgs, Family, Metadata, TensorSpec, attention_tensors, ffn_tensors,
                                    router_tensors, vector)
-from colibri_aio.arch.layers import MoETransformer, Rope
+from colibri_aio.arch.decode_graphs import GraphDecode
+from colibri_aio.arch.layers import Rope
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels.ops import Routing, rope_neox
 
@@ -52,8 +53,12 @@ def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
             *ffn_tensors(d, fs, "_shexp")]
 
 
-class Qwen2MoE(MoETransformer):
-    """A qwen2moe model bound to an expert source and a KV cache."""
+class Qwen2MoE(GraphDecode):
+    """A qwen2moe model bound to an expert source and a KV cache; its decode steps run as whole graphs on the
+    ggml backend (:mod:`colibri_aio.arch.decode_graphs`), the shared expert in a graph of its own."""
+
+    graph_qk_norm = "none"
+    graph_shared_expert = True
 
     def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
         q, k, v = self.qkv(self.model.blocks[layer], h)

@@ -329,8 +329,7 @@ class SchedulerPolicy:
                 break
             if reservation.evicted is not None:
                 actions.dropped.append(reservation.slot)
-            actions.reads.append(self._read(reservation.slot, key, "prefetch", now))
-            self._prefetched.setdefault(layer, set()).add(e)
+            self._prefetch(reservation.slot, key, now, actions)
         return actions
 
     def on_read_done(self, read: Read, ok: bool, now: float) -> Actions:
@@ -442,9 +441,13 @@ class SchedulerPolicy:
                 break
             reservation = self.cache.reserve(key, prefetch=True)
             assert reservation is not None and reservation.evicted is None
-            actions.reads.append(self._read(reservation.slot, key, "prefetch", now))
-            self._prefetched.setdefault(layer, set()).add(e)
+            self._prefetch(reservation.slot, key, now, actions)
             self.stats.ahead_reads += 1
+
+    def _prefetch(self, slot: int, key: Key, now: float, actions: Actions) -> None:
+        """Read ``key`` into its reserved ``slot`` as a prefetch, remembered for its layer's next use."""
+        actions.reads.append(self._read(slot, key, "prefetch", now))
+        self._prefetched.setdefault(key[0], set()).add(key[1])
 
     def _warm_more(self, now: float, actions: Actions) -> None:
         """Start warm reads while nothing more urgent is out and the warm window has room."""
