@@ -95,22 +95,16 @@ PARALLEL_BYTES = 1 << 18         # graphs with fewer weight bytes run on one thr
 # starts and joins its threads per graph as before.
 # step: "graph" runs a decode step whose experts are all resident as one graph (arch/decode_graphs.py),
 # "layers" as two graphs per block and one for the head.
-<<<<<<< HEAD
 # repack: resident matrices of a type ggml can repack on this CPU are copied once, at load, into ggml's
 # CPU_REPACK layout (several rows interleaved, as llama.cpp loads them) and multiplied by its GEMV/GEMM
-# there (:meth:`GgmlKernels.resident`); "off" multiplies the file's bytes with vec_dot.
-# widen: how decode attention widens an f16 cache to float32 (kernels/ggml_decode.py _widened): "cast"
-# (ggml_cast, element by element) until a decode A/B receipt shows "rows" (ggml_get_rows, same bits) paying.
-KNOBS = {"threadpool": "off", "graphs": "on", "experts": "stacked", "attention": "f32", "expert_gemm": "1",
-         "step": "graph", "repack": "on", "widen": "cast"}
-=======
+# there (:meth:`GgmlKernels.resident`); "off" multiplies the file's bytes with vec_dot (prefill x1.12 on,
+# decode x1.03, evidence/decode_20261202T040605Z.md, roofline_20261202T040511Z.md).
 # widen: how decode attention widens an f16 cache to float32 (kernels/ggml_decode.py _widened): "rows"
 # (ggml_get_rows, a whole row at a time, same bits) or "cast" (ggml_cast, element by element, the A/B).
 # Rows pays at depth: 18.4 vs 16.5 tok/s after 2048 positions of context
 # (evidence/decode_20261202T040458Z.md).
 KNOBS = {"threadpool": "off", "graphs": "on", "experts": "stacked", "attention": "f32", "expert_gemm": "1",
-         "step": "graph", "widen": "rows"}
->>>>>>> main
+         "step": "graph", "widen": "rows", "repack": "on"}
 # Weight types llamafile's GEMM multiplies on x86 (tinyBLAS_Q0_AVX) and whose products there carry the bits of
 # ggml's vec_dot, row for row (tests/test_kernels_ggml.py): an expert with several positions runs on it.
 # (IQ4_NL runs there too, but with other bits than vec_dot's: left out.)
