@@ -31,7 +31,7 @@ activations); within one backend, placement never changes a bit.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -84,6 +84,10 @@ class Kernels(Protocol):
 
     def dequantize(self, w: QTensor) -> np.ndarray: ...
 
+    def resident(self, ws: Iterable[QTensor | None]) -> int:
+        """Matrices that stay in memory as long as this backend serves them (a net's trunk): the backend may
+        keep a copy of them in a layout of its own; returns the bytes such copies take."""
+
     def rest(self) -> None:
         """A forward pass is over: let worker threads sleep until the next call (they may spin between calls)."""
 
@@ -121,6 +125,10 @@ class NumpyKernels:
 
     def dequantize(self, w: QTensor) -> np.ndarray:
         return quant.dequantize(w)
+
+    def resident(self, ws: Iterable[QTensor | None]) -> int:
+        """The reference multiplies the file's bytes: no copy."""
+        return 0
 
     def rest(self) -> None:
         """Nothing spins between calls."""

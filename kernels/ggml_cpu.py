@@ -39,6 +39,18 @@ once for several positions, where vec_dot (and so ``ggml_mul_mat_id``, which
 llama.cpp runs for experts) loads it once per position; experts of several
 rows therefore run as one ``ggml_mul_mat`` each (:meth:`GgmlKernels._expert_gemms`).
 
+The one exception to "no copies": a net's resident matrices (attention, the
+output head: :meth:`GgmlKernels.resident`, at load) of a type ggml repacks on
+this CPU (Q4_0, Q4_K, IQ4_NL, MXFP4 on AVX2; 8 rows at a time) get a copy in
+ggml's CPU_REPACK layout, as llama.cpp loads them, whose GEMV/GEMM reach the
+memory's bandwidth where vec_dot is compute-bound on those types
+(evidence/roofline_*). The leaf of such a matrix carries the copy's buffer
+type and traits (:meth:`_Graph.weight`) and every address lookup of the
+original's bytes gives the copy's (:class:`_Addresses`), so every graph reads
+the copy. Its products take vec_dot's integer dot products and sum them in
+another order (~1e-7 of a product's norm); placement still changes no bit.
+Experts (pool slots, refilled as they stream) are never repacked.
+
 ggml-python builds ggml from source at install with ``GGML_NATIVE`` on
 (``-march=native``): the instruction set is chosen at build time, for the
 machine that built it. :func:`probe` refuses a library built for features
@@ -46,12 +58,14 @@ this CPU lacks, instead of letting it die on an illegal instruction.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import math
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,12 +95,16 @@ PARALLEL_BYTES = 1 << 18         # graphs with fewer weight bytes run on one thr
 # starts and joins its threads per graph as before.
 # step: "graph" runs a decode step whose experts are all resident as one graph (arch/decode_graphs.py),
 # "layers" as two graphs per block and one for the head.
+# repack: resident matrices of a type ggml can repack on this CPU are copied once, at load, into ggml's
+# CPU_REPACK layout (several rows interleaved, as llama.cpp loads them) and multiplied by its GEMV/GEMM
+# there (:meth:`GgmlKernels.resident`); "off" multiplies the file's bytes with vec_dot (prefill x1.12 on,
+# decode x1.03, evidence/decode_20261202T040605Z.md, roofline_20261202T040511Z.md).
 # widen: how decode attention widens an f16 cache to float32 (kernels/ggml_decode.py _widened): "rows"
 # (ggml_get_rows, a whole row at a time, same bits) or "cast" (ggml_cast, element by element, the A/B).
 # Rows pays at depth: 18.4 vs 16.5 tok/s after 2048 positions of context
 # (evidence/decode_20261202T040458Z.md).
 KNOBS = {"threadpool": "off", "graphs": "on", "experts": "stacked", "attention": "f32", "expert_gemm": "1",
-         "step": "graph", "widen": "rows"}
+         "step": "graph", "widen": "rows", "repack": "on"}
 # Weight types llamafile's GEMM multiplies on x86 (tinyBLAS_Q0_AVX) and whose products there carry the bits of
 # ggml's vec_dot, row for row (tests/test_kernels_ggml.py): an expert with several positions runs on it.
 # (IQ4_NL runs there too, but with other bits than vec_dot's: left out.)
@@ -137,7 +155,18 @@ def probe() -> str:
                                   f":all: ggml-python)")
     gemm = "llamafile GEMM" if has_gemm() else ("no llamafile GEMM: prefill runs ggml's vec_dot products "
                                                 "(build ggml-python with GGML_LLAMAFILE=ON, see README)")
-    return f"{version()}, built for {'/'.join(built_features()) or 'generic x86'}, {gemm}"
+    return f"{version()}, built for {'/'.join(built_features()) or 'generic x86'}, {gemm}, {repacking()}"
+
+
+def repacking() -> str:
+    """Whether resident matrices are repacked (:data:`KNOBS` ``repack``), and which types can be here."""
+    types = repack_types()
+    if not types:
+        return "no repacked weights (ggml has no CPU_REPACK layout for any type on this CPU)"
+    names = "/".join(sorted(t.name for t in types))
+    if knob("repack") != "on":
+        return f"resident {names} weights not repacked (COLIBRI_GGML_REPACK=off)"
+    return f"resident {names} weights repacked (CPU_REPACK)"
 
 
 def has_gemm() -> bool:
@@ -183,6 +212,90 @@ def _keep_non_finite(x: np.ndarray, ys: list[np.ndarray]) -> None:
             y[bad] = np.nan
 
 
+# --- repacked weights ---
+
+@functools.cache
+def _repack_buffer_type() -> int | None:
+    """ggml's CPU_REPACK buffer type, among the CPU device's extra buffer types; None if the library has none."""
+    reg = G.ggml_backend_cpu_reg()
+    fn = G.ggml_backend_reg_get_proc_address(reg, b"ggml_backend_dev_get_extra_bufts")
+    if not fn:
+        return None
+    bufts = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(fn)(G.ggml_backend_reg_dev_get(reg, 0))
+    i = 0
+    while bufts and bufts[i]:
+        if G.ggml_backend_buft_name(bufts[i]) == b"CPU_REPACK":
+            return bufts[i]
+        i += 1
+    return None
+
+
+_MARKS: dict[tuple[int, int], tuple[int, int] | None] = {}
+_MARK_KEEP: list[tuple[object, object]] = []    # the probes' contexts and buffers, alive for the process
+
+
+def _repack_mark(gid: int, rows: int) -> tuple[int, int] | None:
+    """What a leaf standing for a repacked (rows, .) matrix of type ``gid`` carries: (buffer, extra), or
+    None when ggml has no repacked layout for it on this CPU.
+
+    ggml runs a product on its repacked kernels when the weight's ``buffer`` belongs to the CPU_REPACK type
+    and its ``extra`` names the layout's traits; both are the same for every matrix of one type whose row
+    count has the same residue (the layouts interleave 4, 8 or 16 rows), so one small probe tensor, made
+    in that buffer type, answers for all of them (ggml itself picks the layout, for this CPU)."""
+    key = (gid, rows % 16)
+    if key not in _MARKS:
+        _MARKS[key] = None
+        buft = _repack_buffer_type()
+        if buft is not None:
+            ctx = G.ggml_init(G.ggml_init_params(mem_size=2 * G.ggml_tensor_overhead(), mem_buffer=None,
+                                                 no_alloc=True))
+            t = G.ggml_new_tensor_2d(ctx, gid, G.ggml_blck_size(gid), 16 + rows % 16)
+            buf = G.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
+            if buf and t.contents.extra:
+                _MARKS[key] = (t.contents.buffer, t.contents.extra)
+                _MARK_KEEP.append((ctx, buf))
+            else:
+                if buf:
+                    G.ggml_backend_buffer_free(buf)
+                G.ggml_free(ctx)
+    return _MARKS[key]
+
+
+def repack_types() -> frozenset[GGMLQuantizationType]:
+    """The types whose matrices (of a row count that is a multiple of 16) ggml repacks on this CPU."""
+    return frozenset(t for t in supported_types() if _repack_mark(int(t), 16) is not None)
+
+
+@contextlib.contextmanager
+def _no_debug_log() -> Iterator[None]:
+    """ggml's debug messages dropped (repacking logs a line per matrix), the others passed on as before."""
+    prev, user = G.ggml_log_callback(), ctypes.c_void_p()
+    G.ggml_log_get(ctypes.byref(prev), ctypes.byref(user))
+
+    def keep(level: int, text: bytes, _: object) -> None:
+        if level not in (G.GGML_LOG_LEVEL_DEBUG, G.GGML_LOG_LEVEL_CONT) and prev:
+            prev(level, text, user)
+
+    quiet = G.ggml_log_callback(keep)
+    G.ggml_log_set(quiet, None)
+    try:
+        yield
+    finally:
+        G.ggml_log_set(prev, user)
+
+
+@dataclass(slots=True)
+class _Packed:
+    """Matrices copied into ggml's repacked layout: one ggml context and buffer for a call of
+    :meth:`GgmlKernels.resident`, and the original arrays (kept so their addresses cannot be reused
+    while the copies stand for them)."""
+
+    ctx: object
+    buffer: object
+    originals: list[np.ndarray]
+    nbytes: int
+
+
 # --- memory ---
 
 class _Addresses:
@@ -192,10 +305,15 @@ class _Addresses:
     expert's views), so their address is looked up, not recomputed. An entry
     holds the array itself, so its id cannot be reused while remembered; the
     table is emptied when it is full.
+
+    ``moved``: the bytes of a matrix that has a repacked copy, by (address,
+    size), give the copy's address: every leaf pointed at that matrix reads
+    the copy (:meth:`GgmlKernels.resident`).
     """
 
-    def __init__(self, capacity: int = _ADDRESSES) -> None:
+    def __init__(self, moved: dict[tuple[int, int], int], capacity: int = _ADDRESSES) -> None:
         self._known: dict[int, tuple[np.ndarray, int]] = {}
+        self._moved = moved
         self._capacity = capacity
 
     def __call__(self, a: np.ndarray) -> int:
@@ -205,8 +323,14 @@ class _Addresses:
         if len(self._known) >= self._capacity:
             self._known.clear()
         addr = a.ctypes.data
+        if self._moved:
+            addr = self._moved.get((addr, a.nbytes), addr)
         self._known[id(a)] = (a, addr)
         return addr
+
+    def forget(self) -> None:
+        """Empty the table (matrices have just been repacked: their addresses change)."""
+        self._known.clear()
 
 
 def _aligned(nbytes: int) -> tuple[np.ndarray, int]:
@@ -255,6 +379,17 @@ class _Graph:
         """A (depth, rows, cols) tensor whose data is given at every call."""
         t = G.ggml_new_tensor_3d(self.ctx, gid, cols, rows, depth)
         self.inputs.append(t.contents)
+        return t
+
+    def weight(self, m: "_Mat") -> ctypes.Structure:
+        """A leaf for the matrix ``m``; when ``m`` is repacked it carries what makes ggml multiply by it on
+        the repacked kernels (:func:`_repack_mark`), and must be pointed at the repacked copy."""
+        t = self.leaf(m.gid, m.cols, m.rows)
+        if m.packed:
+            mark = _repack_mark(m.gid, m.rows)
+            if mark is None:
+                raise ValueError(f"ggml type {m.gid} has no repacked layout for {m.rows} rows")
+            t.contents.buffer, t.contents.extra = mark
         return t
 
     def stack(self, gid: int, cols: int, rows: int, depth: int) -> ctypes.Structure:
@@ -339,11 +474,13 @@ class _Graph:
 
 @dataclass(frozen=True, slots=True)
 class _Mat:
-    """The signature of one weight in a graph: ggml type, rows, cols."""
+    """The signature of one weight in a graph: ggml type, rows, cols, and whether its leaf reads a repacked
+    copy (:meth:`GgmlKernels.resident`)."""
 
     gid: int
     rows: int
     cols: int
+    packed: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -429,7 +566,8 @@ class GgmlKernels:
 
     name = "ggml"
 
-    def __init__(self, n_threads: int = 2, *, parallel_bytes: int = PARALLEL_BYTES) -> None:
+    def __init__(self, n_threads: int = 2, *, parallel_bytes: int = PARALLEL_BYTES, repack: bool | None = None) -> None:
+        """``repack``: whether :meth:`resident` repacks (None: the ``repack`` knob)."""
         self.description = probe()
         self.reason = self.description
         self.n_threads = n_threads
@@ -441,7 +579,11 @@ class GgmlKernels:
         # expert on ggml_mul_mat_id (the A/B of evidence/prefill_ab_*).
         self.expert_gemm = has_gemm() and knob("expert_gemm") != "0"
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
-        self._address = _Addresses()
+        self.repack = knob("repack") == "on" if repack is None else repack
+        self._moved: dict[tuple[int, int], int] = {}     # a repacked matrix's (address, size) -> its copy's
+        self._packed_at: set[int] = set()                  # the copies' addresses
+        self._packs: list[_Packed] = []
+        self._address = _Addresses(self._moved)
         self._work, self._work_ptr = self._work_buffer(1 << 20)
         self._scratch, _ = _aligned(0)           # the intermediates of _expert_gemms' graphs
         self._lock = threading.Lock()
@@ -452,6 +594,52 @@ class GgmlKernels:
     @property
     def types(self) -> frozenset[GGMLQuantizationType]:
         return frozenset(self._types)
+
+    def resident(self, ws: Iterable[QTensor | None]) -> int:
+        """Matrices that stay in memory while this backend serves them (a net's trunk): each one of a type
+        and row count ggml has a repacked layout for on this CPU (Q4_0, Q4_K, IQ4_NL, MXFP4 on AVX2; a
+        multiple of 8 rows) gets a copy in that layout, made here once (``ggml_backend_tensor_set`` into a
+        CPU_REPACK buffer repacks), and every product by it from now on, in every graph, reads the copy.
+        The originals stay as they are (other readers, such as the embedding lookup, read them): the copies
+        cost their bytes again, returned here (:attr:`packed_nbytes` in all). Matrices seen before, and
+        every matrix when ``COLIBRI_GGML_REPACK=off``, are left alone."""
+        buft = _repack_buffer_type()
+        if not self.repack or buft is None:
+            return 0
+        todo: dict[tuple[int, int], tuple[QTensor, int]] = {}
+        for w in ws:
+            if w is None or len(w.shape) != 2 or w.ggml_type not in self._types:
+                continue
+            gid = self._types[w.ggml_type]
+            key = (w.data.ctypes.data, w.nbytes)
+            if _repack_mark(gid, w.rows) is not None and key not in self._moved:
+                todo[key] = (w, gid)
+        if not todo:
+            return 0
+        ctx = G.ggml_init(G.ggml_init_params(mem_size=(len(todo) + 1) * G.ggml_tensor_overhead(), mem_buffer=None,
+                                             no_alloc=True))
+        tensors = [G.ggml_new_tensor_2d(ctx, gid, w.cols, w.rows) for w, gid in todo.values()]
+        buf = G.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
+        if not buf:
+            G.ggml_free(ctx)
+            raise MemoryError(f"no memory for {len(todo)} repacked matrices")
+        originals, nbytes = [], 0
+        with self._lock, _no_debug_log():
+            for (key, (w, _)), t in zip(todo.items(), tensors):
+                data = w.data if w.data.flags.c_contiguous else np.ascontiguousarray(w.data)
+                G.ggml_backend_tensor_set(t, data.ctypes.data, 0, w.nbytes)     # repacks into the copy
+                self._moved[key] = t.contents.data
+                self._packed_at.add(t.contents.data)
+                originals.append(w.data)
+                nbytes += w.nbytes
+            self._packs.append(_Packed(ctx, buf, originals, nbytes))
+            self._address.forget()
+        return nbytes
+
+    @property
+    def packed_nbytes(self) -> int:
+        """Bytes of every repacked copy this backend holds (:meth:`resident`)."""
+        return sum(p.nbytes for p in self._packs)
 
     def linear(self, w: QTensor, x: np.ndarray) -> np.ndarray:
         """``x @ W.T``: x (T, cols) float32 -> (T, rows) float32."""
@@ -474,11 +662,15 @@ class GgmlKernels:
         addrs = [addr(w.data) for w in ws]
         runs: list[list[int]] = []                      # indices of ws whose bytes follow each other
         for i, (w, m) in enumerate(zip(ws, mats)):
-            if runs and m.gid == mats[i - 1].gid and addrs[i - 1] + ws[i - 1].nbytes == addrs[i]:
+            # Repacked copies follow each other as the originals do (one buffer, in order): rows interleave
+            # within groups of 8 of one matrix, so two copies one after the other are the copy of both.
+            if runs and (m.gid, m.packed) == (mats[i - 1].gid, mats[i - 1].packed) \
+                    and addrs[i - 1] + ws[i - 1].nbytes == addrs[i]:
                 runs[-1].append(i)
             else:
                 runs.append([i])
-        fused = tuple(_Mat(mats[r[0]].gid, sum(mats[i].rows for i in r), mats[r[0]].cols) for r in runs)
+        fused = tuple(_Mat(mats[r[0]].gid, sum(mats[i].rows for i in r), mats[r[0]].cols, mats[r[0]].packed)
+                      for r in runs)
         sizes = [t * m.rows for m in fused]
         out = self._call(("linears", fused, t), 2 * len(fused) + 1, lambda g: self._build_linears(g, fused, t),
                          [addrs[r[0]] for r in runs] + [x.ctypes.data], sizes, sum(m.nbytes for m in fused))
@@ -622,6 +814,13 @@ class GgmlKernels:
             for g in self._graphs.values():
                 g.free()
             self._graphs.clear()
+            for p in self._packs:
+                G.ggml_backend_buffer_free(p.buffer)
+                G.ggml_free(p.ctx)
+            self._packs.clear()
+            self._moved.clear()
+            self._packed_at.clear()
+            self._address.forget()
             if self._threadpool is not None:
                 G.ggml_threadpool_free(self._threadpool)
                 self._threadpool = None
@@ -636,9 +835,11 @@ class GgmlKernels:
         return gid
 
     def _mat(self, w: QTensor) -> _Mat:
+        """``w``'s signature; ``w`` may also be any object with a ggml_type and a shape (an expert's ranges)."""
         if len(w.shape) != 2:
             raise ValueError(f"expected a matrix, got shape {w.shape}")
-        return _Mat(self._gid(w), w.shape[0], w.shape[1])
+        packed = bool(self._packed_at) and isinstance(w, QTensor) and self._address(w.data) in self._packed_at
+        return _Mat(self._gid(w), w.shape[0], w.shape[1], packed)
 
     @staticmethod
     def _input(x: np.ndarray, cols: int) -> np.ndarray:
@@ -709,7 +910,7 @@ class GgmlKernels:
 
     @staticmethod
     def _build_linears(g: _Graph, mats: Sequence[_Mat], t: int) -> list:
-        ws = [g.leaf(m.gid, m.cols, m.rows) for m in mats]
+        ws = [g.weight(m) for m in mats]
         x = g.leaf(G.GGML_TYPE_F32, mats[0].cols, t)
         return [G.ggml_mul_mat(g.ctx, w, x) for w in ws]
 

@@ -119,7 +119,7 @@ class AttentionShape:
     @property
     def qkv(self) -> _Mat:
         """q, k and v as one matrix (their rows one after another)."""
-        return _Mat(self.q.gid, self.q.rows + self.k.rows + self.v.rows, self.q.cols)
+        return _Mat(self.q.gid, self.q.rows + self.k.rows + self.v.rows, self.q.cols, self.q.packed)
 
 
 def _mask_leaf(s: AttentionShape) -> int:
@@ -155,9 +155,9 @@ def _build_attention(g: _Graph, s: AttentionShape, n_kv: int) -> tuple[list, lis
     x = g.leaf(_F32, s.q.cols, 1)                                   # the residual stream entering the block
     attn_norm = g.leaf(_F32, s.q.cols, 1)
     if s.qkv_fused:
-        wqkv = g.leaf(s.q.gid, s.q.cols, s.qkv.rows)
+        wqkv = g.weight(s.qkv)
     else:
-        wq, wk, wv = (g.leaf(m.gid, m.cols, m.rows) for m in (s.q, s.k, s.v))
+        wq, wk, wv = (g.weight(m) for m in (s.q, s.k, s.v))
     # q/k norm leaves in every variant, so each leaf keeps its place (unused, pointed nowhere, without q/k norm)
     whole = s.qk_norm == "whole"
     q_norm, k_norm = g.leaf(_F32, s.q.rows if whole else d, 1), g.leaf(_F32, s.k.rows if whole else d, 1)
@@ -168,7 +168,7 @@ def _build_attention(g: _Graph, s: AttentionShape, n_kv: int) -> tuple[list, lis
     k_all = _strided(g, kv_gid, d, n_kv, s.heads_kv, s.heads_kv * d * item)    # the same memory, as read
     v_all = _strided(g, kv_gid, dv, n_kv, s.heads_kv, s.heads_kv * dv * item)
     mask = g.leaf(_F16, n_kv, _MASK_ROWS)
-    wo = g.leaf(s.o.gid, s.o.cols, s.o.rows)
+    wo = g.weight(s.o)
     ffn_norm = g.leaf(_F32, s.q.cols, 1)
     router = g.leaf(_F32, s.q.cols, s.experts)
     if s.qkv_bias:
@@ -285,8 +285,7 @@ def _build_shared_expert(g: _Graph, gate: _Mat, down: _Mat) -> list:
     """sigmoid(gate_inp · h) * down(swiglu(gate h, up h)): a shared expert behind a scalar gate (qwen2moe)."""
     ctx = g.ctx
     h = g.leaf(_F32, gate.cols, 1)
-    wg, wu, wd = g.leaf(gate.gid, gate.cols, gate.rows), g.leaf(gate.gid, gate.cols, gate.rows), \
-        g.leaf(down.gid, down.cols, down.rows)
+    wg, wu, wd = g.weight(gate), g.weight(gate), g.weight(down)      # resident: repacked when their type is
     gate_inp = g.leaf(_F32, gate.cols, 1)
     a = G.ggml_swiglu_split(ctx, G.ggml_mul_mat(ctx, wg, h), G.ggml_mul_mat(ctx, wu, h))
     return [G.ggml_mul(ctx, G.ggml_mul_mat(ctx, wd, a), G.ggml_sigmoid(ctx, G.ggml_mul_mat(ctx, gate_inp, h)))]
@@ -359,7 +358,7 @@ def _build_head(g: _Graph, out: _Mat, eps: float) -> list:
     ctx = g.ctx
     x = g.leaf(_F32, out.cols, 1)
     norm = g.leaf(_F32, out.cols, 1)
-    w = g.leaf(out.gid, out.cols, out.rows)
+    w = g.weight(out)
     h = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x, eps), norm)
     return [G.ggml_mul_mat(ctx, w, h), G.ggml_sum(ctx, h)]   # the sum: finite when the rounded input is
 

@@ -4,7 +4,10 @@ For each type (Q8_0, Q4_K by default; ``--types all`` for every type the engine
 runs on ggml) one weight matrix larger than the
 last-level cache (``--shape``, default the 65536 x 2048 of an output head) is
 multiplied by one position on the engine's ggml backend (``GgmlKernels.linear``,
-``--threads`` threads), and the same bytes are read by a streaming reduction
+``--threads`` threads) on ggml's vec_dot and, for a type ggml repacks on this CPU
+(``GgmlKernels.resident``: Q4_0, Q4_K, IQ4_NL, MXFP4 on AVX2), on its repacked copy
+(the arm ``repacked``, what the engine runs on its resident trunk by default),
+and the same bytes are read by a streaming reduction
 (NumPy's vectorised sum of 64-bit words, one slice per thread): the
 roofline, measured in the same run. A sample is the mean of ``--passes``
 passes; arms alternate sample by sample; n samples each after one warm-up. The receipt quotes GB/s of weight
@@ -27,7 +30,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from colibri_aio.bench.lock import exclusive
 from colibri_aio.bench.receipt import header, spread, write
-from colibri_aio.kernels.ggml_cpu import GgmlKernels
+from colibri_aio.kernels.ggml_cpu import GgmlKernels, repack_types
 from colibri_aio.kernels.qtensor import QTensor
 from colibri_aio.kernels.quant import SUPPORTED_TYPES
 
@@ -87,7 +90,9 @@ def main() -> int:
     args = p.parse_args()
     rows, cols = map(int, args.shape.split("x"))
     rng = np.random.default_rng(0)
-    kernels = GgmlKernels(args.threads)
+    kernels = GgmlKernels(args.threads, repack=False)
+    packing = GgmlKernels(args.threads, repack=True)
+    repackable = {t.name for t in repack_types()} if rows % 16 == 0 else set()
     known = engine_types(kernels)
     names = known if args.types == "all" else args.types.split(",")
     if unknown := [n for n in names if n not in known]:
@@ -99,6 +104,9 @@ def main() -> int:
         for name in names:
             w = weights(name, rows, cols, rng)
             arms = {"ggml matvec": lambda: kernels.linear(w, x), "streaming read": lambda: read(w.data)}
+            if name in repackable:
+                packing.resident([w])
+                arms["repacked"] = lambda: packing.linear(w, x)
             got = samples[name] = {arm: [] for arm in arms}
             for run in range(args.runs + 1):
                 for arm in (list(arms) if run % 2 else list(arms)[::-1]):
@@ -109,6 +117,7 @@ def main() -> int:
                     if run:
                         got[arm].append(w.nbytes / dt / 1e9)
             del w
+            packing.close()           # drops the repacked copy
     kernels.close()
     receipt = {**header("tools/bench_roofline.py"), "shape": [rows, cols], "threads": args.threads,
                "kernels": kernels.description, "unit": "GB/s of weight bytes", "samples": samples,
@@ -120,14 +129,20 @@ def main() -> int:
              f"One ({rows} x {cols}) weight matrix per type, one position; the roofline is a streaming read of "
              f"the same bytes on {args.threads} threads in the same run, arms alternating; n = {args.runs} "
              "(tools/bench_roofline.py docstring).", "",
-             "| type | MB | ggml matvec GB/s | streaming read GB/s | matvec ÷ roofline |", "|---|---|---|---|---|"]
+             "| type | MB | ggml matvec GB/s | repacked GB/s | streaming read GB/s | matvec ÷ roofline "
+             "| repacked ÷ roofline |", "|---|---|---|---|---|---|---|"]
     for name, s in samples.items():
-        mv, rd = s["ggml matvec"], s["streaming read"]
+        mv, rd, rp = s["ggml matvec"], s["streaming read"], s.get("repacked")
         ratio = statistics.median(mv) / statistics.median(rd)
         receipt["summary"][name]["fraction"] = ratio
+        packed = "—", "—"
+        if rp:
+            receipt["summary"][name]["repacked_fraction"] = statistics.median(rp) / statistics.median(rd)
+            packed = (f"{statistics.median(rp):.2f} [{min(rp):.2f}–{max(rp):.2f}]",
+                      f"**{statistics.median(rp) / statistics.median(rd):.2f}**")
         mb = QTensor.nbytes_for(GGMLQuantizationType[name], (rows, cols)) / 1e6
-        lines.append(f"| {name} | {mb:.0f} | {statistics.median(mv):.2f} [{min(mv):.2f}–{max(mv):.2f}] | "
-                     f"{statistics.median(rd):.2f} [{min(rd):.2f}–{max(rd):.2f}] | **{ratio:.2f}** |")
+        lines.append(f"| {name} | {mb:.0f} | {statistics.median(mv):.2f} [{min(mv):.2f}–{max(mv):.2f}] | {packed[0]} | "
+                     f"{statistics.median(rd):.2f} [{min(rd):.2f}–{max(rd):.2f}] | **{ratio:.2f}** | {packed[1]} |")
     lines += ["", f"Target: matvec >= {TARGET:.0%} of the roofline."]
     write(args.out, f"roofline_{stamp}", receipt, "\n".join(lines) + "\n")
     print("\n".join(lines))

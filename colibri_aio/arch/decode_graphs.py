@@ -55,7 +55,6 @@ class GraphDecode(MoETransformer):
         if self.kernels.name != "ggml":
             return None
         from colibri_aio.kernels import ggml_cpu, ggml_decode
-        from colibri_aio.kernels.ggml_cpu import _Mat
 
         if ggml_cpu.knob("graphs") != "on":
             return None
@@ -78,11 +77,13 @@ class GraphDecode(MoETransformer):
             if any(m is None or m.ggml_type not in kernels.types for m in mats + shared):
                 return None
             q, k, v = mats[:3]
+            sigs = [kernels._mat(m) for m in mats]
             at = kernels._address
-            fused = q.ggml_type == k.ggml_type == v.ggml_type and at(q.data) + q.nbytes == at(k.data) \
-                and at(k.data) + k.nbytes == at(v.data)   # one product over the three (one graph node)
+            # One product over the three (one graph node); repacked copies follow each other as the originals do.
+            fused = (sigs[0].gid, sigs[0].packed) == (sigs[1].gid, sigs[1].packed) == (sigs[2].gid, sigs[2].packed) \
+                and at(q.data) + q.nbytes == at(k.data) and at(k.data) + k.nbytes == at(v.data)
             shapes.append(ggml_decode.AttentionShape(
-                *(_Mat(kernels._gid(m), *m.shape) for m in mats), heads=a.head_count, heads_kv=a.head_count_kv,
+                *sigs, heads=a.head_count, heads_kv=a.head_count_kv,
                 key_width=a.key_length, value_width=a.value_length, n_rot=a.n_rot, rope_base=a.rope_freq_base,
                 n_ctx_orig=a.context_length, eps=a.rms_eps, experts=a.expert_count, used=a.expert_used_count,
                 kv_dtype=np.dtype(cache.dtype).name, qkv_fused=fused,

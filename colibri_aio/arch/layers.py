@@ -80,6 +80,8 @@ class MoETransformer:
         a = model.args
         self.model, self.args, self.experts = model, a, experts
         self.kernels: Kernels = kernels if kernels is not None else NumpyKernels()
+        # The trunk's matrices, resident for the net's life: the backend may keep them in its own layout too.
+        self.repacked_nbytes = self.kernels.resident([model.output, *(m for b in model.blocks for m in b.matrices())])
         self.n_ctx = min(n_ctx or default_context(a.context_length), a.context_length)
         self.kv_type = kv_type
         self.cache = self.make_cache()

@@ -169,8 +169,9 @@ class Engine:
                 f"io {reader.backend}; prefetch {self.placement.prefetch}; kernels {self.kernels.name}")
         if not full:
             return line
+        packed = self.net.repacked_nbytes      # copies beside the trunk, outside the plan's budget
         return (f"{line}; {plan.one_line()}; cache {cache.scope} {cache.policy}; io {reader.backend_reason}; "
-                f"kernels {self.kernels.reason}")
+                f"kernels {self.kernels.reason}" + (f"; {gb(packed)} of trunk repacked" if packed else ""))
 
     def stats(self) -> EngineStats:
         """The engine's counters now: tokens and their time, cache hits, reads, prefetch state, memory."""
