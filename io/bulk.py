@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from colibri_aio.errors import ModelFormatError
+from colibri_aio.errors import ModelFormatError, UserError
 from colibri_aio.io.align import ALIGN, align_down, align_up
 from colibri_aio.io.modelfile import ModelFile
 from colibri_aio.io.pool import ask_huge_pages
@@ -66,6 +66,14 @@ def total_stats(parts: Sequence[BulkStats]) -> BulkStats | None:
         return None
     return BulkStats(sum(p.nbytes for p in parts), sum(p.wanted for p in parts), sum(p.reads for p in parts),
                      sum(p.seconds for p in parts), all(p.direct for p in parts))
+
+
+def trunk_huge_pages() -> bool:
+    """Whether the trunk asks for huge pages: ``COLIBRI_TRUNK_HUGE_PAGES`` on (the default) or off."""
+    value = os.environ.get("COLIBRI_TRUNK_HUGE_PAGES", "on")
+    if value not in ("on", "off"):
+        raise UserError(f"COLIBRI_TRUNK_HUGE_PAGES={value!r}: choose one of on, off")
+    return value == "on"
 
 
 def plan_spans(ranges: Sequence[tuple[int, int]], merge_gap: int = MERGE_GAP) -> list[Span]:
@@ -114,7 +122,7 @@ def read_ranges(path: str | os.PathLike[str], ranges: Sequence[tuple[int, int]],
         spans = plan_spans(ranges)
         total = sum(s.nbytes for s in spans)
         buffer = mmap.mmap(-1, max(total, ALIGN), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if os.environ.get("COLIBRI_TRUNK_HUGE_PAGES", "on") != "off":
+        if trunk_huge_pages():
             ask_huge_pages(buffer)
         reads = _chunks(spans, chunk)
         t0 = time.perf_counter()

@@ -73,6 +73,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 import ggml.ggml as G  # ggml-python; this module is only imported when the ggml backend is asked for
 
+from colibri_aio.errors import UserError
 from colibri_aio.kernels.backend import FFNWeights
 from colibri_aio.kernels.qtensor import QTensor
 
@@ -111,9 +112,21 @@ KNOBS = {"threadpool": "off", "graphs": "on", "experts": "stacked", "attention":
 GEMM_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0})
 
 
+# The values each knob takes, the default first: any other is refused, so a mistyped A/B arm never
+# measures the default under another name.
+KNOB_CHOICES = {"threadpool": ("off", "on"), "graphs": ("on", "off"), "experts": ("stacked", "each"),
+                "attention": ("f32", "f16"), "expert_gemm": ("1", "0"), "step": ("graph", "layers"),
+                "widen": ("rows", "cast"), "repack": ("on", "off")}
+
+
 def knob(name: str) -> str:
-    """Setting ``name`` of :data:`KNOBS`, overridden by the environment's ``COLIBRI_GGML_<NAME>``."""
-    return os.environ.get(f"COLIBRI_GGML_{name.upper()}", KNOBS[name])
+    """Setting ``name`` of :data:`KNOBS`, overridden by the environment's ``COLIBRI_GGML_<NAME>``; a value not in
+    :data:`KNOB_CHOICES` is a :class:`UserError`."""
+    variable = f"COLIBRI_GGML_{name.upper()}"
+    value = os.environ.get(variable, KNOBS[name])
+    if value not in KNOB_CHOICES[name]:
+        raise UserError(f"{variable}={value!r}: choose one of {', '.join(KNOB_CHOICES[name])}")
+    return value
 
 
 class GgmlUnavailable(RuntimeError):
@@ -568,6 +581,8 @@ class GgmlKernels:
 
     def __init__(self, n_threads: int = 2, *, parallel_bytes: int = PARALLEL_BYTES, repack: bool | None = None) -> None:
         """``repack``: whether :meth:`resident` repacks (None: the ``repack`` knob)."""
+        for name in KNOBS:      # every switch checked once, at open, not first at some later step
+            knob(name)
         self.description = probe()
         self.reason = self.description
         self.n_threads = n_threads

@@ -54,6 +54,17 @@ def test_logits_refuses_bad_ids(ids: str, tmp_path) -> None:
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "--ids" in r.stderr
 
 
+@pytest.mark.parametrize("variable,value", [("COLIBRI_GGML_STEP", "graphs"), ("COLIBRI_GGML_REPACK", "yes"),
+                                            ("COLIBRI_TRUNK_HUGE_PAGES", "1")])
+def test_run_refuses_a_switch_set_to_an_unknown_value(variable: str, value: str,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mistyped A/B switch is one line and exit 2, never a run of the default under another name."""
+    monkeypatch.setenv(variable, value)
+    r = run_cli("run", "--prompt", "hi", "--max-tokens", "2", "--kernels", "ggml")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
+    assert f"{variable}={value!r}" in r.stderr and "choose one of" in r.stderr
+
+
 def test_run_streams_text_and_same_seed_gives_same_text() -> None:
     args = ("run", "--model", str(fixture("tiny_q8_0.gguf")), "--prompt", "The list type", "--max-tokens", "12",
             "--temperature", "0.8", "--top-p", "0.9", "--seed", "7")
