@@ -65,6 +65,22 @@ def test_run_refuses_a_switch_set_to_an_unknown_value(variable: str, value: str,
     assert f"{variable}={value!r}" in r.stderr and "choose one of" in r.stderr
 
 
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device that is always full)")
+def test_a_full_disk_is_one_line_and_exit_2(tmp_path) -> None:
+    """Telemetry JSON or the generated text written to a full disk: one line naming what failed, exit 2."""
+    r = run_cli("run", "--prompt", "hi", "--max-tokens", "4", "--stats-json", "/dev/full")
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == \
+        "colibri-aio: error: --stats-json /dev/full: cannot write (No space left on device)"
+    assert "Traceback" not in r.stderr
+    with open("/dev/full", "w") as full:
+        p = subprocess.run([sys.executable, "-m", "colibri_aio", "run", "--prompt", "hi", "--max-tokens", "40"],
+                           stdout=full, stderr=subprocess.PIPE, text=True, timeout=300, cwd=FIXTURES.parent)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines()[-1] == "colibri-aio: error: cannot write the output (No space left on device)"
+    assert "Traceback" not in p.stderr and "Exception ignored" not in p.stderr
+
+
 def test_run_streams_text_and_same_seed_gives_same_text() -> None:
     args = ("run", "--model", str(fixture("tiny_q8_0.gguf")), "--prompt", "The list type", "--max-tokens", "12",
             "--temperature", "0.8", "--top-p", "0.9", "--seed", "7")

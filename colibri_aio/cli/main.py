@@ -19,6 +19,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import errno
+import io
 import os
 import signal
 import sys
@@ -167,10 +169,40 @@ def _check_writable(path: Path, option: str) -> None:
         raise UserError(f"{option} {path}: cannot write there (permission denied)")
 
 
+class _OutFile(io.TextIOWrapper):
+    """A text file the user named for output. A write, flush or close that fails (a full disk, a quota) is a
+    :class:`UserError` naming the option and the file: the OS error itself names neither."""
+
+    def __init__(self, path: Path, option: str) -> None:
+        self._what = f"{option} {path}"
+        super().__init__(open(path, "wb"), encoding="utf-8")  # noqa: SIM115 - closed with this wrapper
+
+    def _failed(self, exc: OSError) -> UserError:
+        return UserError(f"{self._what}: cannot write ({exc.strerror or exc})")
+
+    def write(self, text: str) -> int:
+        try:
+            return super().write(text)
+        except OSError as exc:
+            raise self._failed(exc) from None
+
+    def flush(self) -> None:
+        try:
+            super().flush()
+        except OSError as exc:
+            raise self._failed(exc) from None
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError as exc:
+            raise self._failed(exc) from None
+
+
 def _open_out(path: Path, option: str) -> IO[str]:
     _check_writable(path, option)
     try:
-        return open(path, "w", encoding="utf-8")
+        return _OutFile(path, option)
     except OSError as exc:
         raise UserError(f"{option} {path}: cannot write ({exc.strerror})") from None
 
@@ -754,6 +786,12 @@ def exit_status(exc: BaseException, err: IO[str]) -> int:
     found = _first(exc, OSError)
     if isinstance(found, OSError) and found.filename is not None:  # a file the user named or a place to write
         print(f"colibri-aio: error: {one_line(f'{found.filename}: {found.strerror or found}')}", file=err)
+        return EXIT_USER
+    if isinstance(found, OSError) and found.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        # Standard output on a full disk: the text the run wrote there is lost, and the interpreter's own flush
+        # at exit would fail again (a second report), so stdout goes to /dev/null first.
+        _silence_stdout()
+        print(f"colibri-aio: error: cannot write the output ({found.strerror})", file=err)
         return EXIT_USER
     raise exc
 
