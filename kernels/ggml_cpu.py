@@ -104,19 +104,16 @@ PARALLEL_BYTES = 1 << 18         # graphs with fewer weight bytes run on one thr
 # (ggml_get_rows, a whole row at a time, same bits) or "cast" (ggml_cast, element by element, the A/B).
 # Rows pays at depth: 18.4 vs 16.5 tok/s after 2048 positions of context
 # (evidence/decode_20261202T040458Z.md).
-KNOBS = {"threadpool": "off", "graphs": "on", "experts": "stacked", "attention": "f32", "expert_gemm": "1",
-         "step": "graph", "widen": "rows", "repack": "on"}
+# The values each knob takes, the default (the measured winner) first: any other is refused, so a mistyped
+# A/B arm never measures the default under another name.
+KNOB_CHOICES = {"threadpool": ("off", "on"), "graphs": ("on", "off"), "experts": ("stacked", "each"),
+                "attention": ("f32", "f16"), "expert_gemm": ("1", "0"), "step": ("graph", "layers"),
+                "widen": ("rows", "cast"), "repack": ("on", "off")}
+KNOBS = {name: values[0] for name, values in KNOB_CHOICES.items()}
 # Weight types llamafile's GEMM multiplies on x86 (tinyBLAS_Q0_AVX) and whose products there carry the bits of
 # ggml's vec_dot, row for row (tests/test_kernels_ggml.py): an expert with several positions runs on it.
 # (IQ4_NL runs there too, but with other bits than vec_dot's: left out.)
 GEMM_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0})
-
-
-# The values each knob takes, the default first: any other is refused, so a mistyped A/B arm never
-# measures the default under another name.
-KNOB_CHOICES = {"threadpool": ("off", "on"), "graphs": ("on", "off"), "experts": ("stacked", "each"),
-                "attention": ("f32", "f16"), "expert_gemm": ("1", "0"), "step": ("graph", "layers"),
-                "widen": ("rows", "cast"), "repack": ("on", "off")}
 
 
 def knob(name: str) -> str:
@@ -243,7 +240,6 @@ def _repack_buffer_type() -> int | None:
     return None
 
 
-_MARKS: dict[tuple[int, int], tuple[int, int] | None] = {}
 _MARK_KEEP: list[tuple[object, object]] = []    # the probes' contexts and buffers, alive for the process
 
 
@@ -255,23 +251,25 @@ def _repack_mark(gid: int, rows: int) -> tuple[int, int] | None:
     and its ``extra`` names the layout's traits; both are the same for every matrix of one type whose row
     count has the same residue (the layouts interleave 4, 8 or 16 rows), so one small probe tensor, made
     in that buffer type, answers for all of them (ggml itself picks the layout, for this CPU)."""
-    key = (gid, rows % 16)
-    if key not in _MARKS:
-        _MARKS[key] = None
-        buft = _repack_buffer_type()
-        if buft is not None:
-            ctx = G.ggml_init(G.ggml_init_params(mem_size=2 * G.ggml_tensor_overhead(), mem_buffer=None,
-                                                 no_alloc=True))
-            t = G.ggml_new_tensor_2d(ctx, gid, G.ggml_blck_size(gid), 16 + rows % 16)
-            buf = G.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
-            if buf and t.contents.extra:
-                _MARKS[key] = (t.contents.buffer, t.contents.extra)
-                _MARK_KEEP.append((ctx, buf))
-            else:
-                if buf:
-                    G.ggml_backend_buffer_free(buf)
-                G.ggml_free(ctx)
-    return _MARKS[key]
+    return _repack_probe(gid, rows % 16)
+
+
+@functools.cache
+def _repack_probe(gid: int, residue: int) -> tuple[int, int] | None:
+    """:func:`_repack_mark` for the row counts of one residue modulo 16, from a probe tensor kept alive."""
+    buft = _repack_buffer_type()
+    if buft is None:
+        return None
+    ctx = G.ggml_init(G.ggml_init_params(mem_size=2 * G.ggml_tensor_overhead(), mem_buffer=None, no_alloc=True))
+    t = G.ggml_new_tensor_2d(ctx, gid, G.ggml_blck_size(gid), 16 + residue)
+    buf = G.ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft)
+    if buf and t.contents.extra:
+        _MARK_KEEP.append((ctx, buf))
+        return t.contents.buffer, t.contents.extra
+    if buf:
+        G.ggml_backend_buffer_free(buf)
+    G.ggml_free(ctx)
+    return None
 
 
 def repack_types() -> frozenset[GGMLQuantizationType]:
