@@ -152,13 +152,7 @@ class GraphDecode(MoETransformer):
         if source.reading:
             await asyncio.sleep(0)  # let reads that have landed report (their slots become ready)
         graphs.begin(position, len(cache.k[0]))
-        blocks = self._step_blocks
-        if blocks is None or blocks[0][3] is not cache.k[0]:
-            blocks = self._step_blocks = [
-                ((blk.attn_norm, blk.get("attn_q_norm"), blk.get("attn_k_norm"), moe_norm(model, layer)),
-                 (blk.attn_q, blk.attn_k, blk.attn_v, blk.attn_output), blk.ffn_gate_inp, cache.k[layer],
-                 cache.v[layer], (blk.get("attn_q.bias"), blk.get("attn_k.bias"), blk.get("attn_v.bias")))
-                for layer, blk in enumerate(model.blocks)]
+        blocks = self._attention_args()
         shape = graphs.step_shape(model.experts, resident.depth, resident.stride, resident.bases, model.output)
         if shape is None:
             return None
@@ -181,20 +175,28 @@ class GraphDecode(MoETransformer):
         self._step_logits = graphs.step_logits
         return graphs.step_x[-1:]
 
+    def _attention_args(self) -> list[tuple]:
+        """Each block's arguments of :meth:`DecodeGraphs.attention` after x (norms, mats, router, the block's
+        cache arrays, q/k/v biases), made again only when the cache's arrays are new ones."""
+        model, cache, blocks = self.model, self.cache, self._step_blocks
+        if blocks is None or blocks[0][3] is not cache.k[0]:
+            blocks = self._step_blocks = [
+                ((blk.attn_norm, blk.get("attn_q_norm"), blk.get("attn_k_norm"), moe_norm(model, layer)),
+                 (blk.attn_q, blk.attn_k, blk.attn_v, blk.attn_output), blk.ffn_gate_inp, cache.k[layer],
+                 cache.v[layer], (blk.get("attn_q.bias"), blk.get("attn_k.bias"), blk.get("attn_v.bias")))
+                for layer, blk in enumerate(model.blocks)]
+        return blocks
+
     async def _blocks_on_graphs(self, graphs: DecodeGraphs, tok: np.ndarray,
                                 positions: np.ndarray) -> np.ndarray | None:
         """The residual stream (1, D) after every block, or None when a non-finite value appeared."""
-        model, cache, position = self.model, self.cache, int(positions[0])
+        cache, position = self.cache, int(positions[0])
         x = self.embed(tok)
         self._check_finite(x, "the token embedding (token_embd)", positions)
         graphs.begin(position, len(cache.k[0]))
         used = self.args.expert_used_count
-        for layer, blk in enumerate(model.blocks):
-            graphs.attention(layer, x, (blk.attn_norm, blk.get("attn_q_norm"), blk.get("attn_k_norm"),
-                                        moe_norm(model, layer)),
-                             (blk.attn_q, blk.attn_k, blk.attn_v, blk.attn_output), blk.ffn_gate_inp,
-                             cache.k[layer], cache.v[layer],
-                             (blk.get("attn_q.bias"), blk.get("attn_k.bias"), blk.get("attn_v.bias")))
+        for layer, args in enumerate(self._attention_args()):
+            graphs.attention(layer, x, *args)
             cache.wrote(layer, position + 1)
             if not (np.isfinite(graphs.weights).all() and np.isfinite(graphs.check[0])):
                 return None
