@@ -1,8 +1,11 @@
-"""The io_uring reactor: a ring whose completions wake the running asyncio loop through an eventfd.
+"""The io_uring reactor: a ring (:mod:`colibri_aio.io.ring`) whose completions wake the running asyncio loop
+through an eventfd.
 
 Reads are submitted with a ``user_data`` token; a table maps the token to the
 completion callback that waits for it, the ``Iovec`` the kernel
-writes through (it must outlive the read) and the bytes it accounts for. The eventfd is registered
+writes through (it must outlive the read) and the bytes it accounts for. A one-piece read into a
+registered buffer needs no iovec at all (``READ_FIXED``, Linux 5.1); a read in several pieces into one
+is ``READV_FIXED`` where the kernel has it (6.15), else a plain ``READV``. The eventfd is registered
 with the ring and watched with ``loop.add_reader``; eventfd wake-ups coalesce,
 so every wake-up drains the completion queue until it is empty.
 
@@ -22,12 +25,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from colibri_aio.io.iovec import PointedIovec, layout_problem
-
-try:
-    import liburing as L
-except ImportError:  # non-Linux, or the wheel is missing: the reader falls back to pread
-    L = None
+from colibri_aio.io.ring import (IORING_OP_READ_FIXED, IORING_OP_READV, IORING_OP_READV_FIXED, IOSQE_ASYNC, Iovecs,
+                                 Ring)
 
 DEFAULT_RING_ENTRIES = 256
 DEFAULT_MAX_INFLIGHT_BYTES = 512 << 20
@@ -46,7 +45,7 @@ class RingRead:
     offset: int             # file offset
     buf_index: int | None   # registered buffer holding every segment, or None for a plain readv
     on_complete: Callable[[int], None]  # called once with bytes read or -errno, from the loop
-    iovec: PointedIovec | None = None  # alive (and not reused) until the completion is reaped
+    iovec: Iovecs | None = None  # alive (and not reused) until the completion is reaped
     nbytes: int = 0         # set from the segments
 
     def __post_init__(self) -> None:
@@ -63,13 +62,14 @@ class UringReactor:
     :meth:`drained`) before reusing the memory.
     """
 
-    def __init__(self, ring: object, entries: int, eventfd: int, loop: asyncio.AbstractEventLoop,
+    def __init__(self, ring: Ring, eventfd: int, loop: asyncio.AbstractEventLoop,
                  max_inflight_bytes: int, punt: bool = False) -> None:
-        self._ring = ring
+        self._ring: Ring | None = ring
         # IOSQE_ASYNC: the kernel's worker threads issue each read, so io_uring_submit returns at once
         # instead of doing the block-layer work (and the first faults of the destination pages) inline.
-        self._sqe_flags = L.IOSQE_ASYNC if punt else 0
-        self.entries = entries
+        self._sqe_flags = IOSQE_ASYNC if punt else 0
+        self.entries = ring.entries  # what the kernel granted (it clamps a larger ask)
+        self._readv_fixed = False
         self._eventfd = eventfd
         self._loop = loop
         self.max_inflight_bytes = max_inflight_bytes
@@ -79,13 +79,11 @@ class UringReactor:
         self._next_token = 1
         self._inflight_bytes = 0
         self._resubmit = False    # SQEs left in the ring by a submit the kernel refused for now
-        self._registered_iovec: object | None = None
         self._closing = False
         self._broken: BaseException | None = None
         self._idle = asyncio.Event()  # set while nothing is in the kernel or queued for it
         self._idle.set()
-        self._cqe = L.Cqe()
-        self._iovecs = [PointedIovec() for _ in range(entries)]  # one per possible in-flight read
+        self._iovecs = [Iovecs() for _ in range(self.entries)]  # one per possible in-flight read
         self.submits = 0          # io_uring_submit calls
         self.completions = 0
         self.busy_s = 0.0         # time with at least one read in the kernel
@@ -97,34 +95,26 @@ class UringReactor:
                max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES, punt: bool = False) -> "UringReactor":
         """Set up a ring on the running loop; raises OSError (or RuntimeError) when io_uring is unavailable.
         ``punt``: every read goes to the kernel's io-wq workers (IOSQE_ASYNC) instead of being issued inline."""
-        problem = layout_problem()
-        if problem is not None:
-            raise OSError(errno.ENOSYS, problem)
         loop = asyncio.get_running_loop()
-        ring = L.Ring()
-        L.io_uring_queue_init(entries, ring, 0)
+        ring = Ring(entries)
         eventfd = -1
         try:
             eventfd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            L.io_uring_register_eventfd(ring, eventfd)
+            ring.register_eventfd(eventfd)
         except BaseException:
             if eventfd >= 0:
                 os.close(eventfd)
-            L.io_uring_queue_exit(ring)
+            ring.close()
             raise
-        return cls(ring, entries, eventfd, loop, max_inflight_bytes, punt)
+        return cls(ring, eventfd, loop, max_inflight_bytes, punt)
 
     # -- registration -------------------------------------------------------
 
     def register_buffers(self, buffers: list[tuple[int, int]]) -> None:
         """Register ``(address, nbytes)`` arenas as fixed buffers (index = position); raises OSError if refused."""
-        if not _readv_fixed_supported():
-            raise OSError(errno.EOPNOTSUPP, "this kernel has no IORING_OP_READV_FIXED")
-        iovec = PointedIovec(len(buffers))
-        for index, (address, nbytes) in enumerate(buffers):
-            iovec.point(index, address, nbytes)
-        L.io_uring_register_buffers(self._ring, iovec.iovec)
-        self._registered_iovec = iovec
+        assert self._ring is not None
+        self._ring.register_buffers(buffers)
+        self._readv_fixed = IORING_OP_READV_FIXED in self._ring.supported_ops()
         self.registered = True
 
     # -- submission ---------------------------------------------------------
@@ -167,31 +157,30 @@ class UringReactor:
         if self._broken is not None:
             return
         prepared = 0
-        while self._pending and self._has_room(self._pending[0]):
-            sqe = L.io_uring_get_sqe(self._ring)
-            if sqe is None:
-                break
-            request = self._pending.popleft()
-            self._prepare(sqe, request)
+        ring = self._ring
+        assert ring is not None
+        while self._pending and self._has_room(self._pending[0]) and ring.space() > 0:
+            self._prepare(ring, self._pending.popleft())
             prepared += 1
         if prepared:
             self._submit()
 
-    def _prepare(self, sqe: object, request: RingRead) -> None:
+    def _prepare(self, ring: Ring, request: RingRead) -> None:
         token = self._next_token
         self._next_token += 1
         count = len(request.segments)
-        # One-piece reads reuse the ring's iovecs; a coalesced read has its own for as long as it is in flight.
-        request.iovec = self._iovecs.pop() if count == 1 else PointedIovec(count)
-        for index, (address, nbytes) in enumerate(request.segments):
-            request.iovec.point(index, address, nbytes)
-        if request.buf_index is None:
-            L.io_uring_prep_readv(sqe, request.fd, request.iovec.iovec, request.offset, 0)
+        if request.buf_index is not None and count == 1:  # straight into the registered buffer: no iovec
+            address, nbytes = request.segments[0]
+            ring.prep(IORING_OP_READ_FIXED, request.fd, address, nbytes, request.offset, token,
+                      buf_index=request.buf_index, flags=self._sqe_flags)
         else:
-            L.io_uring_prep_readv_fixed(sqe, request.fd, request.iovec.iovec, request.buf_index, request.offset, 0)
-        L.io_uring_sqe_set_data64(sqe, token)
-        if self._sqe_flags:
-            L.io_uring_sqe_set_flags(sqe, self._sqe_flags)
+            # One-piece reads reuse the ring's iovecs; a coalesced read has its own for as long as it is in flight.
+            request.iovec = self._iovecs.pop() if count == 1 else Iovecs(count)
+            for index, (address, nbytes) in enumerate(request.segments):
+                request.iovec.point(index, address, nbytes)
+            fixed = request.buf_index is not None and self._readv_fixed
+            ring.prep(IORING_OP_READV_FIXED if fixed else IORING_OP_READV, request.fd, request.iovec.address,
+                      count, request.offset, token, buf_index=request.buf_index or 0, flags=self._sqe_flags)
         if not self._table:
             self._busy_since = time.perf_counter()
         self._table[token] = request
@@ -200,12 +189,11 @@ class UringReactor:
     def _submit(self) -> None:
         while True:
             try:
-                L.io_uring_submit(self._ring)
+                assert self._ring is not None
+                self._ring.submit()
                 self.submits += 1
                 return
-            except InterruptedError:
-                continue
-            except (BlockingIOError, OSError) as exc:
+            except OSError as exc:
                 if exc.errno in (errno.EAGAIN, errno.EBUSY) and self._table:
                     # The kernel is short of room; the SQEs stay queued in the
                     # ring and go with the next submit, after completions drain.
@@ -238,25 +226,15 @@ class UringReactor:
         before any completion callback runs, so the device's queue is
         refilled without waiting for the callbacks, or for the tasks they wake.
         """
+        if self._ring is None:
+            return 0
         total = 0
         finished: list[tuple[RingRead, int]] = []
-        while True:
-            reaped = 0
-            for _ in L.CqeIter(self._ring, self._cqe):
-                cqe = self._cqe[0]
-                token = cqe.user_data
-                try:
-                    res = cqe.res
-                except OSError as exc:  # the wheel raises for a negative result
-                    res = -(exc.errno or errno.EIO)
-                reaped += 1
-                request = self._release(token)
-                if request is not None:
-                    finished.append((request, res))
-            if not reaped:
-                break
-            L.io_uring_cq_advance(self._ring, reaped)
-            total += reaped
+        for token, res in self._ring.completions():
+            total += 1
+            request = self._release(token)
+            if request is not None:
+                finished.append((request, res))
         if total:
             self.completions += total
             if self._resubmit:
@@ -306,15 +284,5 @@ class UringReactor:
         await self.drained()
         self._loop.remove_reader(self._eventfd)
         ring, self._ring = self._ring, None
-        L.io_uring_queue_exit(ring)  # also unregisters the buffers and the eventfd
+        ring.close()  # also unregisters the buffers and the eventfd
         os.close(self._eventfd)
-        self._registered_iovec = None
-
-
-def _readv_fixed_supported() -> bool:
-    """Whether the kernel knows IORING_OP_READV_FIXED (Linux 6.15+)."""
-    try:
-        ops = L.probe() or {}
-    except OSError:
-        return False
-    return bool(ops.get("IORING_OP_READV_FIXED"))

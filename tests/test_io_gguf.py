@@ -10,8 +10,9 @@ from gguf import GGUFReader
 
 from colibri_aio.gguf.model import load
 from colibri_aio.io import ExpertReader
+from support import requires_uring
 
-pytest.importorskip("liburing")
+pytestmark = requires_uring
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 MODELS = ["tiny_f32.gguf", "tiny_q8_0.gguf", "tiny_q4_k.gguf", "tiny_bf16.gguf"]

@@ -13,8 +13,9 @@ from colibri_aio.experts import ExpertLocation
 from colibri_aio.io import ExpertReader, ReaderClosedError
 from colibri_aio.io.pool import BufferPool
 from colibri_aio.bench.locations import bench_locations
+from support import requires_uring
 
-pytest.importorskip("liburing")
+pytestmark = requires_uring
 
 FILE_NBYTES = 48 << 20
 EXPERT_NBYTES = 1 << 20

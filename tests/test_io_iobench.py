@@ -11,8 +11,9 @@ import pytest
 
 from colibri_aio.errors import UserError
 from colibri_aio.bench.iobench import add_iobench_arguments, positive_size, run_iobench, write_receipt
+from support import requires_uring
 
-pytest.importorskip("liburing")
+pytestmark = requires_uring
 
 
 def test_sizes_parse_as_ram_budgets_do_but_must_be_positive() -> None:

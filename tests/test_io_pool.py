@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 from colibri_aio.io.align import ALIGN, plan_expert, slot_nbytes_for
-from colibri_aio.io.iovec import layout_problem
 from colibri_aio.io.pool import BufferPool
 from colibri_aio.bench.locations import byte_range, random_locations
 from colibri_aio.experts import ExpertLocation
@@ -76,11 +75,6 @@ def test_slots_follow_each_other_across_arenas() -> None:
         assert [s.address for s in pool.slots] == [pool.address + i * pool.slot_nbytes for i in range(10)]
     finally:
         pool.close()
-
-
-def test_liburing_iovec_layout_is_understood() -> None:
-    pytest.importorskip("liburing")
-    assert layout_problem() is None
 
 
 def vm_flags(address: int) -> set[str]:

@@ -19,9 +19,12 @@ from colibri_aio.errors import ExpertReadError, ModelFormatError, UserError
 from colibri_aio.experts import ExpertLocation
 from colibri_aio.io import ExpertReader, ModelFileChangedError, ReaderClosedError
 from colibri_aio.bench.locations import byte_range, random_locations
+from colibri_aio.io import ring as ring_module
+from colibri_aio.io.ring import Ring
 from colibri_aio.io.uring import UringReactor
+from support import requires_uring
 
-L = pytest.importorskip("liburing")
+pytestmark = requires_uring
 
 BACKENDS = ["uring", "pread", "mmap"]
 FILE_NBYTES = 6 << 20
@@ -153,10 +156,10 @@ async def test_tmpfs_reads_are_exact_whatever_it_says_about_o_direct() -> None:
 
 async def test_registration_refused_falls_back_to_unregistered_reads(
         model_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def refuse(ring, iovecs, tags=None):
+    def refuse(ring, buffers):
         raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
 
-    monkeypatch.setattr(L, "io_uring_register_buffers", refuse)
+    monkeypatch.setattr(Ring, "register_buffers", refuse)
     locs = mixed_locations(FILE_NBYTES, 20)
     with structlog.testing.capture_logs() as logs:
         reader = await ExpertReader.open(model_file, largest(locs), n_slots=4, register=True)
@@ -205,10 +208,10 @@ def test_registration_refused_without_cap_ipc_lock(model_file: Path) -> None:
 
 
 async def test_io_uring_setup_failure_falls_back_to_pread(model_file: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def no_io_uring(entries, ring, flags=None):  # what a seccomp filter or an old kernel says
+    def no_io_uring(*args):  # what a seccomp filter or an old kernel says to io_uring_setup
         raise OSError(errno.ENOSYS, os.strerror(errno.ENOSYS))
 
-    monkeypatch.setattr(L, "io_uring_queue_init", no_io_uring)
+    monkeypatch.setattr(ring_module, "_syscall", no_io_uring)
     locs = mixed_locations(FILE_NBYTES, 20)
     with structlog.testing.capture_logs() as logs:
         reader = await ExpertReader.open(model_file, largest(locs), n_slots=4, backend="auto")

@@ -17,8 +17,9 @@ from colibri_aio.io.align import ALIGN, plan_expert
 from colibri_aio.io.spans import adjacent, plan_span, runs
 
 from test_io_reader import assert_exact
+from support import requires_uring
 
-pytest.importorskip("liburing")
+pytestmark = requires_uring
 
 EXPERTS = 12
 
