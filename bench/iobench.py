@@ -438,6 +438,7 @@ def write_receipt(directory: Path, document: dict[str, Any]) -> tuple[Path, Path
           f"- commit: `{document['commit']}`",
           f"- host: {h['hostname']}, Linux {h['kernel']}, {h['cpus']} CPUs, {h['mem_bytes'] / 2**30:.1f} GiB RAM; "
           f"load average at start {document['loadavg_start']}, at end {document['loadavg_end']}",
+          f"- CPU: {h.get('cpu_described', h.get('cpu', '?'))}",
           f"- file: {document['file']} ({document['file_bytes']} bytes{', temporary' if document['temporary_file'] else ''})",
           f"- pattern: {document['pattern']}; {document['runs']} interleaved our/fio pairs of "
           f"{document['seconds']} s each per setting; medians with [min-max]",

@@ -16,6 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from colibri_aio import cpu
+
 # The source tree when run from a checkout (editable install); an installed wheel has no git history.
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -41,22 +43,19 @@ def git_state(*paths: str) -> dict[str, Any]:
 
 
 def host_facts() -> dict[str, Any]:
-    """Enough about the machine to read the numbers later."""
-    cpu = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
-    except OSError:
-        pass
-    return {"hostname": platform.node(), "kernel": platform.release(), "machine": platform.machine(), "cpu": cpu,
+    """Enough about the machine to read the numbers later, the CPU's vector extensions included (an AVX2 CPU and
+    an AVX-512 one run different code)."""
+    return {"hostname": platform.node(), "kernel": platform.release(), "machine": platform.machine(),
+            "cpu": cpu.model(), "cpu_described": cpu.describe(), "cpu_flags": sorted(cpu.flags()),
             "cpus": os.cpu_count(), "mem_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
             "python": platform.python_version(), "loadavg": list(os.getloadavg())}
 
 
 def header(script: str) -> dict[str, Any]:
-    """Date, host, CPUs, load average, commit and the exact command of this run."""
-    return {"date": stamp(), "host": platform.node(), "cpus": os.cpu_count(), "load_average": os.getloadavg(),
-            "commit": git_state()["short"], "command": " ".join([script, *sys.argv[1:]])}
+    """Date, host, CPU, load average, commit and the exact command of this run."""
+    return {"date": stamp(), "host": platform.node(), "cpu": cpu.describe(), "cpus": os.cpu_count(),
+            "load_average": os.getloadavg(), "commit": git_state()["short"],
+            "command": " ".join([script, *sys.argv[1:]])}
 
 
 def spread(xs: list[float]) -> dict[str, float]:

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from colibri_aio import probes
 from colibri_aio.errors import ExpertReadError, UserError
 from colibri_aio.experts import ExpertLocation, ExpertWeights
 from colibri_aio.io.align import ExpertPlan, plan_expert, slot_nbytes_for
@@ -127,10 +128,12 @@ class ExpertReader:
                 reader = cls(files, None, MmapBackend(files), "mmap requested: the page cache decides what stays",
                              n_slots)
             else:
+                # First use on a machine: the probe's child runs off the loop, beside the rest of the open.
+                uring = None if backend == "pread" else await asyncio.to_thread(probes.verdict, "io_uring")
                 pool = BufferPool(slot_nbytes_for(slot_nbytes_max), n_slots, huge_pages=huge_pages)
                 try:
-                    chosen, reason = _pool_backend(backend, files, pool, ring_entries, max_inflight_bytes, threads,
-                                                   register, punt)
+                    chosen, reason = _pool_backend(backend, uring, files, pool, ring_entries, max_inflight_bytes,
+                                                   threads, register, punt)
                 except BaseException:
                     pool.close()
                     raise
@@ -270,11 +273,18 @@ class ExpertReader:
         await self.aclose()
 
 
-def _pool_backend(kind: str, files: Sequence[ModelFile], pool: BufferPool, ring_entries: int, max_inflight_bytes: int,
-                  threads: int, register: bool, punt: bool = False) -> tuple[ReadBackend, str]:
-    """Pick the backend for ``kind`` among those that read into the pool, with the reason why."""
-    if kind == "pread":
+def _pool_backend(kind: str, found: probes.Verdict | None, files: Sequence[ModelFile], pool: BufferPool,
+                  ring_entries: int, max_inflight_bytes: int, threads: int, register: bool,
+                  punt: bool = False) -> tuple[ReadBackend, str]:
+    """Pick the backend for ``kind`` among those that read into the pool, with the reason why
+    (``found``: the io_uring probe's verdict, None for pread)."""
+    if kind == "pread" or found is None:
         return PreadBackend(files, threads), "pread requested"
+    if not found.ok:
+        if kind == "uring":
+            raise UserError(f"--io uring: the {found.line()}; use --io auto or --io pread")
+        probes.warn_fallback(found, "reading with pread")
+        return PreadBackend(files, threads), f"{found.line()}: thread-pool pread"
     try:
         reactor = UringReactor.create(ring_entries, max_inflight_bytes, punt)
     except (OSError, RuntimeError) as exc:

@@ -31,12 +31,14 @@ activations); within one backend, placement never changes a bit.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import numpy as np
 from gguf import GGMLQuantizationType
 
+from colibri_aio import probes
 from colibri_aio.kernels import quant
 from colibri_aio.kernels.ops import swiglu
 from colibri_aio.kernels.qtensor import QTensor
@@ -49,7 +51,11 @@ RECEIPT = "evidence/kernels_backends_*.md"
 
 
 class KernelsUnavailable(RuntimeError):
-    """A backend asked for by name cannot run here; the message says why."""
+    """A backend asked for by name cannot run here; the message says why (``verdict``: the probe's, if one failed)."""
+
+    def __init__(self, message: str, verdict: probes.Verdict | None = None) -> None:
+        super().__init__(message)
+        self.verdict = verdict
 
 
 class FFNWeights(Protocol):
@@ -138,7 +144,15 @@ class NumpyKernels:
 
 
 def _ggml(n_threads: int) -> Kernels:
-    """The ggml backend; KernelsUnavailable with the reason if ggml-python is missing or unusable here."""
+    """The ggml backend; KernelsUnavailable with the reason if ggml-python is missing or unusable here.
+
+    ggml is compiled code: a child process tries it first (:mod:`colibri_aio.probes`), so a build this CPU
+    cannot run (SIGILL) costs the child, not the engine."""
+    if importlib.util.find_spec("ggml") is None:
+        raise KernelsUnavailable("ggml-python is not installed")
+    found = probes.verdict("ggml")
+    if not found.ok:
+        raise KernelsUnavailable(found.line(), found)
     try:
         mod = importlib.import_module("colibri_aio.kernels.ggml_cpu")
     except Exception as e:  # ImportError, or the shared library failing to load
@@ -167,6 +181,8 @@ def open_kernels(name: str = "auto", *, n_threads: int | None = None) -> Kernels
     except KernelsUnavailable as e:
         if name == "ggml":
             raise
+        if e.verdict is not None:  # an installed ggml that cannot run here: worth a warning, once
+            probes.warn_fallback(e.verdict, "computing with the NumPy kernels")
         return NumpyKernels(f"{e}: NumPy kernels instead")
     if name == "auto":
         kernels.reason += f"; faster than NumPy on every type and shape measured ({RECEIPT})"

@@ -73,6 +73,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 import ggml.ggml as G  # ggml-python; this module is only imported when the ggml backend is asked for
 
+from colibri_aio import cpu
 from colibri_aio.errors import UserError
 from colibri_aio.kernels.backend import FFNWeights
 from colibri_aio.kernels.qtensor import QTensor
@@ -129,6 +130,8 @@ def knob(name: str) -> str:
 class GgmlUnavailable(RuntimeError):
     """ggml-python cannot serve on this machine; the message says why."""
 
+    keep_verdict = True  # it follows from the CPU and the build: a probe that meets it need not run again
+
 
 def version() -> str:
     """ggml's own version string, and ggml-python's."""
@@ -143,21 +146,10 @@ def built_features() -> list[str]:
     return [f for f in _ISA_FLAGS if getattr(G, f"ggml_cpu_has_{f}", lambda: 0)()]
 
 
-def _cpu_flags() -> set[str] | None:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
-
-
 def probe() -> str:
     """Check that ggml can run here; returns a one-line description, raises GgmlUnavailable."""
-    flags = _cpu_flags()
-    if flags is not None:
+    flags = cpu.flags()  # CPUID's answer: an emulated CPU's, not the host's /proc/cpuinfo
+    if flags:
         missing = [f for f in built_features() if _ISA_FLAGS[f] not in flags]
         if missing:
             raise GgmlUnavailable(f"ggml-python was built for {', '.join(missing)}, which this CPU lacks "
@@ -948,3 +940,26 @@ class GgmlKernels:
             h = act(g.ctx, G.ggml_mul_mat_id(g.ctx, wg, x, ids), G.ggml_mul_mat_id(g.ctx, wu, x, ids))
             outs.append(G.ggml_mul_mat_id(g.ctx, wd, h, ids))
         return outs
+
+
+def self_test() -> str:
+    """Multiply by a Q8_0, a Q4_0 and an F32 matrix on ggml, one and several positions, and check the products
+    against NumPy: the ggml probe's child (a CPU that lacks an instruction the library was built with dies here,
+    in the child, not in the engine). Returns the backend's one-line description."""
+    from gguf import quants
+
+    kernels = GgmlKernels(2)
+    rng = np.random.default_rng(0)
+    for t in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.F32):
+        dense = rng.standard_normal((64, 256)).astype(np.float32)
+        raw = quants.quantize(dense, t).view(np.uint8).reshape(-1)
+        w = QTensor(np.ascontiguousarray(raw), t, (64, 256))
+        exact = quants.dequantize(raw, t).reshape(64, 256)
+        for positions in (1, 8):
+            x = rng.standard_normal((positions, 256)).astype(np.float32)
+            want = x @ exact.T
+            got = kernels.linear(w, x)
+            error = float(np.linalg.norm(got - want) / np.linalg.norm(want))
+            if not error < 0.05:  # activations are rounded to 8 bits: ~1e-2 at most
+                raise GgmlUnavailable(f"ggml's {t.name} product is wrong here (relative error {error:.3g})")
+    return kernels.description

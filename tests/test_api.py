@@ -85,7 +85,7 @@ def test_doctor_reports_a_verdict_per_check() -> None:
     r = run_cli("doctor", str(MODEL))
     assert r.returncode == 0, r.stdout + r.stderr
     names = [line.split()[1] for line in r.stdout.splitlines()]
-    assert names == ["memory", "memlock", "gguf", "kernels", "o_direct", "io", "read"]
+    assert names == ["cpu", "probe", "probe", "memory", "memlock", "gguf", "kernels", "o_direct", "io", "read"]
     assert all(line.split()[0] in ("OK", "WARN") for line in r.stdout.splitlines())
     bad = run_cli("doctor", str(fixture("truncated_bad.gguf")))
     assert bad.returncode == 2 and "FAIL  gguf" in bad.stdout

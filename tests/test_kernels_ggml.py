@@ -256,7 +256,7 @@ def test_bad_calls_raise_instead_of_aborting(kernels) -> None:
 
 def test_a_library_built_for_features_the_cpu_lacks_is_refused(monkeypatch) -> None:
     monkeypatch.setattr(ggml_cpu, "built_features", lambda: ["avx2", "avx512_vnni"])
-    monkeypatch.setattr(ggml_cpu, "_cpu_flags", lambda: {"avx", "avx2"})
+    monkeypatch.setattr(ggml_cpu.cpu, "flags", lambda: frozenset({"avx", "avx2"}))
     with pytest.raises(ggml_cpu.GgmlUnavailable, match="avx512_vnni"):
         ggml_cpu.probe()
 

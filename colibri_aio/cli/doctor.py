@@ -1,7 +1,9 @@
 """``doctor``: read-only checks of this machine and a model, one verdict per line.
 
-Nothing here writes anything: it opens the model read-only, sets up (and
-closes) an io_uring ring and a small buffer pool, and reads a few experts.
+It opens the model read-only, sets up (and closes) an io_uring ring and a
+small buffer pool, and reads a few experts. The one thing it writes is the
+native probes' verdicts (:mod:`colibri_aio.probes`): it runs them afresh,
+each in its own child process, and keeps what they found for later runs.
 ``--verify`` also checks where every tensor and expert range lies in the
 file, that the special-token ids name tokens, that the tokenizer builds and
 the chat template renders a short conversation, and decodes every tensor,
@@ -19,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from colibri_aio import cpu, probes
 from colibri_aio.errors import UserError, one_line
 from colibri_aio.gguf.model import Model, load
 from colibri_aio.gguf.verify import layout_problems, scan, special_token_problems
@@ -101,6 +104,22 @@ def check_text(model: Model) -> list[Check]:
     except UserError as exc:
         return checks + [Check("chat template", "fail", str(exc))]
     return checks + [Check("chat template", "ok", f"renders a two-message conversation ({len(text)} characters)")]
+
+
+def check_cpu() -> Check:
+    return Check("cpu", "ok", cpu.describe())
+
+
+def check_probes() -> list[Check]:
+    """Each compiled backend tried afresh in a child process: ok, or warn with why the engine falls back."""
+    fallbacks = {"io_uring": "reads use thread-pool pread", "ggml": "products use the NumPy kernels"}
+    checks = []
+    for backend in probes.PROBES:
+        found = probes.verdict(backend, fresh=True)
+        detail = found.detail if found.ok else f"{found.line()}; {fallbacks.get(backend, 'not used')}"
+        checks.append(Check(f"probe {backend}", "ok" if found.ok else "warn", detail))
+        probes.reported(backend)
+    return checks
 
 
 def check_memlock() -> Check:
@@ -191,6 +210,9 @@ def run_checks(path: Path | None, emit: Callable[[Check], None], *, verify: bool
 
     ``verify`` adds :func:`check_layout`, :func:`check_text` and :func:`check_values` (reads the whole file).
     """
+    emit(check_cpu())
+    for c in check_probes():
+        emit(c)
     checks: list[Check] = [check_memory(), check_memlock()] + ([check_kernels(None)] if path is None else [])
     for c in checks:
         emit(c)
