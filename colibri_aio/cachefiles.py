@@ -12,11 +12,12 @@ import os
 import tempfile
 from pathlib import Path
 
+from colibri_aio import settings
+
 
 def cache_dir(*parts: str) -> Path:
     """``$XDG_CACHE_HOME/colibri_aio/<parts...>`` (``~/.cache/colibri_aio/...`` without XDG); not created."""
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(root, "colibri_aio", *parts)
+    return Path(settings.cache_home(), "colibri_aio", *parts)
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from colibri_aio.errors import ModelFormatError, UserError
+from colibri_aio import settings
+from colibri_aio.errors import ModelFormatError
 from colibri_aio.io.align import ALIGN, align_down, align_up
 from colibri_aio.io.modelfile import ModelFile
 from colibri_aio.io.pool import ask_huge_pages
@@ -70,10 +71,7 @@ def total_stats(parts: Sequence[BulkStats]) -> BulkStats | None:
 
 def trunk_huge_pages() -> bool:
     """Whether the trunk asks for huge pages: ``COLIBRI_TRUNK_HUGE_PAGES`` on (the default) or off."""
-    value = os.environ.get("COLIBRI_TRUNK_HUGE_PAGES", "on")
-    if value not in ("on", "off"):
-        raise UserError(f"COLIBRI_TRUNK_HUGE_PAGES={value!r}: choose one of on, off")
-    return value == "on"
+    return settings.is_on("trunk_huge_pages")
 
 
 def plan_spans(ranges: Sequence[tuple[int, int]], merge_gap: int = MERGE_GAP) -> list[Span]:

@@ -62,7 +62,6 @@ import contextlib
 import ctypes
 import functools
 import math
-import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -73,8 +72,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 import ggml.ggml as G  # ggml-python; this module is only imported when the ggml backend is asked for
 
-from colibri_aio import cpu
-from colibri_aio.errors import UserError
+from colibri_aio import cpu, settings
 from colibri_aio.kernels.backend import FFNWeights
 from colibri_aio.kernels.qtensor import QTensor
 
@@ -107,9 +105,9 @@ PARALLEL_BYTES = 1 << 18         # graphs with fewer weight bytes run on one thr
 # (evidence/decode_20261202T040458Z.md).
 # The values each knob takes, the default (the measured winner) first: any other is refused, so a mistyped
 # A/B arm never measures the default under another name.
-KNOB_CHOICES = {"threadpool": ("off", "on"), "graphs": ("on", "off"), "experts": ("stacked", "each"),
-                "attention": ("f32", "f16"), "expert_gemm": ("1", "0"), "step": ("graph", "layers"),
-                "widen": ("rows", "cast"), "repack": ("on", "off")}
+# (The switches themselves, their variables and values, are colibri_aio/settings.py's ``ggml_*``.)
+KNOB_CHOICES = {name.removeprefix("ggml_"): switch.choices for name, switch in settings.SWITCHES.items()
+                if name.startswith("ggml_")}
 KNOBS = {name: values[0] for name, values in KNOB_CHOICES.items()}
 # Weight types llamafile's GEMM multiplies on x86 (tinyBLAS_Q0_AVX) and whose products there carry the bits of
 # ggml's vec_dot, row for row (tests/test_kernels_ggml.py): an expert with several positions runs on it.
@@ -118,12 +116,10 @@ GEMM_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GG
 
 
 def knob(name: str) -> str:
-    """Setting ``name`` of :data:`KNOBS`, overridden by the environment's ``COLIBRI_GGML_<NAME>``; a value not in
+    """Setting ``name`` of :data:`KNOBS` (``COLIBRI_GGML_<NAME>``, :mod:`colibri_aio.settings`); a value not in
     :data:`KNOB_CHOICES` is a :class:`UserError`."""
-    variable = f"COLIBRI_GGML_{name.upper()}"
-    value = os.environ.get(variable, KNOBS[name])
-    if value not in KNOB_CHOICES[name]:
-        raise UserError(f"{variable}={value!r}: choose one of {', '.join(KNOB_CHOICES[name])}")
+    value = settings.get(f"ggml_{name}")
+    assert value is not None
     return value
 
 

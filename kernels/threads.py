@@ -1,18 +1,20 @@
 """The kernels' worker threads: one pool shared by every backend.
 
 A kernel call runs on the calling thread plus ``get_num_threads() - 1`` pool
-workers (NumPy releases the GIL). ``COLIBRI_KERNEL_THREADS`` sets
-the count at start (default 2, the cores of the machines this was tuned on).
+workers (NumPy releases the GIL). ``COLIBRI_KERNEL_THREADS`` sets the count
+(default 2, the cores of the machines this was tuned on), read when it is
+first asked for, not at import.
 """
 from __future__ import annotations
 
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+from colibri_aio import settings
+
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
-_num_threads = max(1, int(os.environ.get("COLIBRI_KERNEL_THREADS", "2")))
+_num_threads: int | None = None  # from the settings on first use
 
 
 def set_num_threads(n: int) -> None:
@@ -28,6 +30,9 @@ def set_num_threads(n: int) -> None:
 
 def get_num_threads() -> int:
     """The number of threads a kernel call uses."""
+    global _num_threads
+    if _num_threads is None:
+        _num_threads = settings.kernel_threads()
     return _num_threads
 
 
@@ -36,7 +41,7 @@ def workers() -> ThreadPoolExecutor:
     global _pool
     with _lock:
         if _pool is None:
-            _pool = ThreadPoolExecutor(max(1, _num_threads - 1), thread_name_prefix="colibri-kernel")
+            _pool = ThreadPoolExecutor(max(1, get_num_threads() - 1), thread_name_prefix="colibri-kernel")
         return _pool
 
 

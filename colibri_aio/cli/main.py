@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, NoReturn
 
-from colibri_aio import __version__
+from colibri_aio import __version__, settings
 from colibri_aio.errors import ExpertReadError, UserError, one_line
 from colibri_aio.cli.logs import configure as configure_logs
 from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, KV_TYPES
@@ -301,7 +301,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     _add_model(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
     p.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one (default: %(default)s)")
-    p.add_argument("--api-key", default=os.environ.get("COLIBRI_API_KEY"), metavar="KEY",
+    p.add_argument("--api-key", default=settings.get("api_key"), metavar="KEY",
                    help="require Authorization: Bearer KEY (default: $COLIBRI_API_KEY; unset: any key or none)")
     p.add_argument("--max-queue", type=int, default=16, metavar="N",
                    help="requests that may wait while one generates; more get 429 (default: %(default)s)")

@@ -24,6 +24,7 @@ from colibri_aio.engine.history import HistoryFile
 from colibri_aio.engine.placement import Placement, open_source
 from colibri_aio.engine.plan import Plan, gb
 from colibri_aio.engine.scheduler import CachedExpertSource
+from colibri_aio import settings
 from colibri_aio.errors import UserError
 from colibri_aio.gguf.model import Model, Progress, load, with_resident_trunk
 from colibri_aio.kernels.backend import NAMES as KERNEL_NAMES, Kernels, KernelsUnavailable, open_kernels
@@ -71,7 +72,7 @@ def _timed(func: Callable[..., T]) -> Callable[..., tuple[T, float]]:
 
 def kernels_name(name: str | None) -> str:
     """The kernels asked for (``name``, else $COLIBRI_KERNELS, else auto); an unknown name is a user error."""
-    name = name if name is not None else os.environ.get("COLIBRI_KERNELS", "auto")
+    name = name if name is not None else settings.get("kernels")
     if name not in KERNEL_NAMES:
         raise UserError(f"unknown kernels {name!r} (choose from {', '.join(KERNEL_NAMES)})")
     return name

@@ -5,7 +5,6 @@
 """
 from __future__ import annotations
 
-import os
 import re
 import signal
 import subprocess
@@ -13,6 +12,8 @@ import sys
 import threading
 import time
 from collections.abc import Sequence
+
+from colibri_aio import settings
 
 READY = re.compile(r"\[serving \S+ at (http://\S+)/v1 ")
 
@@ -40,7 +41,7 @@ class ServerProcess:
         return self._proc.pid
 
     def start(self) -> "ServerProcess":
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})}
+        env = settings.child_environment({"PYTHONUNBUFFERED": "1", **(self.env or {})})
         self._proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                       stderr=subprocess.PIPE, text=True, env=env, cwd=self.cwd)
         threading.Thread(target=self._read_log, daemon=True).start()

@@ -1,0 +1,105 @@
+"""Every environment variable the engine reads, in one place: its name, the values it takes, its default, and why.
+
+No other module reads the environment: they ask :func:`get` (or a typed
+helper below) by the switch's short name. A value is read when asked for,
+not at import, so a process that sets a variable before opening an engine
+(a benchmark's A/B arm, a test) is heard; a value outside a switch's choices
+is a :class:`~colibri_aio.errors.UserError` naming the variable, so a
+mistyped A/B arm never measures the default under another name.
+
+The ``ggml_*`` switches are the A/B arms of the ggml backend that are still
+open or kept for a receipt; their defaults are the measured winners, the
+first of each ``choices``.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from colibri_aio.errors import UserError
+
+
+@dataclass(frozen=True, slots=True)
+class Switch:
+    """One environment variable: its choices (None: any non-empty ``kind`` of value), default and meaning."""
+
+    variable: str
+    default: str | None
+    choices: tuple[str, ...] | None
+    doc: str
+    kind: str = "text"
+
+
+SWITCHES: dict[str, Switch] = {
+    "kernels": Switch("COLIBRI_KERNELS", "auto", ("auto", "ggml", "numpy"),
+                      "matrix kernels when --kernels / kernels= is not given"),
+    "kernel_threads": Switch("COLIBRI_KERNEL_THREADS", "2", None,
+                             "threads of every kernel call (the caller plus n - 1 pool workers)", "a count >= 1"),
+    "trunk_huge_pages": Switch("COLIBRI_TRUNK_HUGE_PAGES", "on", ("on", "off"),
+                               "the resident trunk asks for transparent huge pages (decode x1.044, "
+                               "evidence/decode_20261202T034250Z.md)"),
+    "api_key": Switch("COLIBRI_API_KEY", None, None, "serve: the bearer token clients must send", "a key"),
+    "cache_home": Switch("XDG_CACHE_HOME", None, None,
+                         "where the engine's caches live (colibri_aio/ under it; ~/.cache without it)", "a folder"),
+    # ggml's A/B arms (kernels/ggml_cpu.py says what each measured).
+    "ggml_threadpool": Switch("COLIBRI_GGML_THREADPOOL", "off", ("off", "on"),
+                              "a persistent ggml threadpool (no decode gain: 24.8 vs 25.4 tok/s without)"),
+    "ggml_graphs": Switch("COLIBRI_GGML_GRAPHS", "on", ("on", "off"), "decode on whole ggml graphs"),
+    "ggml_experts": Switch("COLIBRI_GGML_EXPERTS", "stacked", ("stacked", "each"),
+                           "a layer's experts as one ggml_mul_mat_id stack, or one product each"),
+    "ggml_attention": Switch("COLIBRI_GGML_ATTENTION", "f32", ("f32", "f16"), "decode attention's precision"),
+    "ggml_expert_gemm": Switch("COLIBRI_GGML_EXPERT_GEMM", "1", ("1", "0"),
+                               "experts of several rows on llamafile's GEMM"),
+    "ggml_step": Switch("COLIBRI_GGML_STEP", "graph", ("graph", "layers"),
+                        "a resident decode step as one graph, or two graphs a block"),
+    "ggml_widen": Switch("COLIBRI_GGML_WIDEN", "rows", ("rows", "cast"),
+                         "how decode attention widens an f16 cache (rows: ggml_get_rows, same bits)"),
+    "ggml_repack": Switch("COLIBRI_GGML_REPACK", "on", ("on", "off"),
+                          "resident matrices copied into ggml's CPU_REPACK layout at load"),
+}
+
+
+def get(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The value of switch ``name`` now (its default when unset or empty); UserError if it is not a choice."""
+    switch = SWITCHES[name]
+    value = (os.environ if environ is None else environ).get(switch.variable) or switch.default
+    if switch.choices is not None and value not in switch.choices:
+        raise UserError(f"{switch.variable}={value!r}: choose one of {', '.join(switch.choices)}")
+    return value
+
+
+def is_on(name: str) -> bool:
+    """An on/off switch's state."""
+    return get(name) == "on"
+
+
+def kernel_threads() -> int:
+    """``COLIBRI_KERNEL_THREADS`` as a count >= 1."""
+    text = get("kernel_threads")
+    try:
+        count = int(text or "")
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise UserError(f"COLIBRI_KERNEL_THREADS={text!r}: a whole number of threads >= 1")
+    return count
+
+
+def cache_home() -> str:
+    """``$XDG_CACHE_HOME``, else ``~/.cache``."""
+    return get("cache_home") or os.path.join(os.path.expanduser("~"), ".cache")
+
+
+def child_environment(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a child process, with ``extra`` set over it."""
+    return {**os.environ, **(extra or {})}
+
+
+def describe() -> list[str]:
+    """One line per switch: variable, choices, default, meaning (for ``--help`` texts and the README)."""
+    lines = []
+    for switch in SWITCHES.values():
+        takes = "|".join(switch.choices) if switch.choices else switch.kind
+        lines.append(f"{switch.variable} ({takes}; default {switch.default or 'unset'}): {switch.doc}")
+    return lines
