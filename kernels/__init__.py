@@ -1,1 +1,1 @@
-"""Pure NumPy kernels on views of raw GGUF bytes."""
+"""Kernel backends on views of raw GGUF bytes: ggml's CPU kernels and the NumPy reference (:mod:`.backend`)."""
