@@ -43,8 +43,6 @@ SWITCHES: dict[str, Switch] = {
     "cache_home": Switch("XDG_CACHE_HOME", None, None,
                          "where the engine's caches live (colibri_aio/ under it; ~/.cache without it)", "a folder"),
     # ggml's A/B arms (kernels/ggml_cpu.py says what each measured).
-    "ggml_threadpool": Switch("COLIBRI_GGML_THREADPOOL", "off", ("off", "on"),
-                              "a persistent ggml threadpool (no decode gain: 24.8 vs 25.4 tok/s without)"),
     "ggml_graphs": Switch("COLIBRI_GGML_GRAPHS", "on", ("on", "off"), "decode on whole ggml graphs"),
     "ggml_experts": Switch("COLIBRI_GGML_EXPERTS", "stacked", ("stacked", "each"),
                            "a layer's experts as one ggml_mul_mat_id stack, or one product each"),
@@ -53,8 +51,6 @@ SWITCHES: dict[str, Switch] = {
                                "experts of several rows on llamafile's GEMM"),
     "ggml_step": Switch("COLIBRI_GGML_STEP", "graph", ("graph", "layers"),
                         "a resident decode step as one graph, or two graphs a block"),
-    "ggml_widen": Switch("COLIBRI_GGML_WIDEN", "rows", ("rows", "cast"),
-                         "how decode attention widens an f16 cache (rows: ggml_get_rows, same bits)"),
     "ggml_repack": Switch("COLIBRI_GGML_REPACK", "on", ("on", "off"),
                           "resident matrices copied into ggml's CPU_REPACK layout at load"),
 }

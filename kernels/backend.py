@@ -94,9 +94,6 @@ class Kernels(Protocol):
         """Matrices that stay in memory as long as this backend serves them (a net's trunk): the backend may
         keep a copy of them in a layout of its own; returns the bytes such copies take."""
 
-    def rest(self) -> None:
-        """A forward pass is over: let worker threads sleep until the next call (they may spin between calls)."""
-
     def close(self) -> None: ...
 
 
@@ -135,9 +132,6 @@ class NumpyKernels:
     def resident(self, ws: Iterable[QTensor | None]) -> int:
         """The reference multiplies the file's bytes: no copy."""
         return 0
-
-    def rest(self) -> None:
-        """Nothing spins between calls."""
 
     def close(self) -> None:
         """Nothing to free: the thread pool is shared."""

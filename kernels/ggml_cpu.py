@@ -89,20 +89,19 @@ _TEMPLATES = 256                 # graphs kept per backend (least recently used 
 _ADDRESSES = 1 << 15             # array addresses remembered (see _Addresses)
 _STACK_WORK = 32 << 20          # bytes of ggml_mul_mat_id bookkeeping one stack of experts may need (_stacks)
 PARALLEL_BYTES = 1 << 18         # graphs with fewer weight bytes run on one thread (GgmlKernels)
-# A/B switches (bench_decode.py arms such as ``ggml@COLIBRI_GGML_THREADPOOL=on``); the defaults are the
-# measured winners. threadpool: a persistent ggml threadpool gave no decode gain on the decode graphs
-# (~17 launches a token: 24.8 vs 25.4 tok/s without, evidence/decode_20261202T012629Z.md), so ggml
-# starts and joins its threads per graph as before.
+# A/B switches (bench_decode.py arms such as ``ggml@COLIBRI_GGML_STEP=layers``); the defaults are the
+# measured winners. (A persistent ggml threadpool gave no decode gain on the decode graphs, ~17 launches a
+# token: 24.8 vs 25.4 tok/s without, evidence/decode_20261202T012629Z.md; so ggml starts and joins its
+# threads per graph, and the threadpool arm is gone.)
 # step: "graph" runs a decode step whose experts are all resident as one graph (arch/decode_graphs.py),
 # "layers" as two graphs per block and one for the head.
 # repack: resident matrices of a type ggml can repack on this CPU are copied once, at load, into ggml's
 # CPU_REPACK layout (several rows interleaved, as llama.cpp loads them) and multiplied by its GEMV/GEMM
 # there (:meth:`GgmlKernels.resident`); "off" multiplies the file's bytes with vec_dot (prefill x1.12 on,
 # decode x1.03, evidence/decode_20261202T040605Z.md, roofline_20261202T040511Z.md).
-# widen: how decode attention widens an f16 cache to float32 (kernels/ggml_decode.py _widened): "rows"
-# (ggml_get_rows, a whole row at a time, same bits) or "cast" (ggml_cast, element by element, the A/B).
-# Rows pays at depth: 18.4 vs 16.5 tok/s after 2048 positions of context
-# (evidence/decode_20261202T040458Z.md).
+# (Decode attention widens an f16 cache with ggml_get_rows, a whole row at a time, the bits of ggml_cast's
+# element by element: 18.4 vs 16.5 tok/s after 2048 positions of context, evidence/decode_20261202T040458Z.md;
+# the cast arm is gone.)
 # The values each knob takes, the default (the measured winner) first: any other is refused, so a mistyped
 # A/B arm never measures the default under another name.
 # (The switches themselves, their variables and values, are colibri_aio/settings.py's ``ggml_*``.)
@@ -402,7 +401,7 @@ class _Graph:
         stack.nb[2] = stride
         stack.nb[3] = stride * stack.ne[2]
 
-    def finish(self, outputs: Sequence, n_threads: int, threadpool: object = None, effects: Sequence = (),
+    def finish(self, outputs: Sequence, n_threads: int, effects: Sequence = (),
                own_arena: bool = True) -> None:
         """Expand the graph from ``effects`` (nodes run first for what they write into leaves' memory, such
         as a KV cache row) then ``outputs``, give every intermediate a place, and plan it.
@@ -443,7 +442,7 @@ class _Graph:
             self._arena, base = _aligned(offset)
             self.place(base)
         self.refresh_views()
-        self.plan = G.ggml_graph_plan(self.gf, n_threads, threadpool)
+        self.plan = G.ggml_graph_plan(self.gf, n_threads, None)  # no threadpool: threads per graph
         self._plan_ref = ctypes.byref(self.plan)
         self.work_size = self.plan.work_size
 
@@ -541,16 +540,6 @@ def _stacks(addrs: Sequence[tuple[int, int, int]], rows: Sequence[int]) -> list[
 _ACTIVATIONS: dict[str, Callable] = {"swiglu": lambda ctx, g, u: G.ggml_swiglu_split(ctx, g, u)}
 
 
-def _threadpool(n_threads: int) -> object:
-    """ggml's persistent workers: without one, every ggml_graph_compute starts and joins its threads
-    (~30 graphs a decoded token)."""
-    params = G.ggml_threadpool_params_default(n_threads)
-    pool = G.ggml_threadpool_new(ctypes.byref(params))
-    if not pool:
-        raise GgmlUnavailable("ggml_threadpool_new failed")
-    return pool
-
-
 class GgmlKernels:
     """The ggml backend of one engine: its graphs, work buffer and threads.
 
@@ -588,7 +577,6 @@ class GgmlKernels:
         self._work, self._work_ptr = self._work_buffer(1 << 20)
         self._scratch, _ = _aligned(0)           # the intermediates of _expert_gemms' graphs
         self._lock = threading.Lock()
-        self._threadpool = _threadpool(n_threads) if knob("threadpool") == "on" else None
 
     # --- the interface the forward pass calls ---
 
@@ -801,14 +789,6 @@ class GgmlKernels:
             ctypes.c_void_p(data.ctypes.data), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), out.size)
         return out
 
-    def rest(self) -> None:
-        """Put the threadpool's workers to sleep until the next graph wakes them: between two graphs they
-        spin for a while (ggml's polling, ~0.1 s), which would take a core from whatever runs next once a
-        forward pass is over (measured: llama.cpp decoding after us in the same benchmark lost ~25%)."""
-        if self._threadpool is not None:
-            with self._lock:
-                G.ggml_threadpool_pause(self._threadpool)
-
     def close(self) -> None:
         """Free every graph's ggml context."""
         with self._lock:
@@ -822,9 +802,6 @@ class GgmlKernels:
             self._moved.clear()
             self._packed_at.clear()
             self._address.forget()
-            if self._threadpool is not None:
-                G.ggml_threadpool_free(self._threadpool)
-                self._threadpool = None
 
     # --- helpers ---
 
@@ -901,7 +878,7 @@ class GgmlKernels:
         threads = self.n_threads if weight_bytes >= self.parallel_bytes else 1
         built = build(graph)
         outputs, effects = built if isinstance(built, tuple) else (built, ())
-        graph.finish(outputs, threads, self._threadpool, effects, own_arena)
+        graph.finish(outputs, threads, effects, own_arena)
         if graph.work_size > self._work.size:
             self._work, self._work_ptr = self._work_buffer(graph.work_size)
         self._graphs[key] = graph

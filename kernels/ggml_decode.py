@@ -209,10 +209,7 @@ def _build_attention(g: _Graph, s: AttentionShape, n_kv: int) -> tuple[list, lis
     effects = [G.ggml_set_rows(ctx, k_rows, G.ggml_reshape_2d(ctx, k, s.heads_kv * d, 1), pos64),
                G.ggml_set_rows(ctx, v_rows, v, pos64)]
     if kv_gid != _F32 and not s.f16_attention:   # the keys and values the context holds, as float32
-        if knob("widen") == "rows":
-            k_all, v_all = _widened(ctx, (k_all, v_all), n_kv, s.heads_kv)
-        else:
-            k_all, v_all = G.ggml_cast(ctx, k_all, _F32), G.ggml_cast(ctx, v_all, _F32)
+        k_all, v_all = _widened(ctx, (k_all, v_all), n_kv, s.heads_kv)
     att = G.ggml_flash_attn_ext(ctx, G.ggml_permute(ctx, q, 0, 2, 1, 3), k_all, v_all, mask,
                                 1.0 / math.sqrt(d), 0.0, 0.0)
     G.ggml_flash_attn_ext_set_prec(att, G.GGML_PREC_F32)

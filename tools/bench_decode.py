@@ -19,7 +19,7 @@ then ``--runs`` timed runs each. An arm of ours is a kernel backend
 its worker after an ``@`` (``ggml@COLIBRI_GGML_EXPERT_GEMM=0``): the A/B of a
 switch in one run. The decode switches (``kernels/ggml_cpu.KNOBS``):
 ``COLIBRI_GGML_GRAPHS=off`` (one graph per product, NumPy trunk ops),
-``COLIBRI_GGML_THREADPOOL=off``, ``COLIBRI_GGML_EXPERTS=each`` (one product per
+``COLIBRI_GGML_EXPERTS=each`` (one product per
 expert instead of ``ggml_mul_mat_id``), ``COLIBRI_GGML_ATTENTION=f16``
 (llama.cpp's flash-attention rounding over the f16 cache), ``COLIBRI_GGML_STEP=layers``
 (two graphs per block and one for the head instead of one graph per step

@@ -247,7 +247,6 @@ class MoETransformer:
         self.ids.extend(tok.tolist())
         rows = x if logits == "all" else x[-1:]
         out = self.output_logits(rows)
-        self.kernels.rest()
         self._check_finite(out, "the output head (output_norm, output)", positions[-len(rows):])
         return out if logits == "all" else out[0]
 
