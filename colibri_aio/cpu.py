@@ -74,10 +74,15 @@ def _bit(regs: dict[tuple[int, int], tuple[int, int, int, int]], where: tuple[in
     return values is not None and bool(values[reg] >> bit & 1)
 
 
+def is_x86_64() -> bool:
+    """Whether this process runs x86-64 code (where CPUID exists and stores are totally ordered)."""
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
 @functools.cache
 def _cpuid_flags() -> tuple[frozenset[str], str] | None:
     """Flags from CPUID (with the OS's XCR0 for the AVX families) and the raw registers, or None."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    if not is_x86_64():
         return None
     try:
         native = _Native()

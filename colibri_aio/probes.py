@@ -49,13 +49,14 @@ resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # a probe that dies leaves no 
 from colibri_aio import cpu
 print(cpu.signature(), flush=True)
 module, _, function = sys.argv[1].partition(":")
+kept_failure = int(sys.argv[2])
 try:
     print(getattr(importlib.import_module(module), function)())
 except Exception as exc:
     if not getattr(exc, "keep_verdict", False):
         raise
     print(f"{type(exc).__module__}.{type(exc).__name__}: {exc}", file=sys.stderr)
-    sys.exit(3)
+    sys.exit(kept_failure)
 """
 
 
@@ -129,7 +130,7 @@ def _cache_path(backend: str, key: str) -> Path:
 def run_child(backend: str, target: str, timeout: float = PROBE_TIMEOUT_S) -> Verdict:
     """Run ``target`` in a fresh interpreter and judge how it ended."""
     try:
-        done = subprocess.run([sys.executable, "-c", _CHILD, target], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-c", _CHILD, target, str(KEPT_FAILURE)], capture_output=True, text=True,
                               timeout=timeout, stdin=subprocess.DEVNULL, errors="replace")
     except subprocess.TimeoutExpired:
         return Verdict(backend, False, f"was not proven: its probe did not finish in {timeout:.0f} s", proven=False)
@@ -166,7 +167,7 @@ def _signal_name(number: int) -> str:
 def _signal_cause(number: int) -> str:
     if number != signal.SIGILL:
         return ""
-    if "avx512f" not in cpu.flags() and platform.machine().lower() in ("x86_64", "amd64"):
+    if "avx512f" not in cpu.flags() and cpu.is_x86_64():
         return ": this CPU lacks AVX-512"
     return ": it uses an instruction this CPU lacks"
 

@@ -37,6 +37,8 @@ import platform
 import struct
 from collections.abc import Iterator, Sequence
 
+from colibri_aio import cpu
+
 SYS_IO_URING_SETUP, SYS_IO_URING_ENTER, SYS_IO_URING_REGISTER = 425, 426, 427  # every Linux arch but alpha
 
 # Opcodes (enum io_uring_op, linux/io_uring.h).
@@ -157,7 +159,7 @@ class _Ordered:
 
 def _tso() -> bool:
     """Whether plain loads and stores are already acquire/release ordered on this CPU (x86's total store order)."""
-    return platform.machine().lower() in ("x86_64", "amd64")
+    return cpu.is_x86_64()
 
 
 @functools.cache
