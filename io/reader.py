@@ -278,7 +278,7 @@ def _pool_backend(kind: str, found: probes.Verdict | None, files: Sequence[Model
                   punt: bool = False) -> tuple[ReadBackend, str]:
     """Pick the backend for ``kind`` among those that read into the pool, with the reason why
     (``found``: the io_uring probe's verdict, None for pread)."""
-    if kind == "pread" or found is None:
+    if found is None:  # pread asked for: no probe was made
         return PreadBackend(files, threads), "pread requested"
     if not found.ok:
         if kind == "uring":
