@@ -108,4 +108,25 @@ class ExpertSource(Protocol):
         """A forward pass over ``positions`` positions begins; lets a scheduler time decode steps (may be ignored)."""
         ...
 
+    def resident(self, layers: Sequence[int], n_experts: int) -> ResidentExperts | None:
+        """Every expert of ``layers`` this source holds, as one stack per matrix and layer with the table of
+        which are in (:class:`ResidentExperts`), for a kernel graph to pick its experts from; None when its
+        experts are not in one strided pool (a graph then asks :meth:`stream` for them)."""
+        ...
+
+    @property
+    def reading(self) -> bool:
+        """Whether a read is in flight (its end waits for the event loop to run its callbacks)."""
+        ...
+
+    def routed(self, routes: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """A forward pass used only experts it picked through :meth:`resident`'s table: each layer's unique
+        experts (ascending), to be counted as :meth:`stream` would have counted them."""
+        ...
+
+    @property
+    def misses(self) -> int:
+        """Experts asked for by :meth:`stream` so far that were not resident (0 for a source without a cache)."""
+        ...
+
     async def aclose(self) -> None: ...

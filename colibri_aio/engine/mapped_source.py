@@ -45,5 +45,21 @@ class MappedExpertSource:
     def step(self, positions: int) -> None:
         """Nothing here is steered by step times."""
 
+    def resident(self, layers: Sequence[int], n_experts: int) -> None:
+        """Mapped experts are not one pool of slots: a graph asks :meth:`stream` for them."""
+        return None
+
+    @property
+    def reading(self) -> bool:
+        return False
+
+    def routed(self, routes: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Never called: :meth:`resident` offers no table to pick from."""
+
+    @property
+    def misses(self) -> int:
+        """Every mapped expert is at hand: none is missed."""
+        return 0
+
     async def aclose(self) -> None:
         self._maps = None

@@ -146,6 +146,11 @@ class CachedExpertSource:
         routing (its unique experts, ascending), counted as :meth:`stream` would have counted it."""
         self._perform(self.policy.on_routes(routes, time.perf_counter()))
 
+    @property
+    def misses(self) -> int:
+        """Demand misses of the cache so far."""
+        return self.policy.cache.stats.misses
+
     def hint(self, layer: int, experts: Sequence[int]) -> None:
         """Lookahead's ranking for ``layer`` (best first): the policy picks what to prefetch."""
         self._perform(self.policy.on_hint(layer, experts, time.perf_counter()))
