@@ -45,7 +45,7 @@ this CPU (Q4_0, Q4_K, IQ4_NL, MXFP4 on AVX2; 8 rows at a time) get a copy in
 ggml's CPU_REPACK layout, as llama.cpp loads them, whose GEMV/GEMM reach the
 memory's bandwidth where vec_dot is compute-bound on those types
 (evidence/roofline_*). The leaf of such a matrix carries the copy's buffer
-type and traits (:meth:`_Graph.weight`) and every address lookup of the
+type and traits (:meth:`Graph.weight`) and every address lookup of the
 original's bytes gives the copy's (:class:`_Addresses`), so every graph reads
 the copy. Its products take vec_dot's integer dot products and sum them in
 another order (~1e-7 of a product's norm); placement still changes no bit.
@@ -76,7 +76,8 @@ from colibri_aio import cpu, settings
 from colibri_aio.kernels.backend import FFNWeights
 from colibri_aio.kernels.qtensor import QTensor
 
-__all__ = ["GEMM_TYPES", "GgmlKernels", "GgmlUnavailable", "has_gemm", "probe", "supported_types", "version"]
+__all__ = ["GEMM_TYPES", "Graph", "GgmlKernels", "GgmlUnavailable", "Mat", "Stack", "aligned_buffer", "has_gemm", "probe",
+           "split_stacks", "supported_types", "version"]
 
 # Features ggml reports as compiled in (ggml_cpu_has_*) and the /proc/cpuinfo flag each needs.
 _ISA_FLAGS = {"sse3": "pni", "ssse3": "ssse3", "avx": "avx", "avx2": "avx2", "f16c": "f16c", "fma": "fma",
@@ -87,7 +88,7 @@ _ALIGN = 64                      # byte alignment of the activation buffers we h
 _GRAPH_NODES = 4096              # capacity of one graph (a batch of 128 experts is 512 nodes)
 _TEMPLATES = 256                 # graphs kept per backend (least recently used dropped)
 _ADDRESSES = 1 << 15             # array addresses remembered (see _Addresses)
-_STACK_WORK = 32 << 20          # bytes of ggml_mul_mat_id bookkeeping one stack of experts may need (_stacks)
+_STACK_WORK = 32 << 20          # bytes of ggml_mul_mat_id bookkeeping one stack of experts may need (split_stacks)
 PARALLEL_BYTES = 1 << 18         # graphs with fewer weight bytes run on one thread (GgmlKernels)
 # A/B switches (bench_decode.py arms such as ``ggml@COLIBRI_GGML_STEP=layers``); the defaults are the
 # measured winners. (A persistent ggml threadpool gave no decode gain on the decode graphs, ~17 launches a
@@ -331,7 +332,7 @@ class _Addresses:
         self._known.clear()
 
 
-def _aligned(nbytes: int) -> tuple[np.ndarray, int]:
+def aligned_buffer(nbytes: int) -> tuple[np.ndarray, int]:
     """A zeroed byte buffer of at least ``nbytes`` starting on an _ALIGN boundary, and its address."""
     raw = np.zeros(max(nbytes, 1) + _ALIGN, np.uint8)
     start = (-raw.ctypes.data) % _ALIGN
@@ -340,13 +341,13 @@ def _aligned(nbytes: int) -> tuple[np.ndarray, int]:
 
 
 def _float_buffer(n: int) -> tuple[np.ndarray, int]:
-    buf, addr = _aligned(4 * n)
+    buf, addr = aligned_buffer(4 * n)
     return buf.view(np.float32), addr
 
 
 # --- graphs ---
 
-class _Graph:
+class Graph:
     """One ggml graph, built once: a context of tensor headers, a plan, its intermediates' memory.
 
     ``inputs`` are the leaves re-pointed at every call, in the order the
@@ -379,7 +380,7 @@ class _Graph:
         self.inputs.append(t.contents)
         return t
 
-    def weight(self, m: "_Mat") -> ctypes.Structure:
+    def weight(self, m: "Mat") -> ctypes.Structure:
         """A leaf for the matrix ``m``; when ``m`` is repacked it carries what makes ggml multiply by it on
         the repacked kernels (:func:`_repack_mark`), and must be pointed at the repacked copy."""
         t = self.leaf(m.gid, m.cols, m.rows)
@@ -439,7 +440,7 @@ class _Graph:
             else:
                 self._fixed_views.append((node, src))
         if own_arena:
-            self._arena, base = _aligned(offset)
+            self._arena, base = aligned_buffer(offset)
             self.place(base)
         self.refresh_views()
         self.plan = G.ggml_graph_plan(self.gf, n_threads, None)  # no threadpool: threads per graph
@@ -471,7 +472,7 @@ class _Graph:
 
 
 @dataclass(frozen=True, slots=True)
-class _Mat:
+class Mat:
     """The signature of one weight in a graph: ggml type, rows, cols, and whether its leaf reads a repacked
     copy (:meth:`GgmlKernels.resident`)."""
 
@@ -486,7 +487,7 @@ class _Mat:
 
 
 @dataclass(frozen=True, slots=True)
-class _Stack:
+class Stack:
     """Experts of one batch seen as one 3-D tensor per matrix: matrix ``index[i]`` of the stack whose
     first gate, up and down matrices start at ``base`` and follow each other ``stride`` bytes apart is
     member ``i`` (a position in the batch); ``depth`` matrices (a power of two, so that graphs repeat)."""
@@ -498,7 +499,7 @@ class _Stack:
     depth: int
 
 
-def _stacks(addrs: Sequence[tuple[int, int, int]], rows: Sequence[int]) -> list[_Stack]:
+def split_stacks(addrs: Sequence[tuple[int, int, int]], rows: Sequence[int]) -> list[Stack]:
     """Split a batch of experts (their gate, up, down addresses; rows routed to each) into stacks.
 
     Experts join one stack while their up and down matrices sit at the same
@@ -507,7 +508,7 @@ def _stacks(addrs: Sequence[tuple[int, int, int]], rows: Sequence[int]) -> list[
     is the gcd of the gate addresses' distances (slots of one buffer pool, or
     experts of one stacked GGUF tensor, are one stride apart).
     """
-    stacks: list[_Stack] = []
+    stacks: list[Stack] = []
     group: list[int] = []
 
     def close() -> None:
@@ -517,7 +518,7 @@ def _stacks(addrs: Sequence[tuple[int, int, int]], rows: Sequence[int]) -> list[
             stride = math.gcd(stride, addrs[m][0] - first)
         stride = stride or 1
         index = tuple((addrs[m][0] - first) // stride for m in group)
-        stacks.append(_Stack(tuple(group), addrs[group[0]], stride, index, 1 << max(index).bit_length()))
+        stacks.append(Stack(tuple(group), addrs[group[0]], stride, index, 1 << max(index).bit_length()))
 
     offsets, gcd, cells = None, 0, 0
     for m in sorted(range(len(addrs)), key=lambda i: addrs[i][0]):
@@ -568,14 +569,15 @@ class GgmlKernels:
         # Experts of several rows on llamafile's GEMM (_expert_gemms); COLIBRI_GGML_EXPERT_GEMM=0 keeps every
         # expert on ggml_mul_mat_id (the A/B of evidence/prefill_ab_*).
         self.expert_gemm = has_gemm() and knob("expert_gemm") != "0"
-        self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
+        self._graphs: OrderedDict[tuple, Graph] = OrderedDict()
         self.repack = knob("repack") == "on" if repack is None else repack
         self._moved: dict[tuple[int, int], int] = {}     # a repacked matrix's (address, size) -> its copy's
         self._packed_at: set[int] = set()                  # the copies' addresses
         self._packs: list[_Packed] = []
-        self._address = _Addresses(self._moved)
+        # address(array): where a graph finds an array's bytes (a repacked copy's, for a repacked matrix)
+        self.address = _Addresses(self._moved)
         self._work, self._work_ptr = self._work_buffer(1 << 20)
-        self._scratch, _ = _aligned(0)           # the intermediates of _expert_gemms' graphs
+        self._scratch, _ = aligned_buffer(0)           # the intermediates of _expert_gemms' graphs
         self._lock = threading.Lock()
 
     # --- the interface the forward pass calls ---
@@ -622,7 +624,7 @@ class GgmlKernels:
                 originals.append(w.data)
                 nbytes += w.nbytes
             self._packs.append(_Packed(ctx, buf, originals, nbytes))
-            self._address.forget()
+            self.address.forget()
         return nbytes
 
     @property
@@ -643,11 +645,11 @@ class GgmlKernels:
         them) run as one product over their rows together: one graph node, one pass of the threads."""
         x = self._input(x, ws[0].cols)
         t = x.shape[0]
-        mats = [self._mat(w) for w in ws]
+        mats = [self.mat(w) for w in ws]
         for m in mats:
             if m.cols != mats[0].cols:
                 raise ValueError(f"linears: weights of {m.cols} and {mats[0].cols} columns share one input")
-        addr = self._address
+        addr = self.address
         addrs = [addr(w.data) for w in ws]
         runs: list[list[int]] = []                      # indices of ws whose bytes follow each other
         for i, (w, m) in enumerate(zip(ws, mats)):
@@ -658,7 +660,7 @@ class GgmlKernels:
                 runs[-1].append(i)
             else:
                 runs.append([i])
-        fused = tuple(_Mat(mats[r[0]].gid, sum(mats[i].rows for i in r), mats[r[0]].cols, mats[r[0]].packed)
+        fused = tuple(Mat(mats[r[0]].gid, sum(mats[i].rows for i in r), mats[r[0]].cols, mats[r[0]].packed)
                       for r in runs)
         sizes = [t * m.rows for m in fused]
         out = self._call(("linears", fused, t), 2 * len(fused) + 1, lambda g: self._build_linears(g, fused, t),
@@ -683,7 +685,7 @@ class GgmlKernels:
         returns (n_i, D) each. Experts of one row (decode) run in one graph:
         experts whose matrices lie at one stride from each other (buffer-pool
         slots, a GGUF's stacked tensors) as one ``ggml_mul_mat_id`` per
-        matrix, as llama.cpp runs a layer's experts (:func:`_stacks`); the
+        matrix, as llama.cpp runs a layer's experts (:func:`split_stacks`); the
         others one stack each. Every (expert, row) is one dot product either
         way, so how experts are stacked never changes a bit. Experts of
         several rows (prefill) of a :data:`GEMM_TYPES` type run on llamafile's
@@ -693,10 +695,10 @@ class GgmlKernels:
         if activation not in _ACTIVATIONS:
             raise ValueError(f"unknown activation {activation!r}")
         gate = down = None
-        addr, addrs, inputs = self._address, [], []
+        addr, addrs, inputs = self.address, [], []
         for e, x in zip(experts, xs, strict=True):
-            g, d = self._mat(e.gate), self._mat(e.down)
-            if self._mat(e.up) != g or d.cols != g.rows or d.rows != g.cols:
+            g, d = self.mat(e.gate), self.mat(e.down)
+            if self.mat(e.up) != g or d.cols != g.rows or d.rows != g.cols:
                 raise ValueError(f"expert FFN shapes gate {e.gate.shape}, up {e.up.shape}, down {e.down.shape} "
                                  "do not chain")
             if gate is None:
@@ -718,12 +720,12 @@ class GgmlKernels:
                     ys[m] = y
         return ys
 
-    def _expert_stacks(self, addrs: list[tuple[int, int, int]], inputs: list[np.ndarray], gate: _Mat, down: _Mat,
+    def _expert_stacks(self, addrs: list[tuple[int, int, int]], inputs: list[np.ndarray], gate: Mat, down: Mat,
                        activation: str) -> list[np.ndarray]:
-        """Experts as ``ggml_mul_mat_id`` stacks (:func:`_stacks`), one graph; every (expert, row) cell is its
+        """Experts as ``ggml_mul_mat_id`` stacks (:func:`split_stacks`), one graph; every (expert, row) cell is its
         own vec_dot products."""
         counts = [x.shape[0] for x in inputs]
-        stacks = _stacks(addrs, counts)
+        stacks = split_stacks(addrs, counts)
         order = [m for st in stacks for m in st.members]
         x = np.concatenate([inputs[m] for m in order]) if len(order) > 1 else inputs[0]
         index = np.concatenate([np.repeat(np.asarray(st.index, np.int32), [counts[m] for m in st.members])
@@ -747,7 +749,7 @@ class GgmlKernels:
         _keep_non_finite(x, [out.reshape(-1, down.rows)])  # the output's rows are x's, one for one
         return ys
 
-    def _expert_gemms(self, addrs: list[tuple[int, int, int]], inputs: list[np.ndarray], gate: _Mat, down: _Mat,
+    def _expert_gemms(self, addrs: list[tuple[int, int, int]], inputs: list[np.ndarray], gate: Mat, down: Mat,
                       activation: str) -> list[np.ndarray]:
         """Experts of two or more rows each, one graph launch per expert: ``ggml_mul_mat`` of its matrices by
         all its rows runs on llamafile's tiled GEMM, which reuses each weight block it loads across the rows
@@ -765,7 +767,7 @@ class GgmlKernels:
                 graph = self.graph(key, 4, lambda gr: self._build_gemm(gr, gate, down, n, activation),
                                    weight_bytes, own_arena=False)
                 if graph.arena_size > self._scratch.size:
-                    self._scratch, _ = _aligned(graph.arena_size)
+                    self._scratch, _ = aligned_buffer(graph.arena_size)
                 graph.place(self._scratch.ctypes.data)
                 for leaf, a in zip(graph.inputs, (g, u, x.ctypes.data, d)):
                     leaf.data = a
@@ -801,7 +803,7 @@ class GgmlKernels:
             self._packs.clear()
             self._moved.clear()
             self._packed_at.clear()
-            self._address.forget()
+            self.address.forget()
 
     # --- helpers ---
 
@@ -812,12 +814,12 @@ class GgmlKernels:
             raise ValueError(f"ggml's CPU backend has no kernel for {name}")
         return gid
 
-    def _mat(self, w: QTensor) -> _Mat:
-        """``w``'s signature; ``w`` may also be any object with a ggml_type and a shape (an expert's ranges)."""
+    def mat(self, w: QTensor) -> Mat:
+        """``w``'s signature in a graph (type, shape, whether its leaf reads a repacked copy); ``w`` may also be any object with a ggml_type and a shape (an expert's ranges)."""
         if len(w.shape) != 2:
             raise ValueError(f"expected a matrix, got shape {w.shape}")
-        packed = bool(self._packed_at) and isinstance(w, QTensor) and self._address(w.data) in self._packed_at
-        return _Mat(self._gid(w), w.shape[0], w.shape[1], packed)
+        packed = bool(self._packed_at) and isinstance(w, QTensor) and self.address(w.data) in self._packed_at
+        return Mat(self._gid(w), w.shape[0], w.shape[1], packed)
 
     @staticmethod
     def _input(x: np.ndarray, cols: int) -> np.ndarray:
@@ -829,10 +831,10 @@ class GgmlKernels:
 
     @staticmethod
     def _work_buffer(nbytes: int) -> tuple[np.ndarray, "ctypes._Pointer[ctypes.c_uint8]"]:
-        buf, addr = _aligned(nbytes)
+        buf, addr = aligned_buffer(nbytes)
         return buf, ctypes.cast(addr, ctypes.POINTER(ctypes.c_uint8))
 
-    def _call(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list], addrs: list[int],
+    def _call(self, key: tuple, n_tensors: int, build: Callable[[Graph], list], addrs: list[int],
               sizes: list[int], weight_bytes: int, strides: Sequence[int] = ()) -> np.ndarray:
         """Run the graph ``key`` (built on first use) on ``addrs`` (and its stacks on ``strides``); its
         outputs, ``sizes`` floats each, land one after another in the returned array."""
@@ -850,11 +852,11 @@ class GgmlKernels:
             self.run(graph)
         return out
 
-    def graph(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list | tuple[list, list]],
-              weight_bytes: int, own_arena: bool = True, n_nodes: int = _GRAPH_NODES) -> _Graph:
+    def graph(self, key: tuple, n_tensors: int, build: Callable[[Graph], list | tuple[list, list]],
+              weight_bytes: int, own_arena: bool = True, n_nodes: int = _GRAPH_NODES) -> Graph:
         """The graph ``key``, built by ``build`` on first use (it returns the outputs, or the outputs and
         the effects); the caller holds :attr:`lock`, points the leaves and runs it with :meth:`run`.
-        ``own_arena=False``: its intermediates go where the caller places them (:meth:`_Graph.place`).
+        ``own_arena=False``: its intermediates go where the caller places them (:meth:`Graph.place`).
         ``n_nodes``: its capacity in nodes (and in leaves)."""
         graph = self._graphs.get(key)
         if graph is None:
@@ -867,33 +869,39 @@ class GgmlKernels:
         """Held around building, re-pointing and running one graph (one call at a time)."""
         return self._lock
 
-    def run(self, graph: _Graph) -> None:
+    def run(self, graph: Graph) -> None:
         """Compute ``graph`` whose leaves and outputs the caller has pointed (under :attr:`lock`)."""
         graph.refresh_views()
         graph.run(self._work_ptr)
 
-    def _new_graph(self, key: tuple, n_tensors: int, build: Callable[[_Graph], list | tuple[list, list]],
-                   weight_bytes: int, own_arena: bool = True, n_nodes: int = _GRAPH_NODES) -> _Graph:
-        graph = _Graph(n_tensors, n_nodes)
-        threads = self.n_threads if weight_bytes >= self.parallel_bytes else 1
+    def _new_graph(self, key: tuple, n_tensors: int, build: Callable[[Graph], list | tuple[list, list]],
+                   weight_bytes: int, own_arena: bool = True, n_nodes: int = _GRAPH_NODES) -> Graph:
+        graph = Graph(n_tensors, n_nodes)
         built = build(graph)
         outputs, effects = built if isinstance(built, tuple) else (built, ())
-        graph.finish(outputs, threads, effects, own_arena)
-        if graph.work_size > self._work.size:
-            self._work, self._work_ptr = self._work_buffer(graph.work_size)
+        self.finish_graph(graph, outputs, weight_bytes, effects, own_arena)
         self._graphs[key] = graph
         if len(self._graphs) > _TEMPLATES:
             self._graphs.popitem(last=False)[1].free()
         return graph
 
+    def finish_graph(self, graph: Graph, outputs: Sequence, weight_bytes: int, effects: Sequence = (),
+                     own_arena: bool = True) -> None:
+        """Plan ``graph`` (:meth:`Graph.finish`) on this backend's threads, one thread when it multiplies by
+        fewer than ``parallel_bytes`` of weights; the work buffer grows to what it needs."""
+        threads = self.n_threads if weight_bytes >= self.parallel_bytes else 1
+        graph.finish(outputs, threads, effects, own_arena)
+        if graph.work_size > self._work.size:
+            self._work, self._work_ptr = self._work_buffer(graph.work_size)
+
     @staticmethod
-    def _build_linears(g: _Graph, mats: Sequence[_Mat], t: int) -> list:
+    def _build_linears(g: Graph, mats: Sequence[Mat], t: int) -> list:
         ws = [g.weight(m) for m in mats]
         x = g.leaf(G.GGML_TYPE_F32, mats[0].cols, t)
         return [G.ggml_mul_mat(g.ctx, w, x) for w in ws]
 
     @staticmethod
-    def _build_gemm(g: _Graph, gate: _Mat, down: _Mat, n: int, activation: str) -> list:
+    def _build_gemm(g: Graph, gate: Mat, down: Mat, n: int, activation: str) -> list:
         wg, wu = g.leaf(gate.gid, gate.cols, gate.rows), g.leaf(gate.gid, gate.cols, gate.rows)
         x = g.leaf(G.GGML_TYPE_F32, gate.cols, n)                    # leaves in the order _expert_gemms gives
         wd = g.leaf(down.gid, down.cols, down.rows)
@@ -901,7 +909,7 @@ class GgmlKernels:
         return [G.ggml_mul_mat(g.ctx, wd, h)]
 
     @staticmethod
-    def _build_moe(g: _Graph, gate: _Mat, down: _Mat, sizes: list[int], stacks: list["_Stack"],
+    def _build_moe(g: Graph, gate: Mat, down: Mat, sizes: list[int], stacks: list["Stack"],
                    activation: str) -> list:
         act = _ACTIVATIONS[activation]
         outs = []

@@ -132,7 +132,13 @@ def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return gate / (np.float32(1.0) + np.exp(-gate)) * up
 
 
-def swiglu_oai(gate: np.ndarray, up: np.ndarray, alpha: float = 1.702, limit: float = 7.0) -> np.ndarray:
+# gpt-oss's clamped SwiGLU: the slope of its sigmoid and the clamp of its inputs (ggml's swiglu_oai takes them too).
+SWIGLU_OAI_ALPHA = 1.702
+SWIGLU_OAI_LIMIT = 7.0
+
+
+def swiglu_oai(gate: np.ndarray, up: np.ndarray, alpha: float = SWIGLU_OAI_ALPHA,
+               limit: float = SWIGLU_OAI_LIMIT) -> np.ndarray:
     """gpt-oss's clamped SwiGLU (ggml's ``swiglu_oai``): g = min(gate, limit), u = clamp(up, ±limit),
     g * sigmoid(alpha * g) * (u + 1)."""
     g = np.minimum(gate, np.float32(limit))
@@ -168,7 +174,7 @@ class Routing:
 
 
 # llama.cpp clamps the sum of the top-k weights from below before dividing by it.
-_MIN_WEIGHT_SUM = np.float32(6.103515625e-5)
+MIN_WEIGHT_SUM = np.float32(6.103515625e-5)
 
 
 def _probabilities(logits: np.ndarray, routing: Routing) -> np.ndarray:
@@ -220,7 +226,7 @@ def route(logits: np.ndarray, k: int, routing: Routing = Routing(),
     if routing.gating == "softmax_weight":
         weights = softmax(weights, axis=-1)
     if routing.normalize:
-        weights = weights / np.maximum(np.sum(weights, axis=-1, keepdims=True), _MIN_WEIGHT_SUM)
+        weights = weights / np.maximum(np.sum(weights, axis=-1, keepdims=True), MIN_WEIGHT_SUM)
     if routing.scale not in (0.0, 1.0):
         weights = weights * np.float32(routing.scale)
     return ids, weights.astype(np.float32, copy=False)

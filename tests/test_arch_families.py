@@ -22,6 +22,7 @@ import pytest
 from gguf import GGUFReader
 
 from colibri_aio.arch import SUPPORTED_ARCHITECTURES, build_net
+from colibri_aio.arch.graph import NumpyBuilder
 from colibri_aio.arch.layers import MoETransformer
 from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.gguf.model import load
@@ -130,7 +131,8 @@ def test_ggml_logits_match_llamacpp(stem: str, decode: bool, ggml: Kernels) -> N
 
 
 @pytest.mark.parametrize("stem", sorted(p.name.split(".")[0] for p in ORACLE.glob("*.llamacpp_attention.npz")))
-def test_ggml_with_llamacpps_attention_outputs_gives_its_logits_bit_for_bit(stem: str, ggml: Kernels) -> None:
+def test_ggml_with_llamacpps_attention_outputs_gives_its_logits_bit_for_bit(monkeypatch, stem: str,
+                                                                           ggml: Kernels) -> None:
     """Every product but attention's (embedding, q/k/v/o with biases, YaRN, the router, the MXFP4 experts
     on Q8_0 activations, the clamped SwiGLU, the expert biases, the head) is llama.cpp's to the bit: given
     llama.cpp's attention output of each layer (fixtures/make_family_oracles.py attention), the ggml
@@ -140,14 +142,14 @@ def test_ggml_with_llamacpps_attention_outputs_gives_its_logits_bit_for_bit(stem
     with np.load(ORACLE / f"{stem}.llamacpp_attention.npz") as ref:
         theirs = {int(name.split("-")[1]): ref[name] for name in ref.files}
     assert sorted(theirs) == list(range(net.args.block_count))
-    ours = net.attend_heads
+    ours = NumpyBuilder.attend
     mine: dict[int, np.ndarray] = {}
 
-    def llamacpps(layer: int, *args, **options) -> np.ndarray:
-        mine[layer] = ours(layer, *args, **options)
+    def llamacpps(f: NumpyBuilder, layer: int, *args, **options) -> np.ndarray:
+        mine[layer] = ours(f, layer, *args, **options)
         return theirs[layer]
 
-    net.attend_heads = llamacpps
+    monkeypatch.setattr(NumpyBuilder, "attend", llamacpps)
     got = teacher_forced(net, ids, decode=False)
     assert np.array_equal(got, want)
     for layer, o in mine.items():  # the attention itself agrees to float32 rounding

@@ -181,7 +181,7 @@ def test_experts_in_pool_slots_run_stacked_and_give_the_bits_they_give_alone(ker
     slot = sum(w.nbytes for w in (experts[0].gate, experts[0].up, experts[0].down)) + 4096
     pooled = _slotted(experts, slot, [7, 2, 30, 3, 11])
     addrs = [(w.gate.data.ctypes.data, w.up.data.ctypes.data, w.down.data.ctypes.data) for w in pooled]
-    (stack,) = ggml_cpu._stacks(addrs, [1] * 5)
+    (stack,) = ggml_cpu.split_stacks(addrs, [1] * 5)
     assert stack.stride == slot and sorted(stack.index) == [0, 1, 5, 9, 28]
     rng = np.random.default_rng(8)
     xs = [rng.standard_normal((n, 256)).astype(np.float32) for n in (1, 4, 2, 1, 3)]

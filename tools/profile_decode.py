@@ -83,20 +83,19 @@ class Timers:
         k.dequantize = self.timed("kernel: embedding rows", k.dequantize)
         if k.name == "ggml":
             from colibri_aio.kernels import ggml_cpu
-            ggml_cpu._Graph.run = self.timed("native: ggml_graph_compute", ggml_cpu._Graph.run)
+            ggml_cpu.Graph.run = self.timed("native: ggml_graph_compute", ggml_cpu.Graph.run)
         for module, names in NUMPY_OPS.items():
             for name in names:
                 setattr(module, name, self.timed(f"numpy: {name}", getattr(module, name)))
         moe, timers = layers.MoETransformer._moe, self
         graphs = getattr(engine.net, "decode_graphs", lambda: None)()
         if graphs is not None:  # decode steps on whole graphs (arch/decode_graphs.py)
-            graphs.attention = self.timed("kernel: block attention + router graph", graphs.attention)
+            # each traced graph by its kind: attention (+ router), dense, shared, head, step (the whole step)
+            graphs.run = self.timed(lambda graph: f"kernel: {graph.key[0]} graph", graphs.run)
             graphs.experts = self.timed("kernel: block experts graph", graphs.experts)
-            graphs.head = self.timed("kernel: output head graph", graphs.head)
-            graphs.step = self.timed("kernel: one-graph step (every block and the head)", graphs.step)
             from colibri_aio.arch import decode_graphs
             one_graph = decode_graphs.GraphDecode._step_on_one_graph
-            step_key = "kernel: one-graph step (every block and the head)"
+            step_key = "kernel: step graph"
 
             async def one_graph_step(net, *a, **kw):
                 t0, inner = time.perf_counter(), timers.t[step_key]

@@ -35,18 +35,23 @@ math as llama.cpp computes them):
      listed: the loader finds them and the I/O layer streams them. Every other
      tensor of the file must be listed (optional ones marked), or the file is
      refused, as llama.cpp refuses tensors it does not expect;
-   - the forward pass, a :class:`~colibri_aio.arch.layers.MoETransformer`
-     subclass: ``attention(layer, h, positions, rope)`` from the shared pieces
-     (``qkv`` adds q/k/v biases when the block has them, ``attend`` keeps
-     the KV cache and takes ``scale`` and ``sinks``, ``rope_neox`` /
-     ``rope_norm`` rotate the first n_rot dims). Override ``rope_tables`` for
-     scaled RoPE (or mix in ``arch.rope.ScaledRope``: llama.cpp's YaRN from
-     ``rope.scaling.*``), ``shared_expert`` for an always-on expert (plain or
-     gated: ``ffn`` runs ``ffn_{gate,up,down}<suffix>``), ``expert_outputs`` for
-     another expert activation or expert biases, ``make_cache`` for another
-     cache layout. Routing (router logits + ``ffn_gate_inp.bias``, selection
-     bias ``exp_probs_b.bias``, ``args.routing``), batch-union expert reads, the
-     rank-ordered sum, lookahead and prefill chunking are shared;
+   - the forward pass, a :class:`~colibri_aio.arch.decode_graphs.GraphDecode`
+     subclass whose ``attention(f, layer, h)`` says the block's attention once,
+     as operations of a :class:`~colibri_aio.arch.graph.Builder` ``f`` on the
+     block's tensors, from the shared pieces (``qkv`` adds q/k/v biases when
+     the block has them, ``attend`` keeps the KV cache and takes ``scale`` and
+     ``sinks``, ``f.rope(x, neox=...)`` rotates the first n_rot dims). Both
+     backends run that description: the NumPy reference and the per-operation
+     pass at once, the ggml backend's decode steps as graphs traced from it.
+     Mix in ``arch.rope.ScaledRope`` for scaled RoPE (llama.cpp's YaRN from
+     ``rope.scaling.*``). A shared expert (``ffn_*_shexp``, gated by
+     ``ffn_gate_inp_shexp`` when the file has it) and the leading dense blocks'
+     FFN come with the tensors; ``expert_activation`` names another expert
+     activation (expert biases ``ffn_*_exps.bias`` come with the file).
+     ``make_cache`` for another cache layout. Routing (router logits +
+     ``ffn_gate_inp.bias``, selection bias ``exp_probs_b.bias``, ``args.routing``),
+     batch-union expert reads, the rank-ordered sum, lookahead and prefill
+     chunking are shared;
    - ``FAMILY = Family(...)``; ``moe_norm`` when the MoE input norm is not
      ``ffn_norm`` (glm4moe and gpt-oss: ``post_attention_norm``).
 

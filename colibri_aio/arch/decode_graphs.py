@@ -1,49 +1,76 @@
-"""Decode steps on whole ggml graphs: the forward pass of one position with a few graph launches per block.
+"""Decode steps as ggml graphs, traced from the family's one description of its block.
 
-:class:`GraphDecode` is mixed into a family's net (before :class:`MoETransformer`).
-When the net runs on the ggml backend and decodes one position without an
-observer, each block is one attention-and-router graph, the expert source's
-stream of the chosen experts, and one experts graph
-(:mod:`colibri_aio.kernels.ggml_decode`); the output head is one graph. When
-the expert source keeps its experts in one strided pool with a slot table
-(:meth:`CachedExpertSource.resident`), a step whose every chosen expert is
-resident runs as a single graph, blocks and head (:meth:`GraphDecode._step_on_one_graph`;
-``COLIBRI_GGML_STEP=layers`` turns it off). Anything
-else (prefill, tracing, the NumPy backend, a block shape the graphs do not
-cover) takes the per-operation pass, which also names the place of any
-non-finite value: a step whose graphs produce one is run again that way.
+:class:`GraphDecode` is the base of every family's net. When the net runs on
+the ggml backend and decodes one position without an observer, the step runs
+on graphs of :mod:`colibri_aio.kernels.ggml_graph`, each traced once (per
+context bucket) from the same :meth:`~MoETransformer.attention`,
+:meth:`~MoETransformer.shared_expert` and :meth:`~MoETransformer.dense_ffn`
+the per-operation pass runs:
+
+- one graph for the whole step, blocks and head, when every expert it routes
+  to is resident in the expert source's pool (:meth:`ExpertSource.resident`):
+  each block picks its experts through the pool's slot table inside the graph;
+- otherwise, per block, an attention-and-router graph, the expert source's
+  stream of the chosen experts, the shared expert's graph once the reads are
+  out, and one experts graph (or a dense block's FFN graph); one head graph.
+
+Anything else (prefill, tracing, the NumPy backend, ``COLIBRI_GGML_GRAPHS=off``)
+takes the per-operation pass, which also names the place of a non-finite
+value: a step whose graphs produce one is run again that way.
 """
 from __future__ import annotations
 
 import asyncio
 from contextlib import aclosing
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from colibri_aio.arch.lookahead import moe_norm
+from colibri_aio import settings
 from colibri_aio.arch.layers import MoETransformer, RouteObserver
-from colibri_aio.kernels.ops import Routing
 
 if TYPE_CHECKING:
-    from colibri_aio.kernels.ggml_decode import DecodeGraphs
+    from colibri_aio.experts import ResidentExperts
+    from colibri_aio.kernels.ggml_graph import DecodeGraphs, ExpertsShape, GgmlBuilder, Node
 
 _UNSET = object()
 
 
+@dataclass(slots=True)
+class StepBuffers:
+    """Where the graphs of one net leave what the next graph, or the caller, reads."""
+
+    stream: np.ndarray      # (1, D) the residual stream entering a block (and leaving the last)
+    residual: np.ndarray    # (1, D) after the block's attention
+    moe_input: np.ndarray   # (1, D) its FFN's input
+    order: np.ndarray       # (1, E) int32 experts by descending selection score
+    weights: np.ndarray     # (1, k) the first k's weights
+    check: np.ndarray       # (1,) finite when nothing in the last graph broke
+    shared: np.ndarray      # (1, D) the shared expert's output
+    shared_check: np.ndarray
+    logits: np.ndarray      # (1, V)
+    step_order: np.ndarray  # (blocks, E) of a one-graph step
+    step_weights: np.ndarray  # (blocks, k)
+    step_check: np.ndarray
+
+    @classmethod
+    def make(cls, blocks: int, dim: int, experts: int, used: int, vocab: int) -> StepBuffers:
+        z = np.zeros
+        return cls(z((1, dim), np.float32), z((1, dim), np.float32), z((1, dim), np.float32),
+                   z((1, experts), np.int32), z((1, used), np.float32), z(1, np.float32), z((1, dim), np.float32),
+                   z(1, np.float32), z((1, vocab), np.float32), z((blocks, experts), np.int32),
+                   z((blocks, used), np.float32), z(1, np.float32))
+
+
 class GraphDecode(MoETransformer):
-    """Decode of one position as whole ggml graphs: attention with optional q/k/v biases, q/k norm and
-    RoPE, softmax top-k (renormalised or not, by ``args.routing``), SwiGLU experts, an optional gated
-    shared expert (:mod:`colibri_aio.kernels.ggml_decode` lists the variants and what others lack).
+    """A net whose decode steps run as ggml graphs traced from its description (module docstring)."""
 
-    The defaults are qwen3moe's block; a family whose block differs says how in the class attributes
-    below, which must describe what its per-operation :meth:`attention` and :meth:`shared_expert` do.
-    """
-
-    graph_qk_norm = "head"        # RMSNorm of q and k: per head, "whole" (over the projection), or "none"
-    graph_neox_rope = True        # False: NORMAL RoPE (adjacent pairs)
-    graph_shared_expert = False   # True: :meth:`gated_shared_expert` (ffn_*_shexp behind ffn_gate_inp_shexp)
     _decode_graphs: object = _UNSET
+    _buffers: StepBuffers
+    _step_missed = False                     # the last step routed to an expert that was not resident
+    one_graph_steps = 0                      # steps run as one graph
+    one_graph_misses = 0                     # one-graph steps discarded: an expert was not resident
 
     def decode_graphs(self) -> DecodeGraphs | None:
         """The net's decode graphs, or None when this net's steps take the per-operation pass."""
@@ -52,168 +79,196 @@ class GraphDecode(MoETransformer):
         return self._decode_graphs  # type: ignore[return-value]
 
     def _make_decode_graphs(self) -> DecodeGraphs | None:
-        if self.kernels.name != "ggml":
+        k, a, model = self.kernels, self.args, self.model
+        if k.name != "ggml" or settings.get("ggml_graphs") != "on":
             return None
-        from colibri_aio.kernels import ggml_cpu, ggml_decode
-
-        if ggml_cpu.knob("graphs") != "on":
+        mats = [model.output, *(m for blk in model.blocks for m in blk.matrices())]
+        if any(m.ggml_type not in k.types for m in mats):
             return None
-        a, model, cache = self.args, self.model, self.cache
-        if (not all(a.is_moe(i) for i in range(a.block_count)) or any(w is not None for w in cache.windows)
-                or a.routing not in (Routing(), Routing(normalize=False)) or cache.layout.values_in_keys
-                or a.n_rot > a.key_length):
-            return None
-        kernels = self.kernels
-        shapes = []
-        for blk in model.blocks:
-            if any(blk.get(n) is not None for n in ("attn_output.bias", "ffn_gate_inp.bias", "exp_probs_b.bias")):
-                return None
-            biases = [blk.get(n) is not None for n in ("attn_q.bias", "attn_k.bias", "attn_v.bias")]
-            if any(biases) and not all(biases):
-                return None
-            mats = [blk.get(n) for n in ("attn_q", "attn_k", "attn_v", "attn_output")]
-            shared = [blk.get(n) for n in ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
-                      if self.graph_shared_expert]
-            if any(m is None or m.ggml_type not in kernels.types for m in mats + shared):
-                return None
-            q, k, v = mats[:3]
-            sigs = [kernels._mat(m) for m in mats]
-            at = kernels._address
-            # One product over the three (one graph node); repacked copies follow each other as the originals do.
-            fused = (sigs[0].gid, sigs[0].packed) == (sigs[1].gid, sigs[1].packed) == (sigs[2].gid, sigs[2].packed) \
-                and at(q.data) + q.nbytes == at(k.data) and at(k.data) + k.nbytes == at(v.data)
-            shapes.append(ggml_decode.AttentionShape(
-                *sigs, heads=a.head_count, heads_kv=a.head_count_kv,
-                key_width=a.key_length, value_width=a.value_length, n_rot=a.n_rot, rope_base=a.rope_freq_base,
-                n_ctx_orig=a.context_length, eps=a.rms_eps, experts=a.expert_count, used=a.expert_used_count,
-                kv_dtype=np.dtype(cache.dtype).name, qkv_fused=fused,
-                f16_attention=ggml_cpu.knob("attention") == "f16", qk_norm=self.graph_qk_norm,
-                neox_rope=self.graph_neox_rope, qkv_bias=all(biases), normalize=a.routing.normalize))
-        return ggml_decode.DecodeGraphs(kernels, shapes, self.graph_shared_expert)
+        from colibri_aio.kernels import ggml_graph
 
-    _step_blocks: list[tuple] | None = None   # each block's arguments of DecodeGraphs.attention after x
-    _step_logits: np.ndarray | None = None   # the head's output of a one-graph step, for output_logits
-    _step_missed = False                     # the last step routed to an expert that was not resident
-    one_graph_steps = 0                      # steps run as one graph
-    one_graph_misses = 0                     # one-graph steps discarded: an expert was not resident
+        self._buffers = StepBuffers.make(a.block_count, a.embedding_length, a.expert_count, a.expert_used_count,
+                                         model.output.rows)
+        return ggml_graph.DecodeGraphs(k, self.cache, self.rope_params(), a.rms_eps,  # type: ignore[arg-type]
+                                       f16_attention=settings.get("ggml_attention") == "f16")
 
-    async def _blocks(self, tok: np.ndarray, positions: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
-        self._step_logits = None
+    async def _logits(self, tok: np.ndarray, positions: np.ndarray, observer: RouteObserver | None,
+                      logits: Literal["last", "all"]) -> np.ndarray:
         graphs = self.decode_graphs() if tok.size == 1 and observer is None else None
         if graphs is not None:
-            x = await self._step_on_one_graph(graphs, tok, positions)
-            if x is not None:
-                return x
-            misses = self._expert_misses()
-            x = await self._blocks_on_graphs(graphs, tok, positions)
-            self._step_missed = self._expert_misses() != misses
-            if x is not None:
+            graphs.begin(int(positions[0]))
+            out = await self._step_on_one_graph(graphs, tok)
+            if out is None:
+                misses = self.experts.misses
+                out = await self._step_on_block_graphs(graphs, tok, positions)
+                self._step_missed = self.experts.misses != misses
+            if out is not None:
                 graphs.steps += 1
-                return x
-        return await super()._blocks(tok, positions, observer)
+                return out
+        return await super()._logits(tok, positions, observer, logits)
 
     def output_logits(self, rows: np.ndarray) -> np.ndarray:
-        logits, self._step_logits = self._step_logits, None
-        if logits is not None:
-            return logits.copy()
         graphs = self.decode_graphs() if len(rows) == 1 else None
         if graphs is None:
             return super().output_logits(rows)
-        return graphs.head(np.ascontiguousarray(rows, np.float32), self.model.output_norm, self.model.output)
+        np.copyto(self._buffers.stream, rows)
+        return self._head(graphs)
 
-    def _expert_misses(self) -> int:
-        """Demand misses of the expert source so far (-1 for a source without a cache)."""
-        policy = getattr(self.experts, "policy", None)
-        return -1 if policy is None else policy.cache.stats.misses
+    # --- the graphs, traced from the description ---------------------------------------------
 
-    async def _step_on_one_graph(self, graphs: DecodeGraphs, tok: np.ndarray, positions: np.ndarray) -> np.ndarray | None:
-        """The residual stream after every block, and the logits (kept for :meth:`output_logits`), from one
-        graph for the whole step, when every expert it routes to is resident in the source's pool; None
-        when the step must run block by block instead (nothing of this attempt is kept but the KV cache
-        rows at this position, which that run writes again before any block reads them).
+    def _attention_graph(self, f: GgmlBuilder, layer: int) -> list[tuple[Node, np.ndarray]]:
+        """Block ``layer``'s attention and, for a block with experts, its router: the residual after the
+        attention, the FFN's input, the experts in order and the first k's weights."""
+        b = self._buffers
+        _, x2, h2 = self.block_attention(f, layer, f.input(b.stream))
+        outputs = [(x2, b.residual), (h2, b.moe_input)]
+        if self.args.is_moe(layer):
+            order, _, weights = self._route(f, layer, h2)
+            outputs += [(order, b.order), (weights, b.weights)]
+        return [*outputs, (f.check_total(), b.check)]
 
-        The graph picks each block's experts through the source's slot table (ResidentExperts) while it
-        runs; afterwards the table says whether each chosen expert was really in (a slot that was not
-        ready was read for nothing, its result is dropped). The graph runs on this thread, the event
-        loop's, so no read can start into a slot and no slot can change hands while it runs: the table
-        cannot go stale under it. The source then counts the step as its per-block requests would have.
-        Nothing was read, so nothing is hinted or prefetched: lookahead only pays when something misses.
-        It is tried while the step before found every expert resident: where experts miss every step (a
-        cache smaller than the working set) each try would be a step computed twice.
+    def _route(self, f: GgmlBuilder, layer: int, h: Node) -> tuple[Node, Node, Node]:
+        blk, a = self.model.blocks[layer], self.args
+        logits = f.linear(blk.ffn_gate_inp, h)
+        if blk.get("ffn_gate_inp.bias") is not None:
+            logits = f.add(logits, blk["ffn_gate_inp.bias"])
+        return f.route(logits, a.expert_used_count, a.routing, blk.get("exp_probs_b.bias"))
+
+    def _dense_graph(self, f: GgmlBuilder, layer: int) -> list[tuple[Node, np.ndarray]]:
+        b = self._buffers
+        out = f.add(f.input(b.residual), self.dense_ffn(f, layer, f.input(b.moe_input)))
+        return [(out, b.stream), (f.check_total(), b.check)]
+
+    def _shared_graph(self, f: GgmlBuilder, layer: int) -> list[tuple[Node, np.ndarray]]:
+        b = self._buffers
+        shared = self.shared_expert(f, layer, f.input(b.moe_input))
+        return [(shared, b.shared), (f.check_total(), b.shared_check)]
+
+    def _head_graph(self, f: GgmlBuilder) -> list[tuple[Node, np.ndarray]]:
+        b, model = self._buffers, self.model
+        logits = f.linear(model.output, f.rms_norm(f.input(b.stream), model.output_norm))
+        return [(logits, b.logits), (f.check_total(), b.check)]
+
+    def _step_graph(self, f: GgmlBuilder, resident: ResidentExperts) -> list[tuple[Node, np.ndarray]]:
+        """The whole step: every block's attention and router, its experts picked through the pool's slot
+        table and run over the pool (or its dense FFN), the head. The same nodes as the per-block graphs,
+        so the same bits."""
+        a, b, model = self.args, self._buffers, self.model
+        x = f.input(b.stream)
+        outputs = []
+        for layer in range(a.block_count):
+            _, x2, h2 = self.block_attention(f, layer, x)
+            if not a.is_moe(layer):
+                x = f.add(x2, self.dense_ffn(f, layer, h2))
+                continue
+            order, top, weights = self._route(f, layer, h2)
+            shape = self._experts_shape(layer, model.experts[layer][0], stacked=True, depth=resident.depth,
+                                        gate_up=self._pool_gate_up(resident, layer))
+            x = f.experts_in_pool(shape, h2, x2, top, weights, resident.slots[layer], resident.bases[layer],
+                                  resident.stride, self._expert_biases(layer), self.shared_expert(f, layer, h2))
+            outputs += [(order, b.step_order[layer]), (weights, b.step_weights[layer])]
+        logits = f.linear(model.output, f.rms_norm(x, model.output_norm))
+        return [*outputs, (x, b.stream), (logits, b.logits), (f.check_total(), b.step_check)]
+
+    # --- running them -----------------------------------------------------------------------
+
+    async def _step_on_one_graph(self, graphs: DecodeGraphs, tok: np.ndarray) -> np.ndarray | None:
+        """The logits of this step from one graph, when every expert it routes to is resident in the
+        source's pool; None when the step must run block by block instead (nothing of this attempt is
+        kept but the KV cache rows at this position, which that run writes again before any block reads
+        them).
+
+        The graph picks each block's experts through the source's slot table while it runs; afterwards
+        the table says whether each chosen expert was really in (a slot that was not ready was read for
+        nothing, its result is dropped). The graph runs on this thread, the event loop's, so no read can
+        start into a slot and no slot can change hands while it runs. The source then counts the step as
+        its per-block requests would have. Nothing was read, so nothing is hinted: lookahead only pays
+        when something misses. It is tried while the step before found every expert resident: where
+        experts miss every step (a cache smaller than the working set) each try would be a step computed
+        twice.
         """
-        source = self.experts
-        if (self._step_missed or graphs.step_knob != "graph" or not hasattr(source, "resident")
-                or graphs.shared_expert_on):   # the step graph has no shared expert (qwen2moe): block by block
+        source, a = self.experts, self.args
+        if self._step_missed or settings.get("ggml_step") != "graph":
             return None
-        a, model, cache, position = self.args, self.model, self.cache, int(positions[0])
-        resident = source.resident(range(a.block_count), a.expert_count)
+        layers = [layer for layer in range(a.block_count) if a.is_moe(layer)]
+        resident = source.resident(layers, a.expert_count)
         if resident is None:
             return None
         if source.reading:
             await asyncio.sleep(0)  # let reads that have landed report (their slots become ready)
-        graphs.begin(position, len(cache.k[0]))
-        blocks = self._attention_args()
-        shape = graphs.step_shape(model.experts, resident.depth, resident.stride, resident.bases, model.output)
-        if shape is None:
+        from colibri_aio.kernels.ggml_graph import STEP_SCRATCH
+
+        graph = graphs.traced(("step",), lambda f: self._step_graph(f, resident), n_nodes=64 * a.block_count + 4096,
+                              max_arena=STEP_SCRATCH)
+        if graph is None:
             return None
-        graphs.step(shape, self.embed(tok), blocks, resident.slots, resident.bases,
-                    (model.output_norm, model.output))
+        b = self._buffers
+        np.copyto(b.stream, self.embed(tok))
+        graphs.run(graph)
+        position = int(graphs.inputs.position)
         for layer in range(a.block_count):
-            cache.wrote(layer, position + 1)
-        used = a.expert_used_count
-        chosen = graphs.step_order[:, :used]
-        if not resident.ready[np.arange(a.block_count)[:, None], chosen].all():
+            self.cache.wrote(layer, position + 1)
+        chosen = b.step_order[layers, :a.expert_used_count]
+        if not resident.ready[np.asarray(layers)[:, None], chosen].all():
             self.one_graph_misses += 1
             self._step_missed = True
             return None
-        if not np.isfinite(graphs.step_check[0]):
+        if not np.isfinite(b.step_check[0]):
             return None       # the per-block graphs find the place, or the per-operation pass names it
-        chosen = np.sort(chosen, axis=1)
-        source.routed([(layer, row.tolist()) for layer, row in enumerate(chosen)])
+        source.routed([(layer, sorted(row.tolist())) for layer, row in zip(layers, chosen)])
         self.one_graph_steps += 1
-        graphs.steps += 1
-        self._step_logits = graphs.step_logits
-        return graphs.step_x[-1:]
+        return b.logits.copy()
 
-    def _attention_args(self) -> list[tuple]:
-        """Each block's arguments of :meth:`DecodeGraphs.attention` after x (norms, mats, router, the block's
-        cache arrays, q/k/v biases), made again only when the cache's arrays are new ones."""
-        model, cache, blocks = self.model, self.cache, self._step_blocks
-        if blocks is None or blocks[0][3] is not cache.k[0]:
-            blocks = self._step_blocks = [
-                ((blk.attn_norm, blk.get("attn_q_norm"), blk.get("attn_k_norm"), moe_norm(model, layer)),
-                 (blk.attn_q, blk.attn_k, blk.attn_v, blk.attn_output), blk.ffn_gate_inp, cache.k[layer],
-                 cache.v[layer], (blk.get("attn_q.bias"), blk.get("attn_k.bias"), blk.get("attn_v.bias")))
-                for layer, blk in enumerate(model.blocks)]
-        return blocks
-
-    async def _blocks_on_graphs(self, graphs: DecodeGraphs, tok: np.ndarray,
-                                positions: np.ndarray) -> np.ndarray | None:
-        """The residual stream (1, D) after every block, or None when a non-finite value appeared."""
-        cache, position = self.cache, int(positions[0])
+    async def _step_on_block_graphs(self, graphs: DecodeGraphs, tok: np.ndarray,
+                                    positions: np.ndarray) -> np.ndarray | None:
+        """The logits of this step, block by block, or None when a non-finite value appeared."""
+        a, b, position = self.args, self._buffers, int(positions[0])
         x = self.embed(tok)
         self._check_finite(x, "the token embedding (token_embd)", positions)
-        graphs.begin(position, len(cache.k[0]))
-        used = self.args.expert_used_count
-        for layer, args in enumerate(self._attention_args()):
-            graphs.attention(layer, x, *args)
-            cache.wrote(layer, position + 1)
-            if not (np.isfinite(graphs.weights).all() and np.isfinite(graphs.check[0])):
+        np.copyto(b.stream, x)
+        used = a.expert_used_count
+        for layer in range(a.block_count):
+            graphs.run(graphs.traced(("attention", layer), lambda f: self._attention_graph(f, layer)))
+            self.cache.wrote(layer, position + 1)
+            if not np.isfinite(b.check[0]):
                 return None
-            x = await self._experts_on_graphs(graphs, layer, x, graphs.order[0, :used].tolist())
-        return x if np.isfinite(x).all() else None
+            predicted = self._lookahead(layer, b.stream, b.residual, b.moe_input)
+            if not a.is_moe(layer):
+                if predicted is not None:
+                    self.experts.hint(layer + 1, predicted)
+                graphs.run(graphs.traced(("dense", layer), lambda f: self._dense_graph(f, layer)))
+                if not np.isfinite(b.check[0]):
+                    return None
+                continue
+            if not await self._experts_on_graphs(graphs, layer, b.order[0, :used].tolist(), predicted):
+                return None
+        if not np.isfinite(b.stream).all():
+            return None
+        return self._head(graphs)
 
-    async def _experts_on_graphs(self, graphs: DecodeGraphs, layer: int, layer_input: np.ndarray,
-                                 ids: list[int]) -> np.ndarray:
-        """The residual stream after block ``layer``'s experts ``ids`` (in rank order), plus the shared
-        expert's output when the family has one (its graph runs once this layer's reads are out).
+    def _head(self, graphs: DecodeGraphs) -> np.ndarray:
+        """Logits (1, V) of the row in the stream buffer; NaN when the head's input is not finite (as the
+        per-operation backend gives)."""
+        b = self._buffers
+        graphs.run(graphs.traced(("head",), self._head_graph))
+        logits = b.logits.copy()
+        if not np.isfinite(b.check[0]):
+            logits[:] = np.nan
+        return logits
+
+    async def _experts_on_graphs(self, graphs: DecodeGraphs, layer: int, ids: list[int],
+                                 predicted: list[int] | None) -> bool:
+        """The residual stream after block ``layer``'s experts ``ids`` (in rank order) into the stream buffer,
+        plus the shared expert's output (its graph runs once this layer's reads are out); False when a
+        non-finite value appeared in the shared expert.
 
         All of them in the source's first batch (resident, or landed): one graph. Otherwise each batch
-        runs as it arrives and the same rank-ordered sum follows in NumPy, which rounds as the graph
-        does (one float32 product, then one addition at a time), so arrival never changes a bit.
+        runs as it arrives, giving each expert's weighted output, and the same rank-ordered sum follows in
+        NumPy, which rounds as the graph does (one addition at a time), so arrival never changes a bit.
         """
-        predicted = self._lookahead(layer, layer_input, graphs.residual, graphs.moe_input)
-        h, weights = graphs.moe_input, graphs.weights[0]
+        b = self._buffers
+        shared_on = self.shared_expert_on(layer)
+        biases = self._expert_biases(layer)
         terms: list[np.ndarray | None] = [None] * len(ids)
         first = True
         async with aclosing(self.experts.stream(layer, sorted(ids))) as stream:
@@ -222,21 +277,59 @@ class GraphDecode(MoETransformer):
                     first = False
                     if predicted is not None:
                         self.experts.hint(layer + 1, predicted)
-                    if graphs.shared_expert_on:
-                        blk = self.model.blocks[layer]
-                        graphs.shared_expert((blk.ffn_gate_shexp, blk.ffn_up_shexp, blk.ffn_down_shexp),
-                                             blk.ffn_gate_inp_shexp)
+                    if shared_on:
+                        graphs.run(graphs.traced(("shared", layer), lambda f: self._shared_graph(f, layer)))
+                        if not np.isfinite(b.shared_check[0]):
+                            return False
                     if len(batch) == len(ids):
                         by_id = dict(batch)
-                        ordered = [by_id[e] for e in ids]
-                        return graphs.experts(ordered, graphs.stackable(ordered))
-                ys = self.kernels.expert_ffns([w for _, w in batch], [h] * len(batch))
-                for (expert, _), y in zip(batch, ys):
-                    rank = ids.index(expert)
-                    terms[rank] = y[0] * weights[rank]
+                        shape = self._experts_shape(layer, by_id[ids[0]], stacked=True)
+                        graphs.experts(shape, b.moe_input, b.residual, b.stream, [by_id[e] for e in ids], ids,
+                                       b.weights, biases, b.shared if shared_on else None)
+                        return True
+                ranks = [ids.index(expert) for expert, _ in batch]
+                shape = self._experts_shape(layer, batch[0][1], stacked=True, used=len(batch))
+                ys = graphs.experts(shape, b.moe_input, b.residual, b.stream, [w for _, w in batch],
+                                    [e for e, _ in batch], np.ascontiguousarray(b.weights[:, ranks]), biases,
+                                    terms=True)
+                for rank, y in zip(ranks, ys):
+                    terms[rank] = y.copy()
         acc = terms[0]
         for term in terms[1:]:
             acc = acc + term
-        if graphs.shared_expert_on:
-            acc = acc + graphs.shared
-        return graphs.residual + acc
+        if shared_on:
+            acc = acc + b.shared[0]
+        np.copyto(b.stream, b.residual + acc)
+        return True
+
+    # --- what a block's experts are ---------------------------------------------------------
+
+    def shared_expert_on(self, layer: int) -> bool:
+        """Whether block ``layer`` has a shared expert (:meth:`MoETransformer.shared_expert`)."""
+        return "ffn_up_shexp" in self.model.blocks[layer]
+
+    def _expert_biases(self, layer: int) -> list[np.ndarray] | None:
+        blk = self.model.blocks[layer]
+        biases = [blk.get(f"ffn_{p}_exps.bias") for p in ("gate", "up", "down")]
+        return None if biases[0] is None else biases  # type: ignore[return-value]
+
+    def _experts_shape(self, layer: int, first: object, *, stacked: bool, used: int | None = None,
+                       depth: int = 0, gate_up: bool = False) -> ExpertsShape:
+        """The experts graph's shape for block ``layer``, whose first expert's matrices (an ExpertWeights or
+        an ExpertLocation's ranges) give the types and sizes; ``depth`` and ``gate_up`` are the pool's (the
+        experts graph finds its batch's own)."""
+        from colibri_aio.kernels.ggml_graph import ExpertsShape
+
+        k = self.kernels
+        biased = self._expert_biases(layer) is not None
+        return ExpertsShape(k.mat(first.gate), k.mat(first.down),  # type: ignore[attr-defined]
+                            used or self.args.expert_used_count, depth, gate_up, self.expert_activation, biased,
+                            self.shared_expert_on(layer), each=settings.get("ggml_experts") == "each" or not stacked,
+                            n_experts=self.args.expert_count if biased else 0)
+
+    def _pool_gate_up(self, resident: ResidentExperts, layer: int) -> bool:
+        """Whether each expert's up matrix follows its gate in the pool (one product of 2F rows)."""
+        first = self.model.experts[layer][0]
+        base = resident.bases[layer]
+        return (self.expert_activation == "swiglu" and self._expert_biases(layer) is None
+                and base[1] - base[0] == first.gate.nbytes)

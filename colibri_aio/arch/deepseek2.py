@@ -23,10 +23,10 @@ import numpy as np
 
 from colibri_aio.arch.base import (BaseArgs, Family, KVLayout, Metadata, TensorSpec, ffn_tensors, matrix,
                                    router_tensors, vector)
-from colibri_aio.arch.layers import Rope
+from colibri_aio.arch.graph import Builder, Value
 from colibri_aio.arch.rope import RopeScaling, ScaledRope
 from colibri_aio.errors import ModelFormatError
-from colibri_aio.kernels.ops import Routing, rms_norm, rope_norm
+from colibri_aio.kernels.ops import Routing
 
 # deepseek2.expert_gating_func as llama.cpp numbers it (0: unset, softmax for older DeepSeek-V2 files).
 _GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
@@ -153,33 +153,28 @@ class DeepSeek2(ScaledRope):
         kv_b = blk["attn_kv_b"].reshape(a.head_count, a.qk_nope + a.v_head, a.kv_lora_rank)
         return kv_b[:, :a.qk_nope].transpose(0, 2, 1), kv_b[:, a.qk_nope:]
 
-    def query(self, layer: int, h: np.ndarray) -> np.ndarray:
+    def query(self, f: Builder, layer: int, h: Value) -> Value:
         """q (T, H, dn + dr) through the q LoRA, attn_q_b · RMSNorm(attn_q_a · h), or attn_q · h without one."""
         a, blk = self.args, self.model.blocks[layer]
         if a.q_lora_rank:
-            q = self.linear(blk.attn_q_b, rms_norm(self.linear(blk.attn_q_a, h), blk.attn_q_a_norm, a.rms_eps))
+            q = f.linear(blk.attn_q_b, f.rms_norm(f.linear(blk.attn_q_a, h), blk.attn_q_a_norm))
         else:
-            q = self.linear(blk.attn_q, h)
-        return q.reshape(h.shape[0], a.head_count, a.head_k)
+            q = f.linear(blk.attn_q, h)
+        return f.heads(q, a.head_count, a.head_k)
 
-    def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
+    def attention(self, f: Builder, layer: int, h: Value) -> Value:
         a, blk = self.args, self.model.blocks[layer]
-        kl, dn = a.kv_lora_rank, a.qk_nope
-        q = self.query(layer, h)                                                  # (T, H, dn + dr)
-        c = self.linear(blk.attn_kv_a_mqa, h)                                    # (T, Lkv + dr)
-        latent = rms_norm(c[:, :kl], blk.attn_kv_a_norm, a.rms_eps)               # (T, Lkv)
-        k_rope = rope_norm(c[:, None, kl:], *rope)                                # (T, 1, dr)
+        kl = a.kv_lora_rank
+        q_nope, q_rope = f.split(self.query(f, layer, h), (a.qk_nope, a.n_rot))    # (T, H, dn), (T, H, dr)
+        c, c_rope = f.split(f.linear(blk.attn_kv_a_mqa, h), (kl, a.n_rot))        # (T, Lkv), (T, dr)
+        latent = f.heads(f.rms_norm(c, blk.attn_kv_a_norm), 1, kl)                 # (T, 1, Lkv)
+        k_rope = f.rope(f.heads(c_rope, 1, a.n_rot), neox=False)                   # (T, 1, dr)
         k_b, v_b = self.latent_lifts(layer)
-        q_abs = np.matmul(q[..., :dn].transpose(1, 0, 2), k_b.transpose(0, 2, 1))  # (H, T, Lkv)
-        q_all = np.concatenate([q_abs.transpose(1, 0, 2), rope_norm(q[..., dn:], *rope)], axis=-1)
-        k_all = np.concatenate([latent[:, None, :], k_rope], axis=-1)             # (T, 1, Lkv + dr)
-        mix = self.attend_heads(layer, q_all, k_all, None, positions, scale=a.rope_scaling.kq_scale(a.head_k))
-        t = h.shape[0]
-        o = np.matmul(mix.reshape(t, a.head_count, kl).transpose(1, 0, 2), v_b.transpose(0, 2, 1))  # (H, T, dv)
-        return self.project_heads(layer, np.ascontiguousarray(o.transpose(1, 0, 2)).reshape(t, -1))
-
-    def shared_expert(self, layer: int, h: np.ndarray) -> np.ndarray:
-        return self.ffn(self.model.blocks[layer], h, "_shexp")
+        q_all = f.concat(f.head_products(k_b, q_nope), f.rope(q_rope, neox=False))  # (T, H, Lkv + dr)
+        mix = f.attend(layer, q_all, f.concat(latent, k_rope), None,               # (T, H * Lkv)
+                       scale=a.rope_scaling.kq_scale(a.head_k))
+        o = f.head_products(v_b, f.heads(mix, a.head_count, kl))                  # (T, H, dv)
+        return self.project_heads(f, layer, f.flat(o))
 
 
 FAMILY = Family("deepseek2", ModelArgs, block_tensors, DeepSeek2,

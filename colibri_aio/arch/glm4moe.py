@@ -15,14 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
-import numpy as np
-
 from colibri_aio.arch.base import (BaseArgs, Family, Metadata, TensorSpec, attention_tensors, ffn_tensors,
                                    vector)
-from colibri_aio.arch.layers import Rope
+from colibri_aio.arch.graph import Builder, Value
 from colibri_aio.arch.rope import RopeScaling, ScaledRope
 from colibri_aio.errors import ModelFormatError
-from colibri_aio.kernels.ops import Routing, rms_norm, rope_neox
+from colibri_aio.kernels.ops import Routing
 
 # glm4moe.expert_gating_func as llama.cpp numbers it; 0 (unset) is sigmoid for this family.
 _GATING = {0: "sigmoid", 1: "softmax", 2: "sigmoid"}
@@ -86,18 +84,14 @@ class Glm4MoE(ScaledRope):
 
     args: ModelArgs
 
-    def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
-        a, blk = self.args, self.model.blocks[layer]
-        q, k, v = self.qkv(blk, h)
-        if "attn_q_norm" in blk:
-            q = rms_norm(q, blk.attn_q_norm, a.rms_eps)
-        if "attn_k_norm" in blk:
-            k = rms_norm(k, blk.attn_k_norm, a.rms_eps)
-        return self.attend(layer, rope_neox(q, *rope), rope_neox(k, *rope), v, positions)
-
-    def shared_expert(self, layer: int, h: np.ndarray) -> np.ndarray | None:
+    def attention(self, f: Builder, layer: int, h: Value) -> Value:
         blk = self.model.blocks[layer]
-        return self.ffn(blk, h, "_shexp") if "ffn_gate_shexp" in blk else None
+        q, k, v = self.qkv(f, blk, h)
+        if "attn_q_norm" in blk:
+            q = f.rms_norm(q, blk.attn_q_norm)
+        if "attn_k_norm" in blk:
+            k = f.rms_norm(k, blk.attn_k_norm)
+        return self.attend(f, layer, f.rope(q, neox=True), f.rope(k, neox=True), v)
 
 
 FAMILY = Family("glm4moe", ModelArgs, block_tensors, Glm4MoE, checked_against="Glm4MoeForCausalLM",

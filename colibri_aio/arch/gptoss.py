@@ -10,19 +10,15 @@ Shape legend as in :mod:`colibri_aio.arch.layers`.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
-import numpy as np
-
 from colibri_aio.arch.base import BaseArgs, Family, Metadata, TensorSpec, attention_tensors, vector
-from colibri_aio.arch.layers import Rope
+from colibri_aio.arch.graph import Builder, Value
 from colibri_aio.arch.rope import RopeScaling, ScaledRope
 from colibri_aio.errors import ModelFormatError
-from colibri_aio.experts import ExpertWeights
-from colibri_aio.kernels.ops import Routing, rope_neox, swiglu_oai
+from colibri_aio.kernels.ops import Routing
 
 # llama.cpp's default layer pattern for gpt-oss: of every 2 layers the first slides, the second sees all.
 SLIDING_PATTERN = 2
@@ -87,22 +83,12 @@ class GptOss(ScaledRope):
     """A gpt-oss model bound to an expert source and a KV cache."""
 
     args: ModelArgs
+    expert_activation = "swiglu_oai"   # with the ffn_{gate,up,down}_exps biases
 
-    def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
+    def attention(self, f: Builder, layer: int, h: Value) -> Value:
         blk = self.model.blocks[layer]
-        q, k, v = self.qkv(blk, h)   # the sliding window is the cache's (ModelArgs.kv_window)
-        return self.attend(layer, rope_neox(q, *rope), rope_neox(k, *rope), v, positions, sinks=blk.attn_sinks)
-
-    def expert_outputs(self, layer: int, experts: Sequence[tuple[int, ExpertWeights]],
-                       xs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """down(swiglu_oai(gate x + b_gate, up x + b_up)) + b_down, each bias the expert's row."""
-        blk = self.model.blocks[layer]
-        b_gate, b_up, b_down = blk["ffn_gate_exps.bias"], blk["ffn_up_exps.bias"], blk["ffn_down_exps.bias"]
-        outs = []
-        for (e, w), x in zip(experts, xs):
-            gate, up = self.linears((w.gate, w.up), x)
-            outs.append(self.linear(w.down, swiglu_oai(gate + b_gate[e], up + b_up[e])) + b_down[e])
-        return outs
+        q, k, v = self.qkv(f, blk, h)   # the sliding window is the cache's (ModelArgs.kv_window)
+        return self.attend(f, layer, f.rope(q, neox=True), f.rope(k, neox=True), v, sinks=blk.attn_sinks)
 
 
 FAMILY = Family("gpt-oss", ModelArgs, block_tensors, GptOss, checked_against="GptOssForCausalLM",

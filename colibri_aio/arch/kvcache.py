@@ -117,8 +117,10 @@ class KVCache:
         return out_k, out_v, np.concatenate([older, positions])
 
     def wrote(self, layer: int, end: int) -> None:
-        """Positions up to ``end`` of a whole-context layer were written in place (by a kernel graph)."""
-        self.held[layer] = (self.held[layer][0], end)
+        """Position ``end`` - 1, the context's next, was written in place by a kernel graph (into slot
+        ``end - 1`` mod the ring's size on a ring)."""
+        first = self.held[layer][0]
+        self.held[layer] = (max(first, end - len(self.k[layer])) if self.is_ring(layer) else first, end)
 
     def _write(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray | None) -> None:
         self.k[layer][slots] = k

@@ -1,12 +1,14 @@
 """The decoder every family shares: kernels, KV cache, attention, routing, experts, prefill.
 
-Every product a forward pass computes goes through :meth:`MoETransformer.linear`,
-:meth:`~MoETransformer.linears`, :meth:`~MoETransformer.embed` and
-:meth:`~MoETransformer.expert_outputs` (here, and only here, the kernels are
-called, on the backend the net was given: :mod:`colibri_aio.kernels.backend`);
-attention through :meth:`~MoETransformer.attend`. A family module
-subclasses :class:`MoETransformer` and writes its attention from these pieces
-(``arch/__init__.py`` says how to add one).
+A family module subclasses :class:`MoETransformer` and writes its attention
+(and its shared expert, its dense FFN) once, as functions of a
+:class:`~colibri_aio.arch.graph.Builder` ``f`` from the shared pieces here
+(:meth:`~MoETransformer.qkv`, :meth:`~MoETransformer.attend`,
+:meth:`~MoETransformer.ffn` ...); both backends run that description
+(:mod:`colibri_aio.arch.graph`). This module runs it at once, on arrays: the
+NumPy reference, and on the ggml kernels the per-operation pass;
+:mod:`colibri_aio.arch.decode_graphs` runs it as ggml graphs
+(``arch/__init__.py`` says how to add a family).
 
 Routed experts arrive through an :class:`~colibri_aio.experts.ExpertSource`, so
 no family knows whether their bytes came from mmap, RAM or io_uring.
@@ -23,12 +25,13 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 
+from colibri_aio.arch.graph import Builder, NumpyBuilder, RopeParams, Value
 from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, KVCache, default_context
 from colibri_aio.arch.lookahead import moe_norm, predictor_state, rank_experts, router_logits
 from colibri_aio.errors import NonFiniteError, UserError
 from colibri_aio.experts import ExpertSource, ExpertWeights
 from colibri_aio.kernels.backend import Kernels, NumpyKernels
-from colibri_aio.kernels.ops import attention, rms_norm, rope_cos_sin, route, sigmoid, swiglu
+from colibri_aio.kernels.ops import rms_norm, rope_cos_sin, route, swiglu, swiglu_oai
 from colibri_aio.kernels.qtensor import QTensor
 
 if TYPE_CHECKING:
@@ -39,6 +42,8 @@ if TYPE_CHECKING:
 PREFILL_CHUNK = 256
 
 Rope = tuple[np.ndarray, np.ndarray]  # cos, sin tables (T, n_rot/2) of this call's positions
+# Routed experts' activations (``MoETransformer.expert_activation``): SwiGLU, and gpt-oss's clamped one.
+EXPERT_ACTIVATIONS = {"swiglu": swiglu, "swiglu_oai": swiglu_oai}
 
 
 class RouteObserver(Protocol):
@@ -71,6 +76,10 @@ class MoETransformer:
     (``args.is_moe(layer)`` false) runs its resident :meth:`dense_ffn` instead.
     Subclasses implement :meth:`attention` and may override the hooks below it.
     """
+
+    # The routed experts' activation (EXPERT_ACTIVATIONS); their biases, when the file has
+    # ffn_{gate,up,down}_exps.bias, are added to each product (the block's row of the expert).
+    expert_activation = "swiglu"
 
     def __init__(self, model: Model, experts: ExpertSource, n_ctx: int | None = None,
                  kernels: Kernels | None = None, kv_type: str = DEFAULT_KV_TYPE) -> None:
@@ -107,56 +116,61 @@ class MoETransformer:
 
     def expert_outputs(self, layer: int, experts: Sequence[tuple[int, ExpertWeights]],
                        xs: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """Each routed expert, down(silu(gate x) * up x), on the rows routed to it: (n_i, D) each;
-        one kernel call for the batch (an expert activation other than SwiGLU, or expert biases,
-        override this)."""
-        return self.kernels.expert_ffns([w for _, w in experts], xs)
+        """Each routed expert, down(act(gate x + b_gate, up x + b_up)) + b_down, on the rows routed to it:
+        (n_i, D) each; SwiGLU experts without biases in one kernel call for the batch."""
+        blk = self.model.blocks[layer]
+        b_gate, b_up, b_down = (blk.get(f"ffn_{p}_exps.bias") for p in ("gate", "up", "down"))
+        if self.expert_activation == "swiglu" and b_gate is None:
+            return self.kernels.expert_ffns([w for _, w in experts], xs)
+        act = EXPERT_ACTIVATIONS[self.expert_activation]
+        outs = []
+        for (e, w), x in zip(experts, xs):
+            gate, up = self.linears((w.gate, w.up), x)
+            if b_gate is not None:
+                gate, up = gate + b_gate[e], up + b_up[e]
+            y = self.linear(w.down, act(gate, up))
+            outs.append(y if b_down is None else y + b_down[e])
+        return outs
 
-    # --- shared pieces the families' attention is written with --------------------------------
+    # --- shared pieces the families' blocks are written with (f: the backend's Builder) ------------
 
-    def qkv(self, blk: BlockWeights, h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def qkv(self, f: Builder, blk: BlockWeights, h: Value) -> tuple[Value, Value, Value]:
         """q (T, H, d), k (T, Hkv, d), v (T, Hkv, dv): attn_q/k/v products, plus their biases when present."""
-        a, t = self.args, h.shape[0]
-        q, k, v = (y if blk.get(n + ".bias") is None else y + blk[n + ".bias"]
-                   for n, y in zip(("attn_q", "attn_k", "attn_v"),
-                                   self.linears((blk.attn_q, blk.attn_k, blk.attn_v), h)))
-        return (q.reshape(t, a.head_count, a.key_length), k.reshape(t, a.head_count_kv, a.key_length),
-                v.reshape(t, a.head_count_kv, a.value_length))
+        a = self.args
+        q, k, v = (y if blk.get(n + ".bias") is None else f.add(y, blk[n + ".bias"])
+                   for n, y in zip(("attn_q", "attn_k", "attn_v"), f.linears((blk.attn_q, blk.attn_k, blk.attn_v), h)))
+        return (f.heads(q, a.head_count, a.key_length), f.heads(k, a.head_count_kv, a.key_length),
+                f.heads(v, a.head_count_kv, a.value_length))
 
-    def attend_heads(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray | None, positions: np.ndarray,
-                     **options: object) -> np.ndarray:
-        """Store k, v at ``positions`` and attend over the cache: (T, H * value_width), before attn_output.
+    def attend(self, f: Builder, layer: int, q: Value, k: Value, v: Value, **options: object) -> Value:
+        """``f.attend`` (the cache keeps k and v; ``options``: scale, sinks), projected by attn_output
+        (+ its bias): (T, D)."""
+        return self.project_heads(f, layer, f.attend(layer, q, k, v, **options))  # type: ignore[arg-type]
 
-        ``v`` is None when the cache keeps values inside the keys (``KVLayout.values_in_keys``).
-        ``options`` go to :func:`~colibri_aio.kernels.ops.attention` (scale, sinks); the layer's sliding
-        window is ``args.kv_window(layer)``, which the cache holds.
-        """
-        keys, values, key_positions = self.cache.update(layer, positions, k, v)
-        return attention(q, keys, values, positions, window=self.cache.windows[layer], key_positions=key_positions,
-                         **options)  # type: ignore[arg-type]
-
-    def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, positions: np.ndarray,
-               **options: object) -> np.ndarray:
-        """:meth:`attend_heads`, projected by attn_output (+ its bias): (T, D)."""
-        return self.project_heads(layer, self.attend_heads(layer, q, k, v, positions, **options))
-
-    def project_heads(self, layer: int, o: np.ndarray) -> np.ndarray:
+    def project_heads(self, f: Builder, layer: int, o: Value) -> Value:
         """attn_output (+ its bias) on the heads' concatenated outputs o (T, H * dv): (T, D)."""
         blk = self.model.blocks[layer]
-        out = self.linear(blk.attn_output, o)
+        out = f.linear(blk.attn_output, o)
         bias = blk.get("attn_output.bias")
-        return out if bias is None else out + bias
+        return out if bias is None else f.add(out, bias)
 
-    def ffn(self, blk: BlockWeights, h: np.ndarray, suffix: str = "") -> np.ndarray:
+    def ffn(self, f: Builder, blk: BlockWeights, h: Value, suffix: str = "") -> Value:
         """A dense SwiGLU FFN of resident tensors ``ffn_{gate,up,down}<suffix>``: (T, D) -> (T, D)."""
-        gate, up = self.linears((blk["ffn_gate" + suffix], blk["ffn_up" + suffix]), h)
-        return self.linear(blk["ffn_down" + suffix], swiglu(gate, up))
+        gate, up = f.linears((blk["ffn_gate" + suffix], blk["ffn_up" + suffix]), h)
+        return f.linear(blk["ffn_down" + suffix], f.swiglu(gate, up))
 
-    def gated_shared_expert(self, layer: int, h: np.ndarray) -> np.ndarray:
+    def gated_shared_expert(self, f: Builder, layer: int, h: Value) -> Value:
         """sigmoid(ffn_gate_inp_shexp · h) * ffn_shexp(h): the shared expert with a scalar gate per position."""
         blk = self.model.blocks[layer]
-        gate = sigmoid(h @ blk["ffn_gate_inp_shexp"].reshape(-1))[:, None]
-        return self.ffn(blk, h, "_shexp") * gate
+        gate = f.sigmoid(f.linear(blk["ffn_gate_inp_shexp"].reshape(1, -1), h))          # (T, 1)
+        return f.mul(self.ffn(f, blk, h, "_shexp"), gate)
+
+    def block_attention(self, f: Builder, layer: int, x: Value) -> tuple[Value, Value, Value]:
+        """The first half of block ``layer`` on its input x (T, D): the attention's output, the residual
+        after it, x2 = x + attention(attn_norm(x)), and the FFN's input moe_norm(x2)."""
+        attn = self.attention(f, layer, f.rms_norm(x, self.model.blocks[layer].attn_norm))
+        x2 = f.add(x, attn)
+        return attn, x2, f.rms_norm(x2, moe_norm(self.model, layer))
 
     # --- family hooks ----------------------------------------------------------------------------
 
@@ -167,20 +181,33 @@ class MoETransformer:
         return KVCache(a.block_count, self.n_ctx, a.kv_layout(), self.kv_type, a.kv_windows())
 
     def rope_tables(self, positions: np.ndarray) -> Rope:
-        """cos/sin for this call's positions (computed once per call, used by every layer)."""
+        """cos/sin for this call's positions (computed once per call, used by every layer): the angles
+        :meth:`rope_params` describes."""
         return rope_cos_sin(positions, self.args.n_rot, self.args.rope_freq_base)
 
-    def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
+    def rope_params(self) -> RopeParams:
+        """RoPE as ggml's rope_ext takes it (families with scaled RoPE override this with
+        :meth:`rope_tables`)."""
+        a = self.args
+        return RopeParams(a.n_rot, a.rope_freq_base, a.context_length)
+
+    def attention(self, f: Builder, layer: int, h: Value) -> Value:
         """The family's attention on the normed input h (T, D): (T, D)."""
         raise NotImplementedError
 
-    def shared_expert(self, layer: int, h: np.ndarray) -> np.ndarray | None:
-        """An always-on expert added to the routed sum (None: the family has none)."""
-        return None
+    def shared_expert(self, f: Builder, layer: int, h: Value) -> Value | None:
+        """The always-on expert added to the routed sum, when the block has one: ``ffn_*_shexp``, behind a
+        sigmoid gate when the block has ``ffn_gate_inp_shexp`` (qwen2moe); None without."""
+        blk = self.model.blocks[layer]
+        if "ffn_up_shexp" not in blk:
+            return None
+        if "ffn_gate_inp_shexp" in blk:
+            return self.gated_shared_expert(f, layer, h)
+        return self.ffn(f, blk, h, "_shexp")
 
-    def dense_ffn(self, layer: int, h: np.ndarray) -> np.ndarray:
+    def dense_ffn(self, f: Builder, layer: int, h: Value) -> Value:
         """The FFN of a leading dense block (no routed experts): ``ffn_{gate,up,down}``."""
-        return self.ffn(self.model.blocks[layer], h)
+        return self.ffn(f, self.model.blocks[layer], h)
 
     # --- the pass -----------------------------------------------------------------------------------
 
@@ -237,7 +264,7 @@ class MoETransformer:
         self.experts.step(tok.size)
         positions = np.arange(self.n_past, self.n_past + tok.size)
         try:
-            x = await self._blocks(tok, positions, observer)
+            out = await self._logits(tok, positions, observer, logits)
         except BaseException:
             # A ring may have taken this call's keys in the slots of ones the context still needs.
             if not self.cache.can_continue(self.n_past):
@@ -245,10 +272,14 @@ class MoETransformer:
             raise
         self.n_past += tok.size
         self.ids.extend(tok.tolist())
-        rows = x if logits == "all" else x[-1:]
-        out = self.output_logits(rows)
-        self._check_finite(out, "the output head (output_norm, output)", positions[-len(rows):])
+        self._check_finite(out, "the output head (output_norm, output)", positions[-len(out):])
         return out if logits == "all" else out[0]
+
+    async def _logits(self, tok: np.ndarray, positions: np.ndarray, observer: RouteObserver | None,
+                      logits: Literal["last", "all"]) -> np.ndarray:
+        """The logits (n, V) of the last position, or of every one, after every block (the cache written)."""
+        x = await self._blocks(tok, positions, observer)
+        return self.output_logits(x if logits == "all" else x[-1:])
 
     def output_logits(self, rows: np.ndarray) -> np.ndarray:
         """The output head on the final residual rows (n, D): output · output_norm(rows), (n, V)."""
@@ -257,19 +288,17 @@ class MoETransformer:
     async def _blocks(self, tok: np.ndarray, positions: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
         """The residual stream (T, D) after every block, the KV cache written at ``positions``."""
         a = self.args
-        rope = self.rope_tables(positions)
+        f = NumpyBuilder(self.kernels, self.cache, positions, self.rope_tables(positions), a.rms_eps)
         x = self.embed(tok)                                                        # (T, D)
         self._check_finite(x, "the token embedding (token_embd)", positions)
         for layer in range(a.block_count):
             if observer is not None:
                 observer.on_layer_input(layer, x)
             layer_input = x
-            attn = self.attention(layer, rms_norm(x, self.model.blocks[layer].attn_norm, a.rms_eps), positions, rope)
+            attn, x, h = self.block_attention(f, layer, x)
             self._check_finite(attn, f"layer {layer} attention", positions)
-            x = x + attn
-            h = rms_norm(x, moe_norm(self.model, layer), a.rms_eps)
             ffn = self._moe if a.is_moe(layer) else self._dense
-            x = x + await ffn(layer, h, positions, layer_input, x, observer)
+            x = x + await ffn(f, layer, h, positions, layer_input, x, observer)
         return x
 
     def _check_finite(self, x: np.ndarray, where: str, positions: np.ndarray) -> None:
@@ -284,7 +313,7 @@ class MoETransformer:
         return route(router_logits(self.model, layer, h), self.args.expert_used_count, self.args.routing,
                      self.model.blocks[layer].get("exp_probs_b.bias"))
 
-    async def _moe(self, layer: int, h: np.ndarray, positions: np.ndarray, layer_input: np.ndarray,
+    async def _moe(self, f: NumpyBuilder, layer: int, h: np.ndarray, positions: np.ndarray, layer_input: np.ndarray,
                    residual: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
         """Route, fetch each unique expert once (batch-union), and sum in routing order (+ the shared expert).
 
@@ -309,7 +338,7 @@ class MoETransformer:
                     first = False
                     if predicted is not None:
                         self.experts.hint(layer + 1, predicted)
-                    shared = self.shared_expert(layer, h)
+                    shared = self.shared_expert(f, layer, h)
                 cells = [np.nonzero(ids == expert) for expert, _ in batch]       # (rows, ranks) each
                 ys = self.expert_outputs(layer, batch, [h[rows] for rows, _ in cells])
                 for (rows, ranks), y in zip(cells, ys):
@@ -324,8 +353,8 @@ class MoETransformer:
         self._check_finite(shared, f"layer {layer} shared expert", positions)
         return out + shared
 
-    async def _dense(self, layer: int, h: np.ndarray, positions: np.ndarray, layer_input: np.ndarray,
-                     residual: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
+    async def _dense(self, f: NumpyBuilder, layer: int, h: np.ndarray, positions: np.ndarray,
+                     layer_input: np.ndarray, residual: np.ndarray, observer: RouteObserver | None) -> np.ndarray:
         """A leading dense block's FFN. When the next block has experts, lookahead hints them first,
         so their reads overlap this FFN and the next block's attention."""
         if observer is not None:
@@ -334,7 +363,7 @@ class MoETransformer:
         predicted = self._lookahead(layer, layer_input, residual, h)
         if predicted is not None:
             self.experts.hint(layer + 1, predicted)
-        out = self.dense_ffn(layer, h)
+        out = self.dense_ffn(f, layer, h)
         self._check_finite(out, f"layer {layer} dense FFN", positions)
         return out
 

@@ -11,12 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Self
 
-import numpy as np
-
 from colibri_aio.arch.base import BaseArgs, Family, Metadata, TensorSpec, attention_tensors, router_tensors
 from colibri_aio.arch.decode_graphs import GraphDecode
-from colibri_aio.arch.layers import Rope
-from colibri_aio.kernels.ops import rope_norm
+from colibri_aio.arch.graph import Builder, Value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -36,15 +33,11 @@ def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
 
 
 class Mixtral(GraphDecode):
-    """A llama model with experts (Mixtral) bound to an expert source and a KV cache; its decode steps run as
-    whole graphs on the ggml backend (:mod:`colibri_aio.arch.decode_graphs`), with NORMAL RoPE."""
+    """A llama model with experts (Mixtral) bound to an expert source and a KV cache: NORMAL RoPE."""
 
-    graph_qk_norm = "none"
-    graph_neox_rope = False
-
-    def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
-        q, k, v = self.qkv(self.model.blocks[layer], h)
-        return self.attend(layer, rope_norm(q, *rope), rope_norm(k, *rope), v, positions)
+    def attention(self, f: Builder, layer: int, h: Value) -> Value:
+        q, k, v = self.qkv(f, self.model.blocks[layer], h)
+        return self.attend(f, layer, f.rope(q, neox=False), f.rope(k, neox=False), v)
 
 
 FAMILY = Family("llama", ModelArgs, block_tensors, Mixtral, checked_against="MixtralForCausalLM")

@@ -8,11 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Self
 
-import numpy as np
-
 from colibri_aio.arch.base import BaseArgs, Family, Metadata, TensorSpec, attention_tensors, router_tensors, vector
+from colibri_aio.arch.graph import Builder, Value
 from colibri_aio.arch.qwen3moe import Qwen3MoE
-from colibri_aio.kernels.ops import Routing, rms_norm
+from colibri_aio.kernels.ops import Routing
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -34,14 +33,12 @@ def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
 
 
 class OLMoE(Qwen3MoE):
-    """An olmoe model bound to an expert source and a KV cache; its decode steps run as whole graphs on the
-    ggml backend (:mod:`colibri_aio.arch.decode_graphs`), q/k normed over the whole projection."""
+    """An olmoe model bound to an expert source and a KV cache: q/k normed over the whole projection."""
 
-    graph_qk_norm = "whole"
-
-    def qk_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    def qk_norm(self, f: Builder, x: Value, weight: object) -> Value:
         """RMSNorm of q or k (T, heads, d) over heads * d: the projection before its split."""
-        return rms_norm(x.reshape(x.shape[0], -1), weight, self.args.rms_eps).reshape(x.shape)
+        heads = len(weight) // self.args.key_length  # type: ignore[arg-type]
+        return f.heads(f.rms_norm(f.flat(x), weight), heads, self.args.key_length)
 
 
 FAMILY = Family("olmoe", ModelArgs, block_tensors, OLMoE, checked_against="OlmoeForCausalLM")

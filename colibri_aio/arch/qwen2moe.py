@@ -9,14 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
-import numpy as np
-
 from colibri_aio.arch.base import (BaseArgs, Family, Metadata, TensorSpec, attention_tensors, ffn_tensors,
                                    router_tensors, vector)
 from colibri_aio.arch.decode_graphs import GraphDecode
-from colibri_aio.arch.layers import Rope
+from colibri_aio.arch.graph import Builder, Value
 from colibri_aio.errors import ModelFormatError
-from colibri_aio.kernels.ops import Routing, rope_neox
+from colibri_aio.kernels.ops import Routing
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,18 +52,11 @@ def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
 
 
 class Qwen2MoE(GraphDecode):
-    """A qwen2moe model bound to an expert source and a KV cache; its decode steps run as whole graphs on the
-    ggml backend (:mod:`colibri_aio.arch.decode_graphs`), the shared expert in a graph of its own."""
+    """A qwen2moe model bound to an expert source and a KV cache: q/k/v biases, a gated shared expert."""
 
-    graph_qk_norm = "none"
-    graph_shared_expert = True
-
-    def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
-        q, k, v = self.qkv(self.model.blocks[layer], h)
-        return self.attend(layer, rope_neox(q, *rope), rope_neox(k, *rope), v, positions)
-
-    def shared_expert(self, layer: int, h: np.ndarray) -> np.ndarray:
-        return self.gated_shared_expert(layer, h)
+    def attention(self, f: Builder, layer: int, h: Value) -> Value:
+        q, k, v = self.qkv(f, self.model.blocks[layer], h)
+        return self.attend(f, layer, f.rope(q, neox=True), f.rope(k, neox=True), v)
 
 
 FAMILY = Family("qwen2moe", ModelArgs, block_tensors, Qwen2MoE, checked_against="Qwen2MoeForCausalLM")

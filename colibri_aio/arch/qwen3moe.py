@@ -7,12 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
-
 from colibri_aio.arch.base import BaseArgs, Family, TensorSpec, attention_tensors, router_tensors, vector
 from colibri_aio.arch.decode_graphs import GraphDecode
-from colibri_aio.arch.layers import Rope
-from colibri_aio.kernels.ops import rms_norm, rope_neox
+from colibri_aio.arch.graph import Builder, Value
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -26,19 +23,18 @@ def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
 
 
 class Qwen3MoE(GraphDecode):
-    """A qwen3moe model bound to an expert source and a KV cache; its decode steps run as whole graphs
-    on the ggml backend (:mod:`colibri_aio.arch.decode_graphs`)."""
+    """A qwen3moe model bound to an expert source and a KV cache."""
 
-    def qk_norm(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    def qk_norm(self, f: Builder, x: Value, weight: object) -> Value:
         """RMSNorm of q or k (T, heads, d): per head."""
-        return rms_norm(x, weight, self.args.rms_eps)
+        return f.rms_norm(x, weight)
 
-    def attention(self, layer: int, h: np.ndarray, positions: np.ndarray, rope: Rope) -> np.ndarray:
+    def attention(self, f: Builder, layer: int, h: Value) -> Value:
         blk = self.model.blocks[layer]
-        q, k, v = self.qkv(blk, h)
-        q = rope_neox(self.qk_norm(q, blk.attn_q_norm), *rope)
-        k = rope_neox(self.qk_norm(k, blk.attn_k_norm), *rope)
-        return self.attend(layer, q, k, v, positions)
+        q, k, v = self.qkv(f, blk, h)
+        q = f.rope(self.qk_norm(f, q, blk.attn_q_norm), neox=True)
+        k = f.rope(self.qk_norm(f, k, blk.attn_k_norm), neox=True)
+        return self.attend(f, layer, q, k, v)
 
 
 FAMILY = Family("qwen3moe", ModelArgs, block_tensors, Qwen3MoE, checked_against="Qwen3MoeForCausalLM")

@@ -14,7 +14,9 @@ from typing import Self
 import numpy as np
 
 from colibri_aio.arch.base import Metadata
-from colibri_aio.arch.layers import MoETransformer, Rope
+from colibri_aio.arch.decode_graphs import GraphDecode
+from colibri_aio.arch.graph import RopeParams
+from colibri_aio.arch.layers import Rope
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels.ops import rope_cos_sin, rope_yarn_cos_sin
 
@@ -81,6 +83,15 @@ class RopeScaling:
         mscale = self.rope_attn_factor * (1.0 + 0.1 * ln) * (1.0 + 0.1 * self.log_multiplier * ln)
         return mscale * mscale / math.sqrt(head_dim)
 
+    def params(self, n_rot: int, freq_base: float) -> RopeParams:
+        """The same rotation as :meth:`tables`, as ggml's rope_ext takes it (it multiplies in its own
+        1 + 0.1 ln(factor) under YaRN)."""
+        yarn = self.kind == "yarn"
+        return RopeParams(n_rot, freq_base, self.original_context, freq_scale=1.0 / self.factor,
+                          ext_factor=1.0 if yarn else 0.0,
+                          attn_factor=self.rope_attn_factor if yarn else self.rotation_magnitude,
+                          beta_fast=self.beta_fast, beta_slow=self.beta_slow)
+
     def tables(self, positions: np.ndarray, n_rot: int, freq_base: float) -> Rope:
         if self.kind == "yarn":
             return rope_yarn_cos_sin(positions, n_rot, freq_base, factor=self.factor,
@@ -90,9 +101,13 @@ class RopeScaling:
         return cos * np.float32(self.rotation_magnitude), sin * np.float32(self.rotation_magnitude)
 
 
-class ScaledRope(MoETransformer):
-    """A forward pass whose cos/sin tables follow ``args.rope_scaling``."""
+class ScaledRope(GraphDecode):
+    """A forward pass whose RoPE follows ``args.rope_scaling``."""
 
     def rope_tables(self, positions: np.ndarray) -> Rope:
         a = self.args
         return a.rope_scaling.tables(positions, a.n_rot, a.rope_freq_base)  # type: ignore[attr-defined]
+
+    def rope_params(self) -> RopeParams:
+        a = self.args
+        return a.rope_scaling.params(a.n_rot, a.rope_freq_base)  # type: ignore[attr-defined]

@@ -1,0 +1,678 @@
+"""Descriptions as ggml graphs: the builder a block is traced with, and the graphs of a net's decode steps.
+
+:class:`GgmlBuilder` implements :class:`colibri_aio.arch.graph.Builder` by
+adding nodes to a ggml graph: a family's description of its block, traced
+once, becomes a graph that runs at every decode step. It knows operations
+(products, RMSNorm, RoPE, attention over a KV cache, routing, experts over a
+stack of matrices), not families.
+
+Every leaf is pointed at its memory once, when the graph is built: the
+trunk's arrays (resident for the net's life; a repacked matrix's copy), the
+KV cache's arrays, and buffers of :class:`DecodeGraphs` that change in place
+from step to step (the position, each cache's slot and mask, the residual
+stream between graphs). Graphs of one net share one arena for their
+intermediates: they run one after another. Only the experts graph is
+re-pointed at every call, at the slots the experts were read into.
+
+Numerics are llama.cpp's products: activations rounded to the weight type's
+partner before each product; ggml's norms, RoPE and softmax. Attention runs in
+float32 over the cache's keys and values (an f16 cache is widened in the graph
+by ``ggml_get_rows``, a whole row at a time, as the per-operation path and
+prefill widen it), so a position gives nearly the same logits decoded alone or
+within a prefill and greedy replies do not change with KV reuse.
+``COLIBRI_GGML_ATTENTION=f16`` attends as llama.cpp's flash attention does over
+an f16 cache (queries rounded to f16, values summed in f16): its logits bit
+for bit on the Q8_0 and F32 fixtures, but a last prompt token decoded alone
+then moves by ~1e-2. Within this backend the result depends only on the
+token ids: the same graphs run whatever the placement, the context size
+(masked keys are skipped, never summed) or the order the experts arrive in.
+
+Every graph also sums what a non-finite value would show in (each quantised
+product's input, q, k, v, the heads' output): rounding to 8 bits and flash
+attention's online softmax can both give finite numbers from broken weights,
+so the caller checks that sum and lets the per-operation pass name the place.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+import ggml.ggml as G
+
+from colibri_aio.kernels.ggml_cpu import GgmlKernels, Graph, Mat, aligned_buffer, split_stacks
+from colibri_aio.kernels.ops import MIN_WEIGHT_SUM, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, Routing
+from colibri_aio.kernels.qtensor import QTensor
+
+if TYPE_CHECKING:
+    from colibri_aio.arch.graph import RopeParams
+    from colibri_aio.arch.kvcache import KVCache
+
+__all__ = ["CONTEXT_BUCKET", "STEP_SCRATCH", "DecodeGraphs", "ExpertsShape", "GgmlBuilder", "Node"]
+
+CONTEXT_BUCKET = 256        # attention graphs are built for the context rounded up to this many keys
+# The most bytes a one-graph step's intermediates may take (every block keeps its float32 copy of the KV cache in
+# one graph, where the per-block graphs share one arena): beyond it, at long contexts, steps run block by block.
+STEP_SCRATCH = 256 << 20
+_MASK_ROWS = max(1, int(getattr(G, "GGML_KQ_MASK_PAD", 1)))  # flash attention wants the mask this tall
+_F32, _F16, _I32, _I64 = G.GGML_TYPE_F32, G.GGML_TYPE_F16, G.GGML_TYPE_I32, G.GGML_TYPE_I64
+_GID = {np.dtype(np.float32): _F32, np.dtype(np.float16): _F16, np.dtype(np.int32): _I32, np.dtype(np.int64): _I64}
+_NODES = 8192                # capacity of a per-block graph; a step graph gets more
+
+
+class Node:
+    """A value of a traced description: a ggml tensor and its shape in NumPy order (positions first)."""
+
+    __slots__ = ("t", "shape")
+
+    def __init__(self, t: Any, shape: tuple[int, ...]) -> None:
+        self.t, self.shape = t, shape
+
+
+class StepInputs:
+    """What changes from one decode step to the next, in buffers every graph of a net reads in place: the
+    position (RoPE), the slot each cache writes it to, and each cache's mask of the keys it may see."""
+
+    def __init__(self) -> None:
+        self.position = 0
+        self.pos32 = np.zeros(1, np.int32)
+        self._slots: dict[int, np.ndarray] = {}          # ring size (0: a whole-context cache) -> (1,) int64
+        self._masks: dict[tuple[int, int], np.ndarray] = {}  # (ring size or 0, keys) -> (rows, keys) f16
+
+    def begin(self, position: int) -> None:
+        self.position = position
+        self.pos32[0] = position
+        for size, slot in self._slots.items():
+            slot[0] = position % size if size else position
+        for key, mask in self._masks.items():
+            self._fill(key, mask)
+
+    def slot(self, ring: int) -> np.ndarray:
+        """The buffer holding this step's slot in a cache of ``ring`` positions (0: the whole context)."""
+        if ring not in self._slots:
+            self._slots[ring] = np.array([self.position % ring if ring else self.position], np.int64)
+        return self._slots[ring]
+
+    def mask(self, ring: int, n_kv: int) -> np.ndarray:
+        """The mask over ``n_kv`` keys of a cache of ``ring`` positions (0: the whole context, keys up to the
+        position visible; a ring: the slots holding a position of the window, 0 .. position)."""
+        key = (ring, n_kv)
+        if key not in self._masks:
+            self._masks[key] = np.full((_MASK_ROWS, n_kv), -np.inf, np.float16)
+            self._fill(key, self._masks[key])
+        return self._masks[key]
+
+    def _fill(self, key: tuple[int, int], mask: np.ndarray) -> None:
+        ring, n_kv = key
+        p = self.position
+        if ring:   # slot j holds position p - ((p - j) mod ring): seen when it is not before the first
+            held = p - (p - np.arange(n_kv)) % ring
+            mask[0] = np.where(held >= 0, 0.0, -np.inf)
+        else:
+            mask[0, :p + 1] = 0
+            mask[0, p + 1:] = -np.inf
+
+
+def _ne(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """ggml's (ne0, ne1, ne2) of a NumPy shape of at most three axes."""
+    if len(shape) > 3:
+        raise ValueError(f"graphs take at most three axes, not {shape}")
+    ne = tuple(reversed(shape)) + (1,) * (3 - len(shape))
+    return ne  # type: ignore[return-value]
+
+
+class GgmlBuilder:
+    """Adds each operation of a description to one ggml graph (:class:`~colibri_aio.arch.graph.Builder`).
+
+    ``inputs``: the step's changing buffers; ``cache``: the net's KV cache (written in place by
+    ``ggml_set_rows``); ``n_kv``: the keys a whole-context cache's attention reads (the context bucket).
+    """
+
+    def __init__(self, kernels: GgmlKernels, graph: Graph, inputs: StepInputs, cache: KVCache, rope: RopeParams,
+                 eps: float, n_kv: int, f16_attention: bool = False) -> None:
+        self.kernels, self.graph, self.ctx = kernels, graph, graph.ctx
+        self.inputs, self.cache, self.rope_params, self.eps = inputs, cache, rope, eps
+        self.n_kv, self.f16_attention = n_kv, f16_attention
+        self.checks: list[Any] = []          # sums whose total is finite when nothing broke
+        self.weight_bytes = 0                # bytes of the weights the graph multiplies by (its thread count)
+        self.fused_products = 0              # products made one over adjacent matrices (linears)
+        self._leaves: dict[tuple, Any] = {}
+        self._keep: list[np.ndarray] = []    # copies leaves point at (made contiguous, float32)
+
+    # --- leaves ---
+
+    def leaf(self, x: Any) -> Any:
+        """The ggml tensor of ``x``: a node's own, or a leaf over a block tensor's memory (made once)."""
+        if isinstance(x, Node):
+            return x.t
+        if isinstance(x, QTensor):
+            key = ("q", x.data.ctypes.data, x.shape, x.ggml_type)
+            if key not in self._leaves:
+                self._leaves[key] = self.weight(self.kernels.mat(x), self.kernels.address(x.data))
+            return self._leaves[key]
+        a = np.asarray(x)
+        key = ("a", a.ctypes.data, a.shape, a.strides, a.dtype.str)
+        if key not in self._leaves:
+            if a.dtype not in _GID:
+                a = a.astype(np.float32)
+            if not a.flags.c_contiguous:
+                a = np.ascontiguousarray(a)
+            if a.ctypes.data != key[1]:
+                self._keep.append(a)
+            self._leaves[key] = self.over(a)
+        return self._leaves[key]
+
+    def over(self, a: np.ndarray) -> Any:
+        """A leaf over the C-contiguous array ``a``'s memory (a buffer that changes in place, or a tensor)."""
+        t = self.graph.leaf(_GID[a.dtype], *_ne(a.shape))
+        t.contents.data = a.ctypes.data
+        return t
+
+    def weight(self, m: Mat, address: int) -> Any:
+        t = self.graph.weight(m)
+        t.contents.data = address
+        self.weight_bytes += m.nbytes
+        return t
+
+    def input(self, buffer: np.ndarray) -> Node:
+        """A value read from ``buffer`` (positions first) at every run."""
+        return Node(self.over(buffer), buffer.shape)
+
+    def node(self, x: Any) -> Node:
+        if isinstance(x, Node):
+            return x
+        a = x.data if isinstance(x, QTensor) else np.asarray(x)
+        return Node(self.leaf(x), tuple(x.shape) if isinstance(x, QTensor) else a.shape)
+
+    def _contiguous(self, t: Any) -> Any:
+        return t if G.ggml_is_contiguous(t) else G.ggml_cont(self.ctx, t)
+
+    def _check(self, t: Any) -> None:
+        self.checks.append(G.ggml_sum(self.ctx, t))
+
+    def check_total(self) -> Node:
+        """One value, finite when every sum the operations kept is: the graph's check."""
+        total = self.checks[0]
+        for t in self.checks[1:]:
+            total = G.ggml_add(self.ctx, total, t)
+        return Node(total, (1,))
+
+    # --- the Builder operations ---
+
+    def linear(self, w: Any, x: Any) -> Node:
+        return self.linears([w], x)[0]
+
+    def linears(self, ws: Sequence[Any], x: Any) -> list[Node]:
+        """Products on one input; quantised matrices whose bytes follow each other with one type (a block's
+        q, k and v as a GGUF stores them) are one product over their rows together, as the per-operation
+        backend runs them."""
+        xn = self.node(x)
+        t = xn.shape[0]
+        k, runs = self.kernels, []
+        for w in ws:
+            if isinstance(w, QTensor):
+                m, at = k.mat(w), k.address(w.data)
+                last = runs[-1] if runs else None
+                if last is not None and last[0] is not None and (last[0].gid, last[0].packed) == (m.gid, m.packed) \
+                        and last[1] + last[2] == at and last[0].cols == m.cols:
+                    runs[-1] = (Mat(m.gid, last[0].rows + m.rows, m.cols, m.packed), last[1], last[2] + w.nbytes,
+                                last[3] + [m.rows])
+                    continue
+                runs.append((m, at, w.nbytes, [m.rows]))
+            else:
+                runs.append((None, w, 0, [np.asarray(w).shape[0]]))
+        if any(m is not None for m, *_ in runs):
+            self._check(xn.t)             # rounded to the weight type's partner before the product
+        out = []
+        for m, at, _, rows in runs:
+            wt = self.leaf(at) if m is None else self.weight(m, at)
+            y = G.ggml_mul_mat(self.ctx, wt, xn.t)
+            if len(rows) == 1:
+                out.append(Node(y, (t, rows[0])))
+                continue
+            self.fused_products += 1
+            nb1, start = y.contents.nb[1], 0
+            for r in rows:
+                view = G.ggml_view_2d(self.ctx, y, r, t, nb1, 4 * start)
+                out.append(Node(view if t == 1 else G.ggml_cont(self.ctx, view), (t, r)))
+                start += r
+        return out
+
+    def _binary(self, op: Callable, a: Any, b: Any) -> Node:
+        an, bn = self.node(a), self.node(b)
+        shape = np.broadcast_shapes(an.shape, bn.shape)
+        if an.shape != shape:             # ggml repeats the second operand; both operations commute
+            an, bn = bn, an
+        return Node(op(self.ctx, an.t, bn.t), shape)
+
+    def add(self, a: Any, b: Any) -> Node:
+        return self._binary(G.ggml_add, a, b)
+
+    def mul(self, a: Any, b: Any) -> Node:
+        return self._binary(G.ggml_mul, a, b)
+
+    def rms_norm(self, x: Any, weight: Any) -> Node:
+        xn = self.node(x)
+        return self.mul(Node(G.ggml_rms_norm(self.ctx, xn.t, self.eps), xn.shape), weight)
+
+    def heads(self, x: Any, n: int, width: int) -> Node:
+        xn = self.node(x)
+        return Node(G.ggml_reshape_3d(self.ctx, self._contiguous(xn.t), width, n, xn.shape[0]), (xn.shape[0], n, width))
+
+    def flat(self, x: Any) -> Node:
+        xn = self.node(x)
+        t, n, width = xn.shape
+        return Node(G.ggml_reshape_2d(self.ctx, self._contiguous(xn.t), n * width, t), (t, n * width))
+
+    def split(self, x: Any, sizes: Sequence[int]) -> list[Node]:
+        xn = self.node(x)
+        c = xn.t.contents
+        ne = _ne(xn.shape)
+        out, start = [], 0
+        for size in sizes:
+            view = G.ggml_view_3d(self.ctx, xn.t, size, ne[1], ne[2], c.nb[1], c.nb[2], start * c.nb[0])
+            out.append(Node(G.ggml_cont(self.ctx, view), (*xn.shape[:-1], size)))
+            start += size
+        return out
+
+    def concat(self, a: Any, b: Any) -> Node:
+        an, bn = self.node(a), self.node(b)
+        return Node(G.ggml_concat(self.ctx, an.t, bn.t, 0), (*an.shape[:-1], an.shape[-1] + bn.shape[-1]))
+
+    def rope(self, x: Any, neox: bool) -> Node:
+        xn, p = self.node(x), self.rope_params
+        mode = G.GGML_ROPE_TYPE_NEOX if neox else G.GGML_ROPE_TYPE_NORMAL
+        t = G.ggml_rope_ext(self.ctx, self._contiguous(xn.t), self._positions(), None, p.n_rot, mode, p.n_ctx_orig,
+                            p.freq_base, p.freq_scale, p.ext_factor, p.attn_factor, p.beta_fast, p.beta_slow)
+        return Node(t, xn.shape)
+
+    def head_products(self, m: Any, x: Any) -> Node:
+        xn, mt = self.node(x), self.leaf(m)
+        t, h, _ = xn.shape
+        rows = np.asarray(m).shape[1]
+        xp = G.ggml_cont(self.ctx, G.ggml_permute(self.ctx, xn.t, 0, 2, 1, 3))          # (a, T, H)
+        y = G.ggml_mul_mat(self.ctx, mt, xp)                                              # (b, T, H)
+        return Node(G.ggml_cont(self.ctx, G.ggml_permute(self.ctx, y, 0, 2, 1, 3)), (t, h, rows))
+
+    def attend(self, layer: int, q: Any, k: Any, v: Any | None, *, scale: float | None = None,
+               sinks: Any | None = None) -> Node:
+        cache, ctx = self.cache, self.ctx
+        keys, values = cache.k[layer], cache.v[layer]
+        held, heads_kv, dk = keys.shape
+        dv = values.shape[2]
+        qn, kn = self.node(q), self.node(k)
+        t, heads = qn.shape[0], qn.shape[1]
+        ring = held if cache.is_ring(layer) else 0
+        n_kv = held if ring else self.n_kv
+        gid, item = _GID[keys.dtype], keys.dtype.itemsize
+        slot = self.over(self.inputs.slot(ring))
+        # the position's key and value into the cache, before any node reads the cache (graph order)
+        rows = self.graph.leaf(gid, heads_kv * dk, held)
+        rows.contents.data = keys.ctypes.data
+        self._effect(G.ggml_set_rows(ctx, rows, G.ggml_reshape_2d(ctx, self._contiguous(kn.t), heads_kv * dk, t), slot))
+        checked = [qn.t, kn.t]
+        if v is not None:
+            vn = self.node(v)
+            v_rows = self.graph.leaf(gid, heads_kv * dv, held)
+            v_rows.contents.data = values.ctypes.data
+            self._effect(G.ggml_set_rows(ctx, v_rows, G.ggml_reshape_2d(ctx, self._contiguous(vn.t), heads_kv * dv, t),
+                                         slot))
+            checked.append(vn.t)
+        k_all = self._strided(gid, dk, n_kv, heads_kv, heads_kv * dk * item, keys.ctypes.data)
+        widen = gid != _F32 and not self.f16_attention
+        if v is None:                     # the values are each key's first dv numbers (MLA's latent)
+            if widen:
+                k_all = self._widened(k_all, n_kv, heads_kv)
+            c = k_all.contents
+            v_all = G.ggml_view_3d(ctx, k_all, dv, n_kv, heads_kv, c.nb[1], c.nb[2], 0)
+        else:
+            v_all = self._strided(gid, dv, n_kv, heads_kv, heads_kv * dv * item, values.ctypes.data)
+            if widen:
+                k_all, v_all = self._widened(k_all, n_kv, heads_kv), self._widened(v_all, n_kv, heads_kv)
+        mask = self.over(self.inputs.mask(ring, n_kv))
+        att = G.ggml_flash_attn_ext(ctx, G.ggml_permute(ctx, qn.t, 0, 2, 1, 3), k_all, v_all, mask,
+                                    1.0 / math.sqrt(dk) if scale is None else scale, 0.0, 0.0)
+        G.ggml_flash_attn_ext_set_prec(att, G.GGML_PREC_F32)
+        if sinks is not None:
+            G.ggml_flash_attn_ext_add_sinks(att, self.leaf(sinks))
+        out = G.ggml_reshape_2d(ctx, att, dv * heads, t)
+        for c in (*checked, out):
+            self._check(c)
+        return Node(out, (t, heads * dv))
+
+    def swiglu(self, gate: Any, up: Any) -> Node:
+        gn = self.node(gate)
+        return Node(G.ggml_swiglu_split(self.ctx, gn.t, self.leaf(up)), gn.shape)
+
+    def sigmoid(self, x: Any) -> Node:
+        xn = self.node(x)
+        return Node(G.ggml_sigmoid(self.ctx, xn.t), xn.shape)
+
+    # --- what the decode driver adds: routing, experts, the order of effects ---
+
+    def route(self, logits: Node, used: int, routing: Routing, bias: np.ndarray | None) -> tuple[Node, Node, Node]:
+        """llama.cpp's ``build_moe_ffn`` selection of one position (as :func:`colibri_aio.kernels.ops.route`):
+        the experts in descending selection score (1, E) int32, the first ``used`` of them (a view), their
+        weights (1, used)."""
+        ctx, experts = self.ctx, logits.shape[-1]
+        if routing.gating == "softmax":
+            probs = G.ggml_soft_max(ctx, logits.t)
+        elif routing.gating == "sigmoid":
+            probs = G.ggml_sigmoid(ctx, logits.t)
+        else:
+            probs = logits.t
+        selection = probs if bias is None else G.ggml_add(ctx, probs, self.leaf(bias))
+        if routing.group_count > 1:
+            selection = self._limit_groups(selection, experts, routing)
+        order = G.ggml_argsort(ctx, selection, G.GGML_SORT_ORDER_DESC)                # (E, 1)
+        top = G.ggml_view_2d(ctx, order, used, 1, order.contents.nb[1], 0)
+        w = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, G.ggml_reshape_3d(ctx, probs, 1, experts, 1), top), used, 1)
+        if routing.gating == "softmax_weight":
+            w = G.ggml_soft_max(ctx, w)
+        if routing.normalize:
+            w = G.ggml_div(ctx, w, G.ggml_clamp(ctx, G.ggml_sum_rows(ctx, w), float(MIN_WEIGHT_SUM), math.inf))
+        if routing.scale not in (0.0, 1.0):
+            w = G.ggml_scale(ctx, w, routing.scale)
+        if w.contents.view_src:          # an output must be a node that writes its own memory
+            w = G.ggml_cont(ctx, w)
+        self._check(w)
+        return Node(order, (1, experts)), Node(top, (1, used)), Node(w, (1, used))
+
+    def _limit_groups(self, selection: Any, experts: int, routing: Routing) -> Any:
+        """Selection with the experts outside the ``group_used`` best groups (by the sum of their two best
+        selection values) at -inf. Groups tied with the last one kept are kept too (the NumPy reference
+        keeps the lower-numbered one of exact ties)."""
+        ctx, n, per = self.ctx, routing.group_count, experts // routing.group_count
+        groups = G.ggml_reshape_3d(ctx, selection, per, n, 1)
+        best2 = G.ggml_argsort_top_k(ctx, groups, 2)                                     # (2, n, 1)
+        values = G.ggml_get_rows(ctx, G.ggml_reshape_4d(ctx, groups, 1, per, n, 1), best2)  # (1, 2, n, 1)
+        score = G.ggml_sum_rows(ctx, G.ggml_reshape_3d(ctx, values, 2, n, 1))            # (1, n, 1)
+        score = G.ggml_reshape_2d(ctx, score, n, 1)
+        ranked = G.ggml_argsort(ctx, score, G.GGML_SORT_ORDER_DESC)
+        last = G.ggml_view_2d(ctx, ranked, 1, 1, ranked.contents.nb[1], 4 * (routing.group_used - 1))
+        kth = G.ggml_get_rows(ctx, G.ggml_reshape_2d(ctx, score, 1, n), last)            # (1, 1)
+        dropped = G.ggml_step(ctx, G.ggml_neg(ctx, G.ggml_sub(ctx, score, kth)))          # 1 below the kth
+        mask = G.ggml_log(ctx, G.ggml_scale_bias(ctx, dropped, -1.0, 1.0))               # 0 kept, -inf dropped
+        mask = G.ggml_repeat(ctx, G.ggml_reshape_3d(ctx, mask, 1, n, 1), groups)
+        return G.ggml_reshape_2d(ctx, G.ggml_add(ctx, groups, mask), experts, 1)
+
+    def experts_in_pool(self, shape: ExpertsShape, h: Node, x2: Node, top: Node, weights: Node, table: np.ndarray,
+                        bases: Sequence[int], stride: int, biases: Sequence[np.ndarray] | None,
+                        shared: Node | None) -> Node:
+        """x2 + the chosen experts' weighted outputs in rank order (+ the shared expert's): the next residual
+        stream, each expert read from a pool of ``shape.depth`` slots ``stride`` bytes apart whose gate, up
+        and down matrices start at ``bases`` in slot 0; ``table`` (E,) int32: each expert's slot, read as
+        the graph runs; ``top``: the chosen experts in rank order."""
+        ctx, used = self.ctx, shape.used
+        table_leaf = self.graph.leaf(_I32, 1, len(table))
+        table_leaf.contents.data = table.ctypes.data
+        slot_ids = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, table_leaf, top.t), used, 1)
+        mats = ((shape.gate, 2), (shape.down, 1)) if shape.gate_up else ((shape.gate, 1), (shape.gate, 1),
+                                                                         (shape.down, 1))
+        addrs = (bases[0], bases[2]) if shape.gate_up else bases
+        stacks = []
+        for (m, rows), base in zip(mats, addrs):
+            st = self.graph.stack(m.gid, m.cols, rows * m.rows, shape.depth)
+            st.contents.data = base
+            self.graph.set_stride(st.contents, stride)
+            stacks.append(st)
+            self.weight_bytes += used * rows * m.nbytes
+        bias_leaves = None if biases is None else [self.leaf(b) for b in biases]
+        ys = expert_terms(ctx, shape, h.t, slot_ids, top.t, weights.t, stacks, bias_leaves)
+        return Node(rank_sum(ctx, ys, x2.t, None if shared is None else shared.t), x2.shape)
+
+    def _effect(self, t: Any) -> None:
+        G.ggml_build_forward_expand(self.graph.gf, t)
+
+    def _positions(self) -> Any:
+        key = ("positions",)
+        if key not in self._leaves:
+            self._leaves[key] = self.over(self.inputs.pos32)
+        return self._leaves[key]
+
+    def _strided(self, gid: int, width: int, n_kv: int, heads: int, row_bytes: int, address: int) -> Any:
+        """A leaf over a (positions, heads, width) cache seen as (width, positions, heads), as attention reads it."""
+        t = self.graph.leaf(gid, width, n_kv, heads)
+        c = t.contents
+        c.nb[1], c.nb[2] = row_bytes, width * G.ggml_type_size(gid)
+        c.nb[3] = row_bytes * n_kv
+        c.data = address
+        return t
+
+    def _widened(self, cache: Any, n_kv: int, heads: int) -> Any:
+        """The f16 cache leaf as a float32 copy laid out (width, positions, heads) contiguous: the values of
+        ``ggml_cast`` (f16 -> f32 is exact), a whole row at a time (F16C; ~6x faster than element by element)."""
+        ctx = self.ctx
+        positions = G.ggml_arange(ctx, 0.0, float(n_kv), 1.0)
+        index = G.ggml_cast(ctx, G.ggml_repeat_4d(ctx, G.ggml_reshape_2d(ctx, positions, n_kv, 1), n_kv, heads, 1, 1),
+                            _I32)                               # (positions, heads): row p of every head
+        return G.ggml_get_rows(ctx, cache, index)
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertsShape:
+    """What a graph of one block's routed experts depends on: the matrices' types and shapes (gate; down),
+    the experts per position, the stack's depth, whether each expert's up matrix follows its gate (one
+    product of 2F rows), the activation, per-expert biases, whether a shared expert's output is added,
+    and ``each``: one product per expert instead of ``ggml_mul_mat_id`` over a stack."""
+
+    gate: Mat
+    down: Mat
+    used: int
+    depth: int
+    gate_up: bool
+    activation: str = "swiglu"
+    biased: bool = False
+    shared: bool = False
+    each: bool = False
+    n_experts: int = 0        # rows of the bias tensors (the block's expert count), when biased
+
+
+def expert_terms(ctx: Any, s: ExpertsShape, h: Any, slot_ids: Any, expert_ids: Any, w: Any, stacks: Sequence[Any],
+                 biases: Sequence[Any] | None) -> list[Any]:
+    """Each rank's weighted expert output (D, 1): w_r * down_r(act(gate_r h + b, up_r h + b)) + b, over the
+    stacks by ``ggml_mul_mat_id``; or, with ``s.each``, ``stacks`` holding each rank's gate, up and down."""
+    if s.each:
+        ys = []
+        for r in range(s.used):
+            wg, wu, wd = stacks[3 * r: 3 * r + 3]
+            gate, up = G.ggml_mul_mat(ctx, wg, h), G.ggml_mul_mat(ctx, wu, h)
+            expert = G.ggml_view_2d(ctx, expert_ids, 1, 1, expert_ids.contents.nb[1], 4 * r)
+            if biases is not None:      # the same addition as the stacked path's, on a stack of one
+                gate, up = (G.ggml_add_id(ctx, G.ggml_reshape_3d(ctx, t, s.gate.rows, 1, 1), b, expert)
+                            for t, b in ((gate, biases[0]), (up, biases[1])))
+            y = G.ggml_mul_mat(ctx, wd, _activation(ctx, s.activation, gate, up))
+            if biases is not None:
+                y = G.ggml_add_id(ctx, G.ggml_reshape_3d(ctx, y, s.down.rows, 1, 1), biases[2], expert)
+            wr = G.ggml_view_2d(ctx, w, 1, 1, w.contents.nb[1], 4 * r)
+            ys.append(G.ggml_reshape_2d(ctx, G.ggml_mul(ctx, y, wr), s.down.rows, 1))
+        return ys
+    h3 = G.ggml_reshape_3d(ctx, h, s.gate.cols, 1, 1)
+    if s.gate_up:
+        a = G.ggml_swiglu(ctx, G.ggml_mul_mat_id(ctx, stacks[0], h3, slot_ids))
+        wd = stacks[1]
+    else:
+        gate, up = G.ggml_mul_mat_id(ctx, stacks[0], h3, slot_ids), G.ggml_mul_mat_id(ctx, stacks[1], h3, slot_ids)
+        if biases is not None:
+            gate, up = G.ggml_add_id(ctx, gate, biases[0], expert_ids), G.ggml_add_id(ctx, up, biases[1], expert_ids)
+        a = _activation(ctx, s.activation, gate, up)
+        wd = stacks[2]
+    y = G.ggml_mul_mat_id(ctx, wd, a, slot_ids)                       # (D, used, 1)
+    if biases is not None:
+        y = G.ggml_add_id(ctx, y, biases[2], expert_ids)
+    y = G.ggml_mul(ctx, y, G.ggml_reshape_3d(ctx, w, 1, s.used, 1))
+    nb1 = y.contents.nb[1]
+    return [G.ggml_view_2d(ctx, y, s.down.rows, 1, nb1, r * nb1) for r in range(s.used)]
+
+
+def _activation(ctx: Any, name: str, gate: Any, up: Any) -> Any:
+    if name == "swiglu":
+        return G.ggml_swiglu_split(ctx, gate, up)
+    if name == "swiglu_oai":
+        return G.ggml_swiglu_oai(ctx, gate, up, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT)
+    raise ValueError(f"unknown expert activation {name!r}")
+
+
+def rank_sum(ctx: Any, ys: Sequence[Any], x2: Any, shared: Any | None = None) -> Any:
+    """x2 + ((y0 + y1) + y2) + ...: the weighted expert outputs summed in rank order, then the shared
+    expert's output when there is one, then the residual (the per-operation path's order)."""
+    acc = ys[0]
+    for y in ys[1:]:
+        acc = G.ggml_add(ctx, acc, y)
+    if shared is not None:
+        acc = G.ggml_add(ctx, acc, shared)
+    return G.ggml_add(ctx, x2, acc)
+
+
+Trace = Callable[[GgmlBuilder], Sequence[tuple[Node, np.ndarray]]]
+
+
+class DecodeGraphs:
+    """The graphs of one net's decode steps on one :class:`GgmlKernels`, and the buffers they share.
+
+    :meth:`traced` builds a graph from a description (once per context bucket) with every leaf pointed
+    for good and every output at a buffer of the caller's; :meth:`experts` runs a block's routed experts
+    from wherever their bytes are this time. All graphs here share one arena, so only one runs at a time
+    (the kernels' lock).
+    """
+
+    def __init__(self, kernels: GgmlKernels, cache: KVCache, rope: RopeParams, eps: float,
+                 f16_attention: bool = False) -> None:
+        self.kernels, self.cache, self.rope, self.eps = kernels, cache, rope, eps
+        self.f16_attention = f16_attention
+        self.inputs = StepInputs()
+        self.n_kv = 0
+        self.steps = 0                      # decode steps run on these graphs
+        self.fused_products = 0             # products over adjacent matrices in the graphs built so far
+        self._graphs: dict[tuple, Graph | None] = {}
+        self._scratch, self._scratch_addr = aligned_buffer(0)
+        self._experts_ids = np.zeros(64, np.int32)
+        self._experts_terms: dict[int, np.ndarray] = {}
+
+    def begin(self, position: int) -> None:
+        """The next step decodes ``position``: point every step buffer at it; a new context bucket drops the
+        graphs built for the last one."""
+        n_kv = min(self.cache.n_ctx, -(-(position + 1) // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+        if n_kv != self.n_kv:
+            self.n_kv = n_kv
+            for graph in self._graphs.values():
+                if graph is not None:
+                    graph.free()
+            self._graphs.clear()
+        self.inputs.begin(position)
+
+    def traced(self, key: tuple, trace: Trace, n_nodes: int = _NODES, max_arena: int | None = None) -> Graph | None:
+        """The graph of ``trace`` for this context bucket (built on first use): its outputs written into the
+        buffers it pairs them with. None when its intermediates would take more than ``max_arena`` bytes."""
+        if key in self._graphs:
+            return self._graphs[key]
+        k = self.kernels
+        graph = Graph(n_nodes, n_nodes)
+        f = GgmlBuilder(k, graph, self.inputs, self.cache, self.rope, self.eps, self.n_kv, self.f16_attention)
+        outputs = list(trace(f))
+        k.finish_graph(graph, [node.t for node, _ in outputs], f.weight_bytes, own_arena=False)
+        graph.key = key                                                 # type: ignore[attr-defined]
+        graph.keep = (f._keep, [buf for _, buf in outputs])  # type: ignore[attr-defined]  # memory it points at
+        for out, (_, buf) in zip(graph.outputs, outputs):
+            out.data = buf.ctypes.data
+        if max_arena is not None and graph.arena_size > max_arena:
+            graph.free()
+            self._graphs[key] = None
+            return None
+        self.fused_products += f.fused_products
+        if graph.arena_size > self._scratch.size:
+            self._scratch, self._scratch_addr = aligned_buffer(graph.arena_size)
+            for other in self._graphs.values():
+                if other is not None:
+                    other.place(self._scratch_addr)
+        graph.place(self._scratch_addr)
+        self._graphs[key] = graph
+        return graph
+
+    def run(self, graph: Graph) -> None:
+        with self.kernels.lock:
+            self.kernels.run(graph)
+
+    def experts(self, shape: ExpertsShape, h: np.ndarray, x2: np.ndarray, out: np.ndarray, experts: Sequence,
+                expert_ids: Sequence[int], weights: np.ndarray, biases: Sequence[np.ndarray] | None = None,
+                shared: np.ndarray | None = None, terms: bool = False) -> np.ndarray:
+        """Block experts ``experts`` (FFNWeights in rank order; ``expert_ids`` their numbers) on ``h`` (1, D):
+        ``out`` = x2 + their weighted sum in rank order (+ ``shared``), or with ``terms`` each weighted output,
+        returned (used, D), for a caller summing experts that arrived in several batches. ``weights``: (1, used)."""
+        k, used = self.kernels, len(experts)
+        a = k.address
+        addrs = [(a(e.gate.data), a(e.up.data), a(e.down.data)) for e in experts]
+        ids = self._experts_ids[:2 * used]
+        ids[used:] = expert_ids
+        stacks = [] if shape.each else split_stacks(addrs, [1] * used)
+        if len(stacks) == 1:       # one stride apart (pool slots): ggml_mul_mat_id over them
+            (stack,) = stacks
+            for member, index in zip(stack.members, stack.index):
+                ids[member] = index
+            gate_up = (shape.activation == "swiglu" and not shape.biased
+                       and stack.base[1] - stack.base[0] == shape.gate.nbytes)
+            shape = replace(shape, depth=stack.depth, gate_up=gate_up)
+            bases = (stack.base[0], stack.base[2]) if gate_up else stack.base
+            strides = (stack.stride,) * len(bases)
+        else:                      # one product per expert
+            shape = replace(shape, depth=0, gate_up=False, each=True)
+            bases = tuple(p for trio in addrs for p in trio)
+            strides = ()
+        key = ("experts", shape, terms)
+        target = self._terms(shape, used) if terms else out
+        with k.lock:
+            graph = k.graph(key, 16 * used + 16, lambda g: _build_experts(g, shape, terms),
+                            sum(m.nbytes for m in (shape.gate, shape.gate, shape.down)) * used)
+            addrs_in = [h.ctypes.data, x2.ctypes.data, *bases, ids.ctypes.data, ids.ctypes.data + 4 * used,
+                        weights.ctypes.data, *(b.ctypes.data for b in biases or ()),
+                        *(() if shared is None else (shared.ctypes.data,))]
+            for leaf, addr in zip(graph.inputs, addrs_in):
+                leaf.data = addr
+            for st, stride in zip(graph.stacks, strides):
+                graph.set_stride(st, stride)
+            graph.outputs[0].data = target.ctypes.data
+            k.run(graph)
+        return target
+
+    def _terms(self, shape: ExpertsShape, used: int) -> np.ndarray:
+        buf = self._experts_terms.get(used)
+        if buf is None or buf.shape[1] != shape.down.rows:
+            buf = self._experts_terms[used] = np.zeros((used, shape.down.rows), np.float32)
+        return buf
+
+    def close(self) -> None:
+        for graph in self._graphs.values():
+            if graph is not None:
+                graph.free()
+        self._graphs.clear()
+
+
+def _build_experts(g: Graph, s: ExpertsShape, terms: bool) -> list:
+    """The experts graph :meth:`DecodeGraphs.experts` points: leaves h, x2, the stacks (or each rank's gate,
+    up, down), the stack index of each rank, each rank's expert, the weights, the biases, the shared output.
+    ``terms``: its output is each rank's weighted output (used, D) instead of their sum with x2."""
+    ctx, used = g.ctx, s.used
+    h = g.leaf(_F32, s.gate.cols, 1)
+    x2 = g.leaf(_F32, s.down.rows, 1)
+    if s.each:
+        stacks = [g.leaf(m.gid, m.cols, m.rows) for _ in range(used) for m in (s.gate, s.gate, s.down)]
+    elif s.gate_up:
+        stacks = [g.stack(s.gate.gid, s.gate.cols, 2 * s.gate.rows, s.depth),
+                  g.stack(s.down.gid, s.down.cols, s.down.rows, s.depth)]
+    else:
+        stacks = [g.stack(m.gid, m.cols, m.rows, s.depth) for m in (s.gate, s.gate, s.down)]
+    slot_ids, expert_ids = g.leaf(_I32, used, 1), g.leaf(_I32, used, 1)
+    w = g.leaf(_F32, used, 1)
+    biases = ([g.leaf(_F32, rows, s.n_experts) for rows in (s.gate.rows, s.gate.rows, s.down.rows)]
+              if s.biased else None)
+    shared = g.leaf(_F32, s.down.rows, 1) if s.shared else None
+    ys = expert_terms(ctx, s, h, slot_ids, expert_ids, w, stacks, biases)
+    if not terms:
+        return [rank_sum(ctx, ys, x2, shared)]
+    acc = ys[0]
+    for y in ys[1:]:
+        acc = G.ggml_concat(ctx, acc, y, 1)
+    return [G.ggml_cont(ctx, acc)]
