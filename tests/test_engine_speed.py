@@ -8,7 +8,8 @@ import time
 from colibri_aio.engine.engine import Engine
 from colibri_aio.engine.memory import MemoryLimits
 from colibri_aio.engine.plan import make_plan
-from colibri_aio.engine.speed import cached, decode_weights, machine_speed, measure
+from colibri_aio.engine.speed import cached, decode_weights
+from colibri_aio.engine.speed_probe import machine_speed, measure
 from colibri_aio.gguf.model import load
 from colibri_aio.kernels.backend import open_kernels
 from colibri_aio.models import default_model_path

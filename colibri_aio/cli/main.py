@@ -392,7 +392,8 @@ def _plan(args: argparse.Namespace) -> int:
     from colibri_aio.engine.memory import memory_limits
     from colibri_aio.engine.placement import Placement, plan_for
     from colibri_aio.engine.opening import engine_kernels, kernels_name
-    from colibri_aio.engine.speed import decode_weights, machine_speed
+    from colibri_aio.engine.speed import decode_weights
+    from colibri_aio.engine.speed_probe import machine_speed
     from colibri_aio.gguf.model import load
     from colibri_aio.models import default_model_path
     from colibri_aio.policy.budget import parse_size

@@ -42,6 +42,7 @@ from colibri_aio.engine.history import HistoryFile
 from colibri_aio.engine.opening import OpenTimings, open_parts
 from colibri_aio.engine.placement import Placement
 from colibri_aio.engine.stats import EngineStats
+from colibri_aio.engine.tasks import EngineTasks
 from colibri_aio.logs import get_logger
 from colibri_aio.text.tokenizer import Tokenizer
 
@@ -86,9 +87,12 @@ class Engine:
     """A model ready to generate. Open with :meth:`open`; close with ``async with`` or :meth:`aclose`."""
 
     def __init__(self, model: Model, tokenizer: Tokenizer, source: CachedExpertSource, plan: Plan,
-                 placement: Placement, kernels: Kernels, history: HistoryFile | None = None) -> None:
+                 placement: Placement, kernels: Kernels, history: HistoryFile | None = None,
+                 tasks: EngineTasks | None = None) -> None:
+        """The parts :meth:`open` made; ``tasks``: the group its background work runs in (closed with the
+        engine)."""
         self.model, self.tokenizer, self.source, self.plan, self.placement = model, tokenizer, source, plan, placement
-        self.kernels, self.history = kernels, history
+        self.kernels, self.history, self._tasks = kernels, history, tasks
         self.net = build_net(model, source, plan.context, kernels, plan.kv_type)
         self.net.lookahead = placement.lookahead
         self.prompt_tokens = self.generated_tokens = self.cached_tokens = 0
@@ -96,7 +100,6 @@ class Engine:
         # One sampler of the model's device per engine: it feeds the backpressure controller,
         # and telemetry reads the same counters.
         self.device = DeviceMonitor.for_path(model.path, source.policy.on_device)
-        self._monitor: asyncio.Task[None] | None = None
         self._turn = asyncio.Lock()  # one caller at a time on the KV cache
         self._holder: asyncio.Task[Any] | None = None  # the task whose turn it is
         self._closed = False
@@ -142,16 +145,29 @@ class Engine:
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,
                               pin=pin, context=n_ctx, kv_type=kv_type, warm_start=warm_start,
                               read_ahead=read_ahead)
-        model, tokenizer, source, plan, store, opened_kernels, timings = await open_parts(
-            path if path is not None else default_model_path(), placement, kernels=kernels, progress=progress,
-            history=history)
+        tasks = await EngineTasks.start()
+        try:
+            model, tokenizer, source, plan, store, opened_kernels, timings = await open_parts(
+                path if path is not None else default_model_path(), placement, tasks, kernels=kernels,
+                progress=progress, history=history)
+        except BaseException as exc:
+            await tasks.aclose(raising=exc)
+            raise
         for note in plan.notes:
             log.warning(note)
-        engine = cls(model, tokenizer, source, plan, placement, opened_kernels, store)
+        try:
+            engine = cls(model, tokenizer, source, plan, placement, opened_kernels, store, tasks)
+        except BaseException as exc:  # the net refused the model: nothing opened for it stays open
+            await tasks.aclose(raising=exc)
+            try:
+                await source.aclose()
+            finally:
+                opened_kernels.close()
+            raise
         engine.open_timings = timings
         log.info(engine.describe(full=True))
         if engine.device is not None:
-            engine._monitor = asyncio.get_running_loop().create_task(engine.device.run())
+            tasks.spawn(engine.device.run(), name="device monitor")
         return engine
 
     def describe(self, *, full: bool = False) -> str:
@@ -198,20 +214,23 @@ class Engine:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Stop the device watch, drain every read in flight, release the pool, save the usage history,
-        release the kernels.
+        """Stop the background tasks (the device watch), drain every read in flight, release the pool, save
+        the usage history, release the kernels.
 
         Closing twice is harmless. Saving never raises: a history that cannot
-        be written is one warning.
+        be written is one warning. A background task that failed is raised
+        here, after everything is released.
         """
         if self._closed:
             return
         self._closed = True
-        if self._monitor is not None:
-            self._monitor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._monitor
-            self._monitor = None
+        try:
+            if self._tasks is not None:
+                await self._tasks.aclose()
+        finally:
+            await self._release()
+
+    async def _release(self) -> None:
         try:
             await self.source.aclose()
             if self.history is not None and self.source.policy.usage is not None:

@@ -9,7 +9,8 @@ The header is parsed first (it says where everything is). Then, side by side:
   the warm start begins streaming experts into it.
 
 Each step's time is kept in :class:`OpenTimings` (logged, and in receipts);
-the steps overlap, so they add up to more than the whole.
+the steps overlap, so they add up to more than the whole. The worker threads
+are tasks of the engine's :class:`~colibri_aio.engine.tasks.EngineTasks`.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from colibri_aio.engine.history import HistoryFile
 from colibri_aio.engine.placement import Placement, open_source
 from colibri_aio.engine.plan import Plan, gb
 from colibri_aio.engine.scheduler import CachedExpertSource
+from colibri_aio.engine.tasks import EngineTasks
 from colibri_aio import settings
 from colibri_aio.errors import UserError
 from colibri_aio.gguf.model import Model, Progress, load, with_resident_trunk
@@ -96,20 +98,20 @@ def engine_kernels(name: str, progress: Progress | None = None) -> Kernels:
     return kernels
 
 
-async def open_parts(path: str | os.PathLike[str], placement: Placement, *, kernels: str | None = None,
-                     progress: Progress | None = None, history: bool = True, tokenizer_cache: bool = True
+async def open_parts(path: str | os.PathLike[str], placement: Placement, tasks: EngineTasks, *,
+                     kernels: str | None = None, progress: Progress | None = None, history: bool = True,
+                     tokenizer_cache: bool = True
                      ) -> tuple[Model, Tokenizer, CachedExpertSource, Plan, HistoryFile | None, Kernels, OpenTimings]:
-    """Everything an engine is made of, read side by side (see the module's docstring); ``kernels``
-    names the backend (auto|ggml|numpy; None: $COLIBRI_KERNELS or auto)."""
+    """Everything an engine is made of, read side by side (see the module's docstring), the worker threads
+    run as ``tasks``; ``kernels`` names the backend (auto|ggml|numpy; None: $COLIBRI_KERNELS or auto)."""
     t0 = time.perf_counter()
-    name = kernels_name(kernels)
+    backend = kernels_name(kernels)
     described = load(path, resident=False)
     header_s = time.perf_counter() - t0
     store = HistoryFile.for_model(described) if history else None
-    loop = asyncio.get_running_loop()
-    threads = [loop.run_in_executor(None, _timed(with_resident_trunk), described, progress),
-               loop.run_in_executor(None, _timed(engine_kernels), name, progress),
-               loop.run_in_executor(None, _timed(load_tokenizer), described, tokenizer_cache)]
+    threads = [tasks.thread(_timed(with_resident_trunk), described, progress, name="read trunk"),
+               tasks.thread(_timed(engine_kernels), backend, progress, name="load kernels"),
+               tasks.thread(_timed(load_tokenizer), described, tokenizer_cache, name="load tokenizer")]
     source: CachedExpertSource | None = None
     try:
         t1 = time.perf_counter()
@@ -120,7 +122,8 @@ async def open_parts(path: str | os.PathLike[str], placement: Placement, *, kern
             raise UserError(f"{model.path}: tokenizer has {tokenizer.vocab_size} tokens, "
                             f"model {model.args.vocab_size}")
     except BaseException:
-        # Nothing is left running: the worker threads end, the reads in flight are drained.
+        # Nothing is left running: each thread's task ends when its thread does (cancelled or not), the
+        # reads in flight are drained.
         await asyncio.wait(threads)
         kernels_thread = threads[1]
         if kernels_thread.done() and not kernels_thread.cancelled() and kernels_thread.exception() is None:
