@@ -41,7 +41,7 @@ from gguf import GGMLQuantizationType
 from colibri_aio import probes
 from colibri_aio.kernels import quant
 from colibri_aio.kernels.ops import swiglu
-from colibri_aio.kernels.qtensor import QTensor
+from colibri_aio.kernels.qtensor import FFNWeights, QTensor
 from colibri_aio.kernels.threads import get_num_threads
 
 __all__ = ["NAMES", "RECEIPT", "FFNWeights", "Kernels", "KernelsUnavailable", "NumpyKernels", "open_kernels"]
@@ -56,19 +56,6 @@ class KernelsUnavailable(RuntimeError):
     def __init__(self, message: str, verdict: probes.Verdict | None = None) -> None:
         super().__init__(message)
         self.verdict = verdict
-
-
-class FFNWeights(Protocol):
-    """An expert FFN's three matrices (gate and up: (F, D); down: (D, F))."""
-
-    @property
-    def gate(self) -> QTensor: ...
-
-    @property
-    def up(self) -> QTensor: ...
-
-    @property
-    def down(self) -> QTensor: ...
 
 
 class Kernels(Protocol):

@@ -73,8 +73,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 import ggml.ggml as G  # ggml-python; this module is only imported when the ggml backend is asked for
 
 from colibri_aio import cpu, settings
-from colibri_aio.kernels.backend import FFNWeights
-from colibri_aio.kernels.qtensor import QTensor
+from colibri_aio.kernels.qtensor import FFNWeights, QTensor
 
 __all__ = ["GEMM_TYPES", "Graph", "GgmlKernels", "GgmlUnavailable", "Mat", "Stack", "aligned_buffer", "has_gemm", "probe",
            "split_stacks", "supported_types", "version"]

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -56,3 +57,16 @@ class QTensor:
         """The rows [start, stop) as a QTensor view (rows are contiguous byte runs)."""
         row_bytes = self.nbytes // self.rows
         return QTensor(self.data[start * row_bytes: stop * row_bytes], self.ggml_type, (stop - start, self.cols))
+
+
+class FFNWeights(Protocol):
+    """An expert FFN's three matrices (gate and up: (F, D); down: (D, F))."""
+
+    @property
+    def gate(self) -> QTensor: ...
+
+    @property
+    def up(self) -> QTensor: ...
+
+    @property
+    def down(self) -> QTensor: ...
