@@ -1,11 +1,16 @@
 """Every environment variable the engine reads, in one place: its name, the values it takes, its default, and why.
 
-No other module reads the environment: they ask :func:`get` (or a typed
-helper below) by the switch's short name. A value is read when asked for,
-not at import, so a process that sets a variable before opening an engine
-(a benchmark's A/B arm, a test) is heard; a value outside a switch's choices
-is a :class:`~colibri_aio.errors.UserError` naming the variable, so a
-mistyped A/B arm never measures the default under another name.
+No other module reads the environment. An engine's switches are one
+:class:`Settings` object, read once when the engine (or a net, or a kernel
+backend made on its own) is made: every variable validated at once, the
+caller's values (CLI flags, API keywords) over the environment's, then
+passed down to whatever the engine builds. A process that sets a variable
+before opening an engine (a benchmark's A/B arm, a test) is heard; a value
+outside a switch's choices is a :class:`~colibri_aio.errors.UserError`
+naming the variable, so a mistyped A/B arm never measures the default under
+another name. What belongs to the process rather than to an engine (where the
+caches live, the server's API key, a child's environment) is read by
+:func:`get` and the helpers below.
 
 The ``ggml_*`` switches are the A/B arms of the ggml backend that are still
 open or kept for a receipt; their defaults are the measured winners, the
@@ -56,23 +61,19 @@ SWITCHES: dict[str, Switch] = {
 }
 
 
-def get(name: str, environ: Mapping[str, str] | None = None) -> str | None:
-    """The value of switch ``name`` now (its default when unset or empty); UserError if it is not a choice."""
-    switch = SWITCHES[name]
-    value = (os.environ if environ is None else environ).get(switch.variable) or switch.default
+def _checked(switch: Switch, value: str | None) -> str | None:
     if switch.choices is not None and value not in switch.choices:
         raise UserError(f"{switch.variable}={value!r}: choose one of {', '.join(switch.choices)}")
     return value
 
 
-def is_on(name: str) -> bool:
-    """An on/off switch's state."""
-    return get(name) == "on"
+def get(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The value of switch ``name`` now (its default when unset or empty); UserError if it is not a choice."""
+    switch = SWITCHES[name]
+    return _checked(switch, (os.environ if environ is None else environ).get(switch.variable) or switch.default)
 
 
-def kernel_threads() -> int:
-    """``COLIBRI_KERNEL_THREADS`` as a count >= 1."""
-    text = get("kernel_threads")
+def _thread_count(text: str | None) -> int:
     try:
         count = int(text or "")
     except ValueError:
@@ -80,6 +81,39 @@ def kernel_threads() -> int:
     if count < 1:
         raise UserError(f"COLIBRI_KERNEL_THREADS={text!r}: a whole number of threads >= 1")
     return count
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Every switch of :data:`SWITCHES` for one engine, read once and validated (module docstring)."""
+
+    values: Mapping[str, str | None]
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] | None = None, **overrides: str | None) -> Settings:
+        """The environment's values (``environ``, default this process's), ``overrides`` (short names, None:
+        not given) over them; UserError naming the first variable out of its choices."""
+        unknown = set(overrides) - set(SWITCHES)
+        if unknown:
+            raise ValueError(f"unknown settings {sorted(unknown)}")
+        env = os.environ if environ is None else environ
+        values = {name: _checked(switch, overrides.get(name) or env.get(switch.variable) or switch.default)
+                  for name, switch in SWITCHES.items()}
+        _thread_count(values["kernel_threads"])
+        return cls(values)
+
+    def get(self, name: str) -> str | None:
+        """Switch ``name``'s value."""
+        return self.values[name]
+
+    def on(self, name: str) -> bool:
+        """An on/off switch's state."""
+        return self.values[name] == "on"
+
+    @property
+    def kernel_threads(self) -> int:
+        """``COLIBRI_KERNEL_THREADS`` as a count >= 1."""
+        return _thread_count(self.values["kernel_threads"])
 
 
 def cache_home() -> str:

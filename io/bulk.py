@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from colibri_aio import settings
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.io.align import ALIGN, align_down, align_up
 from colibri_aio.io.modelfile import ModelFile
@@ -69,11 +68,6 @@ def total_stats(parts: Sequence[BulkStats]) -> BulkStats | None:
                      sum(p.seconds for p in parts), all(p.direct for p in parts))
 
 
-def trunk_huge_pages() -> bool:
-    """Whether the trunk asks for huge pages: ``COLIBRI_TRUNK_HUGE_PAGES`` on (the default) or off."""
-    return settings.is_on("trunk_huge_pages")
-
-
 def plan_spans(ranges: Sequence[tuple[int, int]], merge_gap: int = MERGE_GAP) -> list[Span]:
     """Aligned spans covering every ``(offset, nbytes)`` range, merged where they lie within ``merge_gap``."""
     spans: list[Span] = []
@@ -103,7 +97,7 @@ def _chunks(spans: Sequence[Span], chunk: int) -> list[Span]:
 
 
 def read_ranges(path: str | os.PathLike[str], ranges: Sequence[tuple[int, int]], *, chunk: int = CHUNK_NBYTES,
-                depth: int = DEPTH, direct: bool = True,
+                depth: int = DEPTH, direct: bool = True, huge_pages: bool = True,
                 progress: Callable[[int, int], None] | None = None) -> tuple[list[np.ndarray], BulkStats]:
     """The bytes of every ``(offset, nbytes)`` range of ``path``, as uint8 views of one buffer, in order.
 
@@ -120,7 +114,7 @@ def read_ranges(path: str | os.PathLike[str], ranges: Sequence[tuple[int, int]],
         spans = plan_spans(ranges)
         total = sum(s.nbytes for s in spans)
         buffer = mmap.mmap(-1, max(total, ALIGN), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if trunk_huge_pages():
+        if huge_pages:     # streamed once per token: TLB misses showed (COLIBRI_TRUNK_HUGE_PAGES)
             ask_huge_pages(buffer)
         reads = _chunks(spans, chunk)
         t0 = time.perf_counter()

@@ -43,6 +43,7 @@ from colibri_aio.kernels import quant
 from colibri_aio.kernels.ops import swiglu
 from colibri_aio.kernels.qtensor import FFNWeights, QTensor
 from colibri_aio.kernels.threads import get_num_threads
+from colibri_aio.settings import Settings
 
 __all__ = ["NAMES", "RECEIPT", "FFNWeights", "Kernels", "KernelsUnavailable", "NumpyKernels", "open_kernels"]
 
@@ -124,7 +125,7 @@ class NumpyKernels:
         """Nothing to free: the thread pool is shared."""
 
 
-def _ggml(n_threads: int) -> Kernels:
+def _ggml(n_threads: int, settings: Settings | None) -> Kernels:
     """The ggml backend; KernelsUnavailable with the reason if ggml-python is missing or unusable here.
 
     ggml is compiled code: a child process tries it first (:mod:`colibri_aio.probes`), so a build this CPU
@@ -139,26 +140,26 @@ def _ggml(n_threads: int) -> Kernels:
     except Exception as e:  # ImportError, or the shared library failing to load
         raise KernelsUnavailable(f"ggml-python unavailable ({type(e).__name__}: {e})") from e
     try:
-        kernels = mod.GgmlKernels(n_threads)
+        kernels = mod.GgmlKernels(n_threads, settings=settings)
     except mod.GgmlUnavailable as e:
         raise KernelsUnavailable(str(e)) from e
     kernels.reason = f"{kernels.description}; {n_threads} threads"
     return kernels
 
 
-def open_kernels(name: str = "auto", *, n_threads: int | None = None) -> Kernels:
-    """The backend ``name`` (one of :data:`NAMES`) for one engine.
+def open_kernels(name: str = "auto", *, n_threads: int | None = None, settings: Settings | None = None) -> Kernels:
+    """The backend ``name`` (one of :data:`NAMES`) for one engine, with its ``settings`` (None: read now).
 
     ``auto`` falls back to NumPy when ggml cannot run, keeping the reason;
     ``ggml`` asked for by name raises :class:`KernelsUnavailable` instead.
     """
     if name not in NAMES:
         raise ValueError(f"unknown kernels {name!r}: choose one of {', '.join(NAMES)}")
-    threads = n_threads or get_num_threads()
+    threads = n_threads or (settings.kernel_threads if settings is not None else get_num_threads())
     if name == "numpy":
         return NumpyKernels()
     try:
-        kernels = _ggml(threads)
+        kernels = _ggml(threads, settings)
     except KernelsUnavailable as e:
         if name == "ggml":
             raise

@@ -72,7 +72,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 import ggml.ggml as G  # ggml-python; this module is only imported when the ggml backend is asked for
 
-from colibri_aio import cpu, settings
+from colibri_aio import cpu
+from colibri_aio.settings import Settings
 from colibri_aio.kernels.qtensor import FFNWeights, QTensor
 
 __all__ = ["GEMM_TYPES", "Graph", "GgmlKernels", "GgmlUnavailable", "Mat", "Stack", "aligned_buffer", "has_gemm", "probe",
@@ -102,24 +103,12 @@ PARALLEL_BYTES = 1 << 18         # graphs with fewer weight bytes run on one thr
 # (Decode attention widens an f16 cache with ggml_get_rows, a whole row at a time, the bits of ggml_cast's
 # element by element: 18.4 vs 16.5 tok/s after 2048 positions of context, evidence/decode_20261202T040458Z.md;
 # the cast arm is gone.)
-# The values each knob takes, the default (the measured winner) first: any other is refused, so a mistyped
-# A/B arm never measures the default under another name.
-# (The switches themselves, their variables and values, are colibri_aio/settings.py's ``ggml_*``.)
-KNOB_CHOICES = {name.removeprefix("ggml_"): switch.choices for name, switch in settings.SWITCHES.items()
-                if name.startswith("ggml_")}
-KNOBS = {name: values[0] for name, values in KNOB_CHOICES.items()}
+# (The switches themselves, their variables, values and defaults (the measured winners), are
+# colibri_aio/settings.py's ``ggml_*``; a backend reads them from the Settings it is given.)
 # Weight types llamafile's GEMM multiplies on x86 (tinyBLAS_Q0_AVX) and whose products there carry the bits of
 # ggml's vec_dot, row for row (tests/test_kernels_ggml.py): an expert with several positions runs on it.
 # (IQ4_NL runs there too, but with other bits than vec_dot's: left out.)
 GEMM_TYPES = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q5_0})
-
-
-def knob(name: str) -> str:
-    """Setting ``name`` of :data:`KNOBS` (``COLIBRI_GGML_<NAME>``, :mod:`colibri_aio.settings`); a value not in
-    :data:`KNOB_CHOICES` is a :class:`UserError`."""
-    value = settings.get(f"ggml_{name}")
-    assert value is not None
-    return value
 
 
 class GgmlUnavailable(RuntimeError):
@@ -141,8 +130,9 @@ def built_features() -> list[str]:
     return [f for f in _ISA_FLAGS if getattr(G, f"ggml_cpu_has_{f}", lambda: 0)()]
 
 
-def probe() -> str:
-    """Check that ggml can run here; returns a one-line description, raises GgmlUnavailable."""
+def probe(repack: bool = True) -> str:
+    """Check that ggml can run here; returns a one-line description (``repack``: whether resident matrices are
+    repacked), raises GgmlUnavailable."""
     flags = cpu.flags()  # CPUID's answer: an emulated CPU's, not the host's /proc/cpuinfo
     if flags:
         missing = [f for f in built_features() if _ISA_FLAGS[f] not in flags]
@@ -152,16 +142,16 @@ def probe() -> str:
                                   f":all: ggml-python)")
     gemm = "llamafile GEMM" if has_gemm() else ("no llamafile GEMM: prefill runs ggml's vec_dot products "
                                                 "(build ggml-python with GGML_LLAMAFILE=ON, see README)")
-    return f"{version()}, built for {'/'.join(built_features()) or 'generic x86'}, {gemm}, {repacking()}"
+    return f"{version()}, built for {'/'.join(built_features()) or 'generic x86'}, {gemm}, {repacking(repack)}"
 
 
-def repacking() -> str:
-    """Whether resident matrices are repacked (:data:`KNOBS` ``repack``), and which types can be here."""
+def repacking(repack: bool = True) -> str:
+    """Whether resident matrices are repacked (``COLIBRI_GGML_REPACK``), and which types can be here."""
     types = repack_types()
     if not types:
         return "no repacked weights (ggml has no CPU_REPACK layout for any type on this CPU)"
     names = "/".join(sorted(t.name for t in types))
-    if knob("repack") != "on":
+    if not repack:
         return f"resident {names} weights not repacked (COLIBRI_GGML_REPACK=off)"
     return f"resident {names} weights repacked (CPU_REPACK)"
 
@@ -554,11 +544,13 @@ class GgmlKernels:
 
     name = "ggml"
 
-    def __init__(self, n_threads: int = 2, *, parallel_bytes: int = PARALLEL_BYTES, repack: bool | None = None) -> None:
-        """``repack``: whether :meth:`resident` repacks (None: the ``repack`` knob)."""
-        for name in KNOBS:      # every switch checked once, at open, not first at some later step
-            knob(name)
-        self.description = probe()
+    def __init__(self, n_threads: int = 2, *, settings: Settings | None = None, parallel_bytes: int = PARALLEL_BYTES,
+                 repack: bool | None = None) -> None:
+        """``settings``: the engine's (None: read now); ``repack``: whether :meth:`resident` repacks (None:
+        ``COLIBRI_GGML_REPACK``)."""
+        self.settings = settings if settings is not None else Settings.read()
+        self.repack = self.settings.on("ggml_repack") if repack is None else repack
+        self.description = probe(self.repack)
         self.reason = self.description
         self.n_threads = n_threads
         self.parallel_bytes = parallel_bytes
@@ -567,9 +559,8 @@ class GgmlKernels:
         self._type_of = {gid: t for t, gid in self._types.items()}
         # Experts of several rows on llamafile's GEMM (_expert_gemms); COLIBRI_GGML_EXPERT_GEMM=0 keeps every
         # expert on ggml_mul_mat_id (the A/B of evidence/prefill_ab_*).
-        self.expert_gemm = has_gemm() and knob("expert_gemm") != "0"
+        self.expert_gemm = has_gemm() and self.settings.get("ggml_expert_gemm") != "0"
         self._graphs: OrderedDict[tuple, Graph] = OrderedDict()
-        self.repack = knob("repack") == "on" if repack is None else repack
         self._moved: dict[tuple[int, int], int] = {}     # a repacked matrix's (address, size) -> its copy's
         self._packed_at: set[int] = set()                  # the copies' addresses
         self._packs: list[_Packed] = []

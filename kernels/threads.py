@@ -2,15 +2,16 @@
 
 A kernel call runs on the calling thread plus ``get_num_threads() - 1`` pool
 workers (NumPy releases the GIL). ``COLIBRI_KERNEL_THREADS`` sets the count
-(default 2, the cores of the machines this was tuned on), read when it is
-first asked for, not at import.
+(default 2, the cores of the machines this was tuned on): an engine sets it
+from its settings when it opens; otherwise it is read when first asked for,
+not at import.
 """
 from __future__ import annotations
 
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from colibri_aio import settings
+from colibri_aio.settings import Settings
 
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
@@ -32,7 +33,7 @@ def get_num_threads() -> int:
     """The number of threads a kernel call uses."""
     global _num_threads
     if _num_threads is None:
-        _num_threads = settings.kernel_threads()
+        _num_threads = Settings.read().kernel_threads
     return _num_threads
 
 

@@ -41,7 +41,38 @@ def test_kernel_threads_are_read_when_first_asked_for_and_checked(monkeypatch: p
     for bad in ("0", "two", "-1"):
         monkeypatch.setenv("COLIBRI_KERNEL_THREADS", bad)
         with pytest.raises(UserError, match="COLIBRI_KERNEL_THREADS"):
-            settings.kernel_threads()
+            threads.get_num_threads()
+        with pytest.raises(UserError, match="COLIBRI_KERNEL_THREADS"):
+            settings.Settings.read()
+
+
+def test_settings_are_read_once_every_switch_checked_and_the_callers_values_win(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLIBRI_GGML_STEP", "layers")
+    read = settings.Settings.read()
+    monkeypatch.setenv("COLIBRI_GGML_STEP", "graph")          # read once: a later change is not heard
+    assert read.get("ggml_step") == "layers" and read.kernel_threads >= 1
+    assert settings.Settings.read(ggml_step="layers", kernels=None).get("ggml_step") == "layers"
+    assert settings.Settings.read(environ={}).get("ggml_step") == "graph"        # the default
+    monkeypatch.setenv("COLIBRI_GGML_REPACK", "maybe")       # any switch out of its choices refuses the read
+    with pytest.raises(UserError, match="COLIBRI_GGML_REPACK='maybe'"):
+        settings.Settings.read()
+    with pytest.raises(ValueError, match="unknown settings"):
+        settings.Settings.read(environ={}, ggml_stpe="layers")
+
+
+async def test_an_engine_hands_its_settings_to_what_it_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The settings an engine was opened with reach its kernels and its net, whatever the environment says
+    after (or instead)."""
+    from colibri_aio import Engine
+    from support import fixture
+
+    chosen = settings.Settings.read(environ={}, ggml_graphs="off", ggml_repack="off")
+    monkeypatch.setenv("COLIBRI_GGML_GRAPHS", "on")
+    async with await Engine.open(fixture("tiny_q4_0.gguf"), kernels="ggml", io="pread", settings=chosen) as engine:
+        assert engine.net.settings is chosen and engine.net.decode_graphs() is None
+        assert engine.kernels.settings is chosen and not engine.kernels.repack
+        assert engine.net.repacked_nbytes == 0
 
 
 def test_the_cache_home_follows_xdg(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

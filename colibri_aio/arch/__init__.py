@@ -79,6 +79,7 @@ if TYPE_CHECKING:
     from colibri_aio.experts import ExpertSource
     from colibri_aio.gguf.model import Model
     from colibri_aio.kernels.backend import Kernels
+    from colibri_aio.settings import Settings
 
 # general.architecture -> module of colibri_aio.arch
 _MODULES = {
@@ -100,7 +101,9 @@ def family(architecture: str) -> Family:
 
 
 def build_net(model: Model, experts: ExpertSource, n_ctx: int | None = None,
-              kernels: Kernels | None = None, kv_type: str = DEFAULT_KV_TYPE) -> MoETransformer:
+              kernels: Kernels | None = None, kv_type: str = DEFAULT_KV_TYPE,
+              settings: Settings | None = None) -> MoETransformer:
     """The forward pass of ``model``'s family, bound to ``experts`` and a KV cache of ``n_ctx`` positions
-    stored as ``kv_type``, its products on ``kernels`` (None: the NumPy reference)."""
-    return model.family.net(model, experts, n_ctx, kernels, kv_type)
+    stored as ``kv_type``, its products on ``kernels`` (None: the NumPy reference), with the engine's
+    ``settings`` (None: read now)."""
+    return model.family.net(model, experts, n_ctx, kernels, kv_type, settings)

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from colibri_aio import settings
 from colibri_aio.arch.layers import MoETransformer, RouteObserver
 
 if TYPE_CHECKING:
@@ -80,7 +79,7 @@ class GraphDecode(MoETransformer):
 
     def _make_decode_graphs(self) -> DecodeGraphs | None:
         k, a, model = self.kernels, self.args, self.model
-        if k.name != "ggml" or settings.get("ggml_graphs") != "on":
+        if k.name != "ggml" or self.settings.get("ggml_graphs") != "on":
             return None
         mats = [model.output, *(m for blk in model.blocks for m in blk.matrices())]
         if any(m.ggml_type not in k.types for m in mats):
@@ -90,7 +89,7 @@ class GraphDecode(MoETransformer):
         self._buffers = StepBuffers.make(a.block_count, a.embedding_length, a.expert_count, a.expert_used_count,
                                          model.output.rows)
         return ggml_graph.DecodeGraphs(k, self.cache, self.rope_params(), a.rms_eps,  # type: ignore[arg-type]
-                                       f16_attention=settings.get("ggml_attention") == "f16")
+                                       f16_attention=self.settings.get("ggml_attention") == "f16")
 
     async def _logits(self, tok: np.ndarray, positions: np.ndarray, observer: RouteObserver | None,
                       logits: Literal["last", "all"]) -> np.ndarray:
@@ -188,7 +187,7 @@ class GraphDecode(MoETransformer):
         twice.
         """
         source, a = self.experts, self.args
-        if self._step_missed or settings.get("ggml_step") != "graph":
+        if self._step_missed or self.settings.get("ggml_step") != "graph":
             return None
         layers = [layer for layer in range(a.block_count) if a.is_moe(layer)]
         resident = source.resident(layers, a.expert_count)
@@ -324,7 +323,7 @@ class GraphDecode(MoETransformer):
         biased = self._expert_biases(layer) is not None
         return ExpertsShape(k.mat(first.gate), k.mat(first.down),  # type: ignore[attr-defined]
                             used or self.args.expert_used_count, depth, gate_up, self.expert_activation, biased,
-                            self.shared_expert_on(layer), each=settings.get("ggml_experts") == "each" or not stacked,
+                            self.shared_expert_on(layer), each=self.settings.get("ggml_experts") == "each" or not stacked,
                             n_experts=self.args.expert_count if biased else 0)
 
     def _pool_gate_up(self, resident: ResidentExperts, layer: int) -> bool:

@@ -33,6 +33,7 @@ from colibri_aio.experts import ExpertSource, ExpertWeights
 from colibri_aio.kernels.backend import Kernels, NumpyKernels
 from colibri_aio.kernels.ops import rms_norm, rope_cos_sin, route, swiglu, swiglu_oai
 from colibri_aio.kernels.qtensor import QTensor
+from colibri_aio.settings import Settings
 
 if TYPE_CHECKING:
     from colibri_aio.gguf.model import BlockWeights, Model
@@ -82,12 +83,15 @@ class MoETransformer:
     expert_activation = "swiglu"
 
     def __init__(self, model: Model, experts: ExpertSource, n_ctx: int | None = None,
-                 kernels: Kernels | None = None, kv_type: str = DEFAULT_KV_TYPE) -> None:
+                 kernels: Kernels | None = None, kv_type: str = DEFAULT_KV_TYPE,
+                 settings: Settings | None = None) -> None:
         """``n_ctx``: KV-cache positions (default: the model's, at most 4096; never more than the model's);
         ``kernels``: the backend every product runs on (None: the NumPy reference); the caller owns it;
-        ``kv_type``: "f16" or "f32" storage of keys and values (see :mod:`colibri_aio.arch.kvcache`)."""
+        ``kv_type``: "f16" or "f32" storage of keys and values (see :mod:`colibri_aio.arch.kvcache`);
+        ``settings``: the engine's switches (None: read now; the ggml decode graphs' are among them)."""
         a = model.args
         self.model, self.args, self.experts = model, a, experts
+        self.settings = settings if settings is not None else Settings.read()
         self.kernels: Kernels = kernels if kernels is not None else NumpyKernels()
         # The trunk's matrices, resident for the net's life: the backend may keep them in its own layout too.
         self.repacked_nbytes = self.kernels.resident([model.output, *(m for b in model.blocks for m in b.matrices())])

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, NoReturn
 
 from colibri_aio import __version__, settings
+from colibri_aio.settings import Settings
 from colibri_aio.errors import ExpertReadError, UserError, one_line
 from colibri_aio.cli.logs import configure as configure_logs
 from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, KV_TYPES
@@ -405,7 +406,8 @@ def _plan(args: argparse.Namespace) -> int:
     limits = memory_limits()
     speed = None
     if args.measure:
-        kernels = engine_kernels(kernels_name(getattr(args, "kernels", None)))
+        switches = Settings.read()
+        kernels = engine_kernels(kernels_name(getattr(args, "kernels", None), switches), switches)
         try:
             speed = machine_speed(kernels, set(decode_weights(model)))
         finally:

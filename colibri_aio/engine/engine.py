@@ -44,6 +44,7 @@ from colibri_aio.engine.placement import Placement
 from colibri_aio.engine.stats import EngineStats
 from colibri_aio.engine.tasks import EngineTasks
 from colibri_aio.logs import get_logger
+from colibri_aio.settings import Settings
 from colibri_aio.text.tokenizer import Tokenizer
 
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]  # text, chat messages or token ids
@@ -88,12 +89,13 @@ class Engine:
 
     def __init__(self, model: Model, tokenizer: Tokenizer, source: CachedExpertSource, plan: Plan,
                  placement: Placement, kernels: Kernels, history: HistoryFile | None = None,
-                 tasks: EngineTasks | None = None) -> None:
+                 tasks: EngineTasks | None = None, settings: Settings | None = None) -> None:
         """The parts :meth:`open` made; ``tasks``: the group its background work runs in (closed with the
-        engine)."""
+        engine); ``settings``: the switches it was opened with (None: read now)."""
         self.model, self.tokenizer, self.source, self.plan, self.placement = model, tokenizer, source, plan, placement
         self.kernels, self.history, self._tasks = kernels, history, tasks
-        self.net = build_net(model, source, plan.context, kernels, plan.kv_type)
+        self.settings = settings if settings is not None else Settings.read()
+        self.net = build_net(model, source, plan.context, kernels, plan.kv_type, self.settings)
         self.net.lookahead = placement.lookahead
         self.prompt_tokens = self.generated_tokens = self.cached_tokens = 0
         self.prefill_s = self.decode_s = 0.0
@@ -110,7 +112,8 @@ class Engine:
                    ram_budget: int | str | None = None, cache_per_layer: int | None = None,
                    prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None, kv_type: str = DEFAULT_KV_TYPE,
                    kernels: str | None = None, progress: Progress | None = None,
-                   history: bool = True, warm_start: bool = False, read_ahead: bool = True) -> "Engine":
+                   history: bool = True, warm_start: bool = False, read_ahead: bool = True,
+                   settings: Settings | None = None) -> "Engine":
         """Load ``path`` (default: the shipped model) and open its expert source.
 
         Placement: ``io`` (auto|uring|pread|mmap), ``ram_budget`` (bytes or a
@@ -140,7 +143,10 @@ class Engine:
         they fault in the pool pages they fill; on by default: its A/B shortened
         the time to first token on the 8- and 48-layer files and kept the first
         decoded tokens at the steady rate (evidence/first_token_20261202T01*).
+        ``settings``: the environment's switches (:mod:`colibri_aio.settings`), read once here when not given,
+        and handed to everything the engine builds.
         """
+        settings = settings if settings is not None else Settings.read()
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,
                               pin=pin, context=n_ctx, kv_type=kv_type, warm_start=warm_start,
@@ -148,15 +154,15 @@ class Engine:
         tasks = await EngineTasks.start()
         try:
             model, tokenizer, source, plan, store, opened_kernels, timings = await open_parts(
-                path if path is not None else default_model_path(), placement, tasks, kernels=kernels,
-                progress=progress, history=history)
+                path if path is not None else default_model_path(), placement, tasks, settings=settings,
+                kernels=kernels, progress=progress, history=history)
         except BaseException as exc:
             await tasks.aclose(raising=exc)
             raise
         for note in plan.notes:
             log.warning(note)
         try:
-            engine = cls(model, tokenizer, source, plan, placement, opened_kernels, store, tasks)
+            engine = cls(model, tokenizer, source, plan, placement, opened_kernels, store, tasks, settings)
         except BaseException as exc:  # the net refused the model: nothing opened for it stays open
             await tasks.aclose(raising=exc)
             try:

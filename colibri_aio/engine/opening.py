@@ -26,11 +26,11 @@ from colibri_aio.engine.placement import Placement, open_source
 from colibri_aio.engine.plan import Plan, gb
 from colibri_aio.engine.scheduler import CachedExpertSource
 from colibri_aio.engine.tasks import EngineTasks
-from colibri_aio import settings
+from colibri_aio.settings import Settings
 from colibri_aio.errors import UserError
 from colibri_aio.gguf.model import Model, Progress, load, with_resident_trunk
 from colibri_aio.kernels.backend import NAMES as KERNEL_NAMES, Kernels, KernelsUnavailable, open_kernels
-from colibri_aio.kernels.threads import limit_blas_threads
+from colibri_aio.kernels.threads import get_num_threads, limit_blas_threads, set_num_threads
 from colibri_aio.logs import get_logger
 from colibri_aio.text.cache import load_tokenizer
 from colibri_aio.text.tokenizer import Tokenizer
@@ -72,7 +72,7 @@ def _timed(func: Callable[..., T]) -> Callable[..., tuple[T, float]]:
     return run
 
 
-def kernels_name(name: str | None) -> str:
+def kernels_name(name: str | None, settings: Settings) -> str:
     """The kernels asked for (``name``, else $COLIBRI_KERNELS, else auto); an unknown name is a user error."""
     name = name if name is not None else settings.get("kernels")
     if name not in KERNEL_NAMES:
@@ -80,13 +80,15 @@ def kernels_name(name: str | None) -> str:
     return name
 
 
-def engine_kernels(name: str, progress: Progress | None = None) -> Kernels:
-    """The engine's own kernel backend ``name``; a backend asked for by name that cannot run here is a
-    user error."""
+def engine_kernels(name: str, settings: Settings, progress: Progress | None = None) -> Kernels:
+    """The engine's own kernel backend ``name`` with its ``settings``; a backend asked for by name that cannot
+    run here is a user error."""
     if progress is not None:
         progress("load kernels", 0, 1)
+    if get_num_threads() != settings.kernel_threads:   # the NumPy kernels' pool, shared by the process
+        set_num_threads(settings.kernel_threads)
     try:
-        kernels = open_kernels(name)
+        kernels = open_kernels(name, settings=settings)
     except KernelsUnavailable as e:
         raise UserError(f"--kernels {name}: {e}") from None
     # The kernels use the cores themselves; OpenBLAS threads inside NumPy calls would
@@ -99,18 +101,20 @@ def engine_kernels(name: str, progress: Progress | None = None) -> Kernels:
 
 
 async def open_parts(path: str | os.PathLike[str], placement: Placement, tasks: EngineTasks, *,
-                     kernels: str | None = None, progress: Progress | None = None, history: bool = True,
-                     tokenizer_cache: bool = True
+                     settings: Settings, kernels: str | None = None, progress: Progress | None = None,
+                     history: bool = True, tokenizer_cache: bool = True
                      ) -> tuple[Model, Tokenizer, CachedExpertSource, Plan, HistoryFile | None, Kernels, OpenTimings]:
     """Everything an engine is made of, read side by side (see the module's docstring), the worker threads
-    run as ``tasks``; ``kernels`` names the backend (auto|ggml|numpy; None: $COLIBRI_KERNELS or auto)."""
+    run as ``tasks``, with the engine's ``settings``; ``kernels`` names the backend (auto|ggml|numpy; None:
+    $COLIBRI_KERNELS or auto)."""
     t0 = time.perf_counter()
-    backend = kernels_name(kernels)
+    backend = kernels_name(kernels, settings)
     described = load(path, resident=False)
     header_s = time.perf_counter() - t0
     store = HistoryFile.for_model(described) if history else None
-    threads = [tasks.thread(_timed(with_resident_trunk), described, progress, name="read trunk"),
-               tasks.thread(_timed(engine_kernels), backend, progress, name="load kernels"),
+    threads = [tasks.thread(_timed(with_resident_trunk), described, progress, settings.on("trunk_huge_pages"),
+                            name="read trunk"),
+               tasks.thread(_timed(engine_kernels), backend, settings, progress, name="load kernels"),
                tasks.thread(_timed(load_tokenizer), described, tokenizer_cache, name="load tokenizer")]
     source: CachedExpertSource | None = None
     try:

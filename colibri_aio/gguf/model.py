@@ -171,7 +171,7 @@ class _Tensors:
     """Checked access to the model's tensors: presence, type, shape, bytes within the file (part) holding each."""
 
     def __init__(self, reader: ModelHeader, path: Path, args: ModelArgs, copy: bool,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, huge_pages: bool = True) -> None:
         self.by_name = {t.name: t for t in reader.tensors}
         self.used: set[str] = set()
         self.path, self.args, self.copy = path, args, copy
@@ -181,9 +181,9 @@ class _Tensors:
         self.copies: dict[str, np.ndarray] = {}
         self.read_stats: BulkStats | None = None
         if copy:
-            self._read_trunk(progress)
+            self._read_trunk(progress, huge_pages)
 
-    def _read_trunk(self, progress: Progress | None) -> None:
+    def _read_trunk(self, progress: Progress | None, huge_pages: bool) -> None:
         """Every tensor but the routed experts, read at once with large aligned reads, each from the part
         that holds it.
 
@@ -201,7 +201,7 @@ class _Tensors:
             report = None if progress is None else (
                 lambda done, total, n=n: progress("load trunk", n * total + done, len(parts) * total))
             data, part_stats = read_ranges(self.paths[part], [(t.data_offset, t.n_bytes) for t in mine],
-                                           progress=report)
+                                           huge_pages=huge_pages, progress=report)
             self.copies.update({t.name: d for t, d in zip(mine, data)})
             stats.append(part_stats)
         self.read_stats = total_stats(stats)
@@ -301,18 +301,19 @@ def load(path: str | os.PathLike[str], *, resident: bool = True, progress: Progr
     return _build(p, reader, fam, args, resident, progress)
 
 
-def with_resident_trunk(model: Model, progress: Progress | None = None) -> Model:
-    """``model``, loaded with ``resident=False``, with its trunk read into RAM (the header is not parsed again).
+def with_resident_trunk(model: Model, progress: Progress | None = None, huge_pages: bool = True) -> Model:
+    """``model``, loaded with ``resident=False``, with its trunk read into RAM (the header is not parsed again),
+    on transparent huge pages unless ``huge_pages`` is False.
 
     So that the expert reader can open, and start reading, from the header
     alone while the trunk is read.
     """
-    return _build(model.path, model.reader, model.family, model.args, True, progress)
+    return _build(model.path, model.reader, model.family, model.args, True, progress, huge_pages)
 
 
 def _build(p: Path, reader: ModelHeader, fam: Family, args: ModelArgs, resident: bool,
-           progress: Progress | None) -> Model:
-    ts = _Tensors(reader, p, args, copy=resident, progress=progress)
+           progress: Progress | None, huge_pages: bool = True) -> Model:
+    ts = _Tensors(reader, p, args, copy=resident, progress=progress, huge_pages=huge_pages)
     vocab, d = args.vocab_size, args.embedding_length
     token_embd = ts.resident("token_embd.weight", (vocab, d))
     output = token_embd if args.tied_output else ts.resident("output.weight", (vocab, d))
