@@ -11,8 +11,7 @@ One error path for every command (:func:`main`):
   flight are drained and the usage history is saved; exit 130 and 143;
 - a reader that goes away (``run ... | head``) ends the run quietly (141).
 
-Options mean the same in every command: the model is a positional argument
-or ``--model``; the context is ``--ctx`` or ``--context``.
+The options several commands share are in :mod:`colibri_aio.cli.options`.
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ import argparse
 import asyncio
 import contextlib
 import errno
-import io
 import os
 import signal
 import sys
@@ -31,19 +29,16 @@ from typing import IO, TYPE_CHECKING, NoReturn
 from colibri_aio import __version__, settings
 from colibri_aio.errors import ExpertReadError, UserError, one_line
 from colibri_aio.cli.logs import configure as configure_logs
-from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, KV_TYPES
-from colibri_aio.engine.placement import IO_CHOICES, PREFETCH_CHOICES
-from colibri_aio.kernels.backend import NAMES as KERNEL_NAMES
+from colibri_aio.cli.loop import Terminated, run_loop
+from colibri_aio.cli.options import (add_memory, add_model, add_placement, add_prompt, add_sampling, model_path,
+                                     placement_options, prompt_text, sampling_options)
+from colibri_aio.cli.outfiles import check_writable, open_out
 
 if TYPE_CHECKING:
     from colibri_aio.cli.telemetry import StatusLine
     from colibri_aio.text.sampling import SamplingParams
 
 EXIT_USER, EXIT_IO, EXIT_INTERRUPTED, EXIT_PIPE, EXIT_TERMINATED = 2, 1, 130, 141, 143
-
-
-class Terminated(BaseException):
-    """SIGTERM arrived: stop like Ctrl-C does (a BaseException so that nothing swallows it)."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,218 +49,23 @@ class _Parser(argparse.ArgumentParser):
                              f"(see {self.prog} --help)\n")
 
 
-def _add_model(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", type=Path, nargs="?", default=None,
-                   help="GGUF file, here or as --model (default: the small model shipped in the package)")
-    p.add_argument("--model", dest="model_option", type=Path, default=None, metavar="MODEL",
-                   help="the same as the positional MODEL")
-
-
-def _model(args: argparse.Namespace) -> Path | None:
-    """The model named positionally or with --model (None: the shipped one)."""
-    if args.model is not None and args.model_option is not None and args.model != args.model_option:
-        raise UserError(f"two models given ({args.model} and --model {args.model_option}): give one")
-    return args.model if args.model is not None else args.model_option
-
-
-def _add_memory(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    g = p.add_argument_group("placement (changes speed, never tokens)")
-    g.add_argument("--ram-budget", default=None, metavar="SIZE",
-                   help="memory for trunk + KV cache + expert cache, e.g. 512M, 12G, 1.5GiB "
-                        "(default: 85%% of usable RAM, cgroup limit included; more than RAM or the cgroup "
-                        "limit is refused)")
-    g.add_argument("--cache-per-layer", type=int, default=None, metavar="N",
-                   help="hold N experts per layer instead of sizing the cache from the budget")
-    g.add_argument("--pin", default="off", metavar="auto|off|FILE",
-                   help="keep the most used experts (from a usage history) resident (default: %(default)s)")
-    g.add_argument("--ctx", "--context", dest="ctx", type=int, default=None, metavar="N",
-                   help="context positions to allocate in the KV cache (default: the model's context_length, "
-                        "at most 4096; more than the model's is clamped, with a warning)")
-    g.add_argument("--kv-type", choices=tuple(KV_TYPES), default=DEFAULT_KV_TYPE,
-                   help="how the KV cache stores keys and values: f16 halves its memory (as llama.cpp), f32 "
-                        "keeps every bit (default: %(default)s)")
-    g.add_argument("--history", action=argparse.BooleanOptionalAction, default=True,
-                   help="read and update this model's usage history, a cache file under "
-                        "$XDG_CACHE_HOME/colibri_aio/usage (default: on)")
-    return g
-
-
-def _add_placement(p: argparse.ArgumentParser) -> None:
-    g = _add_memory(p)
-    g.add_argument("--io", choices=IO_CHOICES, default="auto",
-                   help="how expert bytes are read: io_uring with O_DIRECT, a thread-pool pread, or mmap "
-                        "(auto: io_uring, else pread; default: %(default)s)")
-    g.add_argument("--prefetch", choices=PREFETCH_CHOICES, default="auto",
-                   help="read the experts router lookahead predicts for the next layer; auto keeps it on "
-                        "unless the disk is saturated and decode steps measure faster with it off "
-                        "(default: %(default)s)")
-    g.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=False,
-                   help="stream experts into the expert cache from the start, behind every read the model waits "
-                        "for: all of them when they fit, else the ones a long usage history uses most "
-                        "(default: off; on the 8-layer cut its reads slowed the start and doubled the time to "
-                        "first token)")
-    g.add_argument("--read-ahead", action=argparse.BooleanOptionalAction, default=True,
-                   help="while a prompt's layer computes, read the experts the next layer will likely use, with "
-                        "reads issued from io_uring's kernel workers (default: on; on the 48-layer file it cut the "
-                        "time to first token by a quarter)")
-    g.add_argument("--kernels", choices=KERNEL_NAMES, default=None,
-                   help="matrix kernels: ggml (llama.cpp's CPU kernels, activations rounded to 8 bits as "
-                        "llama.cpp does) or numpy (the float32 reference); auto picks ggml when it loads "
-                        "(default: $COLIBRI_KERNELS or auto)")
-
-
-def _placement(args: argparse.Namespace) -> dict:
-    """Engine.open's keyword arguments from the placement options."""
-    return dict(io=args.io, ram_budget=args.ram_budget, cache_per_layer=args.cache_per_layer,
-                prefetch=args.prefetch, pin=args.pin, kernels=args.kernels, n_ctx=args.ctx, kv_type=args.kv_type,
-                history=args.history, warm_start=args.warm_start, read_ahead=args.read_ahead,
-                progress=_progress if sys.stderr.isatty() else None)
-
-
-def _progress(step: str, done: int, total: int) -> None:
-    """A one-line progress display on the terminal: rewritten in place, ended when the step is done."""
-    sys.stderr.write(f"\r\033[K{step} {done}/{total}" + ("\n" if done >= total else ""))
-    sys.stderr.flush()
-
-
-def _add_prompt(p: argparse.ArgumentParser, default: str | None) -> None:
-    src = p.add_mutually_exclusive_group(required=default is None)
-    src.add_argument("--prompt", default=default,
-                     help="prompt text" + (f" (default: {default!r})" if default is not None else ""))
-    src.add_argument("--prompt-file", type=Path, default=None, metavar="FILE",
-                     help="read the prompt from a UTF-8 file (- reads standard input)")
-
-
-def _prompt(args: argparse.Namespace) -> str:
-    """The prompt text from --prompt or --prompt-file, checked to be UTF-8."""
-    if args.prompt_file is None:
-        text, where = args.prompt, "--prompt"
-    else:
-        where = f"--prompt-file {args.prompt_file}"
-        try:
-            data = sys.stdin.buffer.read() if str(args.prompt_file) == "-" else args.prompt_file.read_bytes()
-            text = data.decode("utf-8")
-        except OSError as exc:
-            raise UserError(f"{where}: cannot read ({exc.strerror or exc})") from None
-        except UnicodeDecodeError as exc:
-            raise UserError(f"{where}: not UTF-8 text (byte {exc.start})") from None
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:  # argv bytes that were not UTF-8 arrive as lone surrogates
-        raise UserError(f"{where}: not UTF-8 text (at character {exc.start})") from None
-    if not text:
-        raise UserError(f"{where}: the prompt is empty")
-    return text
-
-
-def _check_writable(path: Path, option: str) -> None:
-    """Refuse an output path before any work is done, rather than after it."""
-    folder = path.parent
-    if path.is_dir():
-        raise UserError(f"{option} {path}: is a folder")
-    if not folder.is_dir():
-        raise UserError(f"{option} {path}: no such folder {folder}")
-    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UserError(f"{option} {path}: cannot write there (permission denied)")
-
-
-class _OutFile(io.TextIOWrapper):
-    """A text file the user named for output. A write, flush or close that fails (a full disk, a quota) is a
-    :class:`UserError` naming the option and the file: the OS error itself names neither."""
-
-    def __init__(self, path: Path, option: str) -> None:
-        self._what = f"{option} {path}"
-        super().__init__(open(path, "wb"), encoding="utf-8")  # noqa: SIM115 - closed with this wrapper
-
-    def _failed(self, exc: OSError) -> UserError:
-        return UserError(f"{self._what}: cannot write ({exc.strerror or exc})")
-
-    def write(self, text: str) -> int:
-        try:
-            return super().write(text)
-        except OSError as exc:
-            raise self._failed(exc) from None
-
-    def flush(self) -> None:
-        try:
-            super().flush()
-        except OSError as exc:
-            raise self._failed(exc) from None
-
-    def close(self) -> None:
-        try:
-            super().close()
-        except OSError as exc:
-            raise self._failed(exc) from None
-
-
-def _open_out(path: Path, option: str) -> IO[str]:
-    _check_writable(path, option)
-    try:
-        return _OutFile(path, option)
-    except OSError as exc:
-        raise UserError(f"{option} {path}: cannot write ({exc.strerror})") from None
-
-
 def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="generate text, streamed to stdout as it is produced",
                        description="Generate a continuation of a prompt and stream it to stdout.")
-    _add_model(p)
-    _add_prompt(p, "The list type")
+    add_model(p)
+    add_prompt(p, "The list type")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
     p.add_argument("--max-tokens", type=int, default=64, metavar="N",
                    help="stop after N new tokens, or earlier when the context is full (default: %(default)s)")
-    _add_sampling(p, "greedy: temperature 0, no filters, no penalties")
+    add_sampling(p, "greedy: temperature 0, no filters, no penalties")
     t = p.add_argument_group("telemetry")
     t.add_argument("--stats", action=argparse.BooleanOptionalAction, default=None,
                    help="print an iostat-style table, one line per interval, on stderr (default: off; on a "
                         "terminal a one-line status is kept on the last row instead, --no-stats hides it)")
     t.add_argument("--stats-interval", type=float, default=1.0, metavar="S", help="seconds per line (default: %(default)s)")
     t.add_argument("--stats-json", type=Path, default=None, metavar="FILE", help="write the same samples as JSON lines")
-    _add_placement(p)
+    add_placement(p)
     p.set_defaults(func=_run)
-
-
-def _add_sampling(p: argparse.ArgumentParser, defaults: str) -> None:
-    """The sampling options of run and chat (the API takes the same ones)."""
-    g = p.add_argument_group("sampling", f"Options left out take their defaults ({defaults}).")
-    g.add_argument("--temperature", type=float, default=None, metavar="T", help="0 picks the most likely token")
-    g.add_argument("--top-k", type=int, default=None, metavar="K", help="sample from the K most likely tokens; 0 = all")
-    g.add_argument("--top-p", type=float, default=None, metavar="P", help="nucleus sampling mass; 1 = off")
-    g.add_argument("--min-p", type=float, default=None, metavar="P", help="drop tokens below P x the top probability; 0 = off")
-    g.add_argument("--seed", type=int, default=None, metavar="S", help="random seed: the same seed gives the same text")
-    g.add_argument("--repeat-penalty", type=float, default=None, metavar="R",
-                   help="divide the logit of each recent token by R (llama.cpp); 1 = off")
-    g.add_argument("--presence-penalty", type=float, default=None, metavar="P",
-                   help="subtract P from the logit of each recent token (OpenAI); 0 = off")
-    g.add_argument("--frequency-penalty", type=float, default=None, metavar="F",
-                   help="subtract F x its count from the logit of each recent token (OpenAI); 0 = off")
-    g.add_argument("--repeat-last-n", type=int, default=None, metavar="N",
-                   help="how many recent tokens the penalties see; -1 = the whole context (default: 64)")
-    g.add_argument("--logit-bias", action="append", default=[], metavar="ID=BIAS",
-                   help="add BIAS to the logit of token ID (repeatable)")
-    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop when TEXT is produced (repeatable)")
-
-
-def _sampling_options(args: argparse.Namespace) -> dict:
-    """The sampling options given on the command line (None: not given), as SamplingParams fields."""
-    return dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
-                repeat_penalty=args.repeat_penalty, presence_penalty=args.presence_penalty,
-                frequency_penalty=args.frequency_penalty, penalty_last_n=args.repeat_last_n,
-                logit_bias=_parse_logit_bias(args.logit_bias) or None)
-
-
-def _parse_logit_bias(items: Sequence[str]) -> dict[int, float]:
-    bias = {}
-    for item in items:
-        token, sep, value = item.partition("=")
-        try:
-            bias[int(token)] = float(value)
-        except ValueError:
-            raise UserError(f"--logit-bias takes ID=BIAS, e.g. 42=-5, got {item!r}") from None
-        if not sep:
-            raise UserError(f"--logit-bias takes ID=BIAS, e.g. 42=-5, got {item!r}")
-    return bias
 
 
 def _add_chat(sub: argparse._SubParsersAction) -> None:
@@ -273,11 +73,11 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
                        description="An interactive chat: each reply streams to stdout; the KV cache keeps the "
                                    "conversation, so a turn prefills only the new message. /reset starts over, "
                                    "/exit or Ctrl-D quits, Ctrl-C stops a reply.")
-    _add_model(p)
+    add_model(p)
     p.add_argument("--system", default=None, metavar="TEXT", help="a system message that starts the conversation")
     p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="longest reply in tokens (default: %(default)s)")
-    _add_sampling(p, "the model's general.sampling.* keys, else llama.cpp's")
-    _add_placement(p)
+    add_sampling(p, "the model's general.sampling.* keys, else llama.cpp's")
+    add_placement(p)
     p.set_defaults(func=_chat)
 
 
@@ -286,8 +86,8 @@ def _chat(args: argparse.Namespace) -> int:
 
     if args.stop:
         raise UserError("chat takes no --stop (the model's end-of-turn token ends a reply)")
-    return chat(_model(args), system=args.system, max_tokens=args.max_tokens, sampling=_sampling_options(args),
-                open_options=_placement(args))
+    return chat(model_path(args), system=args.system, max_tokens=args.max_tokens, sampling=sampling_options(args),
+                open_options=placement_options(args))
 
 
 def _add_serve(sub: argparse._SubParsersAction) -> None:
@@ -298,7 +98,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                                    "queue (429 beyond it). The KV cache is reused across requests that share a "
                                    "prefix. Sampling defaults come from the model's general.sampling.* keys, else "
                                    "llama.cpp's.")
-    _add_model(p)
+    add_model(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
     p.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one (default: %(default)s)")
     p.add_argument("--api-key", default=settings.get("api_key"), metavar="KEY",
@@ -315,7 +115,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="CPUs Ray reserves for each replica, and its kernel threads (default: 1)")
     g.add_argument("--ray-address", default=None, metavar="ADDR",
                    help="deploy to this Ray cluster (default: start one on this machine, on 127.0.0.1)")
-    _add_placement(p)
+    add_placement(p)
     p.set_defaults(func=_serve)
 
 
@@ -323,28 +123,28 @@ def _serve(args: argparse.Namespace) -> int:
     if args.ray:
         from colibri_aio.cluster.launch import serve_on_ray
 
-        return serve_on_ray(_model(args), host=args.host, port=args.port, api_key=args.api_key,
+        return serve_on_ray(model_path(args), host=args.host, port=args.port, api_key=args.api_key,
                             max_queue=args.max_queue, model_id=args.alias,
                             replicas=2 if args.replicas is None else args.replicas,
                             replica_cpus=1.0 if args.replica_cpus is None else args.replica_cpus,
-                            address=args.ray_address, open_options=_placement(args))
+                            address=args.ray_address, open_options=placement_options(args))
     given = [o for o, v in (("--replicas", args.replicas), ("--replica-cpus", args.replica_cpus),
                             ("--ray-address", args.ray_address)) if v is not None]
     if given:
         raise UserError(f"{given[0]} needs --ray")
     from colibri_aio.serve.server import serve
 
-    return serve(_model(args), host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-                 model_id=args.alias, open_options=_placement(args))
+    return serve(model_path(args), host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+                 model_id=args.alias, open_options=placement_options(args))
 
 
 def _add_logits(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("logits", help="write teacher-forced logits of token ids to a .npy file",
                        description="Write float32 logits of shape (len(ids), vocab); row i follows ids[0..i].")
-    _add_model(p)
+    add_model(p)
     p.add_argument("--ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
     p.add_argument("--out", required=True, type=Path, help="output .npy file")
-    _add_placement(p)
+    add_placement(p)
     p.set_defaults(func=_logits)
 
 
@@ -352,13 +152,13 @@ def _add_trace(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("trace", help="record routing (experts, weights, lookahead predictions) to JSONL",
                        description="Prefill a prompt and decode, writing every layer's routing at every position "
                                    "as JSON lines (format in the README).")
-    _add_model(p)
-    _add_prompt(p, None)
+    add_model(p)
+    add_prompt(p, None)
     p.add_argument("--max-tokens", type=int, default=32, metavar="N", help="decode N tokens after the prompt (default: %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="sampling temperature for decode (default: %(default)s)")
     p.add_argument("--seed", type=int, default=None, metavar="S", help="random seed for sampling")
     p.add_argument("--out", required=True, type=Path, help="output .jsonl file")
-    _add_placement(p)
+    add_placement(p)
     p.set_defaults(func=_trace)
 
 
@@ -376,8 +176,8 @@ def _add_plan(sub: argparse._SubParsersAction) -> None:
                        description="Print the placement for MODEL: trunk, KV cache, expert pool, pins, expected "
                                    "hit rate and bottleneck, from the GGUF's sizes, available RAM and the cgroup "
                                    "memory limit. Exit status 2 when the budget cannot hold it.")
-    _add_model(p)
-    _add_memory(p)
+    add_model(p)
+    add_memory(p)
     p.add_argument("--json", action="store_true", help="print one JSON document")
     p.add_argument("--measure", action=argparse.BooleanOptionalAction, default=True,
                    help="measure this machine's kernel speed for the per-token estimate (about a second, once: "
@@ -399,7 +199,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     placement = Placement(ram_budget=parse_size(args.ram_budget) if args.ram_budget else None,
                           cache_per_layer=args.cache_per_layer, pin=args.pin, context=args.ctx, kv_type=args.kv_type)
-    model = load(_model(args) or default_model_path(), resident=False)
+    model = load(model_path(args) or default_model_path(), resident=False)
     past = HistoryFile.for_model(model).load() if args.history else None
     limits = memory_limits()
     speed = None
@@ -472,7 +272,7 @@ def _add_doctor(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("doctor", help="read-only checks: model file, io_uring, O_DIRECT, memlock, memory, read speed",
                        description="Check this machine and a model (default: the shipped one); one verdict per line. "
                                    "Exit status 2 when a check fails.")
-    _add_model(p)
+    add_model(p)
     p.add_argument("--verify", action="store_true",
                    help="also decode every tensor and fail on values that are not finite (reads the whole file)")
     p.set_defaults(func=_doctor)
@@ -493,7 +293,7 @@ def _doctor(args: argparse.Namespace) -> int:
         if check.verdict == "fail":
             failed.append(check)
 
-    status = run_checks(_model(args) or default_model_path(), emit, verify=args.verify,
+    status = run_checks(model_path(args) or default_model_path(), emit, verify=args.verify,
                         progress=progress if sys.stderr.isatty() else None)
     if failed:  # the verdicts are on stdout; the error path's one line on stderr, as for every command
         more = f" (and {len(failed) - 1} more failed checks)" if len(failed) > 1 else ""
@@ -514,14 +314,14 @@ def _parse_ids(text: str) -> list[int]:
 def _run(args: argparse.Namespace) -> int:
     from colibri_aio.text.sampling import SamplingParams, check_generation_options
 
-    prompt = _prompt(args)
-    sampling = SamplingParams().override(_sampling_options(args))
+    prompt = prompt_text(args)
+    sampling = SamplingParams().override(sampling_options(args))
     check_generation_options(max_tokens=args.max_tokens, sampling=sampling)
     if not args.stats_interval > 0:
         raise UserError(f"--stats-interval must be positive, got {args.stats_interval}")
     with contextlib.ExitStack() as files:
-        json_out = files.enter_context(_open_out(args.stats_json, "--stats-json")) if args.stats_json else None
-        return _run_loop(_run_async(args, prompt, sampling, json_out))
+        json_out = files.enter_context(open_out(args.stats_json, "--stats-json")) if args.stats_json else None
+        return run_loop(_run_async(args, prompt, sampling, json_out))
 
 
 def _status_line() -> StatusLine | None:
@@ -542,7 +342,7 @@ async def _run_async(args: argparse.Namespace, prompt: str, sampling: SamplingPa
     from colibri_aio.cli.telemetry import Telemetry, summary_line
     from colibri_aio.engine.engine import Engine
 
-    async with await Engine.open(_model(args), **_placement(args)) as engine:
+    async with await Engine.open(model_path(args), **placement_options(args)) as engine:
         print(f"[{engine.describe()}]", file=sys.stderr, flush=True)
         status = _status_line() if args.stats is None else None
         telemetry = Telemetry(engine, interval=args.stats_interval, out=sys.stderr if args.stats else None,
@@ -583,8 +383,8 @@ def _finish(last, max_tokens: int, n_ctx: int) -> str | None:
 
 def _logits(args: argparse.Namespace) -> int:
     ids = _parse_ids(args.ids)
-    _check_writable(args.out, "--out")
-    return _run_loop(_logits_async(args, ids))
+    check_writable(args.out, "--out")
+    return run_loop(_logits_async(args, ids))
 
 
 async def _logits_async(args: argparse.Namespace, ids: list[int]) -> int:
@@ -592,8 +392,8 @@ async def _logits_async(args: argparse.Namespace, ids: list[int]) -> int:
 
     from colibri_aio.engine.engine import Engine
 
-    placement = {**_placement(args), "n_ctx": args.ctx or len(ids)}
-    async with await Engine.open(_model(args), **placement) as engine:
+    placement = {**placement_options(args), "n_ctx": args.ctx or len(ids)}
+    async with await Engine.open(model_path(args), **placement) as engine:
         if max(ids) >= engine.model.args.vocab_size or min(ids) < 0:
             raise UserError(f"--ids: every id must be in [0, {engine.model.args.vocab_size})")
         out = await engine.logits(ids)
@@ -602,11 +402,11 @@ async def _logits_async(args: argparse.Namespace, ids: list[int]) -> int:
 
 
 def _trace(args: argparse.Namespace) -> int:
-    text = _prompt(args)
+    text = prompt_text(args)
     if args.max_tokens < 0:
         raise UserError(f"--max-tokens must be >= 0, got {args.max_tokens}")
-    _check_writable(args.out, "--out")
-    return _run_loop(_trace_async(args, text))
+    check_writable(args.out, "--out")
+    return run_loop(_trace_async(args, text))
 
 
 async def _trace_async(args: argparse.Namespace, text: str) -> int:
@@ -615,11 +415,11 @@ async def _trace_async(args: argparse.Namespace, text: str) -> int:
     from colibri_aio.text.sampling import make_sampler
 
     sample = make_sampler(temperature=args.temperature, seed=args.seed)
-    async with await Engine.open(_model(args), **_placement(args)) as engine:
+    async with await Engine.open(model_path(args), **placement_options(args)) as engine:
         ids = engine.prompt_ids(text)
         if len(ids) >= engine.net.n_ctx:
             raise UserError(f"the prompt has {len(ids)} tokens; the context holds {engine.net.n_ctx}")
-        with _open_out(args.out, "--out") as out:
+        with open_out(args.out, "--out") as out:
             recorder = TraceRecorder(engine.model, out)
             recorder.header()
             async with engine.turn():
@@ -684,53 +484,6 @@ def _replay(args: argparse.Namespace) -> int:
         split_prefill=args.prefill_as_decode, half_life=args.half_life, demote=not args.no_demote)
     print(json.dumps(doc, indent=1) if args.json else text)
     return 0
-
-
-def _run_loop(coro) -> int:
-    """Run ``coro`` on uvloop where it is installed (it is on Linux and macOS), else asyncio's loop.
-
-    SIGTERM cancels it the way asyncio cancels it on Ctrl-C, so the same
-    clean-up runs (``async with`` exits: reads drained, history saved); then
-    :class:`Terminated` is raised. A second SIGTERM during that clean-up is
-    ignored, so the clean-up is never cut short.
-    """
-    terminated = False
-
-    async def main_task():
-        loop, task = asyncio.get_running_loop(), asyncio.current_task()
-
-        def terminate() -> None:
-            nonlocal terminated
-            if not terminated and task is not None:
-                terminated = True
-                task.cancel()
-
-        with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):  # not the main thread
-            loop.add_signal_handler(signal.SIGTERM, terminate)
-        try:
-            return await coro
-        finally:
-            with contextlib.suppress(ValueError, RuntimeError, NotImplementedError):
-                loop.remove_signal_handler(signal.SIGTERM)
-
-    before = signal.getsignal(signal.SIGTERM)
-    try:
-        try:
-            import uvloop
-        except ImportError:
-            status = asyncio.run(main_task())
-        else:
-            status = uvloop.run(main_task())
-    except asyncio.CancelledError:
-        if terminated:
-            raise Terminated from None
-        raise
-    finally:
-        with contextlib.suppress(ValueError, TypeError):
-            signal.signal(signal.SIGTERM, before)
-    if terminated:
-        raise Terminated
-    return status
 
 
 def build_parser() -> argparse.ArgumentParser:
