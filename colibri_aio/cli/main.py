@@ -16,7 +16,6 @@ The options several commands share are in :mod:`colibri_aio.cli.options`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import errno
 import os
@@ -24,19 +23,16 @@ import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, NoReturn
+from typing import IO, NoReturn
 
-from colibri_aio import __version__, settings
+from colibri_aio import __version__
 from colibri_aio.errors import ExpertReadError, UserError, one_line
+from colibri_aio.cli import chat, logits, run, serve
 from colibri_aio.cli.logs import configure as configure_logs
 from colibri_aio.cli.loop import Terminated, run_loop
-from colibri_aio.cli.options import (add_memory, add_model, add_placement, add_prompt, add_sampling, model_path,
-                                     placement_options, prompt_text, sampling_options)
+from colibri_aio.cli.options import (add_memory, add_model, add_placement, add_prompt, model_path,
+                                     placement_options, prompt_text)
 from colibri_aio.cli.outfiles import check_writable, open_out
-
-if TYPE_CHECKING:
-    from colibri_aio.cli.telemetry import StatusLine
-    from colibri_aio.text.sampling import SamplingParams
 
 EXIT_USER, EXIT_IO, EXIT_INTERRUPTED, EXIT_PIPE, EXIT_TERMINATED = 2, 1, 130, 141, 143
 
@@ -47,105 +43,6 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USER, f"colibri-aio: error: {self.prog.removeprefix('python -m colibri_aio ')}: {message} "
                              f"(see {self.prog} --help)\n")
-
-
-def _add_run(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("run", help="generate text, streamed to stdout as it is produced",
-                       description="Generate a continuation of a prompt and stream it to stdout.")
-    add_model(p)
-    add_prompt(p, "The list type")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=64, metavar="N",
-                   help="stop after N new tokens, or earlier when the context is full (default: %(default)s)")
-    add_sampling(p, "greedy: temperature 0, no filters, no penalties")
-    t = p.add_argument_group("telemetry")
-    t.add_argument("--stats", action=argparse.BooleanOptionalAction, default=None,
-                   help="print an iostat-style table, one line per interval, on stderr (default: off; on a "
-                        "terminal a one-line status is kept on the last row instead, --no-stats hides it)")
-    t.add_argument("--stats-interval", type=float, default=1.0, metavar="S", help="seconds per line (default: %(default)s)")
-    t.add_argument("--stats-json", type=Path, default=None, metavar="FILE", help="write the same samples as JSON lines")
-    add_placement(p)
-    p.set_defaults(func=_run)
-
-
-def _add_chat(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("chat", help="talk with a model in the terminal (history, KV-cache reuse, /reset)",
-                       description="An interactive chat: each reply streams to stdout; the KV cache keeps the "
-                                   "conversation, so a turn prefills only the new message. /reset starts over, "
-                                   "/exit or Ctrl-D quits, Ctrl-C stops a reply.")
-    add_model(p)
-    p.add_argument("--system", default=None, metavar="TEXT", help="a system message that starts the conversation")
-    p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="longest reply in tokens (default: %(default)s)")
-    add_sampling(p, "the model's general.sampling.* keys, else llama.cpp's")
-    add_placement(p)
-    p.set_defaults(func=_chat)
-
-
-def _chat(args: argparse.Namespace) -> int:
-    from colibri_aio.serve.chat import chat
-
-    if args.stop:
-        raise UserError("chat takes no --stop (the model's end-of-turn token ends a reply)")
-    return chat(model_path(args), system=args.system, max_tokens=args.max_tokens, sampling=sampling_options(args),
-                open_options=placement_options(args))
-
-
-def _add_serve(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions, SSE streams, /metrics)",
-                       description="Serve a model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions "
-                                   "(streamed with SSE or not), /v1/models, /health, /metrics (Prometheus), "
-                                   "/tokenize, /detokenize. One generation runs at a time; others wait in a bounded "
-                                   "queue (429 beyond it). The KV cache is reused across requests that share a "
-                                   "prefix. Sampling defaults come from the model's general.sampling.* keys, else "
-                                   "llama.cpp's.")
-    add_model(p)
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
-    p.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one (default: %(default)s)")
-    p.add_argument("--api-key", default=settings.get("api_key"), metavar="KEY",
-                   help="require Authorization: Bearer KEY (default: $COLIBRI_API_KEY; unset: any key or none)")
-    p.add_argument("--max-queue", type=int, default=16, metavar="N",
-                   help="requests that may wait while one generates; more get 429 (default: %(default)s)")
-    p.add_argument("--alias", default=None, metavar="NAME", help="model id to report (default: the file name)")
-    g = p.add_argument_group("replicas on Ray Serve (pip install 'colibri-aio[ray]')")
-    g.add_argument("--ray", action="store_true",
-                   help="serve replicas of the engine on Ray Serve behind this endpoint: a chat's next turn goes "
-                        "to the replica holding its KV cache; --max-queue is per replica")
-    g.add_argument("--replicas", type=int, default=None, metavar="N", help="engine replicas (default: 2)")
-    g.add_argument("--replica-cpus", type=float, default=None, metavar="C",
-                   help="CPUs Ray reserves for each replica, and its kernel threads (default: 1)")
-    g.add_argument("--ray-address", default=None, metavar="ADDR",
-                   help="deploy to this Ray cluster (default: start one on this machine, on 127.0.0.1)")
-    add_placement(p)
-    p.set_defaults(func=_serve)
-
-
-def _serve(args: argparse.Namespace) -> int:
-    if args.ray:
-        from colibri_aio.cluster.launch import serve_on_ray
-
-        return serve_on_ray(model_path(args), host=args.host, port=args.port, api_key=args.api_key,
-                            max_queue=args.max_queue, model_id=args.alias,
-                            replicas=2 if args.replicas is None else args.replicas,
-                            replica_cpus=1.0 if args.replica_cpus is None else args.replica_cpus,
-                            address=args.ray_address, open_options=placement_options(args))
-    given = [o for o, v in (("--replicas", args.replicas), ("--replica-cpus", args.replica_cpus),
-                            ("--ray-address", args.ray_address)) if v is not None]
-    if given:
-        raise UserError(f"{given[0]} needs --ray")
-    from colibri_aio.serve.server import serve
-
-    return serve(model_path(args), host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-                 model_id=args.alias, open_options=placement_options(args))
-
-
-def _add_logits(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("logits", help="write teacher-forced logits of token ids to a .npy file",
-                       description="Write float32 logits of shape (len(ids), vocab); row i follows ids[0..i].")
-    add_model(p)
-    p.add_argument("--ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
-    p.add_argument("--out", required=True, type=Path, help="output .npy file")
-    add_placement(p)
-    p.set_defaults(func=_logits)
 
 
 def _add_trace(sub: argparse._SubParsersAction) -> None:
@@ -301,106 +198,6 @@ def _doctor(args: argparse.Namespace) -> int:
     return status
 
 
-def _parse_ids(text: str) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise UserError(f"--ids must be comma-separated integers, got {text!r}") from None
-    if not ids:
-        raise UserError("--ids is empty")
-    return ids
-
-
-def _run(args: argparse.Namespace) -> int:
-    from colibri_aio.text.sampling import SamplingParams, check_generation_options
-
-    prompt = prompt_text(args)
-    sampling = SamplingParams().override(sampling_options(args))
-    check_generation_options(max_tokens=args.max_tokens, sampling=sampling)
-    if not args.stats_interval > 0:
-        raise UserError(f"--stats-interval must be positive, got {args.stats_interval}")
-    with contextlib.ExitStack() as files:
-        json_out = files.enter_context(open_out(args.stats_json, "--stats-json")) if args.stats_json else None
-        return run_loop(_run_async(args, prompt, sampling, json_out))
-
-
-def _status_line() -> StatusLine | None:
-    """The live one-line status, where stderr is a terminal (taking its last row if the text shares it)."""
-    from colibri_aio.cli.telemetry import StatusLine
-
-    if not sys.stderr.isatty():
-        return None
-    try:
-        shares = sys.stdout.isatty() and os.ttyname(sys.stdout.fileno()) == os.ttyname(sys.stderr.fileno())
-    except (OSError, ValueError):
-        shares = False
-    return StatusLine(sys.stderr, shares_screen=shares)
-
-
-async def _run_async(args: argparse.Namespace, prompt: str, sampling: SamplingParams,
-                     json_out: IO[str] | None) -> int:
-    from colibri_aio.cli.telemetry import Telemetry, summary_line
-    from colibri_aio.engine.engine import Engine
-
-    async with await Engine.open(model_path(args), **placement_options(args)) as engine:
-        print(f"[{engine.describe()}]", file=sys.stderr, flush=True)
-        status = _status_line() if args.stats is None else None
-        telemetry = Telemetry(engine, interval=args.stats_interval, out=sys.stderr if args.stats else None,
-                              json_out=json_out, status=status)
-        stop = asyncio.Event()
-        last = None
-        if status is not None:
-            status.start()
-        try:
-            async with asyncio.TaskGroup() as tg:  # the decode loop and the telemetry, one owner
-                if args.stats or json_out or status:
-                    tg.create_task(telemetry.run(stop))
-                try:
-                    async for last in engine.generate(prompt, chat=args.chat, max_tokens=args.max_tokens,
-                                                      stop=args.stop, sampling=sampling):
-                        sys.stdout.write(last.text)
-                        sys.stdout.flush()
-                finally:
-                    stop.set()
-        finally:
-            if status is not None:
-                status.close()
-        sys.stdout.write("\n")
-        sys.stdout.flush()
-        print(summary_line(engine.stats(), _finish(last, args.max_tokens, engine.net.n_ctx)), file=sys.stderr)
-    return 0
-
-
-def _finish(last, max_tokens: int, n_ctx: int) -> str | None:
-    """Why the text ended, in words; says so when the context, not --max-tokens, ended it."""
-    if last is None:
-        return None
-    if last.finish_reason == "length" and last.generated_tokens < max_tokens:
-        return (f"length (the context is full: {n_ctx} positions, {last.generated_tokens} of the {max_tokens} "
-                f"tokens asked for; --ctx sets it)")
-    return last.finish_reason
-
-
-def _logits(args: argparse.Namespace) -> int:
-    ids = _parse_ids(args.ids)
-    check_writable(args.out, "--out")
-    return run_loop(_logits_async(args, ids))
-
-
-async def _logits_async(args: argparse.Namespace, ids: list[int]) -> int:
-    import numpy as np
-
-    from colibri_aio.engine.engine import Engine
-
-    placement = {**placement_options(args), "n_ctx": args.ctx or len(ids)}
-    async with await Engine.open(model_path(args), **placement) as engine:
-        if max(ids) >= engine.model.args.vocab_size or min(ids) < 0:
-            raise UserError(f"--ids: every id must be in [0, {engine.model.args.vocab_size})")
-        out = await engine.logits(ids)
-    np.save(args.out, out.astype(np.float32, copy=False))
-    return 0
-
-
 def _trace(args: argparse.Namespace) -> int:
     text = prompt_text(args)
     if args.max_tokens < 0:
@@ -494,8 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log engine events (backend choice, placement)")
     parser.add_argument("--log-json", action="store_true", help="write logs to stderr as JSON lines")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for add in (_add_run, _add_chat, _add_serve, _add_logits, _add_trace, _add_trace_stats, _add_replay, _add_plan,
-                _add_doctor, _add_iobench):
+    for add in (run.add_parser, chat.add_parser, serve.add_parser, logits.add_parser, _add_trace, _add_trace_stats,
+                _add_replay, _add_plan, _add_doctor, _add_iobench):
         add(sub)
     return parser
 
