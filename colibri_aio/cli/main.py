@@ -207,7 +207,7 @@ def _trace(args: argparse.Namespace) -> int:
 
 
 async def _trace_async(args: argparse.Namespace, text: str) -> int:
-    from colibri_aio.cli.trace import TraceRecorder, trace_run
+    from colibri_aio.cli.route_trace import TraceRecorder, trace_run
     from colibri_aio.engine.engine import Engine
     from colibri_aio.text.sampling import make_sampler
 
@@ -231,7 +231,7 @@ def _trace_stats(args: argparse.Namespace) -> int:
     import json
 
     from colibri_aio.cli.route_stats import compute, format_table
-    from colibri_aio.cli.trace import read_trace
+    from colibri_aio.cli.route_trace import read_trace
 
     stats = compute(read_trace(str(args.trace)))
     print(json.dumps(stats.as_dict(), indent=1) if args.json else format_table(stats))

@@ -11,7 +11,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-from colibri_aio.cli.trace import read_trace
+from colibri_aio.cli.route_trace import read_trace
 from colibri_aio.errors import UserError
 from colibri_aio.policy.replay import REPLAY_POLICIES, ReplayResult, Step, Trace, run_grid, steps_from_records
 
