@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from colibri_aio.cli.options import add_model, add_placement, add_sampling, model_path, placement_options, sampling_options
+from colibri_aio.cli.options import (add_model, add_placement, add_sampling, model_path, placement_options,
+                                     sampling_options)
 from colibri_aio.errors import UserError
 
 
