@@ -19,7 +19,7 @@ from colibri_aio.arch import SUPPORTED_ARCHITECTURES, build_net
 from colibri_aio.arch.qwen3moe import Qwen3MoE
 from colibri_aio.cli.route_stats import compute
 from colibri_aio.text.tokenizer import Tokenizer
-from colibri_aio.cli.trace import TraceRecorder, read_trace, trace_run
+from colibri_aio.cli.route_trace import TraceRecorder, read_trace, trace_run
 
 TOOLS = Path(__file__).resolve().parent.parent / "tools"
 sys.path.insert(0, str(TOOLS))

@@ -28,7 +28,7 @@ from colibri_aio.engine.mapped_source import MappedExpertSource  # noqa: E402
 from colibri_aio.arch.qwen3moe import Qwen3MoE  # noqa: E402
 from colibri_aio.cli.route_stats import TraceStats, compute, format_table  # noqa: E402
 from colibri_aio.text.tokenizer import Tokenizer  # noqa: E402
-from colibri_aio.cli.trace import TraceRecorder, read_trace  # noqa: E402
+from colibri_aio.cli.route_trace import TraceRecorder, read_trace  # noqa: E402
 from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt  # noqa: E402
 
 

@@ -1,1 +1,2 @@
-"""``python -m colibri_aio``: the commands, their telemetry and diagnostics."""
+"""``python -m colibri_aio``: one module per command (:mod:`colibri_aio.cli.main` assembles them), the options
+they share, their telemetry and diagnostics."""

@@ -11,10 +11,12 @@ failing on values that are not finite.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import random
 import resource
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -22,6 +24,7 @@ from pathlib import Path
 from typing import Literal
 
 from colibri_aio import cpu, probes
+from colibri_aio.cli.options import add_model, model_path
 from colibri_aio.errors import UserError, one_line
 from colibri_aio.gguf.model import Model, load
 from colibri_aio.gguf.verify import layout_problems, scan, special_token_problems
@@ -234,3 +237,37 @@ def run_checks(path: Path | None, emit: Callable[[Check], None], *, verify: bool
                     emit(c)
                     failed = failed or c.verdict == "fail"
     return 2 if failed else 0
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Declare ``doctor`` and its options."""
+    p = sub.add_parser("doctor", help="read-only checks: model file, io_uring, O_DIRECT, memlock, memory, read speed",
+                       description="Check this machine and a model (default: the shipped one); one verdict per line. "
+                                   "Exit status 2 when a check fails.")
+    add_model(p)
+    p.add_argument("--verify", action="store_true",
+                   help="also decode every tensor and fail on values that are not finite (reads the whole file)")
+    p.set_defaults(func=command)
+
+
+def command(args: argparse.Namespace) -> int:
+    """Print every verdict on stdout; a failed check is also the one-line error of exit status 2."""
+    from colibri_aio.models import default_model_path
+
+    def progress(done: int, total: int) -> None:
+        sys.stderr.write(f"\r\033[Kverify {done / total:.0%}" + ("\r\033[K" if done >= total else ""))
+        sys.stderr.flush()
+
+    failed: list[Check] = []
+
+    def emit(check: Check) -> None:
+        print(check.line(), flush=True)
+        if check.verdict == "fail":
+            failed.append(check)
+
+    status = run_checks(model_path(args) or default_model_path(), emit, verify=args.verify,
+                        progress=progress if sys.stderr.isatty() else None)
+    if failed:  # the verdicts are on stdout; the error path's one line on stderr, as for every command
+        more = f" (and {len(failed) - 1} more failed checks)" if len(failed) > 1 else ""
+        raise UserError(f"doctor: {failed[0].name}: {failed[0].detail}{more}")
+    return status

@@ -5,13 +5,16 @@ configurations, and prints a table or one JSON document.
 """
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import os
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
-from colibri_aio.cli.trace import read_trace
+from colibri_aio.cli.route_trace import read_trace
 from colibri_aio.errors import UserError
 from colibri_aio.policy.replay import REPLAY_POLICIES, ReplayResult, Step, Trace, run_grid, steps_from_records
 
@@ -134,3 +137,46 @@ def replay_command(paths: Sequence[str], *, policy: str, cache_per_layer: str, s
         doc["results"] = [r.as_dict() for r in per_trace[0]]
     text = "\n".join(f"# {name}\n{format_results(rs)}" for name, rs in zip(names, per_trace))
     return doc, text
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Declare ``replay`` and its options."""
+    p = sub.add_parser("replay", help="replay route traces through the expert cache: hit rate and bytes read",
+                       description="Simulate the expert cache (and lookahead prefetch) on route traces written by "
+                                   "`trace`, without running the model. Lists (a,b,c) run every combination.")
+    p.add_argument("traces", nargs="+", type=Path, help="trace files of one model; their runs follow one another")
+    p.add_argument("--cache-per-layer", default="2", metavar="N[,N..]", help="slots per layer (default: %(default)s)")
+    p.add_argument("--policy", default="lru", metavar="P[,P..]",
+                   help="lru, lfu, lfru, pinned+lru, belady, or all (default: %(default)s)")
+    p.add_argument("--scope", default="layer", metavar="S[,S..]",
+                   help="layer: a quota of slots per layer; global: all layers share the slots (default: %(default)s)")
+    p.add_argument("--warmup", type=float, default=0.25, metavar="F",
+                   help="share of positions that warms the cache but is not scored (default: %(default)s)")
+    p.add_argument("--pin-from", type=Path, action="append", default=[], metavar="TRACE",
+                   help="pinned+lru: learn pins from these traces instead of the warm-up part")
+    p.add_argument("--pin-fraction", type=float, default=0.5, metavar="F",
+                   help="pinned+lru: share of the slots given to pins (default: %(default)s)")
+    p.add_argument("--prefetch", default="none", metavar="PRED[,PRED..]",
+                   help="replay lookahead prefetch with these predictors of the trace, none, or all")
+    p.add_argument("--prefetch-count", type=int, default=None, metavar="N",
+                   help="candidates prefetched per position (default: the predictor's adaptive count)")
+    p.add_argument("--half-life", type=float, default=None, metavar="USES",
+                   help="lfru: half-life of a key's score in cache uses (default: the slot count)")
+    p.add_argument("--no-demote", action="store_true",
+                   help="keep prefetches their layer did not use at their place instead of evicting them first")
+    p.add_argument("--prefill-as-decode", action="store_true",
+                   help="replay prompt positions one at a time, as teacher-forced decode would read them")
+    p.add_argument("--each", action="store_true", help="replay each trace on its own; report median and min-max")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.set_defaults(func=command)
+
+
+def command(args: argparse.Namespace) -> int:
+    """Print :func:`replay_command`'s table, or its JSON document with --json; the exit status."""
+    doc, text = replay_command(
+        [str(t) for t in args.traces], policy=args.policy, cache_per_layer=args.cache_per_layer,
+        scope=args.scope, warmup=args.warmup, pin_from=[str(t) for t in args.pin_from],
+        pin_fraction=args.pin_fraction, prefetch=args.prefetch, prefetch_count=args.prefetch_count, each=args.each,
+        split_prefill=args.prefill_as_decode, half_life=args.half_life, demote=not args.no_demote)
+    print(json.dumps(doc, indent=1) if args.json else text)
+    return 0

@@ -2,7 +2,7 @@
 
 This is the pure simulation: it takes records, not files (reading trace files
 and the ``replay`` command are :mod:`colibri_aio.cli.replay`'s). A trace (see
-:mod:`colibri_aio.cli.trace`) records, in execution order, which
+:mod:`colibri_aio.cli.route_trace`) records, in execution order, which
 experts every layer chose at every position. The replay turns it into
 *steps* — one per (run, layer, prefill chunk or decode position) — and runs
 each step through an :class:`~colibri_aio.policy.cache.ExpertCache` as the

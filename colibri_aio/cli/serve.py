@@ -1,0 +1,60 @@
+"""``serve``: the command-line side of the HTTP server (:mod:`colibri_aio.serve.server`) and of its replicas on
+Ray Serve (:mod:`colibri_aio.cluster.launch`)."""
+from __future__ import annotations
+
+import argparse
+
+from colibri_aio import settings
+from colibri_aio.cli.options import add_model, add_placement, model_path, placement_options
+from colibri_aio.errors import UserError
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Declare ``serve`` and its options."""
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions, SSE streams, /metrics)",
+                       description="Serve a model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions "
+                                   "(streamed with SSE or not), /v1/models, /health, /metrics (Prometheus), "
+                                   "/tokenize, /detokenize. One generation runs at a time; others wait in a bounded "
+                                   "queue (429 beyond it). The KV cache is reused across requests that share a "
+                                   "prefix. Sampling defaults come from the model's general.sampling.* keys, else "
+                                   "llama.cpp's.")
+    add_model(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s, this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="TCP port; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--api-key", default=settings.get("api_key"), metavar="KEY",
+                   help="require Authorization: Bearer KEY (default: $COLIBRI_API_KEY; unset: any key or none)")
+    p.add_argument("--max-queue", type=int, default=16, metavar="N",
+                   help="requests that may wait while one generates; more get 429 (default: %(default)s)")
+    p.add_argument("--alias", default=None, metavar="NAME", help="model id to report (default: the file name)")
+    g = p.add_argument_group("replicas on Ray Serve (pip install 'colibri-aio[ray]')")
+    g.add_argument("--ray", action="store_true",
+                   help="serve replicas of the engine on Ray Serve behind this endpoint: a chat's next turn goes "
+                        "to the replica holding its KV cache; --max-queue is per replica")
+    g.add_argument("--replicas", type=int, default=None, metavar="N", help="engine replicas (default: 2)")
+    g.add_argument("--replica-cpus", type=float, default=None, metavar="C",
+                   help="CPUs Ray reserves for each replica, and its kernel threads (default: 1)")
+    g.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="deploy to this Ray cluster (default: start one on this machine, on 127.0.0.1)")
+    add_placement(p)
+    p.set_defaults(func=command)
+
+
+def command(args: argparse.Namespace) -> int:
+    """Serve until stopped, on this machine or on Ray Serve with --ray; the exit status."""
+    if args.ray:
+        from colibri_aio.cluster.launch import serve_on_ray
+
+        return serve_on_ray(model_path(args), host=args.host, port=args.port, api_key=args.api_key,
+                            max_queue=args.max_queue, model_id=args.alias,
+                            replicas=2 if args.replicas is None else args.replicas,
+                            replica_cpus=1.0 if args.replica_cpus is None else args.replica_cpus,
+                            address=args.ray_address, open_options=placement_options(args))
+    # Their defaults are None rather than 2 and 1 so that giving one without --ray can be told apart.
+    given = [o for o, v in (("--replicas", args.replicas), ("--replica-cpus", args.replica_cpus),
+                            ("--ray-address", args.ray_address)) if v is not None]
+    if given:
+        raise UserError(f"{given[0]} needs --ray")
+    from colibri_aio.serve.server import serve
+
+    return serve(model_path(args), host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
+                 model_id=args.alias, open_options=placement_options(args))
