@@ -31,6 +31,7 @@ import os
 import shlex
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tarfile
@@ -114,19 +115,23 @@ def run_once(tree: Path, site: Path, command: list[str], condition: str, scratch
 
 
 def summarise(runs: list[dict], keys: list[str], metric: str) -> list[dict]:
-    """Per group: each commit's spread of ``metric`` and the spread of per-round B/A ratios."""
-    groups: dict[tuple, dict[str, dict[int, float]]] = {}
+    """Per group: each commit's spread of ``metric`` over every sample, and the spread of per-round B/A ratios
+    (of each round's medians, when a run prints several samples). A key is a sample's field, or the run's
+    own (``condition``)."""
+    groups: dict[tuple, dict[str, dict[int, list[float]]]] = {}
     for r in runs:
-        group = tuple(r["sample"].get(k) for k in keys)
-        groups.setdefault(group, {"a": {}, "b": {}})[r["arm"]][r["round"]] = r["sample"][metric]
+        group = tuple(r["sample"].get(k, r.get(k)) for k in keys)
+        groups.setdefault(group, {"a": {}, "b": {}})[r["arm"]].setdefault(r["round"], []).append(r["sample"][metric])
     rows = []
     for group, by in groups.items():
-        a, b = by["a"], by["b"]
+        a = {i: statistics.median(v) for i, v in by["a"].items()}
+        b = {i: statistics.median(v) for i, v in by["b"].items()}
+        every_a, every_b = [x for v in by["a"].values() for x in v], [x for v in by["b"].values() for x in v]
         ratios = [b[i] / a[i] for i in sorted(a.keys() & b.keys()) if a[i]]
-        rows.append({**dict(zip(keys, group)), "a": spread(list(a.values())), "b": spread(list(b.values())),
+        rows.append({**dict(zip(keys, group)), "a": spread(every_a), "b": spread(every_b),
                      "ratio": spread(ratios) if ratios else None, "ratios": ratios,
-                     "a_spread": max(a.values()) / min(a.values()) if min(a.values()) else None,
-                     "b_spread": max(b.values()) / min(b.values()) if min(b.values()) else None})
+                     "a_spread": max(every_a) / min(every_a) if min(every_a) else None,
+                     "b_spread": max(every_b) / min(every_b) if min(every_b) else None})
     return rows
 
 
@@ -155,6 +160,18 @@ def markdown(receipt: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def resummarise(args: argparse.Namespace) -> int:
+    """A receipt's runs summarised again by other keys or another metric, written beside it."""
+    receipt = json.loads(args.summarise.read_text())
+    keys = args.key.split(",")
+    receipt.update(keys=keys, metric=args.metric, summary=summarise(receipt["runs"], keys, args.metric))
+    out = args.summarise.with_name(f"{args.summarise.stem}_{args.metric}")
+    out.with_suffix(".json").write_text(json.dumps(receipt, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(receipt))
+    print(markdown(receipt))
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("a", help="commit A (the reference)")
@@ -173,8 +190,12 @@ def main() -> int:
     p.add_argument("--keep", action="store_true", help="keep the scratch directory")
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
     p.add_argument("--name", default="commits", help="receipt file name prefix")
+    p.add_argument("--summarise", type=Path, default=None, metavar="JSON",
+                   help="write the receipt JSON again (beside itself) grouped by --key on --metric; runs nothing")
     p.usage = "%(prog)s A B [options] -- SCRIPT [ARGS...]   (SCRIPT: a tools/ script both commits have)"
     argv = sys.argv[1:]
+    if "--summarise" in argv:
+        return resummarise(p.parse_args(["-", "-", *argv]))
     split = argv.index("--") if "--" in argv else len(argv)
     args, command = p.parse_args(argv[:split]), argv[split + 1:]
     if not command:
