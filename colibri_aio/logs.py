@@ -41,3 +41,14 @@ class _Logger:
 def get_logger(name: str) -> Any:
     """The logger for module ``name``: ``log.info("event", key=value)``, structlog style."""
     return _Logger(name)
+
+
+_warned: set[str] = set()
+
+
+def warn_once(message: str, logger: str = "colibri_aio") -> None:
+    """Log ``message`` as a warning the first time it comes up in this process (a file opened again, a
+    tokenizer rebuilt, say it once)."""
+    if message not in _warned:
+        _warned.add(message)
+        get_logger(logger).warning(message)

@@ -70,7 +70,8 @@ def test_special_token_ids_outside_the_vocabulary_are_found(model: Model) -> Non
     header.fields = {**header.fields, "tokenizer.ggml.bos_token_id": HeaderField("tokenizer.ggml.bos_token_id", 2048, 4),
                      "tokenizer.ggml.eot_token_id": HeaderField("tokenizer.ggml.eot_token_id", 7, 4)}
     assert special_token_problems(header) == [
-        f"{SOURCE}: tokenizer.ggml.bos_token_id = 2048 is not a token id (the vocabulary has 2048)"]
+        f"{SOURCE}: tokenizer.ggml.bos_token_id = 2048 is not a token id (the vocabulary has 2048): ignored, "
+        f"as llama.cpp ignores it"]
 
 
 def test_doctor_verify_reports_the_new_checks() -> None:

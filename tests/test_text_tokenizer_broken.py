@@ -5,7 +5,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import structlog.testing
+
+from colibri_aio import logs
 
 from colibri_aio.errors import ModelFormatError, one_line
 from colibri_aio.gguf.header import GGUFHeader
@@ -69,20 +73,30 @@ def test_broken_tokenizer_is_one_line_naming_the_file(tmp_path: Path, case: str)
     assert err.strip().splitlines()[-1] == f"colibri-aio: error: {one_line(info.value)}"
 
 
-def test_special_token_outside_the_vocabulary_names_the_file_and_the_key(tmp_path: Path) -> None:
+def test_a_special_token_outside_the_vocabulary_is_ignored_with_one_warning_as_llamacpp_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """llama.cpp warns "bad special token ... using default id" and runs such a file (a converter that cut
+    the vocabulary leaves them): so do we, the id taken as absent; the end of generation still comes from
+    the vocabulary's <|endoftext|>; the logits are the file's."""
     lay = read_layout(SOURCE)
     span = next(s for s in lay.where(kind="scalar", owner="tokenizer.ggml.eos_token_id"))
     raw = bytearray(SOURCE.read_bytes())
     raw[span.start: span.stop] = (5000).to_bytes(span.size, "little")
     path = tmp_path / "eos_5000.gguf"
     path.write_bytes(raw)
-    with pytest.raises(ModelFormatError, match=f"^{path}: tokenizer.ggml.eos_token_id = 5000 is outside the vocabulary"):
-        Tokenizer.from_path(path)
-    # plan and doctor do not build the tokenizer; doctor --verify checks the ids and says which
-    assert main_in_process("plan", str(path), "--no-history")[0] == 0
-    assert main_in_process("doctor", str(path))[0] == 0
-    status, out, err = main_in_process("doctor", str(path), "--verify")
-    assert status == 2
-    assert f"FAIL  special tokens   {path}: tokenizer.ggml.eos_token_id = 5000 is not a token id" in out
-    assert err.strip() == (f"colibri-aio: error: doctor: special tokens: {path}: tokenizer.ggml.eos_token_id = 5000 "
-                           f"is not a token id (the vocabulary has 2048) (and 1 more failed checks)")
+    monkeypatch.setattr(logs, "_warned", set())       # this process has warned of nothing yet
+    with structlog.testing.capture_logs() as events:
+        tokenizer = Tokenizer.from_path(path)
+        Tokenizer.from_path(path)                       # built again: no second warning
+    assert tokenizer.eos_id is None and tokenizer.spec.tokens.index("<|endoftext|>") in tokenizer.eog_ids
+    assert Tokenizer.from_path(SOURCE).eog_ids == tokenizer.eog_ids
+    assert [e["event"] for e in events if e["log_level"] == "warning"] == [
+        "tokenizer.ggml.eos_token_id = 5000 is outside the vocabulary of 2048: ignored, as llama.cpp ignores it"]
+    ids = "1,2,3"
+    for p in (SOURCE, path):
+        status, _, _ = main_in_process("logits", str(p), "--ids", ids, "--out", str(tmp_path / f"{p.stem}.npy"),
+                                       "--no-history", "--kernels", "numpy")
+        assert status == 0
+    assert np.array_equal(np.load(tmp_path / f"{SOURCE.stem}.npy"), np.load(tmp_path / "eos_5000.npy"))
+    status, out, _ = main_in_process("doctor", str(path), "--verify")
+    assert f"WARN  special tokens   {path}: tokenizer.ggml.eos_token_id = 5000 is not a token id" in out

@@ -98,7 +98,8 @@ def special_token_problems(header: ModelHeader) -> list[str]:
     if tokens is None:
         return []
     n = len(tokens.value)
-    return [f"{header.path}: {key} = {f.value} is not a token id (the vocabulary has {n})"
+    return [f"{header.path}: {key} = {f.value} is not a token id (the vocabulary has {n}): ignored, as llama.cpp "
+            f"ignores it"
             for key, f in header.fields.items()
             if key.startswith("tokenizer.ggml.") and key.endswith("_token_id") and not 0 <= f.value < n]
 

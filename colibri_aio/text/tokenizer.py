@@ -44,6 +44,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from colibri_aio.gguf.header import GGUFHeader
 from colibri_aio.gguf.split import ModelHeader, open_header
 from colibri_aio.errors import ModelFormatError, UserError
+from colibri_aio.logs import warn_once
 from colibri_aio.text.chat_template import ChatTemplate
 
 __all__ = ["Tokenizer", "StreamDecoder", "TokenizerSpec", "PRE_TOKENIZERS", "QWEN2_SPLIT_REGEX"]
@@ -182,11 +183,17 @@ def read_spec(reader: gguf.GGUFReader | GGUFHeader | ModelHeader) -> TokenizerSp
     def token_id(key: str) -> int | None:
         # An absent id stays None. (llama.cpp falls back to GPT-2's id 11 for
         # gpt2 vocabularies, which names an arbitrary token in any other vocabulary.)
+        # An id outside the vocabulary is what a converter that cut the vocabulary leaves (an OLMoE
+        # file cut to 2048 tokens keeps eos 50279): llama.cpp warns "bad special token ... using default
+        # id" and runs the file, and so do we, taking the key as absent. Ends of generation still come
+        # from the vocabulary's own texts (EOG_TEXTS), as llama.cpp finds them.
         v = _field(reader, f"tokenizer.ggml.{key}")
         if v is None:
             return None
         if not 0 <= int(v) < len(tokens):
-            raise ModelFormatError(f"tokenizer.ggml.{key} = {v} is outside the vocabulary of {len(tokens)}")
+            warn_once(f"tokenizer.ggml.{key} = {v} is outside the vocabulary of {len(tokens)}: ignored, as "
+                      f"llama.cpp ignores it")
+            return None
         return int(v)
 
     # llama.cpp's defaults when the keys are absent: sentencepiece vocabularies add BOS
