@@ -1,11 +1,11 @@
 """Quantised kernels against gguf-py's reference dequantisation, and placement invariance.
 
 Test tensors are made by quantising random data with ``gguf.quants.quantize``
-where it can (floats, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4); the K-quants and
-IQ4_NL/IQ4_XS, which it cannot quantise, are random but valid raw blocks
-(finite f16 scales, random quant bits). The reference is always
+where it can (floats, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, TQ1_0, TQ2_0); the
+K-quants, the IQ types and NVFP4, which it cannot quantise, are random but valid
+raw blocks (finite f16 scales, random quant bits). The reference is always
 ``gguf.quants.dequantize(raw) @ x`` in float64; ggml's own ``to_float`` (through
-ggml-python, where installed) checks that reference in turn.
+ggml-python, where installed) checks that reference in turn, bit for bit.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
 
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels import quant
@@ -117,15 +117,19 @@ def test_mxfp4_scales_cover_every_exponent() -> None:
 
 
 @pytest.mark.parametrize("t", QUANTISED, ids=lambda t: t.name)
-def test_gguf_reference_agrees_with_ggml(t: T) -> None:
-    """The reference itself, against ggml's C dequantisation (``to_float`` of its type traits)."""
+def test_dequantize_is_bit_identical_to_gguf_and_ggml(t: T) -> None:
+    """Ours, gguf-py's reference and ggml's C dequantisation (``to_float`` of its type traits) give the
+    same float32 bits (signed zeros included) on valid random blocks."""
     ggml = pytest.importorskip("ggml", reason="ggml-python checks the gguf-py reference against ggml's C code")
     w = make_weights(t, (7, cols_for(t, 2)), seed=14)
     out = np.empty(w.rows * w.cols, np.float32)
     traits = ggml.ggml_get_type_traits(int(t)).contents
     traits.to_float(w.data.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
                     out.size)
-    np.testing.assert_array_equal(out.reshape(w.rows, w.cols), reference(w).astype(np.float32))
+    ref = quants.dequantize(w.data, t).reshape(w.rows, w.cols)
+    assert ref.dtype == np.float32 and np.isfinite(ref).all()
+    np.testing.assert_array_equal(out.reshape(w.rows, w.cols).view(np.uint32), ref.view(np.uint32))
+    np.testing.assert_array_equal(quant.dequantize(w).view(np.uint32), ref.view(np.uint32))
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
@@ -182,11 +186,11 @@ def test_f16_decoding_is_exact_for_every_bit_pattern() -> None:
 
 
 def test_unsupported_type_is_a_model_format_error() -> None:
-    block, type_size = GGML_QUANT_SIZES[T.IQ2_XXS]
-    w = QTensor(np.zeros(4 * type_size, np.uint8), T.IQ2_XXS, (4, block))
-    for call in (lambda: quant.dequantize(w), lambda: quant.matvec(w, np.zeros(block, np.float32)),
-                 lambda: quant.matmul(w, np.zeros((2, block), np.float32))):
-        with pytest.raises(ModelFormatError, match="IQ2_XXS"):
+    """F64: a type GGUF files carry but neither backend multiplies (ggml's CPU has no F64 dot product)."""
+    w = QTensor(np.zeros(4 * 32 * 8, np.uint8), T.F64, (4, 32))
+    for call in (lambda: quant.dequantize(w), lambda: quant.matvec(w, np.zeros(32, np.float32)),
+                 lambda: quant.matmul(w, np.zeros((2, 32), np.float32))):
+        with pytest.raises(ModelFormatError, match="F64"):
             call()
 
 
