@@ -30,7 +30,11 @@ REFERENCE_TYPES = sorted((SUPPORTED & (set(quants._type_traits) | {T.F32, T.F16}
 # Relative error of a product (norm of the difference over norm of the float64 product of the same
 # dequantised weights): ggml rounds the activation to the type its dot product pairs with.
 ACTIVATION_ERROR = {"F32": 1e-6, "F16": 2e-3, "BF16": 1e-2}
-QUANTISED_ACTIVATION_ERROR = 2e-2  # Q8_0 / Q8_K activations (measured 3e-3..9e-3 on these shapes)
+# Q8_0 / Q8_K activations: measured 3e-3..9e-3 on these shapes for every quantised type. Against the NumPy
+# reference (test_every_type_agrees_with_the_numpy_reference, worst of one position and seven):
+# IQ1_S 7.4e-3, IQ1_M 6.9e-3, IQ2_XXS 6.6e-3, IQ2_XS 6.6e-3, IQ2_S 7.1e-3, IQ3_XXS 6.4e-3, IQ3_S 8.4e-3,
+# TQ1_0 7.1e-3, TQ2_0 7.1e-3, NVFP4 5.9e-3 (Q4_K 7.3e-3, Q8_0 7.4e-3, IQ4_XS 8.7e-3 for comparison).
+QUANTISED_ACTIVATION_ERROR = 2e-2
 
 
 def quantised(t: T, shape: tuple[int, int], seed: int = 0) -> QTensor:
@@ -63,11 +67,18 @@ def kernels():
 
 
 def test_type_table_covers_every_gguf_type_ggml_multiplies() -> None:
-    """The classic and K-quant types, the ones being added to the NumPy kernels, and MXFP4."""
+    """The classic and K-quant types, the IQ and ternary types, MXFP4 and NVFP4."""
     want = {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K,
-            T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4}
+            T.Q6_K, T.IQ4_NL, T.IQ4_XS, T.MXFP4, T.IQ1_S, T.IQ1_M, T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ3_XXS,
+            T.IQ3_S, T.TQ1_0, T.TQ2_0, T.NVFP4}
     assert want <= SUPPORTED
     assert T.I8 not in SUPPORTED and T.F64 not in SUPPORTED  # no CPU dot product for them
+
+
+def test_every_type_ggml_multiplies_and_gguf_decodes_has_a_numpy_reference() -> None:
+    """A file opens on either backend: no type ggml runs is missing from the NumPy kernels, unless
+    gguf-py (the reference they are checked against) cannot decode it either."""
+    assert set(REFERENCE_TYPES) <= quant.SUPPORTED_TYPES
 
 
 @pytest.mark.parametrize("t", REFERENCE_TYPES, ids=lambda t: t.name)
