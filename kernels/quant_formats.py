@@ -5,8 +5,9 @@ permutation of the row's columns chosen per type so that NumPy works on long
 contiguous runs instead of 16- or 32-element pieces):
 
 * ``decode(raw, scratch)`` -> the integer quant values, ``(rows, cols)`` int8
-  or uint8 -- for IQ4_NL, IQ4_XS and MXFP4 the small integers their 4-bit
-  codes stand for -- (or float32 for the float types, which have no scales);
+  or uint8 -- for IQ4_NL, IQ4_XS, MXFP4 and NVFP4 the small integers their 4-bit
+  codes stand for, for the IQ1/IQ2/IQ3 types their codebook values times their
+  signs -- (or float32 for the float types, which have no scales);
 * ``prepare(raw, index)`` -> :class:`Scales`, one value per sub-block of
   ``sub`` consecutive layout columns, ``(rows, sub_blocks)`` float32: the
   factor ``mul`` and, for Q4_1/Q5_1 (``m``) and Q2_K/Q4_K/Q5_K
@@ -21,7 +22,8 @@ GGUF bytes; nibbles and high bits are unpacked eight at a time on uint64 words.
 holds (``None`` when layout order is natural order).
 
 Byte layouts follow ggml's ``block_<type>`` structs (``block_q8_0`` ...
-``block_iq4_xs``, ``block_mxfp4``); each is drawn beside its decoder.
+``block_iq4_xs``, ``block_iq1_s`` ... ``block_iq3_s``, ``block_tq1_0``,
+``block_tq2_0``, ``block_mxfp4``, ``block_nvfp4``); each is drawn beside its decoder.
 ``gguf.quants.dequantize`` is the reference: ``dequantize`` reproduces it bit
 for bit, since ``q * mul + bias`` is the same float32 arithmetic.
 """
