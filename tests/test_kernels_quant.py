@@ -116,6 +116,28 @@ def test_mxfp4_scales_cover_every_exponent() -> None:
     np.testing.assert_array_equal(quant.dequantize(w), reference(w).astype(np.float32))
 
 
+@pytest.mark.parametrize("t", [T.IQ1_S, T.IQ1_M], ids=lambda t: t.name)
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value):RuntimeWarning")
+def test_iq1_infinite_and_signed_zero_scales_decode_as_gguf(t: T) -> None:
+    """ggml computes dl * (grid + delta): with an infinite dl a zero grid value gives an infinity, not the
+    NaN that dl * grid + dl * delta would; with a zero dl the sign is that of the product."""
+    block, type_size = GGML_QUANT_SIZES[t]
+    d = np.repeat(np.array([0x7C00, 0xFC00, 0x7E00, 0x8000, 0x0000, 0x0001, 0x7BFF], np.uint16), 4)
+    raw = np.random.default_rng(17).integers(0, 256, (d.size, type_size), dtype=np.uint8)
+    if t == T.IQ1_S:
+        raw[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+    else:  # the f16 is the top nibbles of the four u16 at bytes 48-55, low nibble first
+        sc = raw[:, 48:56].view(np.uint16)
+        sc &= np.uint16(0x0FFF)
+        sc |= ((d[:, None] >> np.array([0, 4, 8, 12], np.uint16)) & np.uint16(0xF)) << np.uint16(12)
+    w = QTensor(raw.reshape(-1), t, (7, 4 * block))
+    ours, want = quant.dequantize(w), reference(w).astype(np.float32)
+    assert np.isinf(want).any()
+    np.testing.assert_array_equal(np.isnan(ours), np.isnan(want))
+    finite_or_inf = ~np.isnan(want)
+    np.testing.assert_array_equal(ours.view(np.uint32)[finite_or_inf], want.view(np.uint32)[finite_or_inf])
+
+
 @pytest.mark.parametrize("t", QUANTISED, ids=lambda t: t.name)
 def test_dequantize_is_bit_identical_to_gguf_and_ggml(t: T) -> None:
     """Ours, gguf-py's reference and ggml's C dequantisation (``to_float`` of its type traits) give the
