@@ -5,8 +5,9 @@ permutation of the row's columns chosen per type so that NumPy works on long
 contiguous runs instead of 16- or 32-element pieces):
 
 * ``decode(raw, scratch)`` -> the integer quant values, ``(rows, cols)`` int8
-  or uint8 -- for IQ4_NL, IQ4_XS and MXFP4 the small integers their 4-bit
-  codes stand for -- (or float32 for the float types, which have no scales);
+  or uint8 -- for IQ4_NL, IQ4_XS, MXFP4 and NVFP4 the small integers their 4-bit
+  codes stand for, for the IQ1/IQ2/IQ3 types their codebook values times their
+  signs -- (or float32 for the float types, which have no scales);
 * ``prepare(raw, index)`` -> :class:`Scales`, one value per sub-block of
   ``sub`` consecutive layout columns, ``(rows, sub_blocks)`` float32: the
   factor ``mul`` and, for Q4_1/Q5_1 (``m``) and Q2_K/Q4_K/Q5_K
@@ -21,7 +22,8 @@ GGUF bytes; nibbles and high bits are unpacked eight at a time on uint64 words.
 holds (``None`` when layout order is natural order).
 
 Byte layouts follow ggml's ``block_<type>`` structs (``block_q8_0`` ...
-``block_iq4_xs``, ``block_mxfp4``); each is drawn beside its decoder.
+``block_iq4_xs``, ``block_iq1_s`` ... ``block_iq3_s``, ``block_tq1_0``,
+``block_tq2_0``, ``block_mxfp4``, ``block_nvfp4``); each is drawn beside its decoder.
 ``gguf.quants.dequantize`` is the reference: ``dequantize`` reproduces it bit
 for bit, since ``q * mul + bias`` is the same float32 arithmetic.
 """
@@ -33,7 +35,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
 
 from colibri_aio.kernels.scratch import Scratch, thread_scratch
 
@@ -579,6 +581,327 @@ def _order_iq4_xs(cols: int) -> np.ndarray:
     return _grid_order((2, cols // 256, 8, 16), lambda h, b, k, l: b * 256 + k * 32 + h * 16 + l)
 
 
+# --- Codebook i-quants (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M): 256-weight blocks whose
+# quants are indices into a codebook of 8 (IQ2, IQ1) or 4 (IQ3) magnitudes, with signs per 8 weights.
+# The codebooks (ggml's iq2xxs_grid ... iq1s_grid, ksigns_iq2xs) are read from gguf-py's public classes,
+# which ship them packed (grid_hex: 2 or 3 bits per value, grid_map: what each code stands for).
+# Every one of these types keeps natural order: a codebook entry is 8 (or 4) consecutive weights.
+# q = codebook value * sign (int8), so q * mul is the single rounding ggml makes of db * grid * sign. ---
+
+def _codebook(cls: type) -> np.ndarray:
+    """gguf-py's packed codebook of ``cls`` -> (entries, width) int16 of the values it stands for."""
+    bits = int(np.ceil(np.log2(len(cls.grid_map))))
+    per_byte = 8 // bits
+    packed = np.frombuffer(bytes.fromhex(cls.grid_hex.decode()), np.uint8)
+    shifts = np.arange(0, 8, 8 // per_byte, dtype=np.uint8)
+    codes = (packed[:, None] >> shifts) & ((1 << bits) - 1)          # value i of byte k: bits at 8i/per_byte
+    return np.array(cls.grid_map, np.int16)[codes].reshape(cls.grid_shape)
+
+
+def _packed(values: np.ndarray, dtype: type) -> np.ndarray:
+    """(entries, width) small integers -> one ``dtype`` word per entry whose bytes are the values, int8."""
+    return np.ascontiguousarray(values.astype(np.int8)).view(dtype).reshape(-1)
+
+
+def _sign_words(masks: np.ndarray) -> np.ndarray:
+    """Sign bytes -> uint64 words whose byte j is -1 where bit j of the mask is set, else +1."""
+    bits = (masks[:, None].astype(np.uint16) >> np.arange(8, dtype=np.uint16)) & 1
+    return _packed(1 - 2 * bits.astype(np.int16), np.uint64)
+
+
+_IQ2XXS_GRID = _packed(_codebook(quants.IQ2_XXS), np.uint64)        # 256 x 8 magnitudes (8, 25, 43)
+_IQ2XS_GRID = _packed(_codebook(quants.IQ2_XS), np.uint64)          # 512 x 8
+_IQ2S_GRID = _packed(_codebook(quants.IQ2_S), np.uint64)            # 1024 x 8
+_IQ3XXS_GRID = _packed(_codebook(quants.IQ3_XXS), np.uint32)        # 256 x 4 magnitudes (4 ... 62)
+_IQ3S_GRID = _packed(_codebook(quants.IQ3_S), np.uint32)            # 512 x 4 magnitudes (1 ... 15)
+# ksigns_iq2xs: a 7-bit index -> 8 sign bits (the eighth makes the parity even).
+_KSIGNS = _sign_words(np.frombuffer(quants.IQ2_XXS.ksigns, np.uint8))
+_SIGNS = _sign_words(np.arange(256, dtype=np.uint8))                # a plain sign byte (IQ2_S, IQ3_S)
+# IQ1_S/IQ1_M: grid values g in {-1, 0, 1} plus a delta of +-IQ1S_DELTA (1/8) per 8 weights. ggml computes
+# dl * (g + delta); the table holds 8 * (g + delta) = 8g +- 1 (never 0, so an infinite dl stays infinite
+# as in ggml) and mul carries dl / 8, a power-of-two scaling: q * mul is that same single rounding.
+# Entry i is delta +1/8, entry 2048 + i delta -1/8 (the sign bit of the delta is bit 11 of the index).
+_IQ1S_DELTA_EIGHTHS = int(quants.IQ1_S.delta * 8)
+_IQ1_GRID = _packed(np.concatenate([8 * _codebook(quants.IQ1_S) + _IQ1S_DELTA_EIGHTHS,
+                                    8 * _codebook(quants.IQ1_S) - _IQ1S_DELTA_EIGHTHS]), np.uint64)
+_SEVEN_BITS_AT = np.array([0, 7, 14, 21], np.uint32)                # the four sign indices of a u32
+_THREE_BITS_AT = np.array([0, 3, 6, 9], np.uint16)                  # four 3-bit fields of a u16
+
+
+def _signed_grid(grid: np.ndarray, index: np.ndarray, signs: np.ndarray, sign_index: np.ndarray,
+                 scratch: Scratch) -> np.ndarray:
+    """Codebook entries times their signs, (rows, cols) int8 in scratch, natural order.
+
+    ``index`` (R, ...) picks one ``grid`` word per 8 (uint64) or 4 (uint32) weights and ``sign_index``
+    (R, ...) one ``signs`` word per 8 weights, both in natural order.
+    """
+    r = index.shape[0]
+    q = scratch.get("q", index.shape, grid.dtype)
+    np.take(grid, index, out=q, mode="clip")                       # indices are in range; "clip" is unbuffered
+    s = scratch.get("q_signs", sign_index.shape, np.uint64)
+    np.take(signs, sign_index, out=s, mode="clip")
+    qv, sv = q.view(np.int8).reshape(r, -1), s.view(np.int8).reshape(r, -1)
+    np.multiply(qv, sv, out=qv)
+    return qv
+
+
+def _nibble_scales(packed: np.ndarray) -> np.ndarray:
+    """Bytes of two 4-bit scales each, (R, nb, n) -> (R, nb, 2n) uint8: low nibble first."""
+    r, nb, n = packed.shape
+    out = np.empty((r, nb, n, 2), np.uint8)
+    _split_bytes(packed, out[..., 0], out[..., 1])
+    return _split(out, (r, nb, 2 * n))
+
+
+def _iq2_mul(d: np.ndarray, ls: np.ndarray, index: ScaleIndex, last: float) -> Scales:
+    """mul = d * (0.5 + ls) * last per layout sub-block, rounded in ggml's order (float32 throughout)."""
+    f = ls[:, index.block, index.scale].astype(np.float32)
+    np.add(f, np.float32(0.5), out=f)
+    mul = d[:, index.block]
+    np.multiply(mul, f, out=mul)
+    np.multiply(mul, np.float32(last), out=mul)
+    return Scales(mul, None)
+
+
+def _odd_mul(d: np.ndarray, ls: np.ndarray, index: ScaleIndex, last: float) -> Scales:
+    """mul = d * (2 ls + 1) [* last] per layout sub-block (IQ3_S; IQ1_S/IQ1_M with last = 1/8)."""
+    f = ls[:, index.block, index.scale].astype(np.float32)
+    np.multiply(f, np.float32(2), out=f)
+    np.add(f, np.float32(1), out=f)
+    mul = d[:, index.block]
+    np.multiply(mul, f, out=mul)
+    if last != 1:
+        np.multiply(mul, np.float32(last), out=mul)
+    return Scales(mul, None)
+
+
+# IQ2_XXS (66 bytes; ggml's block_iq2_xxs), per 32 weights (ib) 8 bytes of qs:
+#
+#     | d f16 | ib 0: grid[4] u8 | aux u32 | ib 1: ... | ... ib 7 |
+#
+# grid[l] indexes iq2xxs_grid for weights 8l..8l+7 of the 32; aux bits 7l..7l+6 index ksigns for
+# them; aux >> 28 is the 4-bit scale ls. weight = d * (0.5 + ls) * 0.25 * grid * sign.
+
+def _iq2_xxs_groups(raw: np.ndarray) -> np.ndarray:
+    r, nb, _ = raw.shape
+    return _split(raw[..., 2:66], (r, nb, 8, 8))                    # [ib, byte]
+
+
+def _prepare_iq2_xxs(raw: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = d * (0.5 + ls) * 0.25 per sub-block of 32."""
+    aux = _iq2_xxs_groups(raw)[..., 4:8].view(np.uint32)[..., 0]   # (R, nb, 8)
+    return _iq2_mul(_f16_field(raw, 0), aux >> np.uint32(28), index, 0.25)
+
+
+def _decode_iq2_xxs(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    g = _iq2_xxs_groups(raw)
+    aux = g[..., 4:8].view(np.uint32)                               # (R, nb, 8, 1)
+    sign_index = (aux >> _SEVEN_BITS_AT) & np.uint32(127)           # (R, nb, 8, 4)
+    return _signed_grid(_IQ2XXS_GRID, g[..., 0:4], _KSIGNS, sign_index, scratch)
+
+
+# IQ2_XS (74 bytes; block_iq2_xs):  | d f16 | qs u16[32] | scales[8] |
+# qs[k] covers weights 8k..8k+7: its low 9 bits index iq2xs_grid, its top 7 ksigns. scales[ib]:
+# low nibble for the first 16 weights of ib, high nibble for the next 16.
+# weight = d * (0.5 + ls) * 0.25 * grid * sign.
+
+def _prepare_iq2_xs(raw: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = d * (0.5 + ls) * 0.25 per sub-block of 16."""
+    return _iq2_mul(_f16_field(raw, 0), _nibble_scales(raw[..., 66:74]), index, 0.25)
+
+
+def _decode_iq2_xs(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    qs = raw[..., 2:66].view(np.uint16)                             # (R, nb, 32)
+    return _signed_grid(_IQ2XS_GRID, qs & np.uint16(511), _KSIGNS, qs >> np.uint16(9), scratch)
+
+
+# IQ2_S (82 bytes; block_iq2_s):  | d f16 | qs[32] | signs[32] | qh[8] | scales[8] |
+# Weights 8k..8k+7 (k = 4 ib + l): iq2s_grid index qs[k] | (bits 2l, 2l+1 of qh[ib]) << 8, sign byte
+# signs[k] (bit j set: weight j negative); scales as IQ2_XS. weight = d * (0.5 + ls) * 0.25 * grid * sign.
+
+_QH_PAIRS_AT = np.array([0, 2, 4, 6], np.uint16)
+
+
+def _prepare_iq2_s(raw: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = d * (0.5 + ls) * 0.25 per sub-block of 16."""
+    return _iq2_mul(_f16_field(raw, 0), _nibble_scales(raw[..., 74:82]), index, 0.25)
+
+
+def _decode_iq2_s(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    r, nb, _ = raw.shape
+    high = (raw[..., 66:74, None].astype(np.uint16) >> _QH_PAIRS_AT) & np.uint16(3)   # (R, nb, 8, 4)
+    grid_index = _split(raw[..., 2:34], (r, nb, 8, 4)) | (high << np.uint16(8))
+    return _signed_grid(_IQ2S_GRID, grid_index, _SIGNS, raw[..., 34:66], scratch)
+
+
+# IQ3_XXS (98 bytes; block_iq3_xxs):  | d f16 | qs[64] | aux u32[8] |
+# qs[k] indexes iq3xxs_grid for weights 4k..4k+3; aux[ib] holds four 7-bit ksigns indices (one per
+# 8 weights of ib) and, in its top 4 bits, ls. weight = d * (0.5 + ls) * 0.5 * grid * sign.
+
+def _prepare_iq3_xxs(raw: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = d * (0.5 + ls) * 0.5 per sub-block of 32."""
+    aux = raw[..., 66:98].view(np.uint32)                           # (R, nb, 8)
+    return _iq2_mul(_f16_field(raw, 0), aux >> np.uint32(28), index, 0.5)
+
+
+def _decode_iq3_xxs(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    aux = raw[..., 66:98].view(np.uint32)[..., None]                # (R, nb, 8, 1)
+    sign_index = (aux >> _SEVEN_BITS_AT) & np.uint32(127)
+    return _signed_grid(_IQ3XXS_GRID, raw[..., 2:66], _KSIGNS, sign_index, scratch)
+
+
+# IQ3_S (110 bytes; block_iq3_s):  | d f16 | qs[64] | qh[8] | signs[32] | scales[4] |
+# qs[k] | (bit k % 8 of qh[k // 8]) << 8 indexes iq3s_grid for weights 4k..4k+3; signs[k] holds the signs
+# of weights 8k..8k+7; scales: one nibble per 32 weights, low first. weight = d * (1 + 2 ls) * grid * sign.
+
+_BITS_AT = np.arange(8, dtype=np.uint16)
+
+
+def _prepare_iq3_s(raw: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = d * (1 + 2 ls) per sub-block of 32."""
+    return _odd_mul(_f16_field(raw, 0), _nibble_scales(raw[..., 106:110]), index, 1)
+
+
+def _decode_iq3_s(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    r, nb, _ = raw.shape
+    high = (raw[..., 66:74, None].astype(np.uint16) >> _BITS_AT) & np.uint16(1)       # (R, nb, 8, 8)
+    grid_index = _split(raw[..., 2:66], (r, nb, 8, 8)) | (high << np.uint16(8))
+    return _signed_grid(_IQ3S_GRID, grid_index, _SIGNS, raw[..., 74:106], scratch)
+
+
+# IQ1_S (50 bytes; block_iq1_s):  | d f16 | qs[32] | qh u16[8] |
+# Weights 8k..8k+7 (k = 4 ib + l): iq1s_grid index qs[k] | (bits 3l..3l+2 of qh[ib]) << 8; bits 12-14 of
+# qh[ib] are ls, bit 15 the sign of the delta for all 32 weights of ib.
+# weight = d * (2 ls + 1) * (grid + delta), here (8 grid +- 1) * (d * (2 ls + 1) / 8).
+
+def _prepare_iq1_s(raw: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = d * (2 ls + 1) / 8 per sub-block of 32."""
+    qh = raw[..., 34:50].view(np.uint16)
+    return _odd_mul(_f16_field(raw, 0), (qh >> np.uint16(12)) & np.uint16(7), index, 0.125)
+
+
+def _decode_iq1_s(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    r, nb, _ = raw.shape
+    qh = raw[..., 34:50].view(np.uint16)[..., None]                 # (R, nb, 8, 1)
+    index = _split(raw[..., 2:34], (r, nb, 8, 4)) | (((qh >> _THREE_BITS_AT) & np.uint16(7)) << np.uint16(8))
+    index |= (qh >> np.uint16(15)) << np.uint16(11)                 # delta -1/8: the second half of the table
+    q = scratch.get("q", index.shape, np.uint64)
+    np.take(_IQ1_GRID, index, out=q, mode="clip")
+    return q.view(np.int8).reshape(r, nb * 256)
+
+
+# IQ1_M (56 bytes; block_iq1_m):  | qs[32] | qh[16] | scales u16[4] |
+# Weights 8k..8k+7: iq1s_grid index qs[k] | (bits 0-2 of nibble k % 2 of qh[k // 2]) << 8, bit 3 of that
+# nibble the sign of their delta. Sub-block j of 16 weights: ls = bits 3(j % 4)..+2 of scales[j // 4];
+# the top nibbles of scales[0..3] are the four nibbles (low first) of the f16 d.
+# weight = d * (2 ls + 1) * (grid + delta), here (8 grid +- 1) * (d * (2 ls + 1) / 8).
+
+_TOP_NIBBLE_TO = np.array([12, 8, 4, 0], np.uint16)
+
+
+def _prepare_iq1_m(raw: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = d * (2 ls + 1) / 8 per sub-block of 16."""
+    r, nb, _ = raw.shape
+    sc = raw[..., 48:56].view(np.uint16)                            # (R, nb, 4)
+    d_bits = np.bitwise_or.reduce((sc & np.uint16(0xF000)) >> _TOP_NIBBLE_TO, axis=-1)
+    d = f16_to_f32(d_bits, np.empty((r, nb), np.float32), thread_scratch())
+    ls = (sc[..., None] >> _THREE_BITS_AT) & np.uint16(7)           # (R, nb, 4, 4): j = 4 word + field
+    return _odd_mul(d, _split(ls, (r, nb, 16)), index, 0.125)
+
+
+def _decode_iq1_m(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    r, nb, _ = raw.shape
+    nib = np.empty((r, nb, 16, 2), np.uint16)                       # [qh byte, nibble]: k = 2 byte + nibble
+    _split_bytes(raw[..., 32:48], nib[..., 0], nib[..., 1])
+    # The nibble shifted up by 8: its 3 low bits extend the index, its bit 3 lands on bit 11 (the delta).
+    index = raw[..., 0:32] | (_split(nib, (r, nb, 32)) << np.uint16(8))
+    q = scratch.get("q", index.shape, np.uint64)
+    np.take(_IQ1_GRID, index, out=q, mode="clip")
+    return q.view(np.int8).reshape(r, nb * 256)
+
+
+# --- Ternary types: q in {-1, 0, 1}, mul = d per block. ---
+# TQ1_0 (54 bytes; block_tq1_0):  | qs[48] | qh[4] | d f16 |
+# Each byte holds 5 (qs) or 4 (qh) base-3 digits as a fixed-point fraction: digit n of byte v is
+# ((v * 3^n mod 256) * 3) >> 8, and the weight is d * (digit - 1). Natural order: weight 32n + m from
+# qs[m] (m < 32), 160 + 16n + m from qs[32 + m], 240 + 4n + j from qh[j]. Layout per block: the digits
+# of each byte together (byte 0's five, byte 1's five, ... qh 3's four), one table look-up per byte.
+
+_TRITS = ((np.arange(256, dtype=np.int32)[:, None] * 3 ** np.arange(5) % 256 * 3 >> 8) - 1).astype(np.int8)
+_TQ1_FIVE = np.ascontiguousarray(_TRITS).view("V5").reshape(256)
+_TQ1_FOUR = np.ascontiguousarray(_TRITS[:, :4]).view("V4").reshape(256)
+_TQ1_NATURAL = np.concatenate([
+    (32 * np.arange(5)[None, :] + np.arange(32)[:, None]).reshape(-1),          # qs[0:32], 5 digits each
+    (160 + 16 * np.arange(5)[None, :] + np.arange(16)[:, None]).reshape(-1),    # qs[32:48]
+    (240 + 4 * np.arange(4)[None, :] + np.arange(4)[:, None]).reshape(-1),      # qh[0:4], 4 digits each
+])
+
+
+def _prepare_tq1_0(raw: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = d per block."""
+    return Scales(_f16_field(raw, 52)[:, index.block], None)
+
+
+def _decode_tq1_0(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    r, nb, _ = raw.shape
+    q = scratch.get("q", (r, nb, 256), np.int8)
+    np.take(_TQ1_FIVE, raw[..., 0:48], out=q[..., :240].view("V5"), mode="clip")
+    np.take(_TQ1_FOUR, raw[..., 48:52], out=q[..., 240:].view("V4"), mode="clip")
+    return q.reshape(r, nb * 256)
+
+
+@functools.lru_cache(maxsize=64)
+def _order_tq1_0(cols: int) -> np.ndarray:
+    return _grid_order((cols // 256, 256), lambda b, p: b * 256 + _TQ1_NATURAL[p])
+
+
+# TQ2_0 (66 bytes; block_tq2_0):  | qs[64] | d f16 |
+# Weight 128 h + 32 s + l is bits 2s..2s+1 of qs[32 h + l], minus 1 (as Q2_K's quants, without scales).
+# Layout (s, b, h, l), as Q2_K: a sub-block of 64 layout columns is one s of one block.
+
+def _prepare_tq2_0(raw: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = d per sub-block of 64."""
+    return Scales(_f16_field(raw, 64)[:, index.block], None)
+
+
+def _decode_tq2_0(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    r, nb, _ = raw.shape
+    qs = _words(_contiguous_bytes(raw, 0, 64, "q_bytes", scratch)).reshape(r, 1, nb * 8)
+    q = scratch.get("q", (r, 4, nb * 8), np.uint64)
+    _crumbs(qs, q)
+    _subtract_each_byte(q, 1)
+    return _as_row(q, np.int8)
+
+
+# NVFP4 (36 bytes, 64 weights; block_nvfp4):  | d[4] UE4M3 | qs[32] |
+# Sub-block s of 16 weights: scale d[s] (unsigned E4M3, halved as ggml_ue4m3_to_fp32 does, 0x7F read as
+# 0), weight 16 s + j = nibble 0 of qs[8 s + j], weight 16 s + 8 + j = its nibble 1, as MXFP4 values.
+# Natural order: each 8 bytes of qs is one uint64 word, its low nibbles then its high ones.
+
+def _ue4m3_half() -> np.ndarray:
+    """All 256 UE4M3 bytes -> their value / 2 as float32 (exact: at most 4 significant bits)."""
+    x = np.arange(256)
+    exp, man = (x >> 3) & 0xF, x & 0x7
+    value = np.where(exp == 0, man * 2.0 ** -9, (1 + man / 8) * 2.0 ** (exp - 7)) * 0.5
+    return np.where((x == 0) | (x == 0x7F), 0.0, value).astype(np.float32)
+
+
+_UE4M3_HALF = _ue4m3_half()
+
+
+def _prepare_nvfp4(raw: np.ndarray, index: ScaleIndex) -> Scales:
+    """mul = the sub-block's halved UE4M3 scale, per sub-block of 16."""
+    return Scales(np.take(_UE4M3_HALF, raw[:, index.block, index.scale]), None)
+
+
+def _decode_nvfp4(raw: np.ndarray, scratch: Scratch) -> np.ndarray:
+    r, nb, _ = raw.shape
+    qs = _words(_contiguous_bytes(raw, 4, 36, "q_bytes", scratch)).reshape(r, nb * 4)
+    q = scratch.get("q", (r, nb * 4, 2), np.uint64)                 # [word, low | high]
+    _nibbles(qs, q[..., 0], q[..., 1])
+    return _look_up(MXFP4_VALUES, q, scratch)
+
+
 def _format(t: T, sub: int, prepare: Callable, decode: Callable, order: Callable = _natural,
             has_bias: bool = False) -> Format:
     block, type_size = GGML_QUANT_SIZES[t]
@@ -602,6 +925,16 @@ FORMATS: dict[T, Format] = {f.ggml_type: f for f in (
     _format(T.Q2_K, 16, _prepare_q2_k, _decode_q2_k, _order_q2_k, has_bias=True),
     _format(T.Q3_K, 16, _prepare_q3_k, _decode_q3_k, _order_q2_k),
     _format(T.IQ4_XS, 16, _prepare_iq4_xs, _decode_iq4_xs, _order_iq4_xs),
+    _format(T.IQ2_XXS, 32, _prepare_iq2_xxs, _decode_iq2_xxs),
+    _format(T.IQ2_XS, 16, _prepare_iq2_xs, _decode_iq2_xs),
+    _format(T.IQ2_S, 16, _prepare_iq2_s, _decode_iq2_s),
+    _format(T.IQ3_XXS, 32, _prepare_iq3_xxs, _decode_iq3_xxs),
+    _format(T.IQ3_S, 32, _prepare_iq3_s, _decode_iq3_s),
+    _format(T.IQ1_S, 32, _prepare_iq1_s, _decode_iq1_s),
+    _format(T.IQ1_M, 16, _prepare_iq1_m, _decode_iq1_m),
+    _format(T.TQ1_0, 256, _prepare_tq1_0, _decode_tq1_0, _order_tq1_0),
+    _format(T.TQ2_0, 64, _prepare_tq2_0, _decode_tq2_0, _order_q2_k),
+    _format(T.NVFP4, 16, _prepare_nvfp4, _decode_nvfp4),
 )}
 
 
@@ -623,4 +956,6 @@ def scale_index(t: T, cols: int) -> ScaleIndex:
 
 # Weights sharing one stored scale, per type (Q4_0's d covers its whole block of 32).
 SCALE_GROUP = {T.Q8_0: 32, T.Q4_0: 32, T.Q4_K: 32, T.Q5_K: 32, T.Q6_K: 16, T.Q4_1: 32, T.Q5_0: 32, T.Q5_1: 32,
-               T.IQ4_NL: 32, T.MXFP4: 32, T.Q2_K: 16, T.Q3_K: 16, T.IQ4_XS: 32}
+               T.IQ4_NL: 32, T.MXFP4: 32, T.Q2_K: 16, T.Q3_K: 16, T.IQ4_XS: 32,
+               T.IQ2_XXS: 32, T.IQ2_XS: 16, T.IQ2_S: 16, T.IQ3_XXS: 32, T.IQ3_S: 32, T.IQ1_S: 32, T.IQ1_M: 16,
+               T.TQ1_0: 256, T.TQ2_0: 256, T.NVFP4: 16}

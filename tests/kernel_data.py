@@ -12,7 +12,20 @@ from colibri_aio.kernels.qtensor import QTensor
 RANDOM_BLOCK_SCALES = {
     T.Q4_K: slice(0, 4), T.Q5_K: slice(0, 4), T.Q6_K: slice(208, 210),
     T.Q2_K: slice(80, 84), T.Q3_K: slice(108, 110), T.IQ4_NL: slice(0, 2), T.IQ4_XS: slice(0, 2),
+    T.IQ2_XXS: slice(0, 2), T.IQ2_XS: slice(0, 2), T.IQ2_S: slice(0, 2), T.IQ3_XXS: slice(0, 2),
+    T.IQ3_S: slice(0, 2), T.IQ1_S: slice(0, 2),
+    # IQ1_M's f16 d is the top nibbles of the four u16 at bytes 48-55 (set in _small_iq1_m_scale); NVFP4's
+    # four UE4M3 scales are finite (at most 240) for every byte.
+    T.IQ1_M: slice(0, 0), T.NVFP4: slice(0, 0),
 }
+
+
+def _small_iq1_m_scale(blocks: np.ndarray, d: np.ndarray) -> None:
+    """Write the f16 ``d`` (one per block) into the top nibbles of IQ1_M's scales u16[4], low nibble first."""
+    sc = blocks[:, 48:56].view(np.uint16)
+    bits = d.view(np.uint16)[:, :1]
+    sc &= np.uint16(0x0FFF)
+    sc |= ((bits >> np.array([0, 4, 8, 12], np.uint16)) & np.uint16(0xF)) << np.uint16(12)
 
 
 def cols_for(t: T, blocks: int) -> int:
@@ -28,8 +41,11 @@ def make_weights(t: T, shape: tuple[int, ...], seed: int = 0) -> QTensor:
         block, type_size = GGML_QUANT_SIZES[t]
         blocks = rng.integers(0, 256, (int(np.prod(shape)) // block, type_size), dtype=np.uint8)
         sl = RANDOM_BLOCK_SCALES[t]
-        scales = (rng.uniform(-1, 1, (blocks.shape[0], (sl.stop - sl.start) // 2)) * 2e-3).astype(np.float16)
-        blocks[:, sl] = scales.view(np.uint8)
+        if t == T.IQ1_M:
+            _small_iq1_m_scale(blocks, (rng.uniform(-1, 1, (blocks.shape[0], 1)) * 2e-3).astype(np.float16))
+        else:
+            scales = (rng.uniform(-1, 1, (blocks.shape[0], (sl.stop - sl.start) // 2)) * 2e-3).astype(np.float16)
+            blocks[:, sl] = scales.view(np.uint8)
         raw = blocks.reshape(-1)
     else:
         raw = quants.quantize(rng.standard_normal(shape).astype(np.float32), t).view(np.uint8).reshape(-1)

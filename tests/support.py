@@ -133,8 +133,10 @@ async def engine_logits(path: Path, ids: list[int], split: int = 12, kernels: st
 
 def rewrite_gguf(src: Path, dst: Path, *, keys: dict | None = None, drop_keys: tuple[str, ...] = (),
                  tensors=None) -> Path:
-    """A copy of the F32 GGUF ``src`` at ``dst`` with metadata ``keys`` set (int, float, str or bool),
-    ``drop_keys`` removed, and its tensors passed through ``tensors(name, array) -> [(name, array), ...]``."""
+    """A copy of the GGUF ``src`` at ``dst`` with metadata ``keys`` set (int, float, str or bool),
+    ``drop_keys`` removed, and its tensors passed through ``tensors(name, array) -> [(name, array), ...]``
+    (an F32 source), or ``[(name, array, ggml_type), ...]`` to store raw bytes as that type. Without
+    ``tensors``, each tensor is copied as its bytes and type."""
     import gguf
 
     kinds = {bool: gguf.GGUFValueType.BOOL, int: gguf.GGUFValueType.UINT32,
@@ -148,8 +150,9 @@ def rewrite_gguf(src: Path, dst: Path, *, keys: dict | None = None, drop_keys: t
         if key != "general.architecture":
             writer.add_key_value(key, value, kinds[type(value)])
     for t in reader.tensors:
-        for name, array in (tensors(t.name, np.asarray(t.data)) if tensors else [(t.name, np.asarray(t.data))]):
-            writer.add_tensor(name, np.ascontiguousarray(array))
+        kept = [(t.name, np.asarray(t.data), t.tensor_type)]
+        for name, array, *raw in (tensors(t.name, np.asarray(t.data)) if tensors else kept):
+            writer.add_tensor(name, np.ascontiguousarray(array), raw_dtype=raw[0] if raw else None)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -19,7 +19,7 @@ BAD = {
     "arch_bad.gguf": "unsupported architecture",
     "experts_bad.gguf": "expert_used_count",
     "notgguf_bad.gguf": "not a GGUF",
-    "quant_types/iq2_xxs_bad.gguf": "tensor blk.0.ffn_down_exps.weight has unsupported type IQ2_XXS",
+    "quant_types/f64_experts_bad.gguf": "tensor blk.0.ffn_down_exps.weight has unsupported type F64",
 }
 
 
@@ -74,7 +74,7 @@ def test_cli_refuses_broken_files_with_one_line_and_status_2(name: str, phrase: 
 
 def test_a_made_up_tensor_type_is_refused_with_one_line(tmp_path) -> None:
     """A type id no ggml knows (here 200, written over blk.0.attn_q's Q8_0) names the tensor and the id."""
-    src = FIXTURES / "quant_types" / "iq2_xxs_bad.gguf"
+    src = FIXTURES / "quant_types" / "f64_experts_bad.gguf"
     data = bytearray(src.read_bytes())
     name = b"blk.0.attn_q.weight"
     at = data.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)  # after the name: n_dims, dims, type

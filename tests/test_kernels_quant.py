@@ -1,11 +1,11 @@
 """Quantised kernels against gguf-py's reference dequantisation, and placement invariance.
 
 Test tensors are made by quantising random data with ``gguf.quants.quantize``
-where it can (floats, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4); the K-quants and
-IQ4_NL/IQ4_XS, which it cannot quantise, are random but valid raw blocks
-(finite f16 scales, random quant bits). The reference is always
+where it can (floats, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4, TQ1_0, TQ2_0); the
+K-quants, the IQ types and NVFP4, which it cannot quantise, are random but valid
+raw blocks (finite f16 scales, random quant bits). The reference is always
 ``gguf.quants.dequantize(raw) @ x`` in float64; ggml's own ``to_float`` (through
-ggml-python, where installed) checks that reference in turn.
+ggml-python, where installed) checks that reference in turn, bit for bit.
 """
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T, quants
 
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels import quant
@@ -116,16 +116,42 @@ def test_mxfp4_scales_cover_every_exponent() -> None:
     np.testing.assert_array_equal(quant.dequantize(w), reference(w).astype(np.float32))
 
 
+@pytest.mark.parametrize("t", [T.IQ1_S, T.IQ1_M], ids=lambda t: t.name)
+@pytest.mark.filterwarnings("ignore:(overflow|invalid value):RuntimeWarning")
+def test_iq1_infinite_and_signed_zero_scales_decode_as_gguf(t: T) -> None:
+    """ggml computes dl * (grid + delta): with an infinite dl a zero grid value gives an infinity, not the
+    NaN that dl * grid + dl * delta would; with a zero dl the sign is that of the product."""
+    block, type_size = GGML_QUANT_SIZES[t]
+    d = np.repeat(np.array([0x7C00, 0xFC00, 0x7E00, 0x8000, 0x0000, 0x0001, 0x7BFF], np.uint16), 4)
+    raw = np.random.default_rng(17).integers(0, 256, (d.size, type_size), dtype=np.uint8)
+    if t == T.IQ1_S:
+        raw[:, 0:2] = d.view(np.uint8).reshape(-1, 2)
+    else:  # the f16 is the top nibbles of the four u16 at bytes 48-55, low nibble first
+        sc = raw[:, 48:56].view(np.uint16)
+        sc &= np.uint16(0x0FFF)
+        sc |= ((d[:, None] >> np.array([0, 4, 8, 12], np.uint16)) & np.uint16(0xF)) << np.uint16(12)
+    w = QTensor(raw.reshape(-1), t, (7, 4 * block))
+    ours, want = quant.dequantize(w), reference(w).astype(np.float32)
+    assert np.isinf(want).any()
+    np.testing.assert_array_equal(np.isnan(ours), np.isnan(want))
+    finite_or_inf = ~np.isnan(want)
+    np.testing.assert_array_equal(ours.view(np.uint32)[finite_or_inf], want.view(np.uint32)[finite_or_inf])
+
+
 @pytest.mark.parametrize("t", QUANTISED, ids=lambda t: t.name)
-def test_gguf_reference_agrees_with_ggml(t: T) -> None:
-    """The reference itself, against ggml's C dequantisation (``to_float`` of its type traits)."""
+def test_dequantize_is_bit_identical_to_gguf_and_ggml(t: T) -> None:
+    """Ours, gguf-py's reference and ggml's C dequantisation (``to_float`` of its type traits) give the
+    same float32 bits (signed zeros included) on valid random blocks."""
     ggml = pytest.importorskip("ggml", reason="ggml-python checks the gguf-py reference against ggml's C code")
     w = make_weights(t, (7, cols_for(t, 2)), seed=14)
     out = np.empty(w.rows * w.cols, np.float32)
     traits = ggml.ggml_get_type_traits(int(t)).contents
     traits.to_float(w.data.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.POINTER(ctypes.c_float)),
                     out.size)
-    np.testing.assert_array_equal(out.reshape(w.rows, w.cols), reference(w).astype(np.float32))
+    ref = quants.dequantize(w.data, t).reshape(w.rows, w.cols)
+    assert ref.dtype == np.float32 and np.isfinite(ref).all()
+    np.testing.assert_array_equal(out.reshape(w.rows, w.cols).view(np.uint32), ref.view(np.uint32))
+    np.testing.assert_array_equal(quant.dequantize(w).view(np.uint32), ref.view(np.uint32))
 
 
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
@@ -182,11 +208,11 @@ def test_f16_decoding_is_exact_for_every_bit_pattern() -> None:
 
 
 def test_unsupported_type_is_a_model_format_error() -> None:
-    block, type_size = GGML_QUANT_SIZES[T.IQ2_XXS]
-    w = QTensor(np.zeros(4 * type_size, np.uint8), T.IQ2_XXS, (4, block))
-    for call in (lambda: quant.dequantize(w), lambda: quant.matvec(w, np.zeros(block, np.float32)),
-                 lambda: quant.matmul(w, np.zeros((2, block), np.float32))):
-        with pytest.raises(ModelFormatError, match="IQ2_XXS"):
+    """F64: a type GGUF files carry but neither backend multiplies (ggml's CPU has no F64 dot product)."""
+    w = QTensor(np.zeros(4 * 32 * 8, np.uint8), T.F64, (4, 32))
+    for call in (lambda: quant.dequantize(w), lambda: quant.matvec(w, np.zeros(32, np.float32)),
+                 lambda: quant.matmul(w, np.zeros((2, 32), np.float32))):
+        with pytest.raises(ModelFormatError, match="F64"):
             call()
 
 

@@ -38,7 +38,8 @@ from colibri_aio.bench.receipt import git_state, host_facts, spread, write
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL_TYPES = ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K",
-             "IQ4_XS", "BF16", "F16", "F32"]
+             "IQ4_XS", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "TQ1_0", "TQ2_0", "NVFP4",
+             "BF16", "F16", "F32"]
 TUNING_PREFIX = "COLIBRI_QUANT_"  # an arm may set a module constant of quant, e.g. COLIBRI_QUANT_MATVEC_CHUNK_WEIGHTS
 TARGETS = {("Q8_0", "matvec"): 3.0, ("Q4_K", "matvec"): 1.5}  # G weights/s, 2 threads
 
@@ -52,14 +53,23 @@ def _tensor(type_name: str, shape: tuple[int, int], rng: np.random.Generator):
     from colibri_aio.kernels.qtensor import QTensor
 
     t = GGMLQuantizationType[type_name]
+    # The f16 scales of each block; NVFP4's UE4M3 scales are finite for every byte; IQ1_M's f16 is the top
+    # nibbles of the four uint16 at bytes 48-55.
     k_scale_bytes = {"Q4_K": slice(0, 4), "Q5_K": slice(0, 4), "Q6_K": slice(208, 210), "Q2_K": slice(80, 84),
-                     "Q3_K": slice(108, 110), "IQ4_NL": slice(0, 2), "IQ4_XS": slice(0, 2)}
+                     "Q3_K": slice(108, 110), "IQ4_NL": slice(0, 2), "IQ4_XS": slice(0, 2), "IQ1_S": slice(0, 2),
+                     "IQ2_XXS": slice(0, 2), "IQ2_XS": slice(0, 2), "IQ2_S": slice(0, 2), "IQ3_XXS": slice(0, 2),
+                     "IQ3_S": slice(0, 2), "IQ1_M": slice(0, 0), "NVFP4": slice(0, 0)}
     if type_name in k_scale_bytes:
         block, type_size = GGML_QUANT_SIZES[t]
         blocks = rng.integers(0, 256, (shape[0] * shape[1] // block, type_size), dtype=np.uint8)
         sl = k_scale_bytes[type_name]
         n_f16 = (sl.stop - sl.start) // 2
         blocks[:, sl] = (rng.uniform(-1, 1, (blocks.shape[0], n_f16)) * 2e-3).astype(np.float16).view(np.uint8)
+        if type_name == "IQ1_M":
+            words = blocks[:, 48:56].view(np.uint16)
+            d = (rng.uniform(-1, 1, (blocks.shape[0], 1)) * 2e-3).astype(np.float16).view(np.uint16)
+            words &= np.uint16(0x0FFF)
+            words |= ((d >> np.array([0, 4, 8, 12], np.uint16)) & np.uint16(0xF)) << np.uint16(12)
         raw = blocks.reshape(-1)
     else:
         raw = quants.quantize(rng.standard_normal(shape).astype(np.float32), t).view(np.uint8).reshape(-1)

@@ -38,8 +38,13 @@ ROOT = Path(__file__).resolve().parents[1]
 # Byte offsets of each block's float16 scale(s) (ggml's block_* structs): set to a normal value so no
 # product meets a NaN or an infinity. MXFP4's one scale is an E8M0 exponent byte; float types get floats.
 F16_SCALES = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
-              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+              "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
+              "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ1_S": (0,),
+              "TQ1_0": (52,), "TQ2_0": (64,)}
 E8M0_SCALES = {"MXFP4": (0,)}
+# IQ1_M's f16 scale is the top nibbles of the four uint16 at this offset, low nibble first. (NVFP4's
+# UE4M3 scales are finite for every byte.)
+NIBBLE_F16_SCALES = {"IQ1_M": 48}
 FLOATS = {"F32": np.float32, "F16": np.float16}
 TARGET = 0.85  # issue 12: matvec at >= 85% of the roofline
 
@@ -57,6 +62,11 @@ def weights(type_name: str, rows: int, cols: int, rng: np.random.Generator) -> Q
         blocks[:, at:at + 2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     for at in E8M0_SCALES.get(type_name, ()):
         blocks[:, at] = 127 - 7  # 2**-7
+    if (at := NIBBLE_F16_SCALES.get(type_name)) is not None:
+        words = blocks[:, at:at + 8].view(np.uint16)
+        bits = np.uint16(np.float16(0.01).view(np.uint16))
+        words &= np.uint16(0x0FFF)
+        words |= ((bits >> np.array([0, 4, 8, 12], np.uint16)) & np.uint16(0xF)) << np.uint16(12)
     return QTensor(blocks.reshape(-1), t, (rows, cols))
 
 
