@@ -12,6 +12,7 @@ pass with :func:`build_net`. Modules are imported only when a file needs them.
     deepseek2      deepseek2.py DeepseekV3ForCausalLM, DeepseekV2ForCausalLM (lite: no q LoRA)
     gpt-oss        gptoss.py    GptOssForCausalLM
     glm4moe        glm4moe.py   Glm4MoeForCausalLM
+    minimax-m2     minimax_m2.py MiniMaxM2ForCausalLM
 
 How to add a family (fixtures/families.md has each one's keys, tensors and
 math as llama.cpp computes them):
@@ -90,6 +91,7 @@ _MODULES = {
     "deepseek2": "deepseek2",
     "gpt-oss": "gptoss",
     "glm4moe": "glm4moe",
+    "minimax-m2": "minimax_m2",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODULES)
 
