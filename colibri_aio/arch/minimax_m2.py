@@ -1,10 +1,12 @@
 """minimax-m2 (MiniMax-M2, MiniMax-M2.1): q/k RMSNorm over the whole projection, partial NEOX RoPE
 (``rope.dimension_count`` of each head), sigmoid routing with a selection bias (``exp_probs_b``), the
-chosen weights renormalised (llama.cpp's ``minimax-m2`` graph always renormalises) and scaled.
+chosen weights renormalised (llama.cpp's ``minimax-m2`` graph always renormalises) and never scaled.
 
 llama.cpp's ``llama_model_minimax_m2`` is the reference: the gating function comes from the file
 (``expert_gating_func``, written by the converter from the config's ``scoring_func``); a file without
-it cannot be run by llama.cpp either (its graph aborts), so it is refused here in one line.
+it cannot be run by llama.cpp either (its graph aborts), so it is refused here in one line. Its loader
+reads no ``expert_weights_scale`` (the weight scale stays 0: unscaled), so a file that has the key is
+run unscaled here too, as llama.cpp runs it (tests/test_arch_minimax_m2.py).
 
 Shape legend as in :mod:`colibri_aio.arch.layers`.
 """
@@ -38,7 +40,7 @@ class ModelArgs(BaseArgs):
                 raise ModelFormatError(f"{meta.path}: minimax-m2 experts of different widths per block "
                                        f"({sorted(set(ff))}) are not supported")
             ff = ff[0]
-        routing = Routing(_GATING[int(gating)], normalize=True, scale=float(meta.get("expert_weights_scale", 0.0)))
+        routing = Routing(_GATING[int(gating)], normalize=True, scale=0.0)   # expert_weights_scale: not read
         overrides = {"routing": routing}
         if ff is not None:
             overrides["expert_feed_forward_length"] = int(ff)
