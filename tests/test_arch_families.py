@@ -2,9 +2,9 @@
 
 The fixtures are tiny random models made by transformers (Qwen2MoeForCausalLM,
 OlmoeForCausalLM, MixtralForCausalLM, DeepseekV3ForCausalLM, DeepseekV2ForCausalLM without
-q LoRA, Glm4MoeForCausalLM, GptOssForCausalLM), converted by llama.cpp's converter, F32
-and Q8_0 (gpt-oss: MXFP4 experts). Tolerances as in test_arch_qwen3moe: the transformers oracle ran on the
-file's dequantised weights, so the NumPy kernels must agree with it to
+q LoRA, Glm4MoeForCausalLM, GptOssForCausalLM, MiniMaxM2ForCausalLM), converted by llama.cpp's
+converter, F32 and Q8_0 (gpt-oss: MXFP4 experts). Tolerances as in test_arch_qwen3moe: the
+transformers oracle ran on the file's dequantised weights, so the NumPy kernels must agree with it to
 1e-4 x max|logit| on every fixture, prefill and one-token decode; llama.cpp also
 rounds activations to Q8_0 before each quantised product, so against it argmax
 agrees wherever its own top-2 margin is clear, and logits agree closely on F32.
@@ -171,4 +171,4 @@ def test_prefill_in_pieces_continues_the_same_cache(stem: str) -> None:
 def test_each_family_builds_its_own_forward_pass() -> None:
     names = {_architecture(s): type(_net(s)).__name__ for s in FAMILY_FIXTURES}
     assert names["qwen2moe"] == "Qwen2MoE" and names["olmoe"] == "OLMoE" and names["llama"] == "Mixtral"
-    assert names["deepseek2"] == "DeepSeek2"
+    assert names["deepseek2"] == "DeepSeek2" and names["minimax-m2"] == "MiniMaxM2"

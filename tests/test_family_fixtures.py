@@ -35,6 +35,10 @@ def test_fixture_is_its_family(family, stem: str) -> None:
         assert f"blk.{blocks - 1}.nextn.eh_proj.weight" in names
     if family.arch == "deepseek2":  # MLA as the current converter writes it
         assert {"blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight", "blk.1.attn_kv_a_mqa.weight"} <= names
+    if family.arch == "minimax-m2":  # sigmoid gating (llama.cpp's graph needs the key), partial RoPE, selection bias
+        assert reader.fields["minimax-m2.expert_gating_func"].contents() == 2
+        assert reader.fields["minimax-m2.rope.dimension_count"].contents() == 16
+        assert "blk.1.exp_probs_b.bias" in names
 
 
 @pytest.mark.parametrize("family,stem", STEMS, ids=[s for _, s in STEMS])
@@ -55,7 +59,7 @@ def test_f32_oracles_agree(family) -> None:
     assert (hf.argmax(-1) == lc.argmax(-1)).all()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gptoss"])
+@pytest.mark.parametrize("family", ["mixtral", "gptoss", "minimaxm2"])
 def test_tokenizer_oracles_match_their_fixture(family: str) -> None:
     data = json.loads((FIXTURES / "oracle" / f"{family}_tokenizer_llamacpp.json").read_text(encoding="utf-8"))
     fields = GGUFReader(FIXTURES / data["fixture"]).fields

@@ -3,9 +3,10 @@
 One oracle per tokenizer kind: Mixtral's sentencepiece-style vocabulary
 (``tokenizer.ggml.model=llama``: score-ordered merges, byte fallback, a ▁ prefix
 on every text fragment) and the byte-level BPE pre-tokenizers qwen2, olmo,
-deepseek-v3, glm4 and gpt-4o. Each holds >= 94 strings (the shared corpus of
-make_tokenizer_oracle.py plus the family's special tokens) with special-token
-parsing on and off, with BOS where the file asks for it, and the detokenized text.
+deepseek-v3, glm4, gpt-4o and minimax-m2 (split as gpt-4o). Each holds >= 94
+strings (the shared corpus of make_tokenizer_oracle.py plus the family's special
+tokens) with special-token parsing on and off, with BOS where the file asks for
+it, and the detokenized text.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from colibri_aio.text.tokenizer import Tokenizer
 
 from support import FIXTURES, ORACLE
 
-FAMILIES = ["mixtral", "qwen2moe", "olmoe", "deepseek2", "glm4moe", "gptoss"]
+FAMILIES = ["mixtral", "qwen2moe", "olmoe", "deepseek2", "glm4moe", "gptoss", "minimaxm2"]
 
 
 def _oracle(family: str) -> dict:

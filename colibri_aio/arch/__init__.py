@@ -4,14 +4,15 @@ The loader reads ``general.architecture`` and asks :func:`family` for the
 module's :class:`~colibri_aio.arch.base.Family`; the engine builds the forward
 pass with :func:`build_net`. Modules are imported only when a file needs them.
 
-    architecture   module       checked against (transformers)
-    qwen3moe       qwen3moe.py  Qwen3MoeForCausalLM
-    qwen2moe       qwen2moe.py  Qwen2MoeForCausalLM
-    olmoe          olmoe.py     OlmoeForCausalLM
-    llama          llama.py     MixtralForCausalLM (llama files with experts)
-    deepseek2      deepseek2.py DeepseekV3ForCausalLM, DeepseekV2ForCausalLM (lite: no q LoRA)
-    gpt-oss        gptoss.py    GptOssForCausalLM
-    glm4moe        glm4moe.py   Glm4MoeForCausalLM
+    architecture   module         checked against (transformers)
+    qwen3moe       qwen3moe.py    Qwen3MoeForCausalLM
+    qwen2moe       qwen2moe.py    Qwen2MoeForCausalLM
+    olmoe          olmoe.py       OlmoeForCausalLM
+    llama          llama.py       MixtralForCausalLM (llama files with experts)
+    deepseek2      deepseek2.py   DeepseekV3ForCausalLM, DeepseekV2ForCausalLM (lite: no q LoRA)
+    gpt-oss        gptoss.py      GptOssForCausalLM
+    glm4moe        glm4moe.py     Glm4MoeForCausalLM
+    minimax-m2     minimax_m2.py  MiniMaxM2ForCausalLM
 
 How to add a family (fixtures/families.md has each one's keys, tensors and
 math as llama.cpp computes them):
@@ -90,6 +91,7 @@ _MODULES = {
     "deepseek2": "deepseek2",
     "gpt-oss": "gptoss",
     "glm4moe": "glm4moe",
+    "minimax-m2": "minimax_m2",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODULES)
 

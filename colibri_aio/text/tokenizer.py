@@ -100,6 +100,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "deepseek-v3": PreTokenizer(DEEPSEEK_V3_SPLIT_REGEXES),
     "glm4": PreTokenizer((GLM4_SPLIT_REGEX,), ignore_merges=True),
     "gpt-4o": PreTokenizer((O200K_SPLIT_REGEX,)),
+    "minimax-m2": PreTokenizer((O200K_SPLIT_REGEX,)),   # llama-vocab.cpp splits it as gpt-4o (one case)
 }
 
 SUPPORTED_MODELS = ("gpt2", "llama")
