@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from colibri_aio.errors import ModelFormatError, UserError
-from colibri_aio.text.tokenizer import Tokenizer
+from colibri_aio.text.tokenizer import Tokenizer, read_spec
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 ORACLE = json.loads((FIXTURES / "oracle" / "tokenizer_llamacpp.json").read_text(encoding="utf-8"))
@@ -233,15 +233,18 @@ def test_refuses_other_pre_tokenizer(tmp_path: Path) -> None:
     _one_line_refusal(write_gguf(tmp_path / "pre.gguf", other_pre), "unsupported pre-tokenizer 'llama-bpe'")
 
 
-def test_refuses_out_of_range_special_id(tmp_path: Path) -> None:
+def test_an_out_of_range_special_id_is_read_as_absent(tmp_path: Path) -> None:
+    """llama.cpp's rule ("bad special token ... using default id"): the file is not refused for it."""
     def bad_eos(w: gguf.GGUFWriter) -> None:
         w.add_tokenizer_model("gpt2")
         w.add_tokenizer_pre("qwen2")
         w.add_token_list(["a", "b", "ab"])
         w.add_token_merges(["a b"])
         w.add_eos_token_id(7)
+        w.add_bos_token_id(2)
 
-    _one_line_refusal(write_gguf(tmp_path / "eos.gguf", bad_eos), "eos_token_id = 7")
+    spec = read_spec(gguf.GGUFReader(write_gguf(tmp_path / "eos.gguf", bad_eos)))
+    assert spec.eos_id is None and spec.bos_id == 2
 
 
 def test_refuses_a_file_that_is_not_gguf(tmp_path: Path) -> None:
