@@ -9,7 +9,7 @@ from colibri_aio.arch import SUPPORTED_ARCHITECTURES
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.gguf.model import load
 
-from support import FIXTURES, fixture, rewrite_gguf, run_cli
+from support import FIXTURES, fixture, model_logits, rewrite_gguf, run_cli
 
 # Each broken fixture and a phrase its one-line refusal must contain.
 BAD = {
@@ -113,6 +113,33 @@ def test_family_hyper_parameters_come_from_their_keys() -> None:
     assert (olmoe.expert_feed_forward_length, olmoe.expert_used_count, olmoe.routing.normalize) == (32, 4, False)
     mixtral = load(fixture("mixtral_f32.gguf")).args
     assert (mixtral.expert_feed_forward_length, mixtral.n_rot, mixtral.routing.normalize) == (32, 16, True)
+
+
+# Files whose optional keys llama.cpp defaults, rewritten so that its default is the fixture's own value:
+# (fixture, rewrite, the fields read, the values they must take). llama.cpp opens each without a warning.
+LLAMA_CPP_DEFAULTS = {
+    # qwen3moe: expert_feed_forward_length absent or 0 -> feed_forward_length / expert_used_count (32 = 64 / 2)
+    "qwen3moe_no_expert_width": ("tiny_f32", dict(keys={"qwen3moe.feed_forward_length": 64},
+                                                  drop_keys=("qwen3moe.expert_feed_forward_length",)),
+                                 ("expert_feed_forward_length",), (32,)),
+    "qwen3moe_zero_expert_width": ("tiny_f32", dict(keys={"qwen3moe.feed_forward_length": 64,
+                                                          "qwen3moe.expert_feed_forward_length": 0}),
+                                   ("expert_feed_forward_length",), (32,)),
+    # qwen2moe: both widths 0 -> experts 64 / 2 = 32 wide, the shared expert 64 (feed_forward_length)
+    "qwen2moe_zero_widths": ("qwen2moe_f32", dict(keys={"qwen2moe.expert_feed_forward_length": 0,
+                                                        "qwen2moe.expert_shared_feed_forward_length": 0}),
+                             ("expert_feed_forward_length", "expert_shared_feed_forward_length"), (32, 64)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LLAMA_CPP_DEFAULTS))
+def test_files_llama_cpp_opens_with_a_default_open_with_its_default(case: str, tmp_path) -> None:
+    stem, rewrite, fields, values = LLAMA_CPP_DEFAULTS[case]
+    path = rewrite_gguf(FIXTURES / f"{stem}.gguf", tmp_path / f"{case}.gguf", **rewrite)
+    args = load(path).args
+    assert tuple(getattr(args, f) for f in fields) == values
+    ids = [1, 5, 9, 300, 17]
+    np.testing.assert_array_equal(model_logits(path, ids), model_logits(FIXTURES / f"{stem}.gguf", ids))
 
 
 def test_shared_experts_and_their_gate_are_resident_trunk() -> None:

@@ -46,6 +46,16 @@ class Metadata:
             raise ModelFormatError(f"{self.path}: missing metadata key {self.architecture}.{key}")
         return value
 
+    def expert_width(self) -> int | None:
+        """``expert_feed_forward_length``, or when it is absent or 0, ``feed_forward_length`` split over the
+        ``expert_used_count`` chosen experts (llama.cpp's qwen2moe and qwen3moe loaders size the expert
+        tensors so, without a warning); None when neither key gives a width."""
+        width = self.get("expert_feed_forward_length")
+        if width:
+            return int(width)
+        ff = self.get("feed_forward_length")
+        return None if ff is None else int(ff) // max(int(self.need("expert_used_count")), 1)
+
     def vocab_size(self) -> int:
         """Tokens in the tokenizer, else rows of ``token_embd``."""
         tokens = self.reader.fields.get("tokenizer.ggml.tokens")

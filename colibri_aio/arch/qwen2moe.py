@@ -25,11 +25,11 @@ class ModelArgs(BaseArgs):
 
     @classmethod
     def from_gguf(cls, meta: Metadata) -> Self:
-        # llama.cpp: experts n_ff / k wide and the shared expert n_ff wide when their keys are absent.
+        # llama.cpp: experts n_ff / k wide and the shared expert n_ff wide when their keys are absent
+        # or 0 (its loader tests the value, not the key's presence).
         ff = meta.get("feed_forward_length")
-        expert = meta.get("expert_feed_forward_length",
-                          None if ff is None else int(ff) // int(meta.need("expert_used_count")))
-        shared = meta.get("expert_shared_feed_forward_length", ff)
+        expert = meta.expert_width()
+        shared = meta.get("expert_shared_feed_forward_length") or ff
         for key, value in (("expert_feed_forward_length", expert), ("expert_shared_feed_forward_length", shared)):
             if value is None:
                 raise ModelFormatError(f"{meta.path}: missing metadata key qwen2moe.{key} "

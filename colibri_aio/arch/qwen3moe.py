@@ -6,8 +6,10 @@ Shape legend as in :mod:`colibri_aio.arch.layers`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Self
 
-from colibri_aio.arch.base import BaseArgs, Family, TensorSpec, attention_tensors, router_tensors, vector
+from colibri_aio.arch.base import (BaseArgs, Family, Metadata, TensorSpec, attention_tensors, router_tensors,
+                                   vector)
 from colibri_aio.arch.decode_graphs import GraphDecode
 from colibri_aio.arch.graph import Builder, Value
 
@@ -15,6 +17,13 @@ from colibri_aio.arch.graph import Builder, Value
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelArgs(BaseArgs):
     """qwen3moe's hyper-parameters: the shared set (``qwen3moe.*`` keys)."""
+
+    @classmethod
+    def from_gguf(cls, meta: Metadata) -> Self:
+        # llama.cpp reads expert_feed_forward_length as optional and, absent or 0, sizes the experts
+        # feed_forward_length / expert_used_count wide; a file with neither key is refused by common().
+        width = meta.expert_width()
+        return cls(**cls.common(meta, **({} if width is None else {"expert_feed_forward_length": width})))
 
 
 def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
