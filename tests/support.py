@@ -133,7 +133,7 @@ async def engine_logits(path: Path, ids: list[int], split: int = 12, kernels: st
 
 def rewrite_gguf(src: Path, dst: Path, *, keys: dict | None = None, drop_keys: tuple[str, ...] = (),
                  tensors=None) -> Path:
-    """A copy of the GGUF ``src`` at ``dst`` with metadata ``keys`` set (int, float, str or bool),
+    """A copy of the GGUF ``src`` at ``dst`` with metadata ``keys`` set (int, float, str, bool or a list),
     ``drop_keys`` removed, and its tensors passed through ``tensors(name, array) -> [(name, array), ...]``
     (an F32 source), or ``[(name, array, ggml_type), ...]`` to store raw bytes as that type. Without
     ``tensors``, each tensor is copied as its bytes and type."""
@@ -147,7 +147,9 @@ def rewrite_gguf(src: Path, dst: Path, *, keys: dict | None = None, drop_keys: t
                                                 reader.fields["general.architecture"].contents()))
     _copy_keys(reader, writer, skip=(*drop_keys, *keys))
     for key, value in keys.items():
-        if key != "general.architecture":
+        if isinstance(value, list):
+            writer.add_array(key, value)
+        elif key != "general.architecture":
             writer.add_key_value(key, value, kinds[type(value)])
     for t in reader.tensors:
         kept = [(t.name, np.asarray(t.data), t.tensor_type)]

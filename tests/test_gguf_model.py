@@ -129,6 +129,11 @@ LLAMA_CPP_DEFAULTS = {
     "qwen2moe_zero_widths": ("qwen2moe_f32", dict(keys={"qwen2moe.expert_feed_forward_length": 0,
                                                         "qwen2moe.expert_shared_feed_forward_length": 0}),
                              ("expert_feed_forward_length", "expert_shared_feed_forward_length"), (32, 64)),
+    # every key llama.cpp reads as one value or one per block (get_key_or_arr), written per block
+    "per_block_arrays": ("tiny_f32", dict(keys={f"qwen3moe.{k}": [v, v] for k, v in (
+        ("attention.head_count", 4), ("attention.head_count_kv", 2), ("expert_used_count", 2),
+        ("feed_forward_length", 32), ("expert_feed_forward_length", 32))}),
+        ("head_count", "head_count_kv", "expert_used_count", "expert_feed_forward_length"), (4, 2, 2, 32)),
 }
 
 
@@ -184,6 +189,10 @@ FAMILY_REFUSALS = {
                         "missing metadata key qwen2moe.expert_feed_forward_length"),
     "olmoe_no_width": ("olmoe_f32", dict(drop_keys=("olmoe.feed_forward_length",)),
                        "missing metadata key olmoe.feed_forward_length"),
+    "heads_differ_per_block": ("mixtral_f32", dict(keys={"llama.attention.head_count_kv": [2, 4]}),
+                               "llama.attention.head_count_kv differs between blocks"),
+    "per_block_array_length": ("olmoe_f32", dict(keys={"olmoe.feed_forward_length": [32, 32, 32]}),
+                               "olmoe.feed_forward_length holds 3 values for block_count 2"),
     "odd_rotation": ("mixtral_f32", dict(keys={"llama.rope.dimension_count": 15}),
                      "rope.dimension_count 15 must be even"),
     "wide_rotation": ("mixtral_f32", dict(keys={"llama.rope.dimension_count": 32}), "at most key_length 16"),

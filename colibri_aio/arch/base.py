@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Self
 
 from colibri_aio.errors import ModelFormatError
+from colibri_aio.gguf.header import PER_LAYER_KEYS
 from colibri_aio.kernels.ops import Routing
 from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, kv_nbytes
 
@@ -36,8 +37,31 @@ class Metadata:
         return default if f is None else f.contents()
 
     def get(self, key: str, default: Any = None) -> Any:
-        """``<arch>.<key>``, or ``default`` when absent."""
-        return self.raw(f"{self.architecture}.{key}", default)
+        """``<arch>.<key>``, or ``default`` when absent; a key of :data:`PER_LAYER_KEYS` stored as one
+        value per block is that value (see :meth:`_one_for_all_blocks`)."""
+        value = self.raw(f"{self.architecture}.{key}", default)
+        if key in PER_LAYER_KEYS and isinstance(value, list):
+            value = self._one_for_all_blocks(key, value)
+        return value
+
+    def _one_for_all_blocks(self, key: str, values: list[Any]) -> int:
+        """The value of a per-block array that holds one value for every block.
+
+        llama.cpp reads these keys with get_key_or_arr: a scalar, or an array of exactly block_count
+        values (another length is refused). Every family here has one width and one head count for all
+        its blocks, so an array whose values are all equal is read as that value and runs as llama.cpp
+        runs it; an array with different values describes a model this engine cannot run.
+        """
+        name = f"{self.architecture}.{key}"
+        blocks = self.raw(f"{self.architecture}.block_count")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise ModelFormatError(f"{self.path}: {name} must hold integers")
+        if len(values) != blocks:
+            raise ModelFormatError(f"{self.path}: {name} holds {len(values)} values for block_count {blocks}")
+        if len(set(values)) != 1:
+            raise ModelFormatError(f"{self.path}: {name} differs between blocks ({sorted(set(values))}); "
+                                   f"this engine runs one value for all blocks")
+        return values[0]
 
     def need(self, key: str) -> Any:
         """``<arch>.<key>``; a file without it is refused."""

@@ -34,12 +34,7 @@ class ModelArgs(BaseArgs):
         if gating is None or int(gating) not in _GATING:
             raise ModelFormatError(f"{meta.path}: minimax-m2 needs expert_gating_func 1 (softmax) or 2 (sigmoid); "
                                    f"the file says {gating}")
-        ff = meta.get("expert_feed_forward_length")
-        if isinstance(ff, list):   # llama.cpp reads one width or one per block; this engine needs one
-            if len(set(ff)) != 1:
-                raise ModelFormatError(f"{meta.path}: minimax-m2 experts of different widths per block "
-                                       f"({sorted(set(ff))}) are not supported")
-            ff = ff[0]
+        ff = meta.get("expert_feed_forward_length")   # one per block: Metadata.get reads it as one width
         routing = Routing(_GATING[int(gating)], normalize=True, scale=0.0)   # expert_weights_scale: not read
         overrides = {"routing": routing}
         if ff is not None:

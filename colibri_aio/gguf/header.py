@@ -82,6 +82,12 @@ def _number(vtype: int, etype: int | None, v: Any) -> bool:
 
 
 COUNT = Kind("a non-negative integer", _count)
+# The keys llama.cpp reads as one value or one per block (llama_model_loader::get_key_or_arr);
+# arch.base.Metadata.get reads an array of them as one value for all blocks.
+PER_LAYER_KEYS = frozenset({"feed_forward_length", "attention.head_count", "attention.head_count_kv",
+                            "expert_used_count", "expert_feed_forward_length"})
+COUNTS = Kind("a non-negative integer or an array of them", lambda vtype, etype, v: _count(vtype, etype, v) or (
+    vtype == ARRAY and etype in INTEGER_TYPES and all(x >= 0 for x in v)))
 NUMBER = Kind("a finite number", _number)
 FLAG = Kind("a boolean", lambda vtype, etype, v: vtype == 7)
 TEXT = Kind("a string", lambda vtype, etype, v: vtype == STRING)
@@ -102,12 +108,11 @@ KEY_KINDS: dict[str, Kind] = {
 # ... and ``<architecture>.<suffix>`` keys, the hyper-parameters every family reads.
 ARCH_KEY_KINDS: dict[str, Kind] = {
     **{k: COUNT for k in (
-        "context_length", "embedding_length", "block_count", "feed_forward_length", "expert_count",
-        "expert_used_count", "expert_feed_forward_length", "expert_shared_feed_forward_length",
+        "context_length", "embedding_length", "block_count", "expert_count", "expert_shared_feed_forward_length",
         "expert_shared_count", "expert_group_count", "expert_group_used_count", "expert_gating_func",
-        "leading_dense_block_count", "nextn_predict_layers", "attention.head_count", "attention.head_count_kv",
-        "attention.key_length", "attention.value_length", "attention.q_lora_rank", "attention.kv_lora_rank",
+        "leading_dense_block_count", "nextn_predict_layers", "attention.key_length", "attention.value_length", "attention.q_lora_rank", "attention.kv_lora_rank",
         "attention.sliding_window", "rope.dimension_count")},
+    **{k: COUNTS for k in PER_LAYER_KEYS},
     **{k: NUMBER for k in (
         "rope.freq_base", "attention.layer_norm_rms_epsilon", "attention.layer_norm_epsilon",
         "expert_weights_scale", "rope.scaling.factor")},
