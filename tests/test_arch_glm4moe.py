@@ -58,6 +58,14 @@ def test_without_qk_norms_as_glm_4_5_air(tmp_path) -> None:
     assert np.abs(model_logits(air, IDS) - model_logits(F32, IDS)).max() > 1e-3  # the norms were applied where present
 
 
+def test_a_zero_expert_width_is_split_from_the_dense_one(tmp_path) -> None:
+    """llama.cpp's glm4-moe loader sizes experts of expert_feed_forward_length 0 as feed_forward_length /
+    expert_used_count (64 / 2 = 32, the fixture's own width): the file opens and gives the same logits."""
+    zero = rewrite_gguf(F32, tmp_path / "zero.gguf", keys={"glm4moe.expert_feed_forward_length": 0})
+    assert load(zero).args.expert_feed_forward_length == 32
+    np.testing.assert_array_equal(model_logits(zero, IDS), model_logits(F32, IDS))
+
+
 def _drop(name: str):
     return lambda n, a: [] if n == name else [(n, a)]
 
@@ -74,6 +82,9 @@ REFUSALS = {
     "unequal_head_widths": (dict(keys={"glm4moe.attention.value_length": 16}), "equal key and value widths"),
     "no_dense_width": (dict(drop_keys=("glm4moe.feed_forward_length",)),
                        "missing metadata key glm4moe.feed_forward_length"),
+    # llama.cpp requires the key (a width of 0 it defaults: test_a_zero_expert_width_is_split_from_the_dense_one)
+    "no_expert_width": (dict(drop_keys=("glm4moe.expert_feed_forward_length",)),
+                        "missing metadata key glm4moe.expert_feed_forward_length"),
     "no_selection_bias": (dict(tensors=_drop("blk.1.exp_probs_b.bias")), "missing tensor blk.1.exp_probs_b.bias"),
     "router_in_dense_block": (dict(tensors=_add("blk.0.ffn_gate_inp.weight", np.zeros((8, 64), np.float32),
                                                 "blk.0.attn_norm.weight")),

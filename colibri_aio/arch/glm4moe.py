@@ -52,7 +52,11 @@ class ModelArgs(BaseArgs):
         if not 0 <= nextn < blocks:
             raise ModelFormatError(f"{meta.path}: nextn_predict_layers {nextn} leaves no trunk block "
                                    f"among block_count {blocks}")
-        return cls(**cls.common(meta, block_count=blocks - nextn, skipped_blocks=nextn, routing=routing),
+        # llama.cpp requires expert_feed_forward_length but, when it is 0, sizes the experts
+        # feed_forward_length / expert_used_count wide (its glm4-moe load_arch_tensors).
+        width = int(meta.need("expert_feed_forward_length")) or meta.expert_width() or 0
+        return cls(**cls.common(meta, block_count=blocks - nextn, skipped_blocks=nextn, routing=routing,
+                                expert_feed_forward_length=width),
                    feed_forward_length=int(meta.get("feed_forward_length", 0)),
                    expert_shared_count=int(meta.need("expert_shared_count")),
                    rope_scaling=RopeScaling.from_gguf(meta))
