@@ -15,6 +15,8 @@ import pytest
 from colibri_aio.errors import ModelFormatError, UserError
 from colibri_aio.text.tokenizer import Tokenizer, read_spec
 
+from support import rewrite_gguf
+
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 ORACLE = json.loads((FIXTURES / "oracle" / "tokenizer_llamacpp.json").read_text(encoding="utf-8"))
 CASES = ORACLE["cases"]
@@ -245,6 +247,24 @@ def test_an_out_of_range_special_id_is_read_as_absent(tmp_path: Path) -> None:
 
     spec = read_spec(gguf.GGUFReader(write_gguf(tmp_path / "eos.gguf", bad_eos)))
     assert spec.eos_id is None and spec.bos_id == 2
+
+
+@pytest.mark.parametrize("stem, key, extra", [("tiny_f32", "tokenizer.ggml.token_type", [1, 1]),
+                                              ("mixtral_f32", "tokenizer.ggml.scores", [0.5, -0.5])])
+def test_arrays_longer_than_the_vocabulary_are_read_to_its_length(stem: str, key: str, extra: list,
+                                                                   tmp_path: Path) -> None:
+    """llama.cpp reads the first n_tokens scores and token types and refuses only shorter arrays:
+    a file with more opens and tokenizes as the file without the surplus."""
+    src = FIXTURES / f"{stem}.gguf"
+    values = list(gguf.GGUFReader(src).fields[key].contents())
+    longer = rewrite_gguf(src, tmp_path / "longer.gguf", keys={key: values + extra})
+    a, b = Tokenizer.from_path(src), Tokenizer.from_path(longer)
+    assert b.spec == a.spec
+    text = "Hello world, 12 3 é\n\tok"
+    assert b.encode(text) == a.encode(text)
+    shorter = rewrite_gguf(src, tmp_path / "shorter.gguf", keys={key: values[:-1]})
+    with pytest.raises(ModelFormatError):
+        Tokenizer.from_path(shorter)
 
 
 def test_refuses_a_file_that_is_not_gguf(tmp_path: Path) -> None:

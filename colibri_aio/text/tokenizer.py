@@ -170,13 +170,18 @@ def read_spec(reader: gguf.GGUFReader | GGUFHeader | ModelHeader) -> TokenizerSp
     merges = _field(reader, "tokenizer.ggml.merges")
     if model == "gpt2" and not merges:
         raise ModelFormatError("GGUF tokenizer has no merges (tokenizer.ggml.merges)")
+    # llama.cpp reads the first n_tokens scores and token types and refuses only shorter arrays; the rest
+    # of a longer one is never used, so it is dropped here too.
     scores = _field(reader, "tokenizer.ggml.scores")
+    if scores is not None:
+        scores = scores[:len(tokens)]
     if model == "llama" and (scores is None or len(scores) != len(tokens)):
         raise ModelFormatError(f"GGUF sentencepiece tokenizer needs one score per token (tokenizer.ggml.scores): "
                                f"{len(tokens)} tokens, {0 if scores is None else len(scores)} scores")
     types = _field(reader, "tokenizer.ggml.token_type")
     if types is None:
         types = [int(_TT.NORMAL)] * len(tokens)
+    types = types[:len(tokens)]
     if len(types) != len(tokens):
         raise ModelFormatError(
             f"GGUF tokenizer has {len(tokens)} tokens but {len(types)} token types")
