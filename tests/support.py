@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -223,3 +224,15 @@ async def greedy_replay(engine, calls: list, n: int, bias: dict[int, float]) -> 
         tokens.append(t)
         logits = await engine.net.forward([t])
     return tokens, lps
+
+
+def assert_refused_in_one_line(path: Path, phrase: str, tmp_path: Path) -> None:
+    """Loading ``path`` is a ModelFormatError saying ``phrase``, and the CLI says it in one line, exit 2."""
+    from colibri_aio.errors import ModelFormatError
+    from colibri_aio.gguf.model import load
+
+    with pytest.raises(ModelFormatError, match=re.escape(phrase)):
+        load(path)
+    status, _, err = main_in_process("logits", str(path), "--ids", "1,2", "--out", str(tmp_path / "x.npy"))
+    lines = err.strip().splitlines()
+    assert status == 2 and len(lines) == 1 and phrase in lines[0] and "Traceback" not in err, err

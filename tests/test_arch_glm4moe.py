@@ -12,11 +12,10 @@ from gguf import GGUFReader
 
 from colibri_aio.engine.engine import Engine
 from colibri_aio.engine.plan import kv_cache_nbytes, working_nbytes
-from colibri_aio.errors import ModelFormatError
 from colibri_aio.gguf.model import load
 from colibri_aio.io.align import slot_nbytes_for
 
-from support import FIXTURES, ORACLE, main_in_process, model_logits, rewrite_gguf
+from support import FIXTURES, ORACLE, assert_refused_in_one_line, model_logits, rewrite_gguf
 
 F32 = FIXTURES / "glm4moe_f32.gguf"
 IDS = json.loads((ORACLE / "family_ids.json").read_text())["sequences"][0]
@@ -98,12 +97,7 @@ REFUSALS = {
 @pytest.mark.parametrize("case", sorted(REFUSALS))
 def test_glm4moe_files_that_cannot_run_are_refused_in_one_line(case: str, tmp_path) -> None:
     rewrite, phrase = REFUSALS[case]
-    path = rewrite_gguf(F32, tmp_path / f"{case}_bad.gguf", **rewrite)
-    with pytest.raises(ModelFormatError, match=re.escape(phrase)):
-        load(path)
-    status, _, err = main_in_process("logits", str(path), "--ids", "1,2", "--out", str(tmp_path / "x.npy"))
-    lines = err.strip().splitlines()
-    assert status == 2 and len(lines) == 1 and phrase in lines[0] and "Traceback" not in err, err
+    assert_refused_in_one_line(rewrite_gguf(F32, tmp_path / f"{case}_bad.gguf", **rewrite), phrase, tmp_path)
 
 
 @pytest.mark.parametrize("stem", ["glm4moe_q8_0", "gptoss_mxfp4"])

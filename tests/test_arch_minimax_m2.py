@@ -4,15 +4,13 @@ engine allocates."""
 from __future__ import annotations
 
 import json
-import re
 
 import numpy as np
 import pytest
 
-from colibri_aio.errors import ModelFormatError
 from colibri_aio.gguf.model import load
 
-from support import FIXTURES, ORACLE, main_in_process, model_logits, rewrite_gguf
+from support import FIXTURES, ORACLE, assert_refused_in_one_line, model_logits, rewrite_gguf
 from test_arch_glm4moe import test_plan_figures_are_what_the_engine_allocates as _plan_figures
 
 F32 = FIXTURES / "minimaxm2_f32.gguf"
@@ -59,12 +57,7 @@ REFUSALS = {
 @pytest.mark.parametrize("case", sorted(REFUSALS))
 def test_minimax_m2_files_that_cannot_run_are_refused_in_one_line(case: str, tmp_path) -> None:
     rewrite, phrase = REFUSALS[case]
-    path = rewrite_gguf(F32, tmp_path / f"{case}_bad.gguf", **rewrite)
-    with pytest.raises(ModelFormatError, match=re.escape(phrase)):
-        load(path)
-    status, _, err = main_in_process("logits", str(path), "--ids", "1,2", "--out", str(tmp_path / "x.npy"))
-    lines = err.strip().splitlines()
-    assert status == 2 and len(lines) == 1 and phrase in lines[0] and "Traceback" not in err, err
+    assert_refused_in_one_line(rewrite_gguf(F32, tmp_path / f"{case}_bad.gguf", **rewrite), phrase, tmp_path)
 
 
 async def test_plan_figures_are_what_the_engine_allocates() -> None:
