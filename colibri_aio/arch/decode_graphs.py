@@ -161,8 +161,7 @@ class GraphDecode(MoETransformer):
                 x = f.add(x2, self.dense_ffn(f, layer, h2))
                 continue
             order, top, weights = self._route(f, layer, h2)
-            shape = self._experts_shape(layer, model.experts[layer][0], stacked=True, depth=resident.depth,
-                                        gate_up=self._pool_gate_up(resident, layer))
+            shape = self._experts_shape(layer, depth=resident.depth, gate_up=self._pool_gate_up(resident, layer))
             x = f.experts_in_pool(shape, h2, x2, top, weights, resident.slots[layer], resident.bases[layer],
                                   resident.stride, self._expert_biases(layer), self.shared_expert(f, layer, h2))
             outputs += [(order, b.step_order[layer]), (weights, b.step_weights[layer])]
@@ -282,12 +281,12 @@ class GraphDecode(MoETransformer):
                             return False
                     if len(batch) == len(ids):
                         by_id = dict(batch)
-                        shape = self._experts_shape(layer, by_id[ids[0]], stacked=True)
+                        shape = self._experts_shape(layer)
                         graphs.experts(shape, b.moe_input, b.residual, b.stream, [by_id[e] for e in ids], ids,
                                        b.weights, biases, b.shared if shared_on else None)
                         return True
                 ranks = [ids.index(expert) for expert, _ in batch]
-                shape = self._experts_shape(layer, batch[0][1], stacked=True, used=len(batch))
+                shape = self._experts_shape(layer, used=len(batch))
                 ys = graphs.experts(shape, b.moe_input, b.residual, b.stream, [w for _, w in batch],
                                     [e for e, _ in batch], np.ascontiguousarray(b.weights[:, ranks]), biases,
                                     terms=True)
@@ -312,19 +311,24 @@ class GraphDecode(MoETransformer):
         biases = [blk.get(f"ffn_{p}_exps.bias") for p in ("gate", "up", "down")]
         return None if biases[0] is None else biases  # type: ignore[return-value]
 
-    def _experts_shape(self, layer: int, first: object, *, stacked: bool, used: int | None = None,
-                       depth: int = 0, gate_up: bool = False) -> ExpertsShape:
-        """The experts graph's shape for block ``layer``, whose first expert's matrices (an ExpertWeights or
-        an ExpertLocation's ranges) give the types and sizes; ``depth`` and ``gate_up`` are the pool's (the
+    def _experts_shape(self, layer: int, *, used: int | None = None, depth: int = 0,
+                       gate_up: bool = False) -> ExpertsShape:
+        """The experts graph's shape for block ``layer`` (its experts' types and sizes, from the file's
+        expert table), made once per block and batch size; ``depth`` and ``gate_up`` are the pool's (the
         experts graph finds its batch's own)."""
-        from colibri_aio.kernels.ggml_graph import ExpertsShape
+        key = (layer, used, depth, gate_up)
+        shapes = self.__dict__.setdefault("_experts_shapes", {})
+        if key not in shapes:
+            from colibri_aio.kernels.ggml_graph import ExpertsShape
 
-        k = self.kernels
-        biased = self._expert_biases(layer) is not None
-        return ExpertsShape(k.mat(first.gate), k.mat(first.down),  # type: ignore[attr-defined]
-                            used or self.args.expert_used_count, depth, gate_up, self.expert_activation, biased,
-                            self.shared_expert_on(layer), each=self.settings.get("ggml_experts") == "each" or not stacked,
-                            n_experts=self.args.expert_count if biased else 0)
+            k, first = self.kernels, self.model.experts[layer][0]
+            biased = self._expert_biases(layer) is not None
+            shapes[key] = ExpertsShape(
+                k.mat(first.gate), k.mat(first.down),  # type: ignore[attr-defined]
+                used or self.args.expert_used_count, depth, gate_up, self.expert_activation, biased,
+                self.shared_expert_on(layer), each=self.settings.get("ggml_experts") == "each",
+                n_experts=self.args.expert_count if biased else 0)
+        return shapes[key]
 
     def _pool_gate_up(self, resident: ResidentExperts, layer: int) -> bool:
         """Whether each expert's up matrix follows its gate in the pool (one product of 2F rows)."""
