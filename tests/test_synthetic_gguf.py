@@ -183,6 +183,7 @@ FAMILY_TENSORS = {
                                      "attn_k_b", "attn_v_b", "exp_probs_b.bias", "ffn_up_shexp"}),
     "tiny-glm4moe": ("glm4moe", {"attn_q.bias", "attn_q_norm", "post_attention_norm", "exp_probs_b.bias",
                                  "ffn_gate_shexp"}),
+    "tiny-minimax-m2": ("minimax-m2", {"attn_q_norm", "attn_k_norm", "exp_probs_b.bias", "ffn_up_exps"}),
     "tiny-gptoss": ("gpt-oss", {"attn_sinks", "attn_output.bias", "ffn_gate_inp.bias", "ffn_up_exps.bias",
                                 "post_attention_norm"}),
 }
@@ -242,8 +243,40 @@ def test_mxfp4_experts_and_q5_0_fallback_dequantise_to_the_intended_std(family_m
     assert dequantize(kb.data, kb.tensor_type).std() == pytest.approx(1 / math.sqrt(64), rel=0.05)
 
 
+@pytest.mark.parametrize("qtype", ["iq1_s", "iq2_xxs", "iq3_xxs"])
+def test_codebook_experts_dequantise_to_the_intended_std_and_the_engine_runs_them(tmp_path: Path,
+                                                                                  qtype: str) -> None:
+    """unsloth-style low-bit files: experts at the codebook type, the trunk Q4_K, the head Q6_K; gguf reads the
+    experts back at the planned std, blind to the code (their whole first block), and the engine runs the file."""
+    s = SHAPES["tiny-deepseek2-wide"]
+    path = tmp_path / f"wide_{qtype}.gguf"
+    msg.main(["--shape", s.name, "--type", qtype, "--out", str(path), "--quiet"])
+    ts = tensors(path)
+    up = ts["blk.1.ffn_up_exps.weight"]
+    assert up.tensor_type == msg.EXPERT_TYPES[qtype] and ts["blk.1.attn_q_a.weight"].tensor_type == T.Q4_K
+    assert ts["output.weight"].tensor_type == T.Q6_K
+    w = dequantize(up.data, up.tensor_type)
+    assert np.isfinite(w).all() and not w[..., :256].any()
+    assert w[..., 256:].std() == pytest.approx(1 / math.sqrt(s.embedding_length), rel=0.05)
+    assert abs(w[..., 256:].mean()) < 0.05 / math.sqrt(s.embedding_length)
+    down = ts["blk.1.ffn_down_exps.weight"]
+    assert not dequantize(down.data, down.tensor_type)[:, :CODE_CHANNELS].any()  # writes no code channel
+    model = load(path)
+    net = build_net(model, MappedExpertSource(model), n_ctx=8)
+    logits = asyncio.run(net.forward([1, 2, 3, 4], logits="all"))
+    assert np.isfinite(logits).all() and 0.3 < logits.std() < 5
+
+
+def test_a_codebook_type_on_rows_of_one_block_is_refused_in_one_line(capsys) -> None:
+    """Experts 256 wide at IQ2_XXS could only be blind to the code by being all zeros: refused, not written."""
+    with pytest.raises(SystemExit) as exc:
+        msg.main(["--shape", "tiny-deepseek2", "--type", "iq2_xxs", "--out", "/nonexistent/x.gguf", "--quiet"])
+    assert str(exc.value).startswith("make_synthetic_gguf: blk.") and "IQ2_XXS" in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
 # published total parameter counts (billions), without MTP layers except GLM-4.5-Air's NextN block
-PUBLISHED_PARAMS = {"qwen3-30b-a3b": 30.5, "mixtral-8x7b": 46.7, "olmoe-1b-7b": 6.9, "qwen2-57b-a14b": 57.4,
+PUBLISHED_PARAMS = {"qwen3-30b-a3b": 30.5, "minimax-m2": 229.0, "mixtral-8x7b": 46.7, "olmoe-1b-7b": 6.9, "qwen2-57b-a14b": 57.4,
                     "deepseek-v3": 671.0, "glm-4.5-air": 109.2, "gpt-oss-120b": 116.8}
 
 

@@ -8,7 +8,7 @@
 Shapes (tools/synthetic/shapes.py): qwen3-30b-a3b (qwen3moe), mixtral-8x7b (llama),
 olmoe-1b-7b, qwen2-57b-a14b (qwen2moe), deepseek-v3 (deepseek2, MLA, 3 dense
 blocks), glm-4.5-air (glm4moe, with its NextN block), gpt-oss-120b (gpt-oss),
-and tiny-* versions of each for tests. Tensors and keys per family are those
+minimax-m2 (minimax-m2), and tiny-* versions of each for tests. Tensors and keys per family are those
 of fixtures/families.md.
 
 Weights are random bytes turned into valid Q8_0 / Q4_K / Q6_K blocks with a
@@ -20,6 +20,8 @@ Type census:
     --type q4_k   matrices and token_embd Q4_K, output Q6_K        (Q4_K_M's output head; Q4_K_M
                   would also move some attn_v/ffn_down to Q6_K — here every expert has one size)
     --type mxfp4  routed experts MXFP4, everything else Q8_0      (llama.cpp's MOSTLY_MXFP4_MOE, gpt-oss)
+    --type iq2_xxs (iq1_s, iq3_xxs)  routed experts IQ2_XXS (IQ1_S, IQ3_XXS), the other matrices and
+                  token_embd Q4_K, output Q6_K                    (as unsloth's dynamic UD-IQ* files put them)
     all           norms, biases and routers (ffn_gate_inp) F32, as llama.cpp keeps them; a matrix
                   whose rows do not fill the type's blocks (DeepSeek's attn_k_b, GLM-4.5-Air's
                   1408-wide experts, gpt-oss's 2880) takes llama.cpp's fallback: Q5_0 for Q4_K, else Q8_0
@@ -73,8 +75,13 @@ TYPE_MIXES: dict[str, tuple[T, T, T, gguf.LlamaFileType]] = {
     "q8_0": (T.Q8_0, T.Q8_0, T.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
     "q4_k": (T.Q4_K, T.Q4_K, T.Q6_K, gguf.LlamaFileType.MOSTLY_Q4_K_M),
     "mxfp4": (T.Q8_0, T.Q8_0, T.Q8_0, gguf.LlamaFileType.MOSTLY_MXFP4_MOE),
+    # unsloth's dynamic low-bit files: experts at the low-bit type, the trunk at Q4_K, the head at Q6_K
+    "iq1_s": (T.Q4_K, T.Q4_K, T.Q6_K, gguf.LlamaFileType.MOSTLY_IQ1_S),
+    "iq2_xxs": (T.Q4_K, T.Q4_K, T.Q6_K, gguf.LlamaFileType.MOSTLY_IQ2_XXS),
+    "iq3_xxs": (T.Q4_K, T.Q4_K, T.Q6_K, gguf.LlamaFileType.MOSTLY_IQ3_XXS),
 }
-EXPERT_TYPES: dict[str, T] = {"mxfp4": T.MXFP4}  # routed experts' type where it is not the matrices' one
+# routed experts' type where it is not the matrices' one
+EXPERT_TYPES: dict[str, T] = {"mxfp4": T.MXFP4, "iq1_s": T.IQ1_S, "iq2_xxs": T.IQ2_XXS, "iq3_xxs": T.IQ3_XXS}
 CALIBRATED_FAMILIES = SUPPORTED_ARCHITECTURES  # families the engine's forward pass (calibrate.py) runs
 FREE_SPACE_MARGIN = 1 << 30  # leave at least this much free on the target disk
 
@@ -169,16 +176,16 @@ def peak_rss_bytes() -> int:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     full = SHAPES[args.shape]
-    try:
-        shape = resolve(args.shape, args.layers, args.context)
-    except ValueError as exc:
-        raise SystemExit(f"make_synthetic_gguf: {exc}") from None
     matrix, embd, output, _ = TYPE_MIXES[args.type]
     targets = RoutingTargets(entropy=args.target_entropy)
-    # one router per block, NextN blocks included (layer i's depends only on layers <= i)
-    routers = make_routers(replace(shape, block_count=shape.total_blocks), args.routing, targets, args.seed)
-    plans: list[TensorPlan] = plan_tensors(shape, matrix, embd, output, routers.routers, args.seed,
-                                           expert=EXPERT_TYPES.get(args.type))
+    try:
+        shape = resolve(args.shape, args.layers, args.context)
+        # one router per block, NextN blocks included (layer i's depends only on layers <= i)
+        routers = make_routers(replace(shape, block_count=shape.total_blocks), args.routing, targets, args.seed)
+        plans: list[TensorPlan] = plan_tensors(shape, matrix, embd, output, routers.routers, args.seed,
+                                               expert=EXPERT_TYPES.get(args.type))
+    except ValueError as exc:
+        raise SystemExit(f"make_synthetic_gguf: {exc}") from None
     fitted = args.calibration_passes > 0 and shape.family in CALIBRATED_FAMILIES
     data_bytes = sum(p.nbytes for p in plans)
     check_destination(args.out, args.force, data_bytes)

@@ -7,7 +7,8 @@ chosen so that the dequantised weights have a requested standard deviation and
 (near) zero mean. This is ~1 byte of NumPy work per byte written, so a 32 GB
 file costs what the random-number generator and the disk cost.
 
-Layouts follow ggml's ``block_q8_0``, ``block_q4_K``, ``block_q6_K``, ``block_q5_0`` and ``block_mxfp4``.
+Layouts follow ggml's ``block_q8_0``, ``block_q4_K``, ``block_q6_K``, ``block_q5_0`` and ``block_mxfp4``;
+the codebook types (``block_iq1_s``, ``block_iq2_xxs``, ``block_iq3_xxs``) take random codes as they are.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ class Encoder(Protocol):
     block: int
     type_size: int
     scale_bytes: slice  # zeroing these bytes makes every weight of the block exactly 0
+    blind_columns: int  # the columns zero_first_32 zeroes (at least the CODE_CHANNELS code channels)
 
     def make_lut(self, rng: np.random.Generator, std: float) -> np.ndarray: ...
 
@@ -84,6 +86,7 @@ class Q8_0:
     type_size: ClassVar[int] = 34
     scale_bytes: ClassVar[slice] = slice(0, 2)
     rms: ClassVar[float] = Q8_RMS  # of the stored quant value
+    blind_columns: ClassVar[int] = 32
 
     def make_lut(self, rng: np.random.Generator, std: float) -> np.ndarray:
         return _f16_bytes(std * _jitter(rng) / self.rms)
@@ -128,6 +131,7 @@ class Q4_K:
     block: ClassVar[int] = 256
     type_size: ClassVar[int] = 144
     scale_bytes: ClassVar[slice] = slice(0, 4)
+    blind_columns: ClassVar[int] = 32
 
     def make_lut(self, rng: np.random.Generator, std: float) -> np.ndarray:
         sc = rng.integers(32, 64, size=(LUT_SIZE, 8))
@@ -173,6 +177,7 @@ class Q6_K:
     block: ClassVar[int] = 256
     type_size: ClassVar[int] = 210
     scale_bytes: ClassVar[slice] = slice(208, 210)
+    blind_columns: ClassVar[int] = 32
 
     def make_lut(self, rng: np.random.Generator, std: float) -> np.ndarray:
         sc = rng.integers(64, 128, size=(LUT_SIZE, 16))
@@ -228,6 +233,7 @@ class MXFP4:
     type_size: ClassVar[int] = 17
     # zeroing the codes (not the exponent: 2^-128 is not 0) makes every weight of the block 0
     scale_bytes: ClassVar[slice] = slice(1, 17)
+    blind_columns: ClassVar[int] = 32
 
     def make_lut(self, rng: np.random.Generator, std: float) -> np.ndarray:
         x = np.log2(std / MXFP4_RMS)
@@ -246,7 +252,50 @@ class MXFP4:
         blocks[:, 1:17] = 0
 
 
-ENCODERS: dict[T, Encoder] = {e.qtype: e for e in (Q8_0(), Q4_K(), Q6_K(), Q5_0(), MXFP4())}
+class Codebook:
+    """A 256-weight codebook type whose block starts with its f16 scale ``d`` (IQ1_S, IQ2_XXS, IQ3_XXS).
+
+    Every byte pattern after ``d`` is a valid block: grid indices, sign indices and sub-block scales are all
+    in range, so random bytes are random codes, the signs make the weights zero-mean, and the weights are
+    ``d`` times a fixed code distribution. Its root-mean-square (at ``d`` = 1) is measured once on random
+    blocks by gguf's own dequantiser, so the LUT's ``d`` gives the requested std for any of these types.
+    ``d`` = 0 zeroes the block: as IQ sub-block scales have no zero, the blind columns of a row are its whole
+    first block (256 weights, not only the code channels).
+    """
+
+    block: ClassVar[int] = 256
+    scale_bytes: ClassVar[slice] = slice(0, 2)
+    blind_columns: ClassVar[int] = 256
+
+    def __init__(self, qtype: T) -> None:
+        self.qtype = qtype
+        self.type_size = GGML_QUANT_SIZES[qtype][1]
+        self.rms = _code_rms(qtype, self.type_size)
+
+    def make_lut(self, rng: np.random.Generator, std: float) -> np.ndarray:
+        return _f16_bytes(std * _jitter(rng) / self.rms)
+
+    def finish(self, blocks: np.ndarray, lut: np.ndarray) -> None:
+        _headers_from_lut(blocks, lut, self.scale_bytes)
+
+    def apply_code(self, blocks: np.ndarray, signs: np.ndarray, lut: np.ndarray) -> float:
+        raise NotImplementedError(f"{self.qtype.name} holds routed experts only, which carry no code channels")
+
+    def zero_first_32(self, blocks: np.ndarray) -> None:
+        blocks[:, self.scale_bytes] = 0
+
+
+def _code_rms(qtype: T, type_size: int, n_blocks: int = 4096) -> float:
+    """RMS of the weights of random ``qtype`` blocks with d = 1, by gguf.quants (a fixed seed: reproducible)."""
+    from gguf.quants import dequantize
+
+    blocks = np.random.default_rng(0).integers(0, 256, (n_blocks, type_size), dtype=np.uint8)
+    blocks[:, 0:2] = _f16_bytes(np.ones(1))
+    return float(np.sqrt(np.mean(np.square(dequantize(blocks.reshape(-1), qtype), dtype=np.float64))))
+
+
+ENCODERS: dict[T, Encoder] = {e.qtype: e for e in (Q8_0(), Q4_K(), Q6_K(), Q5_0(), MXFP4(),
+                                                      *(Codebook(t) for t in (T.IQ1_S, T.IQ2_XXS, T.IQ3_XXS)))}
 
 for _enc in ENCODERS.values():  # the layouts above must agree with gguf's table
     assert GGML_QUANT_SIZES[_enc.qtype] == (_enc.block, _enc.type_size), _enc.qtype

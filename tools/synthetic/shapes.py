@@ -85,6 +85,7 @@ _DEEPSEEK2 = dict(family="deepseek2", qk_norm="none", gating="sigmoid", weights_
                   rope_freq_base=1e4, yarn_factor=40.0, yarn_orig_ctx=4096, yarn_log_mul=0.1)
 _GLM4MOE = dict(family="glm4moe", attn_bias=True, gating="sigmoid", weights_norm=True, rms_eps=1e-5,
                 group_count=1, group_used=1, nextn=1)
+_MINIMAX_M2 = dict(family="minimax-m2", qk_norm="whole", gating="sigmoid", rope_freq_base=5e6)
 _GPTOSS = dict(family="gpt-oss", qk_norm="none", attn_bias=True, rms_eps=1e-5, rope_freq_base=150000.0,
                yarn_factor=32.0, yarn_orig_ctx=4096)
 
@@ -120,6 +121,10 @@ SHAPES: dict[str, Shape] = {
                           embedding_length=2880, expert_feed_forward_length=2880, head_count=64,
                           head_count_kv=8, head_dim=64, vocab_size=201088, context_length=131072,
                           sliding_window=128, **_GPTOSS),
+    # MiniMax-M2 (and M2.1: the same shape): partial RoPE, 64 of each head's 128 dims.
+    "minimax-m2": Shape("minimax-m2", block_count=62, expert_count=256, expert_used_count=8,
+                        embedding_length=3072, expert_feed_forward_length=1536, head_count=48, head_count_kv=8,
+                        head_dim=128, vocab_size=200064, context_length=196608, rope_dim=64, **_MINIMAX_M2),
     # For tests: every quantised row length (256) is one K-quant super-block, and the
     # vocabulary is the shared 2048 tokens plus 2048 placeholders, so padding is exercised.
     "tiny": Shape("tiny", block_count=2, expert_count=16, expert_used_count=4, embedding_length=256,
@@ -139,7 +144,11 @@ SHAPES |= {s.name: s for s in (
     Shape("tiny-glm4moe", **dict(_TINY, block_count=3), dense_lead=1, dense_ff=512, shared_count=1,
           weights_scale=2.5, rope_dim=32, **_GLM4MOE),
     Shape("tiny-gptoss", **_TINY, sliding_window=16, **_GPTOSS),
+    Shape("tiny-minimax-m2", **_TINY, rope_dim=32, **_MINIMAX_M2),
 )}
+# For the codebook types (IQ1_S, IQ2_XXS, IQ3_XXS: 256-weight blocks with no zero code), whose experts can be
+# blind to the code channels only by a whole zero block: the embedding spans two blocks.
+SHAPES["tiny-deepseek2-wide"] = replace(SHAPES["tiny-deepseek2"], name="tiny-deepseek2-wide", embedding_length=512)
 
 
 def resolve(name: str, layers: int | None = None, context: int | None = None) -> Shape:

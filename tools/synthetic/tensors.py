@@ -116,8 +116,13 @@ def _bias(seed: int, name: str, shape: tuple[int, ...], std: float, zero_code: b
 
 def _matrix(name: str, shape: tuple[int, ...], qtype: T, std: float, reads_residual: bool = False,
             writes_residual: bool = False) -> TensorPlan:
-    return TensorPlan(name, shape, row_type(qtype, shape[-1]), std, blind=reads_residual,
-                      zero_rows=CODE_CHANNELS if writes_residual else 0)
+    qtype = row_type(qtype, shape[-1])
+    if reads_residual and ENCODERS[qtype].blind_columns >= shape[-1]:
+        # a codebook type cannot zero the 32 code channels alone, only its whole first 256-weight block
+        raise ValueError(f"{name}: {qtype.name} rows of {shape[-1]} weights would be all zeros once blind to "
+                         f"the code channels; use a shape whose embedding is wider than "
+                         f"{ENCODERS[qtype].blind_columns}")
+    return TensorPlan(name, shape, qtype, std, blind=reads_residual, zero_rows=CODE_CHANNELS if writes_residual else 0)
 
 
 def _attention(shape: Shape, p: str, matrix: T, seed: int, scales: Scales) -> list[TensorPlan]:
