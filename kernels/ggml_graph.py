@@ -290,9 +290,14 @@ class GgmlBuilder:
         return Node(t, xn.shape)
 
     def head_products(self, m: Any, x: Any) -> Node:
-        xn, mt = self.node(x), self.leaf(m)
+        xn = self.node(x)
         t, h, _ = xn.shape
-        rows = np.asarray(m).shape[1]
+        if isinstance(m, QTensor):   # the file's bytes, (H * b) rows of a: a 3-D view (a, b, H) of one leaf
+            heads, rows, cols = m.shape
+            mt = G.ggml_reshape_3d(self.ctx, self.leaf(QTensor(m.data, m.ggml_type, (heads * rows, cols))),
+                                   cols, rows, heads)
+        else:
+            mt, rows = self.leaf(m), np.asarray(m).shape[1]
         xp = G.ggml_cont(self.ctx, G.ggml_permute(self.ctx, xn.t, 0, 2, 1, 3))          # (a, T, H)
         y = G.ggml_mul_mat(self.ctx, mt, xp)                                              # (b, T, H)
         return Node(G.ggml_cont(self.ctx, G.ggml_permute(self.ctx, y, 0, 2, 1, 3)), (t, h, rows))

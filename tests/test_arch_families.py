@@ -33,9 +33,6 @@ from support import FIXTURES, ORACLE, teacher_forced
 REL_TOL = 1e-4
 QUANTISED_VS_LLAMACPP = 0.05  # x max|logit|: llama.cpp's Q8_0 activations; argmax checked beyond twice this margin
 GGML_VS_LLAMACPP = 1e-3  # x max|logit|: ggml and llama.cpp run the same kernels on the same rounded activations
-# Families with quantised products the forward pass runs in NumPy (deepseek2: the absorbed MLA products
-# on dequantised attn_k_b/attn_v_b), where llama.cpp rounds activations: held to the argmax check only.
-PRODUCTS_OUTSIDE_THE_KERNELS = {"deepseek2"}
 # Attention (q·k, the masked softmax, its mix of values) runs in NumPy, which rounds the last bits otherwise
 # than ggml (float32 exp and division; ggml: its vector expf, a double sum, a reciprocal). Quantising the
 # attention output to Q8_0 for attn_output absorbs those bits, except where one lies on a rounding boundary:
@@ -118,13 +115,11 @@ def ggml() -> Kernels:
 def test_ggml_logits_match_llamacpp(stem: str, decode: bool, ggml: Kernels) -> None:
     """ggml rounds activations as llama.cpp does: held to llama.cpp's logits (GGML_VS_LLAMACPP)."""
     net = _net(stem, ggml)
-    close = stem.endswith("_f32") or _architecture(stem) not in PRODUCTS_OUTSIDE_THE_KERNELS
-    rel = ATTENTION_ROUNDING_FLIP.get((stem, decode), GGML_VS_LLAMACPP if close else QUANTISED_VS_LLAMACPP)
+    rel = ATTENTION_ROUNDING_FLIP.get((stem, decode), GGML_VS_LLAMACPP)
     for ids, want in _oracle(stem, "llamacpp"):
         got = teacher_forced(net, ids, decode=decode)
         tol = rel * float(np.abs(want).max())
-        if close:
-            assert float(np.abs(got - want).max()) <= tol, stem
+        assert float(np.abs(got - want).max()) <= tol, stem
         top2 = np.sort(want, axis=-1)[:, -2:]
         clear = (top2[:, 1] - top2[:, 0]) > 2 * tol
         np.testing.assert_array_equal(got.argmax(-1)[clear], want.argmax(-1)[clear])

@@ -17,9 +17,8 @@ Every other family (olmoe: q/k RMSNorm over the whole projection; qwen2moe: q/k/
 expert; mixtral: NORMAL RoPE; deepseek2: MLA over a latent cache, YaRN, dense blocks, sigmoid routing with
 groups; glm4moe: partial RoPE, a selection bias, scaled weights; gpt-oss: sinks, sliding-window rings,
 biased clamped-SwiGLU experts) runs the same description the per-operation pass runs, and is held to the
-same tolerances against that pass (measured 0 on the quantised fixtures but deepseek2lite's with an f16
-cache, LONG_Q8_0_F16, and minimaxm2's with a float32 one, ATTENTION_FLIP_VS_PER_OPERATION) and against
-llama.cpp. minimax-m2 (olmoe's q/k norms over the whole projection, partial NEOX RoPE, sigmoid routing with a
+same tolerances against that pass (measured 0 on the quantised fixtures but minimaxm2's and deepseek2's,
+ATTENTION_FLIP_VS_PER_OPERATION) and against llama.cpp. minimax-m2 (olmoe's q/k norms over the whole projection, partial NEOX RoPE, sigmoid routing with a
 selection bias, renormalised) runs olmoe's description.
 """
 from __future__ import annotations
@@ -57,18 +56,19 @@ F16_DECODE_EXACT = 1e-6
 F16_DECODE_Q4_K = 5e-2
 F32_VS_LLAMACPP_Q8 = 1e-6
 F32_WEIGHTS_VS_LLAMACPP = 1e-5
-# deepseek2lite's 26 Q8_0 blocks with an f16 cache: ggml's RMSNorm rounds its last bit otherwise than NumPy's
-# (2.4e-7 from block 2 on), and every Q8_0 product that rounds such an activation across a code boundary
-# carries it on: measured 8.6e-3 x max|logit| (with a float32 cache 0).
-LONG_Q8_0_F16 = {("deepseek2lite_q8_0", "f16"): 1.2e-2}
 # minimaxm2_q8_0 with a float32 cache: the per-operation pass's NumPy attention of one query rounds its last
 # bits otherwise than the graphs' (which give llama.cpp's logits bit for bit); at position 19 one such bit of
 # layer 0's attention output (< 1e-5) lands on a Q8_0 code boundary of attn_output's input, and the cache
 # carries it on: measured 1.43e-2 x max|logit| from there (positions 0-18: 0; with an f16 cache within 3e-3).
-ATTENTION_FLIP_VS_PER_OPERATION = {("minimaxm2_q8_0", "f32"): 2e-2}
-# deepseek2 runs its absorbed MLA products (attn_k_b, attn_v_b) in float32 where llama.cpp rounds their inputs
-# to Q8_0: against llama.cpp its quantised fixtures keep their tokens only (tests/test_arch_families.py).
-PRODUCTS_OUTSIDE_THE_KERNELS_VS_LLAMACPP = {"deepseek2_q8_0": 0.05, "deepseek2lite_q8_0": 0.05}
+# deepseek2's absorbed MLA products run on attn_k_b/attn_v_b's Q8_0 bytes, as llama.cpp runs them, so attn_v_b
+# rounds each head's attention mix to Q8_0: a last-bit difference of the per-operation pass's NumPy attention
+# there moves a code, and the latent cache carries it on. On the sequence here the graphs give llama.cpp's
+# logits bit for bit (deepseek2_q8_0) or within 9.2e-3 (deepseek2lite_q8_0's 26 blocks; the per-operation pass
+# 5.8e-2, where both were 8.9e-2 off with float32 lifts); graphs against that pass, measured: deepseek2_q8_0
+# 1.37e-2 from position 17 (f16 cache 0), deepseek2lite_q8_0 5.9e-2 from position 2 (f16 cache 3.3e-2).
+# On the family oracle's sequences every path gives llama.cpp's logits bit for bit.
+ATTENTION_FLIP_VS_PER_OPERATION = {("minimaxm2_q8_0", "f32"): 2e-2, ("deepseek2_q8_0", "f32"): 2e-2,
+                                   ("deepseek2lite_q8_0", "f32"): 8e-2, ("deepseek2lite_q8_0", "f16"): 5e-2}
 # Every family beyond qwen3moe (its fixtures: tiny_*), each of whose decode steps runs on graphs traced from its
 # description: F32 and a quantised fixture each.
 FAMILY_NAMES = ("olmoe", "qwen2moe", "mixtral", "deepseek2", "deepseek2lite", "glm4moe", "gptoss", "minimaxm2")
@@ -145,7 +145,7 @@ def test_family_decode_on_graphs_matches_the_per_operation_path(monkeypatch, nam
     assert net.decode_graphs().steps == len(ids)                # not one step left on the per-operation path
     want = _per_operation(monkeypatch, name, ggml, ids, kv_type)
     rel = F16_CACHE_VS_PER_OPERATION if kv_type == "f16" else 1e-5 if name.endswith("_f32") else 1e-3
-    rel = LONG_Q8_0_F16.get((name, kv_type), ATTENTION_FLIP_VS_PER_OPERATION.get((name, kv_type), rel))
+    rel = ATTENTION_FLIP_VS_PER_OPERATION.get((name, kv_type), rel)
     tol = rel * float(np.abs(want).max())
     assert float(np.abs(got - want).max()) <= tol
     _same_argmax_where_clear(got, want, tol)
@@ -188,10 +188,6 @@ def test_family_decode_on_graphs_against_llamacpp(name: str, ggml: Kernels) -> N
         net = _family_net(name, ggml)
         got = teacher_forced(net, seq, decode=True)
         assert net.decode_graphs().steps == len(seq)
-        if name in PRODUCTS_OUTSIDE_THE_KERNELS_VS_LLAMACPP:
-            _same_argmax_where_clear(got, want, PRODUCTS_OUTSIDE_THE_KERNELS_VS_LLAMACPP[name]
-                                     * float(np.abs(want).max()))
-            continue
         assert float(np.abs(got - want).max()) <= tol * float(np.abs(want).max()), key
 
 
@@ -227,10 +223,6 @@ def test_decode_on_graphs_against_llamacpp(monkeypatch, name: str, kv_type: str,
         net = _net(name, ggml, kv_type)
         got = teacher_forced(net, seq, decode=True)
         assert net.decode_graphs().steps == len(seq)
-        if name in PRODUCTS_OUTSIDE_THE_KERNELS_VS_LLAMACPP:
-            _same_argmax_where_clear(got, want, PRODUCTS_OUTSIDE_THE_KERNELS_VS_LLAMACPP[name]
-                                     * float(np.abs(want).max()))
-            continue
         assert float(np.abs(got - want).max()) <= tol * float(np.abs(want).max()), key
 
 

@@ -23,7 +23,7 @@ import numpy as np
 
 from colibri_aio.arch.base import (BaseArgs, Family, KVLayout, Metadata, TensorSpec, ffn_tensors, matrix,
                                    router_tensors, vector)
-from colibri_aio.arch.graph import Builder, Value
+from colibri_aio.arch.graph import Builder, Tensor, Value
 from colibri_aio.arch.rope import RopeScaling, ScaledRope
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels.ops import Routing
@@ -127,9 +127,11 @@ def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
                  matrix("attn_q_b", h * a.head_k, a.q_lora_rank)]
     else:
         query = [matrix("attn_q", h * a.head_k, d)]
-    # k_b/v_b are used per head (batched products of small matrices): kept as float32.
+    # k_b/v_b are used per head (H products of small matrices): kept as the file's bytes, each head's rows
+    # multiplied on the file's type as llama.cpp does (as float32 they were 4x the bytes, 67 MB a DeepSeek-V3
+    # layer). An older file's one attn_kv_b is split into per-head views of its float32 copy.
     if a.split_kv_b:
-        lift = [vector("attn_k_b", h, kl, a.qk_nope), vector("attn_v_b", h, a.v_head, kl)]
+        lift = [TensorSpec("attn_k_b", (h, kl, a.qk_nope)), TensorSpec("attn_v_b", (h, a.v_head, kl))]
     else:
         lift = [vector("attn_kv_b", h * (a.qk_nope + a.v_head), kl)]
     attention = [vector("attn_norm", d), *query, matrix("attn_kv_a_mqa", kl + a.n_rot, d),
@@ -145,8 +147,9 @@ class DeepSeek2(ScaledRope):
 
     args: ModelArgs
 
-    def latent_lifts(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
-        """k_b (H, Lkv, dn) and v_b (H, dv, Lkv) of block ``layer`` (views into attn_kv_b in older files)."""
+    def latent_lifts(self, layer: int) -> tuple[Tensor, Tensor]:
+        """k_b (H, Lkv, dn) and v_b (H, dv, Lkv) of block ``layer``: the file's bytes, or float32 views into
+        attn_kv_b in older files."""
         a, blk = self.args, self.model.blocks[layer]
         if a.split_kv_b:
             return blk["attn_k_b"], blk["attn_v_b"]

@@ -99,7 +99,8 @@ class Builder(Protocol):
         (dimension i with i + n_rot/2) or NORMAL (2i with 2i + 1)."""
 
     def head_products(self, m: Tensor, x: Value) -> Value:
-        """x (T, H, a), m (H, b, a) float32: (T, H, b), head h's rows multiplied by m[h]."""
+        """x (T, H, a), m (H, b, a) (float32, or the file's bytes as a 3-D QTensor): (T, H, b), head h's rows
+        multiplied by m[h]."""
 
     def attend(self, layer: int, q: Value, k: Value, v: Value | None, *, scale: float | None = None,
                sinks: Tensor | None = None) -> Value:
@@ -158,7 +159,11 @@ class NumpyBuilder:
     def rope(self, x: np.ndarray, neox: bool) -> np.ndarray:
         return (rope_neox if neox else rope_norm)(x, *self.rope_tables)
 
-    def head_products(self, m: np.ndarray, x: np.ndarray) -> np.ndarray:
+    def head_products(self, m: Tensor, x: np.ndarray) -> np.ndarray:
+        if isinstance(m, QTensor):   # one product per head on its rows (H * b rows of a in the file's order)
+            b = m.shape[1]
+            return np.stack([self.kernels.linear(m.row_block(h * b, (h + 1) * b), np.ascontiguousarray(x[:, h]))
+                             for h in range(m.shape[0])], axis=1)
         return np.matmul(x.transpose(1, 0, 2), m.transpose(0, 2, 1)).transpose(1, 0, 2)
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray | None, *, scale: float | None = None,
