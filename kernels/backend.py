@@ -73,6 +73,9 @@ class Kernels(Protocol):
 
     def linears(self, ws: Sequence[QTensor], x: np.ndarray) -> list[np.ndarray]: ...
 
+    def head_linears(self, w: QTensor, x: np.ndarray) -> np.ndarray:
+        """Per-head products: ``w`` (H, b, a), x (T, H, a) -> (T, H, b), head h's rows by ``w[h]``."""
+
     def expert_ffns(self, experts: Sequence[FFNWeights], xs: Sequence[np.ndarray],
                     activation: str = "swiglu") -> list[np.ndarray]: ...
 
@@ -108,6 +111,11 @@ class NumpyKernels:
 
     def linears(self, ws: Sequence[QTensor], x: np.ndarray) -> list[np.ndarray]:
         return [self.linear(w, x) for w in ws]
+
+    def head_linears(self, w: QTensor, x: np.ndarray) -> np.ndarray:
+        b = w.shape[1]
+        return np.stack([self.linear(w.row_block(h * b, (h + 1) * b), np.ascontiguousarray(x[:, h]))
+                         for h in range(w.shape[0])], axis=1)
 
     def expert_ffns(self, experts: Sequence[FFNWeights], xs: Sequence[np.ndarray],
                     activation: str = "swiglu") -> list[np.ndarray]:

@@ -667,6 +667,30 @@ class GgmlKernels:
         _keep_non_finite(x, ys)
         return ys
 
+    def head_linears(self, w: QTensor, x: np.ndarray) -> np.ndarray:
+        """Per-head products in one graph: ``w`` (H, b, a) as one 3-D weight, x (T, H, a) -> (T, H, b). Each
+        head's rows take the dot products :meth:`linear` takes on ``w[h]`` (the same bits), in one pass."""
+        heads, rows, cols = w.shape
+        if x.ndim != 3 or x.shape[1:] != (heads, cols):
+            raise ValueError(f"head_linears: input of shape {x.shape} for per-head weights {w.shape}")
+        if x.dtype != np.float32 or not x.flags.c_contiguous:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+        t, gid = x.shape[0], self._gid(w)
+        mat = Mat(gid, heads * rows, cols, False)
+        out = self._call(("head_linears", mat, heads, t), 8, lambda g: self._build_head_linears(g, mat, heads, t),
+                         [self.address(w.data), x.ctypes.data], [t * heads * rows], mat.nbytes)
+        y = out.reshape(t, heads, rows)
+        _keep_non_finite(x, [y])
+        return y
+
+    @staticmethod
+    def _build_head_linears(g: Graph, m: Mat, heads: int, t: int) -> list:
+        ctx, rows = g.ctx, m.rows // heads
+        w = G.ggml_reshape_3d(ctx, g.weight(m), m.cols, rows, heads)                 # (a, b, H)
+        x = g.leaf(G.GGML_TYPE_F32, m.cols, heads, t)                                # (a, H, T): x (T, H, a)
+        y = G.ggml_mul_mat(ctx, w, G.ggml_cont(ctx, G.ggml_permute(ctx, x, 0, 2, 1, 3)))   # (b, T, H)
+        return [G.ggml_cont(ctx, G.ggml_permute(ctx, y, 0, 2, 1, 3))]               # (b, H, T): (T, H, b)
+
     def expert_ffns(self, experts: Sequence[FFNWeights], xs: Sequence[np.ndarray],
                     activation: str = "swiglu") -> list[np.ndarray]:
         """``down(act(gate x, up x))`` for each expert on its own rows.

@@ -329,3 +329,24 @@ def test_a_non_finite_activation_gives_non_finite_outputs(kernels, bad: float) -
         assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all()
     (y,) = kernels.expert_ffns([_expert(T.Q8_0, 256, 512, 30)], [x])
     assert np.isnan(y[1]).all() and np.isfinite(y[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("t", [T.F32, T.Q8_0, T.Q5_0, T.Q4_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("positions", [1, 5])
+def test_per_head_products_in_one_graph_carry_the_bits_of_one_product_per_head(t: T, positions: int,
+                                                                                kernels) -> None:
+    """deepseek2's absorbed attn_k_b/attn_v_b: (H, b, a) weights, one 3-D product for all heads, each head's
+    rows exactly what a product by that head's matrix alone gives; and the NumPy reference's within rounding."""
+    heads, rows, cols = 4, 16, 256
+    w = quantised(t, (heads * rows, cols), seed=3)
+    w3 = QTensor(w.data, t, (heads, rows, cols))
+    x = np.random.default_rng(4).standard_normal((positions, heads, cols)).astype(np.float32)
+    got = kernels.head_linears(w3, x)
+    assert got.shape == (positions, heads, rows)
+    each = np.stack([kernels.linear(w3.row_block(h * rows, (h + 1) * rows), np.ascontiguousarray(x[:, h]))
+                     for h in range(heads)], axis=1)
+    assert np.array_equal(got, each)
+    ref = NumpyKernels().head_linears(w3, x)
+    assert rel_err(got, ref) < (1e-6 if t == T.F32 else 2e-2)
+    with pytest.raises(ValueError, match="head_linears"):
+        kernels.head_linears(w3, x[:, :2])

@@ -160,10 +160,8 @@ class NumpyBuilder:
         return (rope_neox if neox else rope_norm)(x, *self.rope_tables)
 
     def head_products(self, m: Tensor, x: np.ndarray) -> np.ndarray:
-        if isinstance(m, QTensor):   # one product per head on its rows (H * b rows of a in the file's order)
-            b = m.shape[1]
-            return np.stack([self.kernels.linear(m.row_block(h * b, (h + 1) * b), np.ascontiguousarray(x[:, h]))
-                             for h in range(m.shape[0])], axis=1)
+        if isinstance(m, QTensor):
+            return self.kernels.head_linears(m, x)
         return np.matmul(x.transpose(1, 0, 2), m.transpose(0, 2, 1)).transpose(1, 0, 2)
 
     def attend(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray | None, *, scale: float | None = None,
