@@ -43,14 +43,15 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri_aio.arch import layers, qwen3moe
+from colibri_aio.arch import graph, layers
 from colibri_aio.engine.engine import Engine
 from colibri_aio.bench.lock import exclusive
 from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
-# The trunk's NumPy ops, as the shared forward pass (arch/layers.py) and the qwen3moe family import them.
-NUMPY_OPS = {layers: ("rms_norm", "rope_cos_sin", "attention", "route"), qwen3moe: ("rms_norm", "rope_neox")}
+# The trunk's NumPy ops, as the shared forward pass (arch/layers.py) and the NumPy runner of the families'
+# descriptions (arch/graph.py NumpyBuilder) import them.
+NUMPY_OPS = {layers: ("rope_cos_sin", "route"), graph: ("rms_norm", "rope_neox", "rope_norm", "attention")}
 
 
 class Timers:
@@ -80,6 +81,7 @@ class Timers:
         k.linear = self.timed(lambda w, x: "kernel: output head" if id(w.data) == head
                               else "kernel: attention output", k.linear)
         k.expert_ffns = self.timed("kernel: expert FFNs", k.expert_ffns)
+        k.head_linears = self.timed("kernel: per-head products (MLA lifts)", k.head_linears)
         k.dequantize = self.timed("kernel: embedding rows", k.dequantize)
         if k.name == "ggml":
             from colibri_aio.kernels import ggml_cpu
