@@ -83,7 +83,7 @@ def context(pp: int, tg: int) -> int:
     return pp + max(tg, WARMUP_TG) + 8
 
 
-def worker_ours(model: Path, pp: int, tg: int, seed: int) -> dict:
+def worker_ours(model: Path, pp: int, tg: int, seed: int, warm_start: bool = False) -> dict:
     import asyncio
 
     from colibri_aio.engine.engine import Engine
@@ -91,7 +91,7 @@ def worker_ours(model: Path, pp: int, tg: int, seed: int) -> dict:
 
     async def run() -> dict:
         t_open = time.perf_counter()
-        engine = await Engine.open(model, n_ctx=context(pp, tg))
+        engine = await Engine.open(model, n_ctx=context(pp, tg), warm_start=warm_start)
         open_s = time.perf_counter() - t_open
         try:
             net, src = engine.net, engine.source
@@ -259,6 +259,8 @@ def one_run(engine: str, cond: Condition, args: argparse.Namespace, cgroup: Memo
            "--pp", str(args.pp), "--tg", str(args.tg), "--seed", str(args.seed)]
     if args.llama_no_repack:
         cmd.append("--llama-no-repack")
+    if args.ours_warm_start:
+        cmd.append("--ours-warm-start")
     dropped = drop_page_cache()
     if cgroup is not None:
         cgroup.reset_peak()
@@ -357,6 +359,9 @@ def markdown(receipt: dict) -> str:
              ""]
     if receipt.get("user_note"):
         lines += [receipt["user_note"], ""]
+    if receipt.get("ours_warm_start"):
+        lines += ["Our engine ran with its warm start (`Engine.open(warm_start=True)`), not its defaults: the "
+                  "expert cache fills from the open on, behind the reads the model waits for.", ""]
     if receipt.get("llama_no_repack"):
         lines += ["llama.cpp ran without weight repacking (`--no-repack`): with it, its load allocates a "
                   "repacked copy of the K-quant weights outside the mmap, which for a model larger than RAM "
@@ -419,6 +424,9 @@ def main() -> int:
     p.add_argument("--llama-no-repack", action="store_true",
                    help="llama.cpp without weight repacking (its --no-repack): needed where the repacked copy "
                         "of a K-quant model does not fit in RAM")
+    p.add_argument("--ours-warm-start", action="store_true",
+                   help="our engine with its warm start (Engine.open(warm_start=True): the expert cache fills "
+                        "from the open on, behind demand reads) instead of its defaults")
     p.add_argument("--limit-model", type=Path, help="model of the limit condition (default: the fits model)")
     p.add_argument("--limit-share", type=float, default=0.6, help="cgroup limit as a share of the GGUF size")
     p.add_argument("--fio-seconds", type=int, default=5)
@@ -431,7 +439,7 @@ def main() -> int:
     args = p.parse_args()
     if args.worker:
         if args.worker == "ours":
-            result = worker_ours(args.model, args.pp, args.tg, args.seed)
+            result = worker_ours(args.model, args.pp, args.tg, args.seed, args.ours_warm_start)
         else:
             result = worker_llama(args.model, args.pp, args.tg, args.seed, args.llama_no_repack)
         print(json.dumps(result), flush=True)
@@ -493,6 +501,7 @@ def main() -> int:
                "pp": args.pp, "tg": args.tg, "page_cache_dropped": dropped, "conditions": info,
                "summary": summarise(runs), "runs": runs,
                "llama_cpp": _llama_version(), "llama_no_repack": args.llama_no_repack,
+               "ours_warm_start": args.ours_warm_start,
                "note": "shared 2-vCPU machine; llama-cpp-python built from source, n_threads=2, mmap on, mlock off"
                + (", weight repacking off (--no-repack)" if args.llama_no_repack else ""),
                "user_note": args.note}
