@@ -43,6 +43,17 @@ def oracle_ids() -> list[list[int]]:
     return json.loads((ORACLE / "ids.json").read_text())["sequences"]
 
 
+def family_stems() -> frozenset[str]:
+    """The fixtures of fixtures/family_specs.py (converted by llama.cpp's converter, oracles on
+    fixtures/oracle/family_ids.json), whatever their architecture; qwen3moe's tiny_* are not among them."""
+    sys.path.insert(0, str(FIXTURES))
+    try:
+        from family_specs import FAMILIES
+    finally:
+        sys.path.remove(str(FIXTURES))
+    return frozenset(stem for family in FAMILIES.values() for stem in family.stems)
+
+
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """``python -m colibri_aio ARGS`` in a subprocess, as a user runs it."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

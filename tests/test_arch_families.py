@@ -28,7 +28,7 @@ from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.gguf.model import load
 from colibri_aio.kernels.backend import Kernels, KernelsUnavailable, open_kernels
 
-from support import FIXTURES, ORACLE, teacher_forced
+from support import FIXTURES, ORACLE, family_stems, teacher_forced
 
 REL_TOL = 1e-4
 QUANTISED_VS_LLAMACPP = 0.05  # x max|logit|: llama.cpp's Q8_0 activations; argmax checked beyond twice this margin
@@ -49,8 +49,8 @@ def _architecture(stem: str) -> str:
 
 FAMILY_FIXTURES = sorted(
     stem for stem in (p.name.split(".")[0] for p in ORACLE.glob("*.transformers.npz"))
-    if (FIXTURES / f"{stem}.gguf").exists() and _architecture(stem) in SUPPORTED_ARCHITECTURES
-    and _architecture(stem) != "qwen3moe")  # qwen3moe: test_arch_qwen3moe.py, with its own ids
+    if stem in family_stems() and (FIXTURES / f"{stem}.gguf").exists()
+    and _architecture(stem) in SUPPORTED_ARCHITECTURES)  # qwen3moe's tiny_*: test_arch_qwen3moe.py, its own ids
 
 
 def _net(stem: str, kernels: Kernels | None = None) -> MoETransformer:

@@ -67,11 +67,15 @@ F32_WEIGHTS_VS_LLAMACPP = 1e-5
 # 5.8e-2, where both were 8.9e-2 off with float32 lifts); graphs against that pass, measured: deepseek2_q8_0
 # 1.37e-2 from position 17 (f16 cache 0), deepseek2lite_q8_0 5.9e-2 from position 2 (f16 cache 3.3e-2).
 # On the family oracle's sequences every path gives llama.cpp's logits bit for bit.
+# qwen3moeyarn_q8_0 with a float32 cache: as minimaxm2_q8_0, 0 up to position 20, then 1.51e-2 from position 21
+# (not the YaRN tables: NumPy's equal ggml's float32 ones there to the same logits; f16 cache within 3e-3).
 ATTENTION_FLIP_VS_PER_OPERATION = {("minimaxm2_q8_0", "f32"): 2e-2, ("deepseek2_q8_0", "f32"): 2e-2,
-                                   ("deepseek2lite_q8_0", "f32"): 8e-2, ("deepseek2lite_q8_0", "f16"): 5e-2}
-# Every family beyond qwen3moe (its fixtures: tiny_*), each of whose decode steps runs on graphs traced from its
+                                   ("deepseek2lite_q8_0", "f32"): 8e-2, ("deepseek2lite_q8_0", "f16"): 5e-2,
+                                   ("qwen3moeyarn_q8_0", "f32"): 2e-2}
+# Every family fixture beyond qwen3moe's tiny_*, each of whose decode steps runs on graphs traced from its
 # description: F32 and a quantised fixture each.
-FAMILY_NAMES = ("olmoe", "qwen2moe", "mixtral", "deepseek2", "deepseek2lite", "glm4moe", "gptoss", "minimaxm2")
+FAMILY_NAMES = ("olmoe", "qwen2moe", "mixtral", "deepseek2", "deepseek2lite", "glm4moe", "gptoss", "minimaxm2",
+                "qwen3moeyarn", "mixtrallinear")   # the last two: YaRN and linear RoPE scaling from the file
 FAMILIES = [f"{family}_{kind}" for family in FAMILY_NAMES
             for kind in ("f32", "mxfp4" if family == "gptoss" else "q8_0")]
 

@@ -44,8 +44,9 @@ math as llama.cpp computes them):
      ``sinks``, ``f.rope(x, neox=...)`` rotates the first n_rot dims). Both
      backends run that description: the NumPy reference and the per-operation
      pass at once, the ggml backend's decode steps as graphs traced from it.
-     Mix in ``arch.rope.ScaledRope`` for scaled RoPE (llama.cpp's YaRN from
-     ``rope.scaling.*``). A shared expert (``ffn_*_shexp``, gated by
+     ``f.rope`` rotates as ``args.rope_scaling`` says (``arch.rope.RopeScaling``,
+     read by ``common()`` from ``rope.scaling.*`` as llama.cpp reads it for every
+     family: linear, YaRN; a family that reads more keys overrides it). A shared expert (``ffn_*_shexp``, gated by
      ``ffn_gate_inp_shexp`` when the file has it) and the leading dense blocks'
      FFN come with the tensors; ``expert_activation`` names another expert
      activation (expert biases ``ffn_*_exps.bias`` come with the file).

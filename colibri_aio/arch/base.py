@@ -19,6 +19,7 @@ from colibri_aio.errors import ModelFormatError
 from colibri_aio.gguf.header import PER_LAYER_KEYS
 from colibri_aio.kernels.ops import Routing
 from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, kv_nbytes
+from colibri_aio.arch.rope import RopeScaling
 
 if TYPE_CHECKING:
     from colibri_aio.gguf.split import ModelHeader
@@ -96,7 +97,8 @@ class BaseArgs:
     """Hyper-parameters every family has, named as their GGUF keys; the shared code reads only these.
 
     The first fields are positional (the original qwen3moe set); the ones with
-    defaults describe what families vary: rotated dims, routing, skipped blocks.
+    defaults describe what families vary: rotated dims, routing, skipped blocks,
+    RoPE scaling (``rope.scaling.*``, read for every family as llama.cpp reads it).
     """
 
     architecture: str
@@ -118,6 +120,7 @@ class BaseArgs:
     routing: Routing = Routing()
     skipped_blocks: int = 0                   # blocks after block_count the file holds and no pass runs (NextN)
     leading_dense_block_count: int = 0        # the first blocks have a dense FFN and no routed experts
+    rope_scaling: RopeScaling = RopeScaling()  # linear or YaRN angles, from rope.scaling.* (default: none)
 
     @property
     def n_rot(self) -> int:
@@ -171,6 +174,7 @@ class BaseArgs:
         rot = meta.get("rope.dimension_count")
         put("rope_dimension_count", lambda: int(rot) if rot is not None else None)
         put("leading_dense_block_count", lambda: int(meta.get("leading_dense_block_count", 0)))
+        put("rope_scaling", lambda: RopeScaling.from_gguf(meta))
         return values
 
     @classmethod

@@ -24,7 +24,8 @@ import numpy as np
 from colibri_aio.arch.base import (BaseArgs, Family, KVLayout, Metadata, TensorSpec, ffn_tensors, matrix,
                                    router_tensors, vector)
 from colibri_aio.arch.graph import Builder, Tensor, Value
-from colibri_aio.arch.rope import RopeScaling, ScaledRope
+from colibri_aio.arch.decode_graphs import GraphDecode
+from colibri_aio.arch.rope import RopeScaling
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels.ops import Routing
 
@@ -50,7 +51,6 @@ class ModelArgs(BaseArgs):
     split_kv_b: bool
     feed_forward_length: int      # the leading dense blocks' FFN width
     expert_shared_count: int
-    rope_scaling: RopeScaling
 
     @classmethod
     def from_gguf(cls, meta: Metadata) -> Self:
@@ -72,7 +72,8 @@ class ModelArgs(BaseArgs):
         routing = Routing(_GATING[gating], normalize=bool(meta.get("expert_weights_norm", False)),
                           scale=float(meta.get("expert_weights_scale", 0.0)),
                           group_count=max(groups, 1), group_used=int(meta.get("expert_group_used_count", 0)) or 1)
-        common = cls.common(meta, routing=routing)
+        # llama.cpp's deepseek2 alone reads rope.scaling.yarn_log_multiplier (mscale_all_dim)
+        common = cls.common(meta, routing=routing, rope_scaling=RopeScaling.from_gguf(meta, log_multiplier=True))
         k_mla, v_mla = meta.get("attention.key_length_mla"), meta.get("attention.value_length_mla")
         split = bool(k_mla) and bool(v_mla)  # llama.cpp's is_mla()
         head_k = int(k_mla) if split else common["key_length"]
@@ -84,8 +85,7 @@ class ModelArgs(BaseArgs):
                    v_head=int(v_mla) if split else common["value_length"],
                    split_kv_b=split,
                    feed_forward_length=int(meta.get("feed_forward_length", 0)),
-                   expert_shared_count=int(meta.need("expert_shared_count")),
-                   rope_scaling=RopeScaling.from_gguf(meta))
+                   expert_shared_count=int(meta.need("expert_shared_count")))
 
     def check(self, path: Path) -> None:
         BaseArgs.check(self, path)
@@ -142,7 +142,7 @@ def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
             *ffn_tensors(d, a.expert_feed_forward_length * a.expert_shared_count, "_shexp")]
 
 
-class DeepSeek2(ScaledRope):
+class DeepSeek2(GraphDecode):
     """A deepseek2 model bound to an expert source and a latent KV cache."""
 
     args: ModelArgs

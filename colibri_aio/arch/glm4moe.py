@@ -18,7 +18,7 @@ from typing import Self
 from colibri_aio.arch.base import (BaseArgs, Family, Metadata, TensorSpec, attention_tensors, ffn_tensors,
                                    vector)
 from colibri_aio.arch.graph import Builder, Value
-from colibri_aio.arch.rope import RopeScaling, ScaledRope
+from colibri_aio.arch.decode_graphs import GraphDecode
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels.ops import Routing
 
@@ -29,11 +29,10 @@ _GATING = {0: "sigmoid", 1: "softmax", 2: "sigmoid"}
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelArgs(BaseArgs):
     """glm4moe's hyper-parameters: the shared set (``block_count`` without the NextN blocks),
-    the dense blocks' FFN width, the shared expert count and RoPE scaling."""
+    the dense blocks' FFN width and the shared expert count."""
 
     feed_forward_length: int
     expert_shared_count: int
-    rope_scaling: RopeScaling
 
     @classmethod
     def from_gguf(cls, meta: Metadata) -> Self:
@@ -58,8 +57,7 @@ class ModelArgs(BaseArgs):
         return cls(**cls.common(meta, block_count=blocks - nextn, skipped_blocks=nextn, routing=routing,
                                 expert_feed_forward_length=width),
                    feed_forward_length=int(meta.get("feed_forward_length", 0)),
-                   expert_shared_count=int(meta.need("expert_shared_count")),
-                   rope_scaling=RopeScaling.from_gguf(meta))
+                   expert_shared_count=int(meta.need("expert_shared_count")))
 
     def check(self, path: Path) -> None:
         BaseArgs.check(self, path)
@@ -83,7 +81,7 @@ def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
             *(shared if a.expert_shared_count else [])]
 
 
-class Glm4MoE(ScaledRope):
+class Glm4MoE(GraphDecode):
     """A glm4moe model bound to an expert source and a KV cache."""
 
     args: ModelArgs

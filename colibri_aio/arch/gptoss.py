@@ -16,7 +16,7 @@ from typing import Self
 
 from colibri_aio.arch.base import BaseArgs, Family, Metadata, TensorSpec, attention_tensors, vector
 from colibri_aio.arch.graph import Builder, Value
-from colibri_aio.arch.rope import RopeScaling, ScaledRope
+from colibri_aio.arch.decode_graphs import GraphDecode
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels.ops import Routing
 
@@ -41,18 +41,16 @@ def sliding_layers(meta: Metadata, block_count: int) -> tuple[bool, ...]:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ModelArgs(BaseArgs):
-    """gpt-oss's hyper-parameters: the shared set, the sliding window and its layers, RoPE scaling (YaRN)."""
+    """gpt-oss's hyper-parameters: the shared set (RoPE scaling: YaRN), the sliding window and its layers."""
 
     sliding_window: int
     sliding: tuple[bool, ...]      # per block: attends through the sliding window
-    rope_scaling: RopeScaling      # read as llama.cpp reads it for every family
 
     @classmethod
     def from_gguf(cls, meta: Metadata) -> Self:
         values = cls.common(meta, routing=Routing(gating="softmax_weight", normalize=False))
         return cls(**values, sliding_window=int(meta.need("attention.sliding_window")),
-                   sliding=sliding_layers(meta, values["block_count"]),
-                   rope_scaling=RopeScaling.from_gguf(meta))
+                   sliding=sliding_layers(meta, values["block_count"]))
 
     def kv_window(self, layer: int) -> int | None:
         return self.sliding_window if self.sliding[layer] else None
@@ -79,7 +77,7 @@ def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
             vector("ffn_gate_exps.bias", e, f), vector("ffn_up_exps.bias", e, f), vector("ffn_down_exps.bias", e, d)]
 
 
-class GptOss(ScaledRope):
+class GptOss(GraphDecode):
     """A gpt-oss model bound to an expert source and a KV cache."""
 
     args: ModelArgs

@@ -31,7 +31,7 @@ from colibri_aio.arch.lookahead import moe_norm, predictor_state, rank_experts, 
 from colibri_aio.errors import NonFiniteError, UserError
 from colibri_aio.experts import ExpertSource, ExpertWeights
 from colibri_aio.kernels.backend import Kernels, NumpyKernels
-from colibri_aio.kernels.ops import rms_norm, rope_cos_sin, route, swiglu, swiglu_oai
+from colibri_aio.kernels.ops import rms_norm, route, swiglu, swiglu_oai
 from colibri_aio.kernels.qtensor import QTensor
 from colibri_aio.settings import Settings
 
@@ -186,14 +186,14 @@ class MoETransformer:
 
     def rope_tables(self, positions: np.ndarray) -> Rope:
         """cos/sin for this call's positions (computed once per call, used by every layer): the angles
-        :meth:`rope_params` describes."""
-        return rope_cos_sin(positions, self.args.n_rot, self.args.rope_freq_base)
+        :meth:`rope_params` describes, scaled as ``args.rope_scaling`` says."""
+        a = self.args
+        return a.rope_scaling.tables(positions, a.n_rot, a.rope_freq_base)
 
     def rope_params(self) -> RopeParams:
-        """RoPE as ggml's rope_ext takes it (families with scaled RoPE override this with
-        :meth:`rope_tables`)."""
+        """RoPE as ggml's rope_ext takes it (the graphs' rotation): the same angles as :meth:`rope_tables`."""
         a = self.args
-        return RopeParams(a.n_rot, a.rope_freq_base, a.context_length)
+        return a.rope_scaling.params(a.n_rot, a.rope_freq_base)
 
     def attention(self, f: Builder, layer: int, h: Value) -> Value:
         """The family's attention on the normed input h (T, D): (T, D)."""
