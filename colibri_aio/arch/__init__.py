@@ -13,6 +13,7 @@ pass with :func:`build_net`. Modules are imported only when a file needs them.
     gpt-oss        gptoss.py      GptOssForCausalLM
     glm4moe        glm4moe.py     Glm4MoeForCausalLM
     minimax-m2     minimax_m2.py  MiniMaxM2ForCausalLM
+    llama4         llama4.py      Llama4ForCausalLM (the text model)
 
 How to add a family (fixtures/families.md has each one's keys, tensors and
 math as llama.cpp computes them):
@@ -92,6 +93,7 @@ _MODULES = {
     "gpt-oss": "gptoss",
     "glm4moe": "glm4moe",
     "minimax-m2": "minimax_m2",
+    "llama4": "llama4",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODULES)
 
