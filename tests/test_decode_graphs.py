@@ -71,7 +71,8 @@ ATTENTION_FLIP_VS_PER_OPERATION = {("minimaxm2_q8_0", "f32"): 2e-2}
 PRODUCTS_OUTSIDE_THE_KERNELS_VS_LLAMACPP = {"deepseek2_q8_0": 0.05, "deepseek2lite_q8_0": 0.05}
 # Every family beyond qwen3moe (its fixtures: tiny_*), each of whose decode steps runs on graphs traced from its
 # description: F32 and a quantised fixture each.
-FAMILY_NAMES = ("olmoe", "qwen2moe", "mixtral", "deepseek2", "deepseek2lite", "glm4moe", "gptoss", "minimaxm2")
+FAMILY_NAMES = ("olmoe", "qwen2moe", "mixtral", "deepseek2", "deepseek2lite", "glm4moe", "gptoss", "minimaxm2",
+                "llama4")
 FAMILIES = [f"{family}_{kind}" for family in FAMILY_NAMES
             for kind in ("f32", "mxfp4" if family == "gptoss" else "q8_0")]
 

@@ -111,9 +111,10 @@ class Model:
 
     @property
     def trunk_nbytes(self) -> int:
-        """Bytes of everything resident: embeddings, output head, every block's tensors."""
+        """Bytes of everything resident: embeddings, output head, the family's model-wide tensors, every
+        block's tensors."""
         head = self.token_embd.nbytes + self.output_norm.nbytes + (0 if self.args.tied_output else self.output.nbytes)
-        return head + sum(b.nbytes for b in self.blocks)
+        return head + sum(g.nbytes for g in self.globals.values()) + sum(b.nbytes for b in self.blocks)
 
     @property
     def expert_nbytes_max(self) -> int:
