@@ -44,7 +44,7 @@ import numpy as np
 import ggml.ggml as G
 
 from colibri_aio.kernels.ggml_cpu import GgmlKernels, Graph, Mat, aligned_buffer, split_stacks
-from colibri_aio.kernels.ops import MIN_WEIGHT_SUM, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, Routing
+from colibri_aio.kernels.ops import MIN_WEIGHT_SUM, SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, Routing, attention_temperature
 from colibri_aio.kernels.qtensor import QTensor
 
 if TYPE_CHECKING:
@@ -80,7 +80,8 @@ class StepInputs:
         self.position = 0
         self.pos32 = np.zeros(1, np.int32)
         self._slots: dict[int, np.ndarray] = {}          # ring size (0: a whole-context cache) -> (1,) int64
-        self._masks: dict[tuple[int, int], np.ndarray] = {}  # (ring size or 0, keys) -> (rows, keys) f16
+        self._masks: dict[tuple[int, int, bool], np.ndarray] = {}  # (ring size or 0, keys, chunked) -> (rows, keys)
+        self._temperatures: dict[tuple[int, float], np.ndarray] = {}  # (floor_scale, scale) -> (1,) f32
 
     def begin(self, position: int) -> None:
         self.position = position
@@ -89,6 +90,15 @@ class StepInputs:
             slot[0] = position % size if size else position
         for key, mask in self._masks.items():
             self._fill(key, mask)
+        for (floor_scale, scale), t in self._temperatures.items():
+            t[:] = attention_temperature(self.pos32, floor_scale, scale)
+
+    def temperature(self, floor_scale: int, scale: float) -> np.ndarray:
+        """The buffer holding this step's query temperature (llama4's NoPE layers)."""
+        key = (floor_scale, scale)
+        if key not in self._temperatures:
+            self._temperatures[key] = attention_temperature(self.pos32, floor_scale, scale)
+        return self._temperatures[key]
 
     def slot(self, ring: int) -> np.ndarray:
         """The buffer holding this step's slot in a cache of ``ring`` positions (0: the whole context)."""
@@ -96,21 +106,22 @@ class StepInputs:
             self._slots[ring] = np.array([self.position % ring if ring else self.position], np.int64)
         return self._slots[ring]
 
-    def mask(self, ring: int, n_kv: int) -> np.ndarray:
+    def mask(self, ring: int, n_kv: int, chunked: bool = False) -> np.ndarray:
         """The mask over ``n_kv`` keys of a cache of ``ring`` positions (0: the whole context, keys up to the
-        position visible; a ring: the slots holding a position of the window, 0 .. position)."""
-        key = (ring, n_kv)
+        position visible; a ring: the slots holding a position of the window, 0 .. position; ``chunked``:
+        of the position's chunk of ``ring`` positions)."""
+        key = (ring, n_kv, chunked)
         if key not in self._masks:
             self._masks[key] = np.full((_MASK_ROWS, n_kv), -np.inf, np.float16)
             self._fill(key, self._masks[key])
         return self._masks[key]
 
-    def _fill(self, key: tuple[int, int], mask: np.ndarray) -> None:
-        ring, n_kv = key
+    def _fill(self, key: tuple[int, int, bool], mask: np.ndarray) -> None:
+        ring, n_kv, chunked = key
         p = self.position
         if ring:   # slot j holds position p - ((p - j) mod ring): seen when it is not before the first
             held = p - (p - np.arange(n_kv)) % ring
-            mask[0] = np.where(held >= 0, 0.0, -np.inf)
+            mask[0] = np.where(held >= (p // ring * ring if chunked else 0), 0.0, -np.inf)
         else:
             mask[0, :p + 1] = 0
             mask[0, p + 1:] = -np.inf
@@ -285,7 +296,8 @@ class GgmlBuilder:
     def rope(self, x: Any, neox: bool) -> Node:
         xn, p = self.node(x), self.rope_params
         mode = G.GGML_ROPE_TYPE_NEOX if neox else G.GGML_ROPE_TYPE_NORMAL
-        t = G.ggml_rope_ext(self.ctx, self._contiguous(xn.t), self._positions(), None, p.n_rot, mode, p.n_ctx_orig,
+        factors = None if p.freq_factors is None else self._freq_factors(p.freq_factors)
+        t = G.ggml_rope_ext(self.ctx, self._contiguous(xn.t), self._positions(), factors, p.n_rot, mode, p.n_ctx_orig,
                             p.freq_base, p.freq_scale, p.ext_factor, p.attn_factor, p.beta_fast, p.beta_slow)
         return Node(t, xn.shape)
 
@@ -337,7 +349,7 @@ class GgmlBuilder:
             v_all = self._strided(gid, dv, n_kv, heads_kv, heads_kv * dv * item, values.ctypes.data)
             if widen:
                 k_all, v_all = self._widened(k_all, n_kv, heads_kv), self._widened(v_all, n_kv, heads_kv)
-        mask = self.over(self.inputs.mask(ring, n_kv))
+        mask = self.over(self.inputs.mask(ring, n_kv, cache.chunked[layer]))
         att = G.ggml_flash_attn_ext(ctx, G.ggml_permute(ctx, qn.t, 0, 2, 1, 3), k_all, v_all, mask,
                                     1.0 / math.sqrt(dk) if scale is None else scale, 0.0, 0.0)
         G.ggml_flash_attn_ext_set_prec(att, G.GGML_PREC_F32)
@@ -355,6 +367,18 @@ class GgmlBuilder:
     def sigmoid(self, x: Any) -> Node:
         xn = self.node(x)
         return Node(G.ggml_sigmoid(self.ctx, xn.t), xn.shape)
+
+    def temperature(self, x: Any, floor_scale: int, scale: float) -> Node:
+        xn = self.node(x)
+        return Node(G.ggml_mul(self.ctx, xn.t, self.over(self.inputs.temperature(floor_scale, scale))), xn.shape)
+
+    def _freq_factors(self, factors: tuple[float, ...]) -> Any:
+        key = ("freq_factors", factors)
+        if key not in self._leaves:
+            a = np.asarray(factors, np.float32)
+            self._keep.append(a)
+            self._leaves[key] = self.over(a)
+        return self._leaves[key]
 
     # --- what the decode driver adds: routing, experts, the order of effects ---
 
@@ -474,6 +498,7 @@ class ExpertsShape:
     shared: bool = False
     each: bool = False
     n_experts: int = 0        # rows of the bias tensors (the block's expert count), when biased
+    weights_first: bool = False   # each rank's weight multiplies its input, not its output (llama4)
 
 
 def expert_terms(ctx: Any, s: ExpertsShape, h: Any, slot_ids: Any, expert_ids: Any, w: Any, stacks: Sequence[Any],
@@ -484,7 +509,9 @@ def expert_terms(ctx: Any, s: ExpertsShape, h: Any, slot_ids: Any, expert_ids: A
         ys = []
         for r in range(s.used):
             wg, wu, wd = stacks[3 * r: 3 * r + 3]
-            gate, up = G.ggml_mul_mat(ctx, wg, h), G.ggml_mul_mat(ctx, wu, h)
+            wr = G.ggml_view_2d(ctx, w, 1, 1, w.contents.nb[1], 4 * r)
+            hr = G.ggml_mul(ctx, h, wr) if s.weights_first else h
+            gate, up = G.ggml_mul_mat(ctx, wg, hr), G.ggml_mul_mat(ctx, wu, hr)
             expert = G.ggml_view_2d(ctx, expert_ids, 1, 1, expert_ids.contents.nb[1], 4 * r)
             if biases is not None:      # the same addition as the stacked path's, on a stack of one
                 gate, up = (G.ggml_add_id(ctx, G.ggml_reshape_3d(ctx, t, s.gate.rows, 1, 1), b, expert)
@@ -492,10 +519,12 @@ def expert_terms(ctx: Any, s: ExpertsShape, h: Any, slot_ids: Any, expert_ids: A
             y = G.ggml_mul_mat(ctx, wd, _activation(ctx, s.activation, gate, up))
             if biases is not None:
                 y = G.ggml_add_id(ctx, G.ggml_reshape_3d(ctx, y, s.down.rows, 1, 1), biases[2], expert)
-            wr = G.ggml_view_2d(ctx, w, 1, 1, w.contents.nb[1], 4 * r)
-            ys.append(G.ggml_reshape_2d(ctx, G.ggml_mul(ctx, y, wr), s.down.rows, 1))
+            ys.append(G.ggml_reshape_2d(ctx, y if s.weights_first else G.ggml_mul(ctx, y, wr), s.down.rows, 1))
         return ys
     h3 = G.ggml_reshape_3d(ctx, h, s.gate.cols, 1, 1)
+    if s.weights_first:      # (D, used, 1): rank r's input is w_r * h
+        h3 = G.ggml_mul(ctx, G.ggml_repeat_4d(ctx, h3, s.gate.cols, s.used, 1, 1),
+                        G.ggml_reshape_3d(ctx, w, 1, s.used, 1))
     if s.gate_up:
         a = G.ggml_swiglu(ctx, G.ggml_mul_mat_id(ctx, stacks[0], h3, slot_ids))
         wd = stacks[1]
@@ -508,7 +537,8 @@ def expert_terms(ctx: Any, s: ExpertsShape, h: Any, slot_ids: Any, expert_ids: A
     y = G.ggml_mul_mat_id(ctx, wd, a, slot_ids)                       # (D, used, 1)
     if biases is not None:
         y = G.ggml_add_id(ctx, y, biases[2], expert_ids)
-    y = G.ggml_mul(ctx, y, G.ggml_reshape_3d(ctx, w, 1, s.used, 1))
+    if not s.weights_first:
+        y = G.ggml_mul(ctx, y, G.ggml_reshape_3d(ctx, w, 1, s.used, 1))
     nb1 = y.contents.nb[1]
     return [G.ggml_view_2d(ctx, y, s.down.rows, 1, nb1, r * nb1) for r in range(s.used)]
 

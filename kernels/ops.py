@@ -91,7 +91,7 @@ def softmax(x: np.ndarray, axis: int = -1) -> np.ndarray:
 
 def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions: np.ndarray, *,
               scale: float | None = None, window: int | None = None, sinks: np.ndarray | None = None,
-              key_positions: np.ndarray | None = None) -> np.ndarray:
+              key_positions: np.ndarray | None = None, chunked: bool = False) -> np.ndarray:
     """Causal grouped-query attention.
 
     q: (T, H, d) for query positions ``positions`` (ascending); k_cache: (S, Hkv, d),
@@ -101,6 +101,8 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions
     ``scale``: the factor on q·k (default 1/sqrt(d)). ``window``: a sliding window,
     a query at p sees keys at p' with p - p' < window. ``sinks``: (H,) one extra
     logit per head in the softmax's denominator (it takes mass, adds no value).
+    ``chunked``: the window is a chunk instead (llama.cpp's chunked SWA), a query at p sees keys at
+    p' >= (p // window) * window.
     """
     t, n_head, d = q.shape
     s, n_kv, dv = v_cache.shape
@@ -112,7 +114,9 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions
     scores = np.matmul(qg, k[:, None]) * factor                       # (Hkv, group, T, S)
     kpos = np.arange(s) if key_positions is None else key_positions
     hidden = kpos[None, :] > positions[:, None]                       # (T, S): the future
-    if window is not None:
+    if window is not None and chunked:
+        hidden |= kpos[None, :] < (positions // window * window)[:, None]
+    elif window is not None:
         hidden |= positions[:, None] - kpos[None, :] >= window
     scores = np.where(hidden, np.float32(-np.inf), scores)
     if sinks is None:
@@ -124,6 +128,14 @@ def attention(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, positions
         probs = z / (np.sum(z, axis=-1, keepdims=True) + np.exp(sink - top))
     out = np.matmul(probs, v[:, None])                                # (Hkv, group, T, dv)
     return out.transpose(2, 0, 1, 3).reshape(t, n_head * dv)
+
+
+def attention_temperature(positions: np.ndarray, floor_scale: int, scale: float,
+                          offset: float = 1.0) -> np.ndarray:
+    """(T,) 1 + scale * ln(floor((p + offset) / floor_scale) + 1) of each position p: llama4's
+    temperature on the queries of its NoPE layers (llama.cpp's attn_scale input), float64 then rounded."""
+    p = positions.astype(np.float64)
+    return (np.log(np.floor((p + offset) / floor_scale) + 1.0) * scale + 1.0).astype(np.float32)
 
 
 def swiglu(gate: np.ndarray, up: np.ndarray) -> np.ndarray:

@@ -59,7 +59,7 @@ def test_f32_oracles_agree(family) -> None:
     assert (hf.argmax(-1) == lc.argmax(-1)).all()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gptoss", "minimaxm2"])
+@pytest.mark.parametrize("family", ["mixtral", "gptoss", "minimaxm2", "llama4"])
 def test_tokenizer_oracles_match_their_fixture(family: str) -> None:
     data = json.loads((FIXTURES / "oracle" / f"{family}_tokenizer_llamacpp.json").read_text(encoding="utf-8"))
     fields = GGUFReader(FIXTURES / data["fixture"]).fields

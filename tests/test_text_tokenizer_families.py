@@ -20,7 +20,7 @@ from colibri_aio.text.tokenizer import Tokenizer
 
 from support import FIXTURES, ORACLE
 
-FAMILIES = ["mixtral", "qwen2moe", "olmoe", "deepseek2", "glm4moe", "gptoss", "minimaxm2"]
+FAMILIES = ["mixtral", "qwen2moe", "olmoe", "deepseek2", "glm4moe", "gptoss", "minimaxm2", "llama4"]
 
 
 def _oracle(family: str) -> dict:

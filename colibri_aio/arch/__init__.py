@@ -13,6 +13,7 @@ pass with :func:`build_net`. Modules are imported only when a file needs them.
     gpt-oss        gptoss.py      GptOssForCausalLM
     glm4moe        glm4moe.py     Glm4MoeForCausalLM
     minimax-m2     minimax_m2.py  MiniMaxM2ForCausalLM
+    llama4         llama4.py      Llama4ForCausalLM (the text model)
 
 How to add a family (fixtures/families.md has each one's keys, tensors and
 math as llama.cpp computes them):
@@ -60,9 +61,12 @@ math as llama.cpp computes them):
 2. One line in :data:`_MODULES`; oracle tests as tests/test_arch_families.py
    runs them (``FAMILY_FIXTURES``); the README's "What runs".
 
-Blocks without routed experts (``leading_dense_block_count``: deepseek2's and
-glm4moe's first blocks) run ``dense_ffn``; the loader keeps no expert table for
-them and the plan, the cache's per-layer quotas and traces count blocks with experts.
+Blocks without routed experts (``ModelArgs.is_moe`` false: deepseek2's and glm4moe's
+``leading_dense_block_count`` first blocks, llama4's interleaved ones) run ``dense_ffn``;
+the loader keeps no expert table for them and the plan and the cache's per-layer quotas
+count blocks with experts (``moe_block_count``). ``kv_chunked(layer)`` makes a block's
+window a chunk (llama4); ``Family.global_tensors`` lists model-wide float32 tensors
+(llama4's ``rope_freqs``), read into ``Model.globals``.
 A KV cache holding something else than H_kv keys and values per position
 (MLA's latent) is a :class:`~colibri_aio.arch.base.KVLayout` from
 ``ModelArgs.kv_layout``, which both the plan and the allocation read, as they
@@ -93,6 +97,7 @@ _MODULES = {
     "gpt-oss": "gptoss",
     "glm4moe": "glm4moe",
     "minimax-m2": "minimax_m2",
+    "llama4": "llama4",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODULES)
 

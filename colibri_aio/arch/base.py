@@ -133,13 +133,14 @@ class BaseArgs:
     @property
     def layers_text(self) -> str:
         """``"61 layers (3 dense)"``, or ``"48 layers"`` when every block has experts."""
-        dense = self.leading_dense_block_count
+        dense = self.block_count - self.moe_block_count
         return f"{self.block_count} layers" + (f" ({dense} dense)" if dense else "")
 
     @property
     def moe_block_count(self) -> int:
-        """Blocks with routed experts: the cache keeps a quota for each, the plan counts their experts."""
-        return self.block_count - self.leading_dense_block_count
+        """Blocks with routed experts (:meth:`is_moe`, wherever they lie): the cache keeps a quota for each,
+        the plan counts their experts."""
+        return sum(self.is_moe(layer) for layer in range(self.block_count))
 
     @classmethod
     def common(cls, meta: Metadata, **overrides: Any) -> dict[str, Any]:
@@ -221,6 +222,11 @@ class BaseArgs:
     def kv_windows(self) -> list[int | None]:
         """:meth:`kv_window` of every block, as the cache and the plan take them."""
         return [self.kv_window(layer) for layer in range(self.block_count)]
+
+    def kv_chunked(self, layer: int) -> bool:
+        """Whether block ``layer``'s window is a chunk (llama4): a query at p sees the keys from the start
+        of its chunk, (p // window) * window, not the last ``window`` positions. The ring is the same."""
+        return False
 
     def kv_cache_nbytes(self, context: int, kv_type: str = DEFAULT_KV_TYPE) -> int:
         """Bytes of the KV cache for ``context`` positions stored as ``kv_type`` (a sliding-window block
@@ -313,3 +319,6 @@ class Family:
     net: type
     checked_against: str
     moe_norm: str = "ffn_norm"
+    # model-wide float32 tensors besides the embeddings and the head (``<name>.weight``, no block): llama4's
+    # rope_freqs; the loader reads them into ``Model.globals``
+    global_tensors: Callable[[Any], list[TensorSpec]] = lambda args: []

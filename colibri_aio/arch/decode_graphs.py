@@ -327,7 +327,7 @@ class GraphDecode(MoETransformer):
                 k.mat(first.gate), k.mat(first.down),  # type: ignore[attr-defined]
                 used or self.args.expert_used_count, depth, gate_up, self.expert_activation, biased,
                 self.shared_expert_on(layer), each=self.settings.get("ggml_experts") == "each",
-                n_experts=self.args.expert_count if biased else 0)
+                n_experts=self.args.expert_count if biased else 0, weights_first=self.expert_weights_first)
         return shapes[key]
 
     def _pool_gate_up(self, resident: ResidentExperts, layer: int) -> bool:

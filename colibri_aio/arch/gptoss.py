@@ -24,10 +24,11 @@ from colibri_aio.kernels.ops import Routing
 SLIDING_PATTERN = 2
 
 
-def sliding_layers(meta: Metadata, block_count: int) -> tuple[bool, ...]:
+def sliding_layers(meta: Metadata, block_count: int, default: int = SLIDING_PATTERN) -> tuple[bool, ...]:
     """Which blocks attend through the sliding window: ``attention.sliding_window_pattern`` as
-    llama.cpp reads it (an array of flags, or a period n whose first n - 1 layers slide), else period 2."""
-    pattern = meta.get("attention.sliding_window_pattern", SLIDING_PATTERN)
+    llama.cpp reads it (an array of flags, or a period n whose first n - 1 layers slide), else period
+    ``default`` (gpt-oss's 2)."""
+    pattern = meta.get("attention.sliding_window_pattern", default)
     if isinstance(pattern, list):
         if len(pattern) != block_count or not all(isinstance(p, bool) for p in pattern):
             raise ModelFormatError(f"{meta.path}: {meta.architecture}.attention.sliding_window_pattern must hold "

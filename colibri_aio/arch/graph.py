@@ -30,7 +30,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from colibri_aio.kernels.ops import attention, rms_norm, rope_neox, rope_norm, sigmoid, swiglu
+from colibri_aio.kernels.ops import (attention, attention_temperature, rms_norm, rope_neox, rope_norm, sigmoid,
+                                     swiglu)
 from colibri_aio.kernels.qtensor import QTensor
 
 if TYPE_CHECKING:
@@ -59,6 +60,7 @@ class RopeParams:
     attn_factor: float = 1.0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    freq_factors: tuple[float, ...] | None = None   # (n_rot/2,) each frequency divided by one (rope_freqs)
 
 
 class Builder(Protocol):
@@ -114,6 +116,10 @@ class Builder(Protocol):
 
     def sigmoid(self, x: Value) -> Value: ...
 
+    def temperature(self, x: Value, floor_scale: int, scale: float) -> Value:
+        """x (T, heads, d) times :func:`~colibri_aio.kernels.ops.attention_temperature` of each of this
+        call's positions (llama4's NoPE queries)."""
+
 
 class NumpyBuilder:
     """Runs a description at once: products on ``kernels``, the rest with :mod:`colibri_aio.kernels.ops`.
@@ -168,10 +174,13 @@ class NumpyBuilder:
                sinks: np.ndarray | None = None) -> np.ndarray:
         keys, values, key_positions = self.cache.update(layer, self.positions, k, v)
         return attention(q, keys, values, self.positions, window=self.cache.windows[layer],
-                         key_positions=key_positions, scale=scale, sinks=sinks)
+                         key_positions=key_positions, scale=scale, sinks=sinks, chunked=self.cache.chunked[layer])
 
     def swiglu(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         return swiglu(gate, up)
 
     def sigmoid(self, x: np.ndarray) -> np.ndarray:
         return sigmoid(x)
+
+    def temperature(self, x: np.ndarray, floor_scale: int, scale: float) -> np.ndarray:
+        return x * attention_temperature(self.positions, floor_scale, scale)[:, None, None]

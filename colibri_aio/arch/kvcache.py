@@ -62,16 +62,19 @@ class KVCache:
     ``layout.values_in_keys`` each value is a view of its key's first numbers (MLA's latent).
 
     A layer with a sliding window of w positions (``windows``) keeps only the last min(n_ctx, w)
-    positions, in a ring (position p in slot p mod w): its queries never see an older key. Other
+    positions, in a ring (position p in slot p mod w): its queries never see an older key. A chunked
+    layer (``chunked``: llama4) has the same ring; its queries see less of it (their chunk's keys). Other
     layers keep ``n_ctx`` positions. ``held[layer]`` is the range of positions a layer's arrays
     hold, so the net can tell which prefixes it can continue from after a rewind.
     """
 
     def __init__(self, n_layer: int, n_ctx: int, layout: KVLayout, kv_type: str = DEFAULT_KV_TYPE,
-                 windows: Sequence[int | None] | None = None) -> None:
+                 windows: Sequence[int | None] | None = None, chunked: Sequence[bool] | None = None) -> None:
         self.dtype = KV_TYPES[check_kv_type(kv_type)]
         self.n_ctx, self.layout, self.kv_type = n_ctx, layout, kv_type
         self.windows = tuple(windows) if windows is not None else (None,) * n_layer
+        # per layer: its window is a chunk (a query sees its chunk's keys only; the ring is the same)
+        self.chunked = tuple(chunked) if chunked is not None else (False,) * n_layer
         self.k: list[np.ndarray] = []
         self.v: list[np.ndarray] = []
         for window in self.windows:

@@ -81,6 +81,9 @@ class MoETransformer:
     # The routed experts' activation (EXPERT_ACTIVATIONS); their biases, when the file has
     # ffn_{gate,up,down}_exps.bias, are added to each product (the block's row of the expert).
     expert_activation = "swiglu"
+    # The router weight multiplies each routed expert's input instead of its output (llama4: llama.cpp's
+    # weight_before_ffn); the shape of every expert's graph says so (ExpertsShape.weights_first).
+    expert_weights_first = False
 
     def __init__(self, model: Model, experts: ExpertSource, n_ctx: int | None = None,
                  kernels: Kernels | None = None, kv_type: str = DEFAULT_KV_TYPE,
@@ -182,7 +185,8 @@ class MoETransformer:
         """The KV cache of ``args.kv_layout()`` and ``args.kv_windows()``: what the plan's ``kv_cache_nbytes``
         counts."""
         a = self.args
-        return KVCache(a.block_count, self.n_ctx, a.kv_layout(), self.kv_type, a.kv_windows())
+        return KVCache(a.block_count, self.n_ctx, a.kv_layout(), self.kv_type, a.kv_windows(),
+                       [a.kv_chunked(layer) for layer in range(a.block_count)])
 
     def rope_tables(self, positions: np.ndarray) -> Rope:
         """cos/sin for this call's positions (computed once per call, used by every layer): the angles
@@ -344,9 +348,11 @@ class MoETransformer:
                         self.experts.hint(layer + 1, predicted)
                     shared = self.shared_expert(f, layer, h)
                 cells = [np.nonzero(ids == expert) for expert, _ in batch]       # (rows, ranks) each
-                ys = self.expert_outputs(layer, batch, [h[rows] for rows, _ in cells])
+                first_w = self.expert_weights_first
+                ys = self.expert_outputs(layer, batch, [h[rows] * weights[rows, ranks][:, None] if first_w
+                                                        else h[rows] for rows, ranks in cells])
                 for (rows, ranks), y in zip(cells, ys):
-                    contrib[rows, ranks] = y * weights[rows, ranks][:, None]
+                    contrib[rows, ranks] = y if first_w else y * weights[rows, ranks][:, None]
         out = contrib.sum(axis=1)
         if not np.isfinite(out).all():
             bad = np.unique(ids[~np.isfinite(contrib).all(axis=2)]).tolist()

@@ -104,7 +104,8 @@ def compute(records: Iterable[dict[str, Any]]) -> TraceStats:
     return TraceStats(
         expert_count=e, expert_used_count=k,
         runs=len({run for run, _ in routes[first]}), positions=len(routes[first]),
-        layers=[_layer_stats(i, routes[i], e, k) for i in range(first, n_layer)],
+        # blocks without experts among the others (llama4's interleaved dense blocks) route nothing: no row
+        layers=[_layer_stats(i, routes[i], e, k) for i in range(first, n_layer) if any(routes[i].values())],
         predictors=sorted(preds, key=lambda p: -p.recall_at_k),
         uniform_locality=k / e,
     )

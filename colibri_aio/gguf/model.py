@@ -21,7 +21,7 @@ import math
 import os
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import dropwhile
 from pathlib import Path
 from typing import Any
@@ -97,6 +97,7 @@ class Model:
     reader: ModelHeader                  # metadata (tokenizer, chat template), every part's tensor table
     family: Family
     trunk_read: BulkStats | None = None  # how the resident trunk was read (None: views of the file)
+    globals: dict[str, np.ndarray] = field(default_factory=dict)  # the family's model-wide vectors (rope_freqs)
 
     @property
     def paths(self) -> tuple[Path, ...]:
@@ -110,9 +111,10 @@ class Model:
 
     @property
     def trunk_nbytes(self) -> int:
-        """Bytes of everything resident: embeddings, output head, every block's tensors."""
+        """Bytes of everything resident: embeddings, output head, the family's model-wide tensors, every
+        block's tensors."""
         head = self.token_embd.nbytes + self.output_norm.nbytes + (0 if self.args.tied_output else self.output.nbytes)
-        return head + sum(b.nbytes for b in self.blocks)
+        return head + sum(g.nbytes for g in self.globals.values()) + sum(b.nbytes for b in self.blocks)
 
     @property
     def expert_nbytes_max(self) -> int:
@@ -320,8 +322,10 @@ def _build(p: Path, reader: ModelHeader, fam: Family, args: ModelArgs, resident:
     output_norm = ts.vector("output_norm.weight", (d,))
     blocks = [_block(ts, fam.block_tensors(args, i), i) for i in range(args.block_count)]
     experts = [_expert_locations(ts, i) if args.is_moe(i) else [] for i in range(args.block_count)]
+    globals_ = {spec.name: ts.vector(spec.name + ".weight", spec.shape) for spec in fam.global_tensors(args)
+                if not (spec.optional and spec.name + ".weight" not in ts.by_name)}
     _check_every_tensor_used(ts, p)
     identities = tuple(FileIdentity.of(os.stat(part)) for part in reader.paths)
     return Model(path=p, identities=identities, args=args, token_embd=token_embd,
                  output_norm=output_norm, output=output, blocks=blocks, experts=experts, reader=reader, family=fam,
-                 trunk_read=ts.read_stats)
+                 trunk_read=ts.read_stats, globals=globals_)

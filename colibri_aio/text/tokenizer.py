@@ -101,6 +101,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     "glm4": PreTokenizer((GLM4_SPLIT_REGEX,), ignore_merges=True),
     "gpt-4o": PreTokenizer((O200K_SPLIT_REGEX,)),
     "minimax-m2": PreTokenizer((O200K_SPLIT_REGEX,)),   # llama-vocab.cpp splits it as gpt-4o (one case)
+    "llama4": PreTokenizer((O200K_SPLIT_REGEX,)),       # so does it llama4 (one case with gpt-4o)
 }
 
 SUPPORTED_MODELS = ("gpt2", "llama")
