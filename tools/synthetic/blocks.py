@@ -252,37 +252,27 @@ class MXFP4:
         blocks[:, 1:17] = 0
 
 
-class Codebook:
+class Codebook(Q5_0):
     """A 256-weight codebook type whose block starts with its f16 scale ``d`` (IQ1_S, IQ2_XXS, IQ3_XXS).
 
     Every byte pattern after ``d`` is a valid block: grid indices, sign indices and sub-block scales are all
     in range, so random bytes are random codes, the signs make the weights zero-mean, and the weights are
     ``d`` times a fixed code distribution. Its root-mean-square (at ``d`` = 1) is measured once on random
-    blocks by gguf's own dequantiser, so the LUT's ``d`` gives the requested std for any of these types.
-    ``d`` = 0 zeroes the block: as IQ sub-block scales have no zero, the blind columns of a row are its whole
-    first block (256 weights, not only the code channels).
+    blocks by gguf's own dequantiser, so the LUT's ``d`` (Q5_0's: the scale alone) gives the requested std for
+    any of these types. ``d`` = 0 zeroes the block: as IQ sub-block scales have no zero, the blind columns of
+    a row are its whole first block (256 weights, not only the code channels).
     """
 
     block: ClassVar[int] = 256
-    scale_bytes: ClassVar[slice] = slice(0, 2)
     blind_columns: ClassVar[int] = 256
 
     def __init__(self, qtype: T) -> None:
-        self.qtype = qtype
-        self.type_size = GGML_QUANT_SIZES[qtype][1]
-        self.rms = _code_rms(qtype, self.type_size)
-
-    def make_lut(self, rng: np.random.Generator, std: float) -> np.ndarray:
-        return _f16_bytes(std * _jitter(rng) / self.rms)
-
-    def finish(self, blocks: np.ndarray, lut: np.ndarray) -> None:
-        _headers_from_lut(blocks, lut, self.scale_bytes)
+        self.qtype = qtype  # type: ignore[misc]
+        self.type_size = GGML_QUANT_SIZES[qtype][1]  # type: ignore[misc]
+        self.rms = _code_rms(qtype, self.type_size)  # type: ignore[misc]
 
     def apply_code(self, blocks: np.ndarray, signs: np.ndarray, lut: np.ndarray) -> float:
         raise NotImplementedError(f"{self.qtype.name} holds routed experts only, which carry no code channels")
-
-    def zero_first_32(self, blocks: np.ndarray) -> None:
-        blocks[:, self.scale_bytes] = 0
 
 
 def _code_rms(qtype: T, type_size: int, n_blocks: int = 4096) -> float:
