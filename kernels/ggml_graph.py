@@ -372,6 +372,66 @@ class GgmlBuilder:
         xn = self.node(x)
         return Node(G.ggml_mul(self.ctx, xn.t, self.over(self.inputs.temperature(floor_scale, scale))), xn.shape)
 
+    def silu(self, x: Any) -> Node:
+        xn = self.node(x)
+        return Node(G.ggml_silu(self.ctx, xn.t), xn.shape)
+
+    def softplus(self, x: Any) -> Node:
+        xn = self.node(x)
+        return Node(G.ggml_softplus(self.ctx, self._contiguous(xn.t)), xn.shape)
+
+    def l2_norm(self, x: Any) -> Node:
+        """llama.cpp's form: RMSNorm with eps/n, times 1/sqrt(n)."""
+        xn = self.node(x)
+        n = xn.shape[-1]
+        normed = G.ggml_rms_norm(self.ctx, self._contiguous(xn.t), self.eps / n)
+        return Node(G.ggml_scale(self.ctx, normed, 1.0 / math.sqrt(n)), xn.shape)
+
+    def repeat_heads(self, x: Any, times: int) -> Node:
+        xn = self.node(x)
+        t, n, d = xn.shape
+        one = G.ggml_reshape_4d(self.ctx, self._contiguous(xn.t), d, 1, n, t)
+        wide = G.ggml_repeat_4d(self.ctx, one, d, times, n, t)
+        return Node(G.ggml_reshape_3d(self.ctx, wide, d, n * times, t), (t, n * times, d))
+
+    def causal_conv(self, layer: int, x: Any, weight: Any) -> Node:
+        """ggml_ssm_conv over the state's K-1 inputs and this call's; the window's last K-1 inputs are
+        written to the state the step leaves (:meth:`KVCache.commit` makes it the sequence's)."""
+        ctx, cache = self.ctx, self.cache
+        xn = self.node(x)
+        t, channels = xn.shape
+        width = cache.conv[layer].shape[1]
+        state = self.over(cache.conv[layer])                                        # (K-1, C)
+        window = G.ggml_concat(ctx, state, G.ggml_cont(ctx, G.ggml_transpose(ctx, xn.t)), 0)  # (K-1+T, C)
+        c = window.contents
+        last = G.ggml_view_2d(ctx, window, width, channels, c.nb[1], t * c.nb[0])
+        self._effect(G.ggml_cpy(ctx, last, self.over(cache.conv_next[layer])))
+        out = G.ggml_ssm_conv(ctx, G.ggml_reshape_3d(ctx, window, width + t, channels, 1), self.leaf(weight))
+        return Node(G.ggml_reshape_2d(ctx, out, channels, t), (t, channels))
+
+    def delta_net(self, layer: int, q: Any, k: Any, v: Any, g: Any, beta: Any) -> Node:
+        """ggml_gated_delta_net from the layer's state; the state it ends with is written to the state the
+        step leaves."""
+        ctx, cache = self.ctx, self.cache
+        qn, kn, vn, gn, bn = (self.node(a) for a in (q, k, v, g, beta))
+        t, heads, dk = qn.shape
+        dv = vn.shape[2]
+
+        def four(node: Node, *ne: int) -> Any:
+            return G.ggml_reshape_4d(ctx, self._contiguous(node.t), *ne)
+
+        state = G.ggml_reshape_4d(ctx, self.over(cache.ssm[layer]), dv, dv, heads, 1)
+        result = G.ggml_gated_delta_net(ctx, four(qn, dk, heads, t, 1), four(kn, dk, heads, t, 1),
+                                        four(vn, dv, heads, t, 1), four(gn, 1, heads, t, 1),
+                                        four(bn, 1, heads, t, 1), state, 1)
+        out = G.ggml_view_1d(ctx, result, dv * heads * t, 0)
+        new_state = G.ggml_view_1d(ctx, result, dv * dv * heads, dv * heads * t * 4)
+        self._effect(G.ggml_cpy(ctx, new_state, G.ggml_reshape_1d(ctx, self.over(cache.ssm_next[layer]),
+                                                                  dv * dv * heads)))
+        out = G.ggml_reshape_3d(ctx, G.ggml_cont(ctx, out), dv, heads, t)
+        self._check(out)
+        return Node(out, (t, heads, dv))
+
     def _freq_factors(self, factors: tuple[float, ...]) -> Any:
         key = ("freq_factors", factors)
         if key not in self._leaves:

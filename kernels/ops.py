@@ -247,3 +247,57 @@ def route(logits: np.ndarray, k: int, routing: Routing = Routing(),
 def router_top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Softmax top-k with the k weights renormalised to sum to 1 (qwen3moe's and Mixtral's routing)."""
     return route(logits, k, Routing())
+
+
+# --- gated DeltaNet (qwen3next's linear attention): llama.cpp's ssm_conv and gated_delta_net ---------------
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x)."""
+    return x * sigmoid(x)
+
+
+def softplus(x: np.ndarray) -> np.ndarray:
+    """log(1 + e^x), and x itself above 20 (ggml's and torch's threshold)."""
+    return np.where(x > 20.0, x, np.log1p(np.exp(np.minimum(x, 20.0)))).astype(np.float32)
+
+
+def l2_norm(x: np.ndarray, eps: float) -> np.ndarray:
+    """x / sqrt(sum(x²) + eps) over the last axis (llama.cpp's RMSNorm with eps/n, divided by sqrt(n))."""
+    ss = np.sum(np.square(x, dtype=np.float32), axis=-1, keepdims=True, dtype=np.float32)
+    return x * (1.0 / np.sqrt(ss + np.float32(eps)))
+
+
+def causal_conv(x: np.ndarray, state: np.ndarray, weight: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A depthwise causal convolution over positions, continued from ``state``.
+
+    x (T, C) this call's inputs; state (C, K-1) the last K-1 inputs before them (zeros at the start);
+    weight (C, K), tap K-1 on the newest input. Returns the outputs (T, C), out[t, c] =
+    sum_j weight[c, j] * window[c, t + j] over the window state ++ x, and the new state: the window's
+    last K-1 inputs.
+    """
+    window = np.concatenate([state, x.T], axis=1)                         # (C, K-1+T)
+    taps = weight.shape[1]
+    out = np.zeros((x.shape[0], x.shape[1]), np.float32)
+    for j in range(taps):                                                  # K taps, each a vector op
+        out += (window[:, j: j + x.shape[0]] * weight[:, j: j + 1]).T
+    return out, np.ascontiguousarray(window[:, window.shape[1] - (taps - 1):])
+
+
+def gated_delta_rule(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray, beta: np.ndarray,
+                     state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The gated delta rule, one position after another, as ggml's gated_delta_net computes it.
+
+    q, k (T, H, dk), v (T, H, dv), g (T, H) log-decay, beta (T, H), state (H, dv, dk): row j of head h
+    is column j of the key-to-value map S. Per position: S ← S·e^g; δ = (v − Sᵀk)·β; S ← S + k δᵀ;
+    out = Sᵀq / sqrt(dv). Returns out (T, H, dv) and the new state.
+    """
+    s = state.copy()
+    out = np.empty(v.shape, np.float32)
+    scale = np.float32(1.0 / math.sqrt(v.shape[-1]))
+    decay = np.exp(g).astype(np.float32)
+    for t in range(q.shape[0]):                                            # a recurrence over positions
+        s *= decay[t][:, None, None]
+        delta = (v[t] - np.einsum("hjk,hk->hj", s, k[t])) * beta[t][:, None]
+        s += delta[:, :, None] * k[t][:, None, :]
+        out[t] = np.einsum("hjk,hk->hj", s, q[t]) * scale
+    return out, s

@@ -14,6 +14,7 @@ pass with :func:`build_net`. Modules are imported only when a file needs them.
     glm4moe        glm4moe.py     Glm4MoeForCausalLM
     minimax-m2     minimax_m2.py  MiniMaxM2ForCausalLM
     llama4         llama4.py      Llama4ForCausalLM (the text model)
+    qwen3next      qwen3next.py   Qwen3NextForCausalLM
 
 How to add a family (fixtures/families.md has each one's keys, tensors and
 math as llama.cpp computes them):
@@ -98,6 +99,7 @@ _MODULES = {
     "glm4moe": "glm4moe",
     "minimax-m2": "minimax_m2",
     "llama4": "llama4",
+    "qwen3next": "qwen3next",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODULES)
 

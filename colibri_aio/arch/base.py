@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Self
 from colibri_aio.errors import ModelFormatError
 from colibri_aio.gguf.header import PER_LAYER_KEYS
 from colibri_aio.kernels.ops import Routing
-from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, kv_nbytes
+from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, RecurrentShape, kv_nbytes
 from colibri_aio.arch.rope import RopeScaling
 
 if TYPE_CHECKING:
@@ -228,10 +228,20 @@ class BaseArgs:
         of its chunk, (p // window) * window, not the last ``window`` positions. The ring is the same."""
         return False
 
+    def recurrent_state(self, layer: int) -> RecurrentShape | None:
+        """The state block ``layer`` keeps of the sequence instead of keys and values when it is a
+        recurrent block (qwen3next's linear attention), else None."""
+        return None
+
+    def recurrent_states(self) -> list[RecurrentShape | None]:
+        """:meth:`recurrent_state` of every block, as the cache and the plan take them."""
+        return [self.recurrent_state(layer) for layer in range(self.block_count)]
+
     def kv_cache_nbytes(self, context: int, kv_type: str = DEFAULT_KV_TYPE) -> int:
         """Bytes of the KV cache for ``context`` positions stored as ``kv_type`` (a sliding-window block
-        holds its window): what the plan reserves and the pass allocates."""
-        return kv_nbytes(self.block_count, context, self.kv_layout(), kv_type, self.kv_windows())
+        holds its window, a recurrent block its state): what the plan reserves and the pass allocates."""
+        return kv_nbytes(self.block_count, context, self.kv_layout(), kv_type, self.kv_windows(),
+                         self.recurrent_states())
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,16 +269,18 @@ class TensorSpec:
     dot is taken as written (``attn_q.bias`` is ``blk.<i>.attn_q.bias``).
     ``dense``: dequantised to a float32 array (norms, biases, routers);
     otherwise kept as its raw bytes (a :class:`QTensor` for the kernels).
-    ``optional``: absent from some files of the family.
+    ``optional``: absent from some files of the family. ``bare``: the file names it without a
+    ``.weight`` (``blk.<i>.ssm_a``).
     """
 
     name: str
     shape: tuple[int, ...]
     dense: bool = False
     optional: bool = False
+    bare: bool = False
 
     def file_name(self, layer: int) -> str:
-        return f"blk.{layer}.{self.name}" + ("" if "." in self.name else ".weight")
+        return f"blk.{layer}.{self.name}" + ("" if "." in self.name or self.bare else ".weight")
 
 
 def matrix(name: str, rows: int, cols: int, *, optional: bool = False) -> TensorSpec:
@@ -276,9 +288,9 @@ def matrix(name: str, rows: int, cols: int, *, optional: bool = False) -> Tensor
     return TensorSpec(name, (rows, cols), optional=optional)
 
 
-def vector(name: str, *shape: int, optional: bool = False) -> TensorSpec:
+def vector(name: str, *shape: int, optional: bool = False, bare: bool = False) -> TensorSpec:
     """A float32 tensor: norm weights, biases, routers."""
-    return TensorSpec(name, tuple(shape), dense=True, optional=optional)
+    return TensorSpec(name, tuple(shape), dense=True, optional=optional, bare=bare)
 
 
 def attention_tensors(a: BaseArgs) -> list[TensorSpec]:

@@ -196,7 +196,7 @@ class GraphDecode(MoETransformer):
             await asyncio.sleep(0)  # let reads that have landed report (their slots become ready)
         from colibri_aio.kernels.ggml_graph import STEP_SCRATCH
 
-        graph = graphs.traced(("step",), lambda f: self._step_graph(f, resident), n_nodes=64 * a.block_count + 4096,
+        graph = graphs.traced(("step",), lambda f: self._step_graph(f, resident), n_nodes=160 * a.block_count + 4096,
                               max_arena=STEP_SCRATCH)
         if graph is None:
             return None

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from colibri_aio.kernels.ops import (attention, attention_temperature, rms_norm, rope_neox, rope_norm, sigmoid,
-                                     swiglu)
+from colibri_aio.kernels.ops import (attention, attention_temperature, causal_conv, gated_delta_rule, l2_norm,
+                                     rms_norm, rope_neox, rope_norm, sigmoid, silu, softplus, swiglu)
 from colibri_aio.kernels.qtensor import QTensor
 
 if TYPE_CHECKING:
@@ -120,6 +120,24 @@ class Builder(Protocol):
         """x (T, heads, d) times :func:`~colibri_aio.kernels.ops.attention_temperature` of each of this
         call's positions (llama4's NoPE queries)."""
 
+    def silu(self, x: Value) -> Value: ...
+
+    def softplus(self, x: Value) -> Value: ...
+
+    def l2_norm(self, x: Value) -> Value:
+        """x / sqrt(sum(x²) + eps) over the last axis (eps: the model's RMS epsilon)."""
+
+    def repeat_heads(self, x: Value, times: int) -> Value:
+        """(T, n, d) -> (T, n * times, d), head j being head j // times of x."""
+
+    def causal_conv(self, layer: int, x: Value, weight: Tensor) -> Value:
+        """x (T, C) through block ``layer``'s causal depthwise convolution ``weight`` (C, K), continued from
+        its recurrent state (:func:`~colibri_aio.kernels.ops.causal_conv`); the state moves on."""
+
+    def delta_net(self, layer: int, q: Value, k: Value, v: Value, g: Value, beta: Value) -> Value:
+        """Block ``layer``'s gated delta rule (:func:`~colibri_aio.kernels.ops.gated_delta_rule`) from its
+        recurrent state: q, k (T, H, dk), v (T, H, dv), g and beta (T, H); (T, H, dv)."""
+
 
 class NumpyBuilder:
     """Runs a description at once: products on ``kernels``, the rest with :mod:`colibri_aio.kernels.ops`.
@@ -184,3 +202,28 @@ class NumpyBuilder:
 
     def temperature(self, x: np.ndarray, floor_scale: int, scale: float) -> np.ndarray:
         return x * attention_temperature(self.positions, floor_scale, scale)[:, None, None]
+
+    def silu(self, x: np.ndarray) -> np.ndarray:
+        return silu(x)
+
+    def softplus(self, x: np.ndarray) -> np.ndarray:
+        return softplus(x)
+
+    def l2_norm(self, x: np.ndarray) -> np.ndarray:
+        return l2_norm(x, self.eps)
+
+    def repeat_heads(self, x: np.ndarray, times: int) -> np.ndarray:
+        return np.repeat(x, times, axis=1)
+
+    def causal_conv(self, layer: int, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        c = self.cache
+        out, state = causal_conv(x, c.conv[layer], weight)
+        np.copyto(c.conv_next[layer], state)
+        return out
+
+    def delta_net(self, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray,
+                  beta: np.ndarray) -> np.ndarray:
+        c = self.cache
+        out, state = gated_delta_rule(q, k, v, g, beta, c.ssm[layer])
+        np.copyto(c.ssm_next[layer], state)
+        return out

@@ -8,12 +8,18 @@ still never changes a bit; against a float32 oracle the logits move by about
 1e-3 of their range (the tolerance tests/test_arch_qwen3moe.py states).
 
 A sliding-window layer (gpt-oss) keeps only its window of positions, in a
-ring. ``plan``, the start line and the allocation take their size from
-:func:`kv_nbytes`, so what is printed is what is allocated.
+ring. A recurrent layer (qwen3next's gated DeltaNet) keeps no keys at all but
+a fixed state of the sequence so far (:class:`RecurrentShape`), in float32 as
+llama.cpp keeps it, twice: the state the step reads and the one it writes,
+which becomes the state only once the whole step has run (a step that is
+discarded, or fails, leaves it as it was). ``plan``, the start line and the
+allocation take their size from :func:`kv_nbytes`, so what is printed is what
+is allocated.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -29,6 +35,22 @@ DEFAULT_KV_TYPE = "f16"
 # Qwen3-30B-A3B file says 40960, which would reserve 3.75 GiB of f16 KV (7.5 GiB
 # in f32) out of the budget the experts need.
 DEFAULT_CONTEXT = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class RecurrentShape:
+    """The state a recurrent block keeps of a sequence in place of keys and values: the last
+    ``conv_width`` inputs of its causal convolution over ``conv_channels`` channels, and a
+    (``head_width``, ``head_width``) map per head for ``heads`` heads."""
+
+    conv_channels: int
+    conv_width: int
+    heads: int
+    head_width: int
+
+    @property
+    def floats(self) -> int:
+        return self.conv_channels * self.conv_width + self.heads * self.head_width * self.head_width
 
 
 def check_kv_type(kv_type: str) -> str:
@@ -49,12 +71,17 @@ def held_positions(n_ctx: int, window: int | None) -> int:
 
 
 def kv_nbytes(n_layer: int, n_ctx: int, layout: KVLayout, kv_type: str = DEFAULT_KV_TYPE,
-              windows: Sequence[int | None] | None = None) -> int:
+              windows: Sequence[int | None] | None = None,
+              recurrent: Sequence[RecurrentShape | None] | None = None) -> int:
     """Bytes of the cache :class:`KVCache` allocates for ``layout`` stored as ``kv_type``, with each layer's
-    sliding window (None: every layer sees the whole context)."""
+    sliding window (None: every layer sees the whole context) and each recurrent layer's state (no keys;
+    its state twice, in float32)."""
     itemsize = np.dtype(KV_TYPES[check_kv_type(kv_type)]).itemsize
-    positions = sum(held_positions(n_ctx, w) for w in (windows if windows is not None else [None] * n_layer))
-    return positions * layout.floats_per_position * itemsize
+    windows = windows if windows is not None else [None] * n_layer
+    recurrent = recurrent if recurrent is not None else [None] * n_layer
+    positions = sum(held_positions(n_ctx, w) for w, r in zip(windows, recurrent) if r is None)
+    states = sum(2 * r.floats * 4 for r in recurrent if r is not None)
+    return positions * layout.floats_per_position * itemsize + states
 
 
 class KVCache:
@@ -69,16 +96,29 @@ class KVCache:
     """
 
     def __init__(self, n_layer: int, n_ctx: int, layout: KVLayout, kv_type: str = DEFAULT_KV_TYPE,
-                 windows: Sequence[int | None] | None = None, chunked: Sequence[bool] | None = None) -> None:
+                 windows: Sequence[int | None] | None = None, chunked: Sequence[bool] | None = None,
+                 recurrent: Sequence[RecurrentShape | None] | None = None) -> None:
         self.dtype = KV_TYPES[check_kv_type(kv_type)]
         self.n_ctx, self.layout, self.kv_type = n_ctx, layout, kv_type
         self.windows = tuple(windows) if windows is not None else (None,) * n_layer
         # per layer: its window is a chunk (a query sees its chunk's keys only; the ring is the same)
         self.chunked = tuple(chunked) if chunked is not None else (False,) * n_layer
+        # per layer: the state a recurrent layer keeps instead of keys (None: an attention layer)
+        self.recurrent = tuple(recurrent) if recurrent is not None else (None,) * n_layer
+        self.conv: list[np.ndarray | None] = []       # (C, K-1) the state a step reads ...
+        self.ssm: list[np.ndarray | None] = []        # (H, w, w)
+        self.conv_next: list[np.ndarray | None] = []  # ... and the one it writes
+        self.ssm_next: list[np.ndarray | None] = []
+        for r in self.recurrent:
+            made = [None] * 4 if r is None else [np.zeros(shape, np.float32) for shape in (
+                (r.conv_channels, r.conv_width), (r.heads, r.head_width, r.head_width)) * 2]
+            for store, array in zip((self.conv, self.ssm, self.conv_next, self.ssm_next), made):
+                store.append(array)
         self.k: list[np.ndarray] = []
         self.v: list[np.ndarray] = []
-        for window in self.windows:
-            k = np.zeros((held_positions(n_ctx, window), layout.heads, layout.key_width), self.dtype)
+        for window, r in zip(self.windows, self.recurrent):
+            held = 0 if r is not None else held_positions(n_ctx, window)
+            k = np.zeros((held, layout.heads, layout.key_width), self.dtype)
             self.k.append(k)
             self.v.append(k[..., :layout.value_width] if layout.values_in_keys
                           else np.zeros((len(k), layout.heads, layout.value_width), self.dtype))
@@ -86,10 +126,36 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(k.nbytes + (0 if self.layout.values_in_keys else v.nbytes) for k, v in zip(self.k, self.v))
+        states = sum(a.nbytes for store in (self.conv, self.ssm, self.conv_next, self.ssm_next)
+                     for a in store if a is not None)
+        return states + sum(k.nbytes + (0 if self.layout.values_in_keys else v.nbytes)
+                            for k, v in zip(self.k, self.v))
 
     def is_ring(self, layer: int) -> bool:
-        return len(self.k[layer]) < self.n_ctx
+        return self.recurrent[layer] is None and len(self.k[layer]) < self.n_ctx
+
+    # --- recurrent layers -----------------------------------------------------------------------
+
+    def start(self, first: int) -> None:
+        """A step begins at position ``first``: a recurrent layer's state is the sequence's before it, or
+        zeros at the start of a sequence."""
+        for layer, r in enumerate(self.recurrent):
+            if r is None:
+                continue
+            if first == 0:
+                self.conv[layer][:] = 0   # type: ignore[index]
+                self.ssm[layer][:] = 0    # type: ignore[index]
+            elif self.held[layer][1] != first:
+                raise RuntimeError(f"layer {layer}'s recurrent state holds {self.held[layer][1]} positions, "
+                                   f"not the {first} this step continues")
+
+    def commit(self, end: int) -> None:
+        """The step ending before position ``end`` ran whole: the states it wrote become the sequence's."""
+        for layer, r in enumerate(self.recurrent):
+            if r is not None:
+                np.copyto(self.conv[layer], self.conv_next[layer])  # type: ignore[arg-type]
+                np.copyto(self.ssm[layer], self.ssm_next[layer])    # type: ignore[arg-type]
+                self.held[layer] = (0, end)
 
     def update(self, layer: int, positions: np.ndarray, k: np.ndarray,
                v: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -121,7 +187,9 @@ class KVCache:
 
     def wrote(self, layer: int, end: int) -> None:
         """Position ``end`` - 1, the context's next, was written in place by a kernel graph (into slot
-        ``end - 1`` mod the ring's size on a ring)."""
+        ``end - 1`` mod the ring's size on a ring); a recurrent layer's state waits for :meth:`commit`."""
+        if self.recurrent[layer] is not None:
+            return
         first = self.held[layer][0]
         self.held[layer] = (max(first, end - len(self.k[layer])) if self.is_ring(layer) else first, end)
 
@@ -132,13 +200,20 @@ class KVCache:
 
     def can_continue(self, n_past: int) -> bool:
         """Whether the next position n_past finds every key it attends to: positions max(0, n_past - w + 1)
-        .. n_past - 1 of each layer (w its window, or the whole context) are in its arrays."""
-        for (first, end), window in zip(self.held, self.windows):
+        .. n_past - 1 of each layer (w its window, or the whole context) are in its arrays; a recurrent
+        layer's state must be that of exactly n_past positions (it cannot be wound back)."""
+        for (first, end), window, r in zip(self.held, self.windows, self.recurrent):
+            if r is not None:
+                if n_past and end != n_past:
+                    return False
+                continue
             need = 0 if window is None else max(0, n_past - window + 1)
             if n_past and (need < first or n_past > end):
                 return False
         return True
 
     def forget_after(self, n_past: int) -> None:
-        """Positions from n_past on are no longer part of the context."""
-        self.held = [(min(first, n_past), min(end, n_past)) for first, end in self.held]
+        """Positions from n_past on are no longer part of the context (a recurrent state that held more
+        is no state of n_past positions: -1 marks it lost)."""
+        self.held = [(min(first, n_past), min(end, n_past) if r is None or end <= n_past else -1)
+                     for (first, end), r in zip(self.held, self.recurrent)]

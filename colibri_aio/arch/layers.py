@@ -186,7 +186,7 @@ class MoETransformer:
         counts."""
         a = self.args
         return KVCache(a.block_count, self.n_ctx, a.kv_layout(), self.kv_type, a.kv_windows(),
-                       [a.kv_chunked(layer) for layer in range(a.block_count)])
+                       [a.kv_chunked(layer) for layer in range(a.block_count)], a.recurrent_states())
 
     def rope_tables(self, positions: np.ndarray) -> Rope:
         """cos/sin for this call's positions (computed once per call, used by every layer): the angles
@@ -271,8 +271,10 @@ class MoETransformer:
             raise UserError(f"context full: {self.n_past} + {tok.size} tokens > n_ctx {self.n_ctx}")
         self.experts.step(tok.size)
         positions = np.arange(self.n_past, self.n_past + tok.size)
+        self.cache.start(self.n_past)
         try:
             out = await self._logits(tok, positions, observer, logits)
+            self.cache.commit(self.n_past + tok.size)
         except BaseException:
             # A ring may have taken this call's keys in the slots of ones the context still needs.
             if not self.cache.can_continue(self.n_past):
