@@ -79,8 +79,9 @@ async def test_a_context_continues_from_its_end_and_is_never_rewound_into() -> N
         net.rewind(8)
     net.reset()
     await net.prefill(IDS[:5])
+    tolerance = 1e-4 * float(np.abs(whole).max())              # the oracles' (a product of 1 row or of 12)
     for i in range(5, 12):                                     # one position at a time, from the end
-        np.testing.assert_allclose(await net.forward(IDS[i:i + 1]), whole[i], rtol=0, atol=2e-5)
+        np.testing.assert_allclose(await net.forward(IDS[i:i + 1]), whole[i], rtol=0, atol=tolerance)
 
 
 async def test_a_failed_step_leaves_the_state_of_the_positions_before_it() -> None:
@@ -121,6 +122,7 @@ def _legacy(name: str, array: np.ndarray, a) -> list[tuple[str, np.ndarray]]:
 
 
 async def test_the_older_ssm_in_layout_gives_the_same_logits(tmp_path) -> None:
+    """The same rows, multiplied as one matrix in another order: the same logits to float32 rounding."""
     a = load(F32).args
     _legacy.gates = {t.name: np.asarray(t.data) for t in GGUFReader(F32).tensors if "attn_gate" in t.name}
     legacy = rewrite_gguf(F32, tmp_path / "legacy.gguf", tensors=lambda n, x: _legacy(n, x, a))
@@ -130,7 +132,7 @@ async def test_the_older_ssm_in_layout_gives_the_same_logits(tmp_path) -> None:
         assert ("ssm_in" in m.blocks[0]) == (path == legacy)
         net = build_net(m, MappedExpertSource(m), n_ctx=32, kv_type="f32")
         got.append(await net.prefill(IDS[:8], logits="all"))
-    np.testing.assert_array_equal(got[0], got[1])
+    assert float(np.abs(got[0] - got[1]).max()) <= 1e-5 * float(np.abs(got[0]).max())
 
 
 def test_the_convolution_and_delta_rule_continue_across_calls() -> None:

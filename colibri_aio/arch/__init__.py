@@ -72,6 +72,11 @@ A KV cache holding something else than H_kv keys and values per position
 (MLA's latent) is a :class:`~colibri_aio.arch.base.KVLayout` from
 ``ModelArgs.kv_layout``, which both the plan and the allocation read, as they
 read ``kv_window`` (a sliding layer's ring holds its window, not the context).
+A recurrent block (qwen3next's linear attention) keeps no keys but a state of
+the sequence, ``ModelArgs.recurrent_state(layer)``, which the plan and the
+allocation count in its place; the Builder's ``causal_conv`` and ``delta_net``
+read it and write the state the step leaves, which becomes the sequence's only
+when the step runs whole.
 """
 from __future__ import annotations
 
