@@ -32,6 +32,12 @@ from support import FIXTURES, ORACLE, family_stems, teacher_forced
 
 REL_TOL = 1e-4
 QUANTISED_VS_LLAMACPP = 0.05  # x max|logit|: llama.cpp's Q8_0 activations; argmax checked beyond twice this margin
+# The NumPy reference (dequantised weights, float32 activations) against llama.cpp (activations rounded to Q8_0)
+# says nothing where the two differ by more than the logits' spread: qwen3next's DeltaNet RMS-norms each head's
+# output, at the first positions one q·k of two L2-normed, nearly orthogonal vectors, whose rounding the norm
+# scales up (measured 0.34 x max|logit| between transformers and llama.cpp on qwen3next_q8_0). There the ggml
+# backend, which rounds as llama.cpp does, gives its logits bit for bit (test_ggml_logits_match_llamacpp).
+ACTIVATION_ROUNDING_DOMINATES = {"qwen3next_q8_0"}
 GGML_VS_LLAMACPP = 1e-3  # x max|logit|: ggml and llama.cpp run the same kernels on the same rounded activations
 # Attention (q·k, the masked softmax, its mix of values) runs in NumPy, which rounds the last bits otherwise
 # than ggml (float32 exp and division; ggml: its vector expf, a double sum, a reciprocal). Quantising the
@@ -88,6 +94,8 @@ def test_logits_match_transformers(stem: str, decode: bool) -> None:
 
 @pytest.mark.parametrize("stem", FAMILY_FIXTURES)
 def test_argmax_matches_llamacpp(stem: str) -> None:
+    if stem in ACTIVATION_ROUNDING_DOMINATES:
+        pytest.skip("llama.cpp's Q8_0 activations move these logits beyond their spread (ACTIVATION_ROUNDING_DOMINATES)")
     net, f32_weights = _net(stem), stem.endswith("_f32")
     for ids, want in _oracle(stem, "llamacpp"):
         got = teacher_forced(net, ids, decode=False)

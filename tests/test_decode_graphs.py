@@ -56,6 +56,10 @@ F16_DECODE_EXACT = 1e-6
 F16_DECODE_Q4_K = 5e-2
 F32_VS_LLAMACPP_Q8 = 1e-6
 F32_WEIGHTS_VS_LLAMACPP = 1e-5
+# qwen3next_f32: its gated DeltaNet RMS-norms each head's output, whose first positions are one q·k of two
+# L2-normed, nearly orthogonal vectors: the last bits of any summation order show there. Measured: the
+# graphs 2.4e-5 from llama.cpp, which is itself 4.7e-5 from transformers.
+F32_WEIGHTS_VS_LLAMACPP_BY_NAME = {"qwen3next_f32": 5e-5}
 # minimaxm2_q8_0 with a float32 cache: the per-operation pass's NumPy attention of one query rounds its last
 # bits otherwise than the graphs' (which give llama.cpp's logits bit for bit); at position 19 one such bit of
 # layer 0's attention output (< 1e-5) lands on a Q8_0 code boundary of attn_output's input, and the cache
@@ -185,7 +189,8 @@ def test_family_decode_on_graphs_against_llamacpp(name: str, ggml: Kernels) -> N
     """llama.cpp's decode with a float32 cache: the Q8_0 fixtures bit for bit, F32 to its summation order."""
     ref = np.load(ORACLE / f"{name}.llamacpp.npz")
     ids = json.loads((ORACLE / "family_ids.json").read_text())["sequences"]
-    tol = F32_WEIGHTS_VS_LLAMACPP if name.endswith("_f32") else F32_VS_LLAMACPP_Q8
+    tol = (F32_WEIGHTS_VS_LLAMACPP_BY_NAME.get(name, F32_WEIGHTS_VS_LLAMACPP) if name.endswith("_f32")
+           else F32_VS_LLAMACPP_Q8)
     for key in sorted(ref.files):
         want = ref[key]
         seq = ids[int(key[3:])][: want.shape[0]]
