@@ -106,33 +106,19 @@ async def test_a_failed_step_leaves_the_state_of_the_positions_before_it() -> No
     np.testing.assert_array_equal(await net.forward(IDS[6:7]), want)
 
 
-def _legacy(name: str, array: np.ndarray, a) -> list[tuple[str, np.ndarray]]:
-    """attn_qkv and attn_gate as the older single ssm_in: per key head [q, k, v·r, z·r]."""
-    if name.endswith("attn_gate.weight"):
-        return []
-    if not name.endswith("attn_qkv.weight"):
-        return [(name, array)]
-    gate = _legacy.gates[name.replace("attn_qkv", "attn_gate")]
-    dk, nk = a.state_size, a.key_heads
-    q, k, v = np.split(array, [nk * dk, 2 * nk * dk])
-    vr = a.inner_size // nk
-    rows = [np.concatenate([q[i * dk:(i + 1) * dk], k[i * dk:(i + 1) * dk], v[i * vr:(i + 1) * vr],
-                            gate[i * vr:(i + 1) * vr]]) for i in range(nk)]
-    return [(name.replace("attn_qkv", "ssm_in"), np.concatenate(rows))]
-
-
-async def test_the_older_ssm_in_layout_gives_the_same_logits(tmp_path) -> None:
-    """The same rows, multiplied as one matrix in another order: the same logits to float32 rounding."""
-    a = load(F32).args
-    _legacy.gates = {t.name: np.asarray(t.data) for t in GGUFReader(F32).tensors if "attn_gate" in t.name}
-    legacy = rewrite_gguf(F32, tmp_path / "legacy.gguf", tensors=lambda n, x: _legacy(n, x, a))
+async def test_the_older_ssm_in_layout_gives_the_same_logits() -> None:
+    """qwen3nextlegacy_f32 holds each DeltaNet input projection as one ssm_in (per key head [q, k, v·r, z·r]):
+    the same rows multiplied as one matrix in another order, so qwen3next_f32's logits to float32 rounding,
+    and llama.cpp's on it (which equal its logits on qwen3next_f32)."""
     got = []
-    for path in (F32, legacy):
+    for path in (F32, FIXTURES / "qwen3nextlegacy_f32.gguf"):
         m = load(path)
-        assert ("ssm_in" in m.blocks[0]) == (path == legacy)
+        assert ("ssm_in" in m.blocks[0]) == (path != F32) and ("attn_qkv" in m.blocks[0]) == (path == F32)
         net = build_net(m, MappedExpertSource(m), n_ctx=32, kv_type="f32")
-        got.append(await net.prefill(IDS[:8], logits="all"))
+        got.append(await net.prefill(IDS, logits="all"))
     assert float(np.abs(got[0] - got[1]).max()) <= 1e-5 * float(np.abs(got[0]).max())
+    want = np.load(ORACLE / "qwen3nextlegacy_f32.llamacpp.npz")["seq0"]
+    assert float(np.abs(got[1] - want).max()) <= 5e-5 * float(np.abs(want).max())   # as qwen3next_f32's
 
 
 def test_the_convolution_and_delta_rule_continue_across_calls() -> None:
