@@ -186,6 +186,8 @@ FAMILY_TENSORS = {
     "tiny-minimax-m2": ("minimax-m2", {"attn_q_norm", "attn_k_norm", "exp_probs_b.bias", "ffn_up_exps"}),
     "tiny-gptoss": ("gpt-oss", {"attn_sinks", "attn_output.bias", "ffn_gate_inp.bias", "ffn_up_exps.bias",
                                 "post_attention_norm"}),
+    "tiny-qwen3next": ("qwen3next", {"attn_qkv", "attn_gate", "ssm_conv1d", "ssm_dt.bias", "ssm_a", "ssm_ba",
+                                     "ssm_norm", "ssm_out", "post_attention_norm", "ffn_gate_inp_shexp"}),
 }
 
 
@@ -277,7 +279,8 @@ def test_a_codebook_type_on_rows_of_one_block_is_refused_in_one_line(capsys) -> 
 
 # published total parameter counts (billions), without MTP layers except GLM-4.5-Air's NextN block
 PUBLISHED_PARAMS = {"qwen3-30b-a3b": 30.5, "minimax-m2": 229.0, "mixtral-8x7b": 46.7, "olmoe-1b-7b": 6.9, "qwen2-57b-a14b": 57.4,
-                    "deepseek-v3": 671.0, "glm-4.5-air": 109.2, "gpt-oss-120b": 116.8}
+                    "deepseek-v3": 671.0, "glm-4.5-air": 109.2, "gpt-oss-120b": 116.8,
+                    "qwen3-next-80b-a3b": 80.0}   # Qwen3-Next's model card: "80B in total" (79.7 here, no MTP block)
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))

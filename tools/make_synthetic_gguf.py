@@ -8,7 +8,8 @@
 Shapes (tools/synthetic/shapes.py): qwen3-30b-a3b (qwen3moe), mixtral-8x7b (llama),
 olmoe-1b-7b, qwen2-57b-a14b (qwen2moe), deepseek-v3 (deepseek2, MLA, 3 dense
 blocks), glm-4.5-air (glm4moe, with its NextN block), gpt-oss-120b (gpt-oss),
-minimax-m2 (minimax-m2), and tiny-* versions of each for tests. Tensors and keys per family are those
+minimax-m2 (minimax-m2), qwen3-next-80b-a3b (qwen3next: gated DeltaNet on 3 of 4
+blocks), and tiny-* versions of each for tests. Tensors and keys per family are those
 of fixtures/families.md.
 
 Weights are random bytes turned into valid Q8_0 / Q4_K / Q6_K blocks with a

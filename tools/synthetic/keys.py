@@ -74,3 +74,17 @@ def _add_family(w: gguf.GGUFWriter, shape: Shape) -> None:
         w.add_nextn_predict_layers(shape.nextn)
     if shape.family in ("llama", "deepseek2"):
         w.add_vocab_size(shape.vocab_size)
+    if shape.full_attention_interval:
+        _add_deltanet(w, shape)
+
+
+def _add_deltanet(w: gguf.GGUFWriter, shape: Shape) -> None:
+    """qwen3next's linear attention, as its converter writes it (value heads as wide as key heads)."""
+    w.add_ssm_conv_kernel(shape.conv_kernel)
+    w.add_ssm_state_size(shape.linear_head_dim)
+    w.add_ssm_group_count(shape.linear_key_heads)
+    w.add_ssm_time_step_rank(shape.linear_value_heads)
+    w.add_ssm_inner_size(shape.linear_value_heads * shape.linear_head_dim)
+    w.add_array(f"{shape.family}.attention.recurrent_layers",
+                [shape.is_recurrent(i) for i in range(shape.total_blocks)])
+    w.add_full_attention_interval(shape.full_attention_interval)

@@ -50,6 +50,12 @@ class Shape:
     v_head_dim: int = 0
     sliding_window: int = 0         # gpt-oss: even blocks slide, odd blocks are full
     nextn: int = 0                  # glm4moe's NextN (MTP) blocks appended after the trunk
+    # qwen3next's gated DeltaNet: every block but each full_attention_interval-th (0: none)
+    full_attention_interval: int = 0
+    linear_key_heads: int = 0       # ssm.group_count
+    linear_value_heads: int = 0     # ssm.time_step_rank
+    linear_head_dim: int = 0        # ssm.state_size (keys and values alike)
+    conv_kernel: int = 0            # ssm.conv_kernel
 
     @property
     def mla(self) -> bool:
@@ -77,6 +83,15 @@ class Shape:
     def is_moe(self, block: int) -> bool:
         return block >= self.dense_lead
 
+    def is_recurrent(self, block: int) -> bool:
+        """A gated DeltaNet block (qwen3next) rather than an attention block."""
+        return self.full_attention_interval > 0 and (block + 1) % self.full_attention_interval != 0
+
+    @property
+    def conv_channels(self) -> int:
+        """The DeltaNet convolution's channels: q and k of every key head, v of every value head."""
+        return (2 * self.linear_key_heads + self.linear_value_heads) * self.linear_head_dim
+
 
 _MIXTRAL = dict(family="llama", qk_norm="none", rms_eps=1e-5)
 _OLMOE = dict(family="olmoe", qk_norm="whole", rms_eps=1e-5, rope_freq_base=1e4)
@@ -86,6 +101,7 @@ _DEEPSEEK2 = dict(family="deepseek2", qk_norm="none", gating="sigmoid", weights_
 _GLM4MOE = dict(family="glm4moe", attn_bias=True, gating="sigmoid", weights_norm=True, rms_eps=1e-5,
                 group_count=1, group_used=1, nextn=1)
 _MINIMAX_M2 = dict(family="minimax-m2", qk_norm="whole", gating="sigmoid", rope_freq_base=5e6)
+_QWEN3NEXT = dict(family="qwen3next", gating="softmax", rope_freq_base=1e7, full_attention_interval=4, conv_kernel=4)
 _GPTOSS = dict(family="gpt-oss", qk_norm="none", attn_bias=True, rms_eps=1e-5, rope_freq_base=150000.0,
                yarn_factor=32.0, yarn_orig_ctx=4096)
 
@@ -125,6 +141,13 @@ SHAPES: dict[str, Shape] = {
     "minimax-m2": Shape("minimax-m2", block_count=62, expert_count=256, expert_used_count=8,
                         embedding_length=3072, expert_feed_forward_length=1536, head_count=48, head_count_kv=8,
                         head_dim=128, vocab_size=200064, context_length=196608, rope_dim=64, **_MINIMAX_M2),
+    # Qwen3-Next-80B-A3B: 3 of 4 blocks gated DeltaNet (16 key / 32 value heads of 128), every 4th gated full
+    # attention (16 heads of 256, 2 KV heads, RoPE on 64 dims); 512 experts, top-10, a gated shared expert.
+    "qwen3-next-80b-a3b": Shape("qwen3-next-80b-a3b", block_count=48, expert_count=512, expert_used_count=10,
+                                embedding_length=2048, expert_feed_forward_length=512, head_count=16,
+                                head_count_kv=2, head_dim=256, vocab_size=151936, context_length=262144,
+                                shared_ff=512, rope_dim=64, linear_key_heads=16, linear_value_heads=32,
+                                linear_head_dim=128, **_QWEN3NEXT),
     # For tests: every quantised row length (256) is one K-quant super-block, and the
     # vocabulary is the shared 2048 tokens plus 2048 placeholders, so padding is exercised.
     "tiny": Shape("tiny", block_count=2, expert_count=16, expert_used_count=4, embedding_length=256,
@@ -145,6 +168,8 @@ SHAPES |= {s.name: s for s in (
           weights_scale=2.5, rope_dim=32, **_GLM4MOE),
     Shape("tiny-gptoss", **_TINY, sliding_window=16, **_GPTOSS),
     Shape("tiny-minimax-m2", **_TINY, rope_dim=32, **_MINIMAX_M2),
+    Shape("tiny-qwen3next", **dict(_TINY, block_count=4), shared_ff=256, rope_dim=16, linear_key_heads=2,
+          linear_value_heads=4, linear_head_dim=64, **_QWEN3NEXT),
 )}
 # For the codebook types (IQ1_S, IQ2_XXS, IQ3_XXS: 256-weight blocks with no zero code), whose experts can be
 # blind to the code channels only by a whole zero block: the embedding spans two blocks.

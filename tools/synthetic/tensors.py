@@ -144,8 +144,9 @@ def _attention(shape: Shape, p: str, matrix: T, seed: int, scales: Scales) -> li
                     writes_residual=True),
         ]
     qw, kvw = shape.q_width, shape.kv_width
+    gate = 2 if shape.full_attention_interval else 1   # qwen3next: each head's query and its output gate
     plans = [
-        _matrix(p + "attn_q.weight", (qw, d), matrix, s_in, reads_residual=True),
+        _matrix(p + "attn_q.weight", (gate * qw, d), matrix, s_in, reads_residual=True),
         _matrix(p + "attn_k.weight", (kvw, d), matrix, s_in, reads_residual=True),
         _matrix(p + "attn_v.weight", (kvw, d), matrix, s_in, reads_residual=True),
     ]
@@ -163,9 +164,28 @@ def _attention(shape: Shape, p: str, matrix: T, seed: int, scales: Scales) -> li
     return plans
 
 
+def _deltanet(shape: Shape, p: str, matrix: T, seed: int, scales: Scales) -> list[TensorPlan]:
+    """A qwen3next recurrent block's linear attention (attn_qkv and attn_gate, as the current converter
+    writes them): decays -A with A in U(1, 16), dt bias ~1, convolution taps of std 1/sqrt(K)."""
+    d, dk, nv, k = shape.embedding_length, shape.linear_head_dim, shape.linear_value_heads, shape.conv_kernel
+    s_in, c, inner = scales.attn_in / math.sqrt(d), shape.conv_channels, nv * shape.linear_head_dim
+    rng = tensor_rng(seed, p + "ssm")
+    return [
+        _matrix(p + "attn_qkv.weight", (c, d), matrix, s_in, reads_residual=True),
+        _matrix(p + "attn_gate.weight", (inner, d), matrix, s_in, reads_residual=True),
+        TensorPlan(p + "ssm_conv1d.weight", (c, k), T.F32,
+                   data=(rng.standard_normal((c, k)) / math.sqrt(k)).astype(np.float32)),
+        TensorPlan(p + "ssm_dt.bias", (nv,), T.F32, data=norm_weight(seed, p + "ssm_dt", nv, scales.norm_noise)),
+        TensorPlan(p + "ssm_a", (nv,), T.F32, data=(-rng.uniform(1.0, 16.0, nv)).astype(np.float32)),
+        _matrix(p + "ssm_ba.weight", (2 * nv, d), matrix, s_in, reads_residual=True),
+        _f32(seed, p + "ssm_norm", dk, scales.norm_noise),
+        _matrix(p + "ssm_out.weight", (d, inner), matrix, scales.attn_out / math.sqrt(inner), writes_residual=True),
+    ]
+
+
 def _ffn_norm_name(shape: Shape) -> str:
-    """glm4moe and gpt-oss name the FFN's input norm post_attention_norm."""
-    return "post_attention_norm" if shape.family in ("glm4moe", "gpt-oss") else "ffn_norm"
+    """glm4moe, gpt-oss and qwen3next name the FFN's input norm post_attention_norm."""
+    return "post_attention_norm" if shape.family in ("glm4moe", "gpt-oss", "qwen3next") else "ffn_norm"
 
 
 def _ffn(shape: Shape, i: int, p: str, matrix: T, expert: T, router: np.ndarray, seed: int,
@@ -232,7 +252,7 @@ def plan_tensors(shape: Shape, matrix: T, embd: T, output: T, routers: list[np.n
     for i in range(shape.total_blocks):
         p = f"blk.{i}."
         plans.append(_f32(seed, p + "attn_norm", d, nz))
-        plans += _attention(shape, p, matrix, seed, scales)
+        plans += (_deltanet if shape.is_recurrent(i) else _attention)(shape, p, matrix, seed, scales)
         plans += _ffn(shape, i, p, matrix, expert, routers[i], seed, scales)
         if i >= shape.block_count:
             plans += _nextn(shape, i, p, matrix, seed, scales)
