@@ -209,6 +209,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
     p.add_argument("--arms", default="ours,llama.cpp",
                    help=f"comma-separated from {', '.join(ARMS)} (default: %(default)s)")
+    p.add_argument("--jsonl", action="store_true",
+                   help="also print each run's result as a JSON line on stdout (for tools/bench_commits.py)")
     p.add_argument("--worker", choices=ARMS, help=argparse.SUPPRESS)
     args = p.parse_args()
     tg = args.tg_first + args.tg_steady
@@ -226,6 +228,8 @@ def main() -> int:
         for engine in (arms if i % 2 == 0 else arms[::-1]):
             r = one_run(engine, args)
             runs.append(r)
+            if args.jsonl:
+                print(json.dumps(r), flush=True)
             print(f"round {i} {engine}: " + (r["error"] if "error" in r else
                   f"TTFT {r['ttft_s']:.2f} s, first {r['first_tok_s']:.2f} tok/s, steady {r['steady_tok_s']:.2f}"),
                   file=sys.stderr)
