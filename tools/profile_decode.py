@@ -43,7 +43,7 @@ from pathlib import Path
 
 import numpy as np
 
-from colibri_aio.arch import graph, layers
+from colibri_aio.arch import graph, layers, rope
 from colibri_aio.engine.engine import Engine
 from colibri_aio.bench.lock import exclusive
 from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt
@@ -51,7 +51,7 @@ from colibri_aio.bench.receipt import header as receipt_header, write as write_r
 ROOT = Path(__file__).resolve().parents[1]
 # The trunk's NumPy ops, as the shared forward pass (arch/layers.py) and the NumPy runner of the families'
 # descriptions (arch/graph.py NumpyBuilder) import them.
-NUMPY_OPS = {layers: ("rope_cos_sin", "route"), graph: ("rms_norm", "rope_neox", "rope_norm", "attention")}
+NUMPY_OPS = {rope: ("rope_cos_sin", "rope_yarn_cos_sin"), layers: ("route",), graph: ("rms_norm", "rope_neox", "rope_norm", "attention")}
 
 
 class Timers:
