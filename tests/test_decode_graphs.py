@@ -270,13 +270,16 @@ async def test_a_non_finite_value_in_a_graph_step_is_named_by_the_per_operation_
 
 # --- one graph per decode step when every chosen expert is resident in the pool ---
 
+PASSES = 3  # the first reads the experts; by the end of the second the one-graph guess is back (> 18 clean steps)
+
+
 async def _engine_run(name: str, ids: list[int], kv_type: str, per_layer: int, **placement) -> tuple[np.ndarray, Engine]:
-    """Decode ``ids`` twice from an empty context (the second pass finds what the first read), one token at a
-    time, on the ggml backend with ``per_layer`` cache slots per layer: every step's logits, and the engine."""
+    """Decode ``ids`` PASSES times from an empty context (later passes find what the first read), one token at
+    a time, on the ggml backend with ``per_layer`` cache slots per layer: every step's logits, and the engine."""
     async with await Engine.open(fixture(f"{name}.gguf"), io="uring", kernels="ggml", kv_type=kv_type,
                                  cache_per_layer=per_layer, **placement) as engine:
         rows = []
-        for _ in range(2):
+        for _ in range(PASSES):
             engine.net.reset()
             rows += [await engine.net.forward([t]) for t in ids]
     return np.stack(rows), engine
@@ -292,7 +295,7 @@ async def test_a_step_as_one_graph_gives_the_bits_of_the_per_block_graphs(monkey
     assert engine.net.one_graph_steps == 0
     monkeypatch.setenv("COLIBRI_GGML_STEP", "graph")
     got, engine = await _engine_run(name, ids, kv_type, 10**6)
-    assert engine.net.one_graph_steps >= len(ids)           # the second pass at least: all resident
+    assert engine.net.one_graph_steps >= len(ids)           # the last pass at least: all resident
     assert np.array_equal(got, want)
     # One slot per layer: nearly every step misses, is run again block by block, gives the same bits.
     got, engine = await _engine_run(name, ids, kv_type, 1)
@@ -310,8 +313,8 @@ async def test_a_step_as_one_graph_against_llamacpp(monkeypatch, ggml: Kernels) 
         seq = ids[int(key[3:])][: want.shape[0]]
         got, engine = await _engine_run("tiny_f32", seq, "f16", 10**6)
         assert engine.net.one_graph_steps >= len(seq)
-        for half in (got[:len(seq)], got[len(seq):]):
-            assert float(np.abs(half - want).max()) <= F16_DECODE_EXACT * float(np.abs(want).max()), key
+        for one_pass in np.split(got, PASSES):
+            assert float(np.abs(one_pass - want).max()) <= F16_DECODE_EXACT * float(np.abs(want).max()), key
 
 
 async def test_the_scheduler_counts_a_one_graph_step_as_its_per_block_steps(monkeypatch, ggml: Kernels) -> None:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 from colibri_aio.arch.layers import MoETransformer, RouteObserver
+from colibri_aio.policy.step_path import StepPathGuess
 
 if TYPE_CHECKING:
     from colibri_aio.experts import ResidentExperts
@@ -67,7 +68,7 @@ class GraphDecode(MoETransformer):
 
     _decode_graphs: object = _UNSET
     _buffers: StepBuffers
-    _step_missed = False                     # the last step routed to an expert that was not resident
+    step_path: StepPathGuess                 # whether a step tries the one graph (policy/step_path.py)
     one_graph_steps = 0                      # steps run as one graph
     one_graph_misses = 0                     # one-graph steps discarded: an expert was not resident
 
@@ -88,6 +89,7 @@ class GraphDecode(MoETransformer):
 
         self._buffers = StepBuffers.make(a.block_count, a.embedding_length, a.expert_count, a.expert_used_count,
                                          model.output.rows)
+        self.step_path = StepPathGuess()
         return ggml_graph.DecodeGraphs(k, self.cache, self.rope_params(), a.rms_eps,  # type: ignore[arg-type]
                                        f16_attention=self.settings.get("ggml_attention") == "f16")
 
@@ -96,11 +98,14 @@ class GraphDecode(MoETransformer):
         graphs = self.decode_graphs() if tok.size == 1 and observer is None else None
         if graphs is not None:
             graphs.begin(int(positions[0]))
+            discarded = self.one_graph_misses
             out = await self._step_on_one_graph(graphs, tok)
             if out is None:
                 misses = self.experts.misses
                 out = await self._step_on_block_graphs(graphs, tok, positions)
-                self._step_missed = self.experts.misses != misses
+                self.step_path.observe(self.experts.misses == misses and self.one_graph_misses == discarded)
+            else:
+                self.step_path.observe(True)
             if out is not None:
                 graphs.steps += 1
                 return out
@@ -181,16 +186,15 @@ class GraphDecode(MoETransformer):
         nothing, its result is dropped). The graph runs on this thread, the event loop's, so no read can
         start into a slot and no slot can change hands while it runs. The source then counts the step as
         its per-block requests would have. Nothing was read, so nothing is hinted: lookahead only pays
-        when something misses. It is tried while the step before found every expert resident: where
-        experts miss every step (a cache smaller than the working set) each try would be a step computed
-        twice.
+        when something misses. It is tried only while steps are seldom missing an expert
+        (:class:`StepPathGuess`): a try that misses is a step computed twice.
         """
         source, a = self.experts, self.args
-        if self._step_missed or self.settings.get("ggml_step") != "graph":
+        if self.settings.get("ggml_step") != "graph":
             return None
         layers = [layer for layer in range(a.block_count) if a.is_moe(layer)]
         resident = source.resident(layers, a.expert_count)
-        if resident is None:
+        if resident is None or not self.step_path.try_one_graph():
             return None
         if source.reading:
             await asyncio.sleep(0)  # let reads that have landed report (their slots become ready)
@@ -209,7 +213,6 @@ class GraphDecode(MoETransformer):
         chosen = b.step_order[layers, :a.expert_used_count]
         if not resident.ready[np.asarray(layers)[:, None], chosen].all():
             self.one_graph_misses += 1
-            self._step_missed = True
             return None
         if not np.isfinite(b.step_check[0]):
             return None       # the per-block graphs find the place, or the per-operation pass names it
