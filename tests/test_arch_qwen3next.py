@@ -13,7 +13,7 @@ import pytest
 from gguf import GGUFReader
 
 from colibri_aio.arch import build_net
-from colibri_aio.arch.kvcache import RecurrentShape
+from colibri_aio.arch.kvcache import STATE_CHECKPOINTS, RecurrentShape
 from colibri_aio.engine.engine import Engine
 from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.engine.plan import kv_cache_nbytes, working_nbytes
@@ -48,7 +48,7 @@ def test_the_kv_plan_holds_keys_for_attention_blocks_and_a_state_for_the_others(
     cache = net.cache
     keys = sum(k.nbytes + v.nbytes for k, v in zip(cache.k, cache.v))
     assert [len(k) for k in cache.k] == [0, 0, 0, 64]
-    states = 3 * 2 * 4 * a.recurrent_state(0).floats           # read and written, float32, three blocks
+    states = 3 * (2 + STATE_CHECKPOINTS) * 4 * a.recurrent_state(0).floats   # read, written, kept; float32
     assert cache.nbytes == keys + states == a.kv_cache_nbytes(64, "f32")
 
 
@@ -82,6 +82,48 @@ async def test_a_context_continues_from_its_end_and_is_never_rewound_into() -> N
     tolerance = 1e-4 * float(np.abs(whole).max())              # the oracles' (a product of 1 row or of 12)
     for i in range(5, 12):                                     # one position at a time, from the end
         np.testing.assert_allclose(await net.forward(IDS[i:i + 1]), whole[i], rtol=0, atol=tolerance)
+
+
+async def test_a_checkpoint_lets_a_shorter_prefix_continue_with_the_bits_of_one_pass() -> None:
+    """A checkpoint keeps the state of the context at that point: a later cut to it continues from there
+    (resumable finds the longest one within the prefix), with the bits of the same calls run afresh;
+    checkpoints past the cut go, and only the last STATE_CHECKPOINTS are kept."""
+    m = load(F32)
+    net = build_net(m, MappedExpertSource(m), n_ctx=64, kv_type="f32")
+    await net.prefill(IDS[:4])
+    await net.prefill(IDS[4:6])
+    want = await net.forward(IDS[8:9])                          # another token after the same two calls
+    net.reset()
+    await net.prefill(IDS[:4])
+    net.checkpoint()
+    await net.prefill(IDS[4:6])
+    net.checkpoint()
+    await net.prefill(IDS[6:12])
+    assert net.cache.checkpoints == [4, 6]
+    assert net.resumable(10) == 6 and net.resumable(5) == 4 and net.resumable(3) == 0
+    net.rewind(6)
+    assert net.cache.checkpoints == [4, 6]
+    np.testing.assert_array_equal(await net.forward(IDS[8:9]), want)
+    net.rewind(4)                                               # the checkpoint at 6 is past the cut
+    assert net.cache.checkpoints == [4] and net.resumable(6) == 4
+    for end in (5, 6, 7):                                       # the oldest gives way
+        await net.forward(IDS[end - 1:end])
+        net.checkpoint()
+    assert net.cache.checkpoints == [6, 7][-STATE_CHECKPOINTS:]
+
+
+async def test_a_chats_next_turn_continues_from_the_last_prompts_checkpoint() -> None:
+    """Turn 2's prompt extends turn 1's prompt but not its context's end (the answer is rendered anew):
+    it prefills only what follows turn 1's prompt, and decodes what a fresh engine decodes."""
+    first = IDS[:10]
+    async with await Engine.open(F32, io="pread", n_ctx=64, history=False, kernels="numpy") as engine:
+        pieces = [p async for p in engine.generate(first, max_tokens=4)]
+        second = first + [pieces[0].token] + IDS[10:16]
+        turn2 = [p async for p in engine.generate(second, max_tokens=4)]
+    assert turn2[0].cached_tokens == len(first)
+    async with await Engine.open(F32, io="pread", n_ctx=64, history=False, kernels="numpy") as fresh:
+        alone = [p async for p in fresh.generate(second, max_tokens=4, reuse=False)]
+    assert [p.token for p in turn2] == [p.token for p in alone]
 
 
 async def test_a_failed_step_leaves_the_state_of_the_positions_before_it() -> None:

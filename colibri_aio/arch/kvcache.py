@@ -53,6 +53,14 @@ class RecurrentShape:
         return self.conv_channels * self.conv_width + self.heads * self.head_width * self.head_width
 
 
+# Copies of the recurrent states kept at the end of recent prompts, so that a later prompt sharing that
+# prefix (a chat's next turn, a regenerated answer) continues from there instead of from position 0: a
+# recurrent state cannot be wound back. llama-server keeps such context checkpoints too (--ctx-checkpoints).
+# Two cover a chat's next turn and a retry of the last one; each costs one state (~76 MB for
+# Qwen3-Next-80B's 36 DeltaNet blocks), which the plan counts.
+STATE_CHECKPOINTS = 2
+
+
 def check_kv_type(kv_type: str) -> str:
     """``kv_type`` if it names a KV storage type, else a :class:`UserError` listing them."""
     if kv_type not in KV_TYPES:
@@ -75,12 +83,12 @@ def kv_nbytes(n_layer: int, n_ctx: int, layout: KVLayout, kv_type: str = DEFAULT
               recurrent: Sequence[RecurrentShape | None] | None = None) -> int:
     """Bytes of the cache :class:`KVCache` allocates for ``layout`` stored as ``kv_type``, with each layer's
     sliding window (None: every layer sees the whole context) and each recurrent layer's state (no keys;
-    its state twice, in float32)."""
+    its state twice, in float32, and once more per checkpoint)."""
     itemsize = np.dtype(KV_TYPES[check_kv_type(kv_type)]).itemsize
     windows = windows if windows is not None else [None] * n_layer
     recurrent = recurrent if recurrent is not None else [None] * n_layer
     positions = sum(held_positions(n_ctx, w) for w, r in zip(windows, recurrent) if r is None)
-    states = sum(2 * r.floats * 4 for r in recurrent if r is not None)
+    states = sum((2 + STATE_CHECKPOINTS) * r.floats * 4 for r in recurrent if r is not None)
     return positions * layout.floats_per_position * itemsize + states
 
 
@@ -114,6 +122,12 @@ class KVCache:
                 (r.conv_channels, r.conv_width), (r.heads, r.head_width, r.head_width)) * 2]
             for store, array in zip((self.conv, self.ssm, self.conv_next, self.ssm_next), made):
                 store.append(array)
+        # checkpoints: per slot, each layer's (conv, ssm) copy, and the positions it holds (-1: empty)
+        any_recurrent = any(r is not None for r in self.recurrent)
+        self._saved = [[None if c is None else (np.zeros_like(c), np.zeros_like(m))
+                        for c, m in zip(self.conv, self.ssm)] for _ in range(STATE_CHECKPOINTS * any_recurrent)]
+        self._saved_at = [-1] * len(self._saved)
+        self._saved_order: list[int] = []   # slots, oldest first
         self.k: list[np.ndarray] = []
         self.v: list[np.ndarray] = []
         for window, r in zip(self.windows, self.recurrent):
@@ -128,6 +142,8 @@ class KVCache:
     def nbytes(self) -> int:
         states = sum(a.nbytes for store in (self.conv, self.ssm, self.conv_next, self.ssm_next)
                      for a in store if a is not None)
+        states += sum(c.nbytes + m.nbytes for slot in self._saved for pair in slot if pair is not None
+                      for c, m in [pair])
         return states + sum(k.nbytes + (0 if self.layout.values_in_keys else v.nbytes)
                             for k, v in zip(self.k, self.v))
 
@@ -148,6 +164,28 @@ class KVCache:
             elif self.held[layer][1] != first:
                 raise RuntimeError(f"layer {layer}'s recurrent state holds {self.held[layer][1]} positions, "
                                    f"not the {first} this step continues")
+
+    def checkpoint(self) -> None:
+        """Keep a copy of every recurrent state as it is now (the sequence's first ``end`` positions), in
+        place of the oldest copy; :meth:`forget_after` takes it back when the context is cut to ``end``."""
+        ends = {end for (_, end), r in zip(self.held, self.recurrent) if r is not None}
+        if not self._saved or len(ends) != 1:
+            return
+        end = ends.pop()
+        if end <= 0 or end in self._saved_at:
+            return
+        slot = self._saved_at.index(-1) if -1 in self._saved_at else self._saved_order.pop(0)
+        for pair, conv, ssm in zip(self._saved[slot], self.conv, self.ssm):
+            if pair is not None:
+                np.copyto(pair[0], conv)  # type: ignore[arg-type]
+                np.copyto(pair[1], ssm)   # type: ignore[arg-type]
+        self._saved_at[slot] = end
+        self._saved_order.append(slot)
+
+    @property
+    def checkpoints(self) -> list[int]:
+        """The context lengths whose recurrent states are kept, ascending."""
+        return sorted(end for end in self._saved_at if end >= 0)
 
     def commit(self, end: int) -> None:
         """The step ending before position ``end`` ran whole: the states it wrote become the sequence's."""
@@ -204,7 +242,7 @@ class KVCache:
         layer's state must be that of exactly n_past positions (it cannot be wound back)."""
         for (first, end), window, r in zip(self.held, self.windows, self.recurrent):
             if r is not None:
-                if n_past and end != n_past:
+                if n_past and end != n_past and n_past not in self._saved_at:
                     return False
                 continue
             need = 0 if window is None else max(0, n_past - window + 1)
@@ -213,7 +251,24 @@ class KVCache:
         return True
 
     def forget_after(self, n_past: int) -> None:
-        """Positions from n_past on are no longer part of the context (a recurrent state that held more
-        is no state of n_past positions: -1 marks it lost)."""
-        self.held = [(min(first, n_past), min(end, n_past) if r is None or end <= n_past else -1)
-                     for (first, end), r in zip(self.held, self.recurrent)]
+        """Positions from n_past on are no longer part of the context. A recurrent state that held more
+        is no state of n_past positions: it is taken back from a checkpoint of exactly n_past positions,
+        else -1 marks it lost; checkpoints of longer contexts go (their positions are no longer this
+        context's)."""
+        restore = self._saved_at.index(n_past) if n_past > 0 and n_past in self._saved_at else None
+        held = []
+        for layer, ((first, end), r) in enumerate(zip(self.held, self.recurrent)):
+            if r is None or end == n_past or (end < n_past and restore is None):
+                held.append((min(first, n_past), min(end, n_past)))
+            elif restore is not None:
+                conv, ssm = self._saved[restore][layer]  # type: ignore[misc]
+                np.copyto(self.conv[layer], conv)      # type: ignore[arg-type]
+                np.copyto(self.ssm[layer], ssm)        # type: ignore[arg-type]
+                held.append((0, n_past))
+            else:
+                held.append((0, -1))
+        self.held = held
+        for slot, end in enumerate(self._saved_at):
+            if end > n_past:
+                self._saved_at[slot] = -1
+                self._saved_order.remove(slot)

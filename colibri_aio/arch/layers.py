@@ -248,10 +248,21 @@ class MoETransformer:
         self._truncate(n_past)
 
     def resumable(self, n_past: int) -> int:
-        """The longest prefix of at most ``n_past`` positions the cache can continue from: ``n_past``, or 0
-        when a sliding-window layer has let go of keys position ``n_past`` would see (the ring holds the
-        last window of positions: rewinding past one position beyond it means running the prefix again)."""
-        return n_past if self.cache.can_continue(min(n_past, self.n_past)) else 0
+        """The longest prefix of at most ``n_past`` positions the cache can continue from: ``n_past``; else,
+        for recurrent layers (whose state cannot be wound back), the longest kept checkpoint within it
+        (:meth:`checkpoint`); else 0, as when a sliding-window layer has let go of keys position ``n_past``
+        would see (the ring holds the last window of positions: rewinding past one position beyond it
+        means running the prefix again)."""
+        n_past = min(n_past, self.n_past)
+        for candidate in (n_past, *reversed([c for c in self.cache.checkpoints if c < n_past])):
+            if self.cache.can_continue(candidate):
+                return candidate
+        return 0
+
+    def checkpoint(self) -> None:
+        """Keep the recurrent layers' state of the context as it is now, so a later prompt that shares
+        this prefix continues from here (:meth:`resumable`); nothing for a net without such layers."""
+        self.cache.checkpoint()
 
     def _truncate(self, n_past: int) -> None:
         self.n_past = n_past

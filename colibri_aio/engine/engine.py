@@ -358,6 +358,7 @@ class Engine:
         t0 = time.perf_counter()
         self.net.rewind(cached)
         logits = await self.net.prefill(ids[cached:])
+        self.net.checkpoint()   # a recurrent state cannot be wound back: keep the prompt's for the next turn
         t_prefill = time.perf_counter() - t0
         self.prompt_tokens += len(ids) - cached
         self.cached_tokens += cached
