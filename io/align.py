@@ -3,7 +3,8 @@
 O_DIRECT wants the buffer address, the file offset and the length aligned
 (4096 covers every device here). GGUF aligns tensor data to 32 bytes only, so
 each range is read as its aligned superset and the tensor's bytes start
-``view_offset - dest_offset`` bytes into what was read.
+``view_offset + shift - dest_offset`` bytes into what was read (``shift`` is 0
+unless they are moved down after the read: see :func:`plan_expert`).
 """
 from __future__ import annotations
 

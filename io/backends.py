@@ -78,7 +78,7 @@ class ExpertRead:
     __slots__ = ("files", "loc", "plan", "views", "on_done", "slot_address", "_outstanding", "_error")
 
     def __init__(self, files: Sequence[ModelFile], loc: ExpertLocation, plan: ExpertPlan, views: ExpertBytes,
-                 on_done: OnDone, slot_address: int | None = None) -> None:
+                 on_done: OnDone, slot_address: int) -> None:
         self.files, self.loc, self.plan, self.views, self.on_done = files, loc, plan, views, on_done
         self.slot_address = slot_address   # where the slot starts, for ranges that move after their read
         self._outstanding = len(plan.reads)
@@ -90,7 +90,6 @@ class ExpertRead:
         reason = _failure(rr, outcome)
         if reason is None and rr.shift:
             # The bytes landed rr.shift past view_offset (plan_expert); overlapping, so memmove.
-            assert self.slot_address is not None, "a range that moves after its read needs its slot"
             at = self.slot_address + rr.view_offset
             ctypes.memmove(at, at + rr.shift, rr.nbytes)
         if reason is not None and self._error is None:

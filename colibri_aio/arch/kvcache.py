@@ -142,8 +142,7 @@ class KVCache:
     def nbytes(self) -> int:
         states = sum(a.nbytes for store in (self.conv, self.ssm, self.conv_next, self.ssm_next)
                      for a in store if a is not None)
-        states += sum(c.nbytes + m.nbytes for slot in self._saved for pair in slot if pair is not None
-                      for c, m in [pair])
+        states += sum(a.nbytes for slot in self._saved for pair in slot if pair is not None for a in pair)
         return states + sum(k.nbytes + (0 if self.layout.values_in_keys else v.nbytes)
                             for k, v in zip(self.k, self.v))
 
