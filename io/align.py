@@ -3,8 +3,7 @@
 O_DIRECT wants the buffer address, the file offset and the length aligned
 (4096 covers every device here). GGUF aligns tensor data to 32 bytes only, so
 each range is read as its aligned superset and the tensor's bytes start
-``view_offset + shift - dest_offset`` bytes into what was read (``shift`` is 0
-unless they are moved down after the read: see :func:`plan_expert`).
+``view_offset - dest_offset`` bytes into what was read.
 """
 from __future__ import annotations
 
@@ -37,7 +36,6 @@ class RangeRead:
     nbytes: int        # the range's own length
     range_offset: int  # the range's own (unaligned) file offset, for error messages
     file: int = 0      # which of the model's files (parts) it is read from
-    shift: int = 0     # after the read, the range's bytes move this far down, to view_offset (see plan_expert)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,33 +52,17 @@ class ExpertPlan:
 
 @functools.lru_cache(maxsize=1 << 16)  # a model has a few thousand locations, read again and again
 def plan_expert(loc: ExpertLocation, align: int = ALIGN) -> ExpertPlan:
-    """Lay out the aligned supersets of ``loc``'s three ranges back to back in a slot.
-
-    When every range is a whole number of alignment units, the experts of a layer (neighbours in
-    their tensors) all start the same distance into an aligned block, so their bytes land at the same
-    offsets in their slots and the pool holds each matrix of a layer as one stack (the one-graph decode
-    step needs that). Otherwise (gpt-oss's MXFP4 experts: 2880 x 2880 x 17/32 bytes) each expert's lead
-    differs; then each range gets a fixed room of align_up(nbytes) + align, and once read its bytes
-    move down by their lead to the room's start (``shift``): the same offsets for every expert again,
-    at the cost of one in-slot copy per read.
-
-        slot:  | room 0 (gate)            | room 1 (up)              | room 2 (down)            |
-        read:  |<lead>[gate bytes ]~~~~   |<lead>[up bytes   ]~~~~   | ...
-        after: [gate bytes ]              [up bytes   ]              ...       (view_offset = room start)
-    """
-    moved = any(rng.nbytes % align for rng in loc.ranges)   # neighbours' leads differ: move to one offset
+    """Lay out the aligned supersets of ``loc``'s three ranges back to back in a slot."""
     reads = []
     dest = 0
     for rng in loc.ranges:
         start = align_down(rng.offset, align)
         end = rng.offset + rng.nbytes
         length = align_up(end, align) - start
-        lead = rng.offset - start
-        shift = lead if moved else 0
         reads.append(RangeRead(file_offset=start, read_nbytes=length, need_nbytes=end - start,
-                               dest_offset=dest, view_offset=dest + lead - shift,
-                               nbytes=rng.nbytes, range_offset=rng.offset, file=rng.file, shift=shift))
-        dest += align_up(rng.nbytes, align) + align if moved else length
+                               dest_offset=dest, view_offset=dest + rng.offset - start,
+                               nbytes=rng.nbytes, range_offset=rng.offset, file=rng.file))
+        dest += length
     return ExpertPlan(tuple(reads), dest)
 
 

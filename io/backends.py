@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import ctypes
 import errno
 import mmap
 import os
@@ -75,12 +74,11 @@ class ExpertRead:
     written into it.
     """
 
-    __slots__ = ("files", "loc", "plan", "views", "on_done", "slot_address", "_outstanding", "_error")
+    __slots__ = ("files", "loc", "plan", "views", "on_done", "_outstanding", "_error")
 
     def __init__(self, files: Sequence[ModelFile], loc: ExpertLocation, plan: ExpertPlan, views: ExpertBytes,
-                 on_done: OnDone, slot_address: int) -> None:
+                 on_done: OnDone) -> None:
         self.files, self.loc, self.plan, self.views, self.on_done = files, loc, plan, views, on_done
-        self.slot_address = slot_address   # where the slot starts, for ranges that move after their read
         self._outstanding = len(plan.reads)
         self._error: ExpertReadError | None = None
 
@@ -88,10 +86,6 @@ class ExpertRead:
         """Record range ``index``'s result: bytes read, ``-errno``, or the exception a worker raised."""
         rr = self.plan.reads[index]
         reason = _failure(rr, outcome)
-        if reason is None and rr.shift:
-            # The bytes landed rr.shift past view_offset (plan_expert); overlapping, so memmove.
-            at = self.slot_address + rr.view_offset
-            ctypes.memmove(at, at + rr.shift, rr.nbytes)
         if reason is not None and self._error is None:
             self._error = ExpertReadError(
                 self.files[rr.file].path, rr.range_offset, rr.nbytes, self.loc.layer, self.loc.expert,
@@ -161,7 +155,7 @@ class SpanOp:
 
 def span_ops(files: Sequence[ModelFile], jobs: Sequence[Job]) -> list[SpanOp]:
     """The coalesced reads of ``jobs`` (pool slots), in file order; each job's ExpertRead hears of its three."""
-    ops = [ExpertRead(files, j.loc, j.plan, slot_views(j.plan, j.slot), j.on_done, j.slot.address) for j in jobs]
+    ops = [ExpertRead(files, j.loc, j.plan, slot_views(j.plan, j.slot), j.on_done) for j in jobs]
     out = []
     for run in runs([j.loc for j in jobs], [j.plan for j in jobs]):
         plans = [jobs[i].plan for i in run]
