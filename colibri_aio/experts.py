@@ -104,8 +104,9 @@ class ExpertSource(Protocol):
         """A prediction that ``layer`` will soon ask for ``experts`` (may be ignored)."""
         ...
 
-    def step(self, positions: int) -> None:
-        """A forward pass over ``positions`` positions begins; lets a scheduler time decode steps (may be ignored)."""
+    def step(self, positions: int, sequences: int = 1) -> None:
+        """A forward pass over ``positions`` positions of ``sequences`` sequences begins (one position of
+        each: a decode step); lets a scheduler time decode steps (may be ignored)."""
         ...
 
     def resident(self, layers: Sequence[int], n_experts: int) -> ResidentExperts | None:

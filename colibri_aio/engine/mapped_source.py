@@ -42,7 +42,7 @@ class MappedExpertSource:
     def hint(self, layer: int, experts: Sequence[int]) -> None:
         """The page cache does its own read-ahead; a hint changes nothing here."""
 
-    def step(self, positions: int) -> None:
+    def step(self, positions: int, sequences: int = 1) -> None:
         """Nothing here is steered by step times."""
 
     def resident(self, layers: Sequence[int], n_experts: int) -> None:

@@ -155,9 +155,9 @@ class CachedExpertSource:
         """Lookahead's ranking for ``layer`` (best first): the policy picks what to prefetch."""
         self._perform(self.policy.on_hint(layer, experts, time.perf_counter()))
 
-    def step(self, positions: int) -> None:
-        """A forward pass over ``positions`` positions begins."""
-        self.policy.on_step(positions, time.perf_counter())
+    def step(self, positions: int, sequences: int = 1) -> None:
+        """A forward pass over ``positions`` positions of ``sequences`` sequences begins."""
+        self.policy.on_step(positions, time.perf_counter(), sequences)
 
     # --- actions ---------------------------------------------------------------------------
 

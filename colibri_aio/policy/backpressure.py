@@ -302,8 +302,8 @@ class BackpressureController:
         else:
             c.prefetch_reads, c.prefetch_bytes = c.prefetch_reads + ok, c.prefetch_bytes + r.nbytes
 
-    def step(self, now: float, positions: int) -> None:
-        """A forward pass over ``positions`` positions begins at ``now``.
+    def step(self, now: float, positions: int, sequences: int = 1) -> None:
+        """A forward pass over ``positions`` positions of ``sequences`` sequences begins at ``now``.
 
         A decode step (one position) lasts until the next pass begins, and is
         timed only if that pass is a decode step too: a prefill chunk is no
@@ -313,7 +313,7 @@ class BackpressureController:
         """
         self.update(now)
         arm, self._pass_arm = self._pass_arm, None
-        decode = positions == 1
+        decode = positions == sequences       # one position of each sequence
         if decode and self._pass_decode and self._pass_start is not None and now > self._pass_start:
             self.counters.decode_steps += 1
             if arm is not None and arm[0] is self._trial:   # not a trial abandoned since

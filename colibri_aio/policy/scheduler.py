@@ -171,6 +171,7 @@ class SchedulerPolicy:
         self.prefetch_count = prefetch_count
         self.read_ahead = read_ahead
         self._positions = 1                         # positions of the pass under way
+        self._sequences = 1                         # ... of so many sequences (as many: a decode step)
         self._ahead: tuple[int, list[int]] | None = None  # a read-ahead hint waiting for no request to wait
         self.warm_inflight_bytes, self.warm_run = warm_inflight_bytes, warm_run
         self._warm: dict[int, list[int]] = {}       # layer -> experts still to warm, ascending
@@ -311,12 +312,12 @@ class SchedulerPolicy:
         if self._closed or layer <= self._current_layer:
             self.stats.prefetch_stale += 1
             return actions
-        if self.read_ahead and self._positions > 1:
+        if self.read_ahead and self._positions > self._sequences:
             self.predictor.predicted(layer, ranked)  # scored as a hint; the whole union is read
             self._ahead = (layer, [int(e) for e in ranked])
             self._ahead_more(now, actions)
             return actions
-        for e in self.predictor.predicted(layer, ranked, count=self.prefetch_count):
+        for e in self.predictor.predicted(layer, ranked, count=self.prefetch_count * self._sequences):
             key = (layer, e)
             if self.cache.slot_of(key) is not None:
                 continue
@@ -359,16 +360,19 @@ class SchedulerPolicy:
         self._serve_all(now, actions)
         return actions
 
-    def on_step(self, positions: int, now: float) -> None:
-        """A forward pass over ``positions`` positions begins (the controller times decode steps by it).
+    def on_step(self, positions: int, now: float, sequences: int = 1) -> None:
+        """A forward pass over ``positions`` positions of ``sequences`` sequences begins (the controller times
+        decode steps by it: one position of each sequence). A decode step of several sequences prefetches
+        for each (``prefetch_count`` candidates per sequence, still behind the backpressure gate); a prefill
+        reads ahead.
 
         The pass starts again from its first layer: a hint for any layer is fresh until that layer
         routes (leading dense blocks hint the first MoE block before any layer of the pass routes).
         """
         self._current_layer = -1
-        self._positions = positions
+        self._positions, self._sequences = positions, sequences
         self._ahead = None
-        self.backpressure.step(now, positions)
+        self.backpressure.step(now, positions, sequences)
         if self.usage is not None:
             self.usage.count_tokens(positions)
 
