@@ -569,6 +569,8 @@ class GgmlKernels:
         self._work, self._work_ptr = self._work_buffer(1 << 20)
         self._scratch, _ = aligned_buffer(0)           # the intermediates of _expert_gemms' graphs
         self._lock = threading.Lock()
+        self._rows_alike: dict[tuple[int, bool], bool] = {}   # rows_alike's measurements
+        self._probes: list[QTensor] = []                        # the repacked matrices they measured
 
     # --- the interface the forward pass calls ---
 
@@ -818,6 +820,51 @@ class GgmlKernels:
             self._moved.clear()
             self._packed_at.clear()
             self.address.forget()
+
+    def rows_alike(self, m: Mat) -> bool:
+        """Whether a product by a matrix of ``m``'s type (and packing) over several rows gives each row the
+        bits that row's product alone gives, on this library and CPU: measured once per signature on random
+        weights and rows, 5 and 8 of them (llamafile's GEMM and the repacked GEMM take over from the one-row
+        kernels at 2 and 4 rows; measured: floats and IQ4_NL on llamafile's GEMM, repacked Q4_K and Q2_K
+        differ, the others agree). A batched decode step multiplies the rows of several sequences together
+        only where this holds, so a sequence's logits never depend on the others in its step."""
+        key = (m.gid, m.packed)
+        known = self._rows_alike.get(key)
+        if known is None:
+            known = self._rows_alike[key] = self._probe_rows_alike(m)
+        return known
+
+    def _probe_rows_alike(self, m: Mat) -> bool:
+        t = self._type_of.get(m.gid)
+        if t is None:
+            return False
+        rows, cols = 64, 256
+        rng = np.random.default_rng(7)
+        data = rng.standard_normal((rows, cols)).astype(np.float32)
+        if t == GGMLQuantizationType.F32:
+            raw = data.view(np.uint8).reshape(-1)
+        else:
+            raw = np.zeros(QTensor.nbytes_for(t, (rows, cols)), np.uint8)
+            imatrix = np.ones(cols, np.float32)
+            G.ggml_quantize_init(m.gid)
+            written = G.ggml_quantize_chunk(
+                m.gid, data.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), raw.ctypes.data, 0, rows, cols,
+                imatrix.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+                if G.ggml_quantize_requires_imatrix(m.gid) else None)
+            if written != raw.size:
+                return False
+        w = QTensor(raw, t, (rows, cols))
+        if m.packed:
+            self._probes.append(w)               # its copy lives as long as the backend
+            if not self.resident([w]) or not self.mat(w).packed:
+                return False
+        x = rng.standard_normal((8, cols)).astype(np.float32)
+        for n in (5, 8):
+            together = self.linear(w, x[:n])
+            alone = np.concatenate([self.linear(w, x[i: i + 1]) for i in range(n)])
+            if not np.array_equal(together, alone):
+                return False
+        return True
 
     # --- helpers ---
 

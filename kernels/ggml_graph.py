@@ -35,6 +35,7 @@ so the caller checks that sum and lets the per-operation pass name the place.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -51,7 +52,8 @@ if TYPE_CHECKING:
     from colibri_aio.arch.graph import RopeParams
     from colibri_aio.arch.kvcache import KVCache
 
-__all__ = ["CONTEXT_BUCKET", "STEP_SCRATCH", "DecodeGraphs", "ExpertsShape", "GgmlBuilder", "Node"]
+__all__ = ["CONTEXT_BUCKET", "STEP_SCRATCH", "BatchInputs", "DecodeGraphs", "ExpertsShape", "GgmlBuilder", "Node", "Row",
+           "StepInputs"]
 
 CONTEXT_BUCKET = 256        # attention graphs are built for the context rounded up to this many keys
 # The most bytes a one-graph step's intermediates may take (every block keeps its float32 copy of the KV cache in
@@ -127,6 +129,36 @@ class StepInputs:
             mask[0, p + 1:] = -np.inf
 
 
+class BatchInputs:
+    """What changes from step to step for a step of several sequences together: each row's position (RoPE)
+    and query temperature. Each row's cache slot and masks are its own :class:`StepInputs`."""
+
+    def __init__(self, n_rows: int) -> None:
+        self.pos32 = np.zeros(n_rows, np.int32)
+        self._temperatures: dict[tuple[int, float], np.ndarray] = {}
+
+    def begin(self, positions: Sequence[int]) -> None:
+        self.pos32[:] = positions
+        for (floor_scale, scale), t in self._temperatures.items():
+            t[:] = attention_temperature(self.pos32, floor_scale, scale)
+
+    def temperature(self, floor_scale: int, scale: float) -> np.ndarray:
+        key = (floor_scale, scale)
+        if key not in self._temperatures:
+            self._temperatures[key] = attention_temperature(self.pos32, floor_scale, scale)
+        return self._temperatures[key]
+
+
+@dataclass(slots=True, eq=False)
+class Row:
+    """One sequence of a decode step: its KV cache, its step inputs and the keys a whole-context cache's
+    attention reads (its context bucket)."""
+
+    cache: KVCache
+    inputs: StepInputs
+    n_kv: int
+
+
 def _ne(shape: tuple[int, ...]) -> tuple[int, int, int]:
     """ggml's (ne0, ne1, ne2) of a NumPy shape of at most three axes."""
     if len(shape) > 3:
@@ -138,15 +170,28 @@ def _ne(shape: tuple[int, ...]) -> tuple[int, int, int]:
 class GgmlBuilder:
     """Adds each operation of a description to one ggml graph (:class:`~colibri_aio.arch.graph.Builder`).
 
-    ``inputs``: the step's changing buffers; ``cache``: the net's KV cache (written in place by
-    ``ggml_set_rows``); ``n_kv``: the keys a whole-context cache's attention reads (the context bucket).
+    ``rows``: the sequences of the step, one value row each (T = len(rows)): each one's KV cache (written in
+    place by ``ggml_set_rows``), changing buffers and context bucket; ``batch``: the positions of several
+    rows (None for one). Several rows give each row the bits it has alone: attention and the recurrent
+    state are per row, products over all rows only for the weights whose multi-row products carry each
+    row's single-row bits (:meth:`GgmlKernels.rows_alike`; the others are one product per row), and every
+    other operation is row by row in ggml.
     """
 
-    def __init__(self, kernels: GgmlKernels, graph: Graph, inputs: StepInputs, cache: KVCache, rope: RopeParams,
-                 eps: float, n_kv: int, f16_attention: bool = False) -> None:
+    def __init__(self, kernels: GgmlKernels, graph: Graph, rows: Sequence[Row], rope: RopeParams,
+                 eps: float, f16_attention: bool = False, batch: BatchInputs | None = None,
+                 n_rows: int | None = None) -> None:
+        """``n_rows`` without ``rows``: a graph of that many rows that reads no sequence's cache or position
+        (an FFN, the head)."""
+        if len(rows) > 1 and batch is None:
+            raise ValueError("a graph of several rows needs their positions (batch)")
         self.kernels, self.graph, self.ctx = kernels, graph, graph.ctx
-        self.inputs, self.cache, self.rope_params, self.eps = inputs, cache, rope, eps
-        self.n_kv, self.f16_attention = n_kv, f16_attention
+        self.rows, self.batch = list(rows), batch
+        self.n_rows = len(self.rows) if n_rows is None else n_rows
+        if self.rows:
+            self.inputs, self.cache, self.n_kv = rows[0].inputs, rows[0].cache, rows[0].n_kv
+        self.rope_params, self.eps = rope, eps
+        self.f16_attention = f16_attention
         self.checks: list[Any] = []          # sums whose total is finite when nothing broke
         self.weight_bytes = 0                # bytes of the weights the graph multiplies by (its thread count)
         self.fused_products = 0              # products made one over adjacent matrices (linears)
@@ -240,7 +285,7 @@ class GgmlBuilder:
         out = []
         for m, at, _, rows in runs:
             wt = self.leaf(at) if m is None else self.weight(m, at)
-            y = G.ggml_mul_mat(self.ctx, wt, xn.t)
+            y = self._product(wt, xn.t, t, m)
             if len(rows) == 1:
                 out.append(Node(y, (t, rows[0])))
                 continue
@@ -251,6 +296,30 @@ class GgmlBuilder:
                 out.append(Node(view if t == 1 else G.ggml_cont(self.ctx, view), (t, r)))
                 start += r
         return out
+
+    def _product(self, wt: Any, x: Any, t: int, m: Mat | None) -> Any:
+        """``ggml_mul_mat(wt, x)`` of x's t rows (ggml's axis 1); of several rows of a step, one product per row
+        where a product over all of them would not give each row its bits alone (``m``: None for a float
+        matrix)."""
+        if self.n_rows == 1 or t == 1 or (m is not None and self.kernels.rows_alike(m)):
+            return G.ggml_mul_mat(self.ctx, wt, x)
+        return self._stack_rows([G.ggml_mul_mat(self.ctx, wt, self._contiguous(row))
+                                 for row in self._row_views(x, t, 1)], 1)
+
+    def _row_views(self, x: Any, t: int, axis: int) -> list[Any]:
+        """Each of the t rows of x along ggml's ``axis`` (1 or 2) as a view of its own."""
+        x = self._contiguous(x)
+        c = x.contents
+        if axis == 1:
+            return [G.ggml_view_3d(self.ctx, x, c.ne[0], 1, c.ne[2], c.nb[1], c.nb[2], i * c.nb[1]) for i in range(t)]
+        return [G.ggml_view_3d(self.ctx, x, c.ne[0], c.ne[1], 1, c.nb[1], c.nb[2], i * c.nb[2]) for i in range(t)]
+
+    def _stack_rows(self, rows: Sequence[Any], axis: int) -> Any:
+        """Views of one row each side by side again along ggml's ``axis``."""
+        acc = self._contiguous(rows[0])
+        for r in rows[1:]:
+            acc = G.ggml_concat(self.ctx, acc, self._contiguous(r), axis)
+        return acc
 
     def _binary(self, op: Callable, a: Any, b: Any) -> Node:
         an, bn = self.node(a), self.node(b)
@@ -304,35 +373,49 @@ class GgmlBuilder:
     def head_products(self, m: Any, x: Any) -> Node:
         xn = self.node(x)
         t, h, _ = xn.shape
+        mat = None
         if isinstance(m, QTensor):   # the file's bytes, (H * b) rows of a: a 3-D view (a, b, H) of one leaf
             heads, rows, cols = m.shape
-            mt = G.ggml_reshape_3d(self.ctx, self.leaf(QTensor(m.data, m.ggml_type, (heads * rows, cols))),
-                                   cols, rows, heads)
+            flat = QTensor(m.data, m.ggml_type, (heads * rows, cols))
+            mt, mat = G.ggml_reshape_3d(self.ctx, self.leaf(flat), cols, rows, heads), self.kernels.mat(flat)
         else:
             mt, rows = self.leaf(m), np.asarray(m).shape[1]
         xp = G.ggml_cont(self.ctx, G.ggml_permute(self.ctx, xn.t, 0, 2, 1, 3))          # (a, T, H)
-        y = G.ggml_mul_mat(self.ctx, mt, xp)                                              # (b, T, H)
+        y = self._product(mt, xp, t, mat)                                                # (b, T, H)
         return Node(G.ggml_cont(self.ctx, G.ggml_permute(self.ctx, y, 0, 2, 1, 3)), (t, h, rows))
 
     def attend(self, layer: int, q: Any, k: Any, v: Any | None, *, scale: float | None = None,
                sinks: Any | None = None) -> Node:
-        cache, ctx = self.cache, self.ctx
+        qn, kn = self.node(q), self.node(k)
+        vn = None if v is None else self.node(v)
+        if len(self.rows) == 1:
+            return self._attend_row(self.rows[0], layer, qn, kn, vn, scale, sinks)
+        t = qn.shape[0]          # one query per row, each over its own sequence's cache
+        picks = [self._row_views(n.t, t, 2) if n is not None else [None] * t for n in (qn, kn, vn)]
+        outs = [self._attend_row(row, layer, Node(qr, (1, *qn.shape[1:])), Node(kr, (1, *kn.shape[1:])),
+                                 None if vr is None else Node(vr, (1, *vn.shape[1:])),  # type: ignore[union-attr]
+                                 scale, sinks)
+                for row, qr, kr, vr in zip(self.rows, *picks)]
+        return Node(self._stack_rows([o.t for o in outs], 1), (t, outs[0].shape[1]))
+
+    def _attend_row(self, row: Row, layer: int, qn: Node, kn: Node, vn: Node | None, scale: float | None,
+                    sinks: Any | None) -> Node:
+        """One sequence's attention: its rows' keys and values into its cache, its queries over the cache."""
+        cache, ctx = row.cache, self.ctx
         keys, values = cache.k[layer], cache.v[layer]
         held, heads_kv, dk = keys.shape
         dv = values.shape[2]
-        qn, kn = self.node(q), self.node(k)
         t, heads = qn.shape[0], qn.shape[1]
         ring = held if cache.is_ring(layer) else 0
-        n_kv = held if ring else self.n_kv
+        n_kv = held if ring else row.n_kv
         gid, item = _GID[keys.dtype], keys.dtype.itemsize
-        slot = self.over(self.inputs.slot(ring))
+        slot = self.over(row.inputs.slot(ring))
         # the position's key and value into the cache, before any node reads the cache (graph order)
         rows = self.graph.leaf(gid, heads_kv * dk, held)
         rows.contents.data = keys.ctypes.data
         self._effect(G.ggml_set_rows(ctx, rows, G.ggml_reshape_2d(ctx, self._contiguous(kn.t), heads_kv * dk, t), slot))
         checked = [qn.t, kn.t]
-        if v is not None:
-            vn = self.node(v)
+        if vn is not None:
             v_rows = self.graph.leaf(gid, heads_kv * dv, held)
             v_rows.contents.data = values.ctypes.data
             self._effect(G.ggml_set_rows(ctx, v_rows, G.ggml_reshape_2d(ctx, self._contiguous(vn.t), heads_kv * dv, t),
@@ -340,7 +423,7 @@ class GgmlBuilder:
             checked.append(vn.t)
         k_all = self._strided(gid, dk, n_kv, heads_kv, heads_kv * dk * item, keys.ctypes.data)
         widen = gid != _F32 and not self.f16_attention
-        if v is None:                     # the values are each key's first dv numbers (MLA's latent)
+        if vn is None:                    # the values are each key's first dv numbers (MLA's latent)
             if widen:
                 k_all = self._widened(k_all, n_kv, heads_kv)
             c = k_all.contents
@@ -349,7 +432,7 @@ class GgmlBuilder:
             v_all = self._strided(gid, dv, n_kv, heads_kv, heads_kv * dv * item, values.ctypes.data)
             if widen:
                 k_all, v_all = self._widened(k_all, n_kv, heads_kv), self._widened(v_all, n_kv, heads_kv)
-        mask = self.over(self.inputs.mask(ring, n_kv, cache.chunked[layer]))
+        mask = self.over(row.inputs.mask(ring, n_kv, cache.chunked[layer]))
         att = G.ggml_flash_attn_ext(ctx, G.ggml_permute(ctx, qn.t, 0, 2, 1, 3), k_all, v_all, mask,
                                     1.0 / math.sqrt(dk) if scale is None else scale, 0.0, 0.0)
         G.ggml_flash_attn_ext_set_prec(att, G.GGML_PREC_F32)
@@ -370,7 +453,9 @@ class GgmlBuilder:
 
     def temperature(self, x: Any, floor_scale: int, scale: float) -> Node:
         xn = self.node(x)
-        return Node(G.ggml_mul(self.ctx, xn.t, self.over(self.inputs.temperature(floor_scale, scale))), xn.shape)
+        inputs = self.batch if self.batch is not None else self.inputs
+        temperature = inputs.temperature(floor_scale, scale)                    # (T,): one per row
+        return Node(G.ggml_mul(self.ctx, xn.t, self.over(temperature.reshape(-1, 1, 1))), xn.shape)
 
     def silu(self, x: Any) -> Node:
         xn = self.node(x)
@@ -397,6 +482,8 @@ class GgmlBuilder:
     def causal_conv(self, layer: int, x: Any, weight: Any) -> Node:
         """ggml_ssm_conv over the state's K-1 inputs and this call's; the window's last K-1 inputs are
         written to the state the step leaves (:meth:`KVCache.commit` makes it the sequence's)."""
+        if len(self.rows) > 1:
+            raise NotImplementedError("a recurrent state of several sequences in one graph")
         ctx, cache = self.ctx, self.cache
         xn = self.node(x)
         t, channels = xn.shape
@@ -412,6 +499,8 @@ class GgmlBuilder:
     def delta_net(self, layer: int, q: Any, k: Any, v: Any, g: Any, beta: Any) -> Node:
         """ggml_gated_delta_net from the layer's state; the state it ends with is written to the state the
         step leaves."""
+        if len(self.rows) > 1:
+            raise NotImplementedError("a recurrent state of several sequences in one graph")
         ctx, cache = self.ctx, self.cache
         qn, kn, vn, gn, bn = (self.node(a) for a in (q, k, v, g, beta))
         t, heads, dk = qn.shape
@@ -443,10 +532,10 @@ class GgmlBuilder:
     # --- what the decode driver adds: routing, experts, the order of effects ---
 
     def route(self, logits: Node, used: int, routing: Routing, bias: np.ndarray | None) -> tuple[Node, Node, Node]:
-        """llama.cpp's ``build_moe_ffn`` selection of one position (as :func:`colibri_aio.kernels.ops.route`):
-        the experts in descending selection score (1, E) int32, the first ``used`` of them (a view), their
-        weights (1, used)."""
-        ctx, experts = self.ctx, logits.shape[-1]
+        """llama.cpp's ``build_moe_ffn`` selection of each row (as :func:`colibri_aio.kernels.ops.route`):
+        the experts in descending selection score (T, E) int32, the first ``used`` of them (a view), their
+        weights (T, used). Every operation is row by row: a row's choice is the one it makes alone."""
+        ctx, (t, experts) = self.ctx, logits.shape
         if routing.gating == "softmax":
             probs = G.ggml_soft_max(ctx, logits.t)
         elif routing.gating == "sigmoid":
@@ -455,10 +544,10 @@ class GgmlBuilder:
             probs = logits.t
         selection = probs if bias is None else G.ggml_add(ctx, probs, self.leaf(bias))
         if routing.group_count > 1:
-            selection = self._limit_groups(selection, experts, routing)
-        order = G.ggml_argsort(ctx, selection, G.GGML_SORT_ORDER_DESC)                # (E, 1)
-        top = G.ggml_view_2d(ctx, order, used, 1, order.contents.nb[1], 0)
-        w = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, G.ggml_reshape_3d(ctx, probs, 1, experts, 1), top), used, 1)
+            selection = self._limit_groups(selection, experts, t, routing)
+        order = G.ggml_argsort(ctx, selection, G.GGML_SORT_ORDER_DESC)                # (E, T)
+        top = G.ggml_view_2d(ctx, order, used, t, order.contents.nb[1], 0)
+        w = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, G.ggml_reshape_3d(ctx, probs, 1, experts, t), top), used, t)
         if routing.gating == "softmax_weight":
             w = G.ggml_soft_max(ctx, w)
         if routing.normalize:
@@ -468,25 +557,26 @@ class GgmlBuilder:
         if w.contents.view_src:          # an output must be a node that writes its own memory
             w = G.ggml_cont(ctx, w)
         self._check(w)
-        return Node(order, (1, experts)), Node(top, (1, used)), Node(w, (1, used))
+        return Node(order, (t, experts)), Node(top, (t, used)), Node(w, (t, used))
 
-    def _limit_groups(self, selection: Any, experts: int, routing: Routing) -> Any:
+    def _limit_groups(self, selection: Any, experts: int, t: int, routing: Routing) -> Any:
         """Selection with the experts outside the ``group_used`` best groups (by the sum of their two best
-        selection values) at -inf. Groups tied with the last one kept are kept too (the NumPy reference
-        keeps the lower-numbered one of exact ties)."""
+        selection values) at -inf, row by row. Groups tied with the last one kept are kept too (the NumPy
+        reference keeps the lower-numbered one of exact ties)."""
         ctx, n, per = self.ctx, routing.group_count, experts // routing.group_count
-        groups = G.ggml_reshape_3d(ctx, selection, per, n, 1)
-        best2 = G.ggml_argsort_top_k(ctx, groups, 2)                                     # (2, n, 1)
-        values = G.ggml_get_rows(ctx, G.ggml_reshape_4d(ctx, groups, 1, per, n, 1), best2)  # (1, 2, n, 1)
-        score = G.ggml_sum_rows(ctx, G.ggml_reshape_3d(ctx, values, 2, n, 1))            # (1, n, 1)
-        score = G.ggml_reshape_2d(ctx, score, n, 1)
-        ranked = G.ggml_argsort(ctx, score, G.GGML_SORT_ORDER_DESC)
-        last = G.ggml_view_2d(ctx, ranked, 1, 1, ranked.contents.nb[1], 4 * (routing.group_used - 1))
-        kth = G.ggml_get_rows(ctx, G.ggml_reshape_2d(ctx, score, 1, n), last)            # (1, 1)
+        groups = G.ggml_reshape_3d(ctx, selection, per, n, t)
+        best2 = G.ggml_argsort_top_k(ctx, groups, 2)                                     # (2, n, T)
+        values = G.ggml_get_rows(ctx, G.ggml_reshape_4d(ctx, groups, 1, per, n, t), best2)  # (1, 2, n, T)
+        score = G.ggml_sum_rows(ctx, G.ggml_reshape_3d(ctx, values, 2, n, t))            # (1, n, T)
+        score = G.ggml_reshape_2d(ctx, score, n, t)
+        ranked = G.ggml_argsort(ctx, score, G.GGML_SORT_ORDER_DESC)                      # (n, T)
+        last = G.ggml_view_2d(ctx, ranked, 1, t, ranked.contents.nb[1], 4 * (routing.group_used - 1))
+        kth = G.ggml_get_rows(ctx, G.ggml_reshape_3d(ctx, score, 1, n, t), last)         # (1, 1, T)
+        kth = G.ggml_reshape_2d(ctx, kth, 1, t)
         dropped = G.ggml_step(ctx, G.ggml_neg(ctx, G.ggml_sub(ctx, score, kth)))          # 1 below the kth
         mask = G.ggml_log(ctx, G.ggml_scale_bias(ctx, dropped, -1.0, 1.0))               # 0 kept, -inf dropped
-        mask = G.ggml_repeat(ctx, G.ggml_reshape_3d(ctx, mask, 1, n, 1), groups)
-        return G.ggml_reshape_2d(ctx, G.ggml_add(ctx, groups, mask), experts, 1)
+        mask = G.ggml_repeat(ctx, G.ggml_reshape_3d(ctx, mask, 1, n, t), groups)
+        return G.ggml_reshape_2d(ctx, G.ggml_add(ctx, groups, mask), experts, t)
 
     def experts_in_pool(self, shape: ExpertsShape, h: Node, x2: Node, top: Node, weights: Node, table: np.ndarray,
                         bases: Sequence[int], stride: int, biases: Sequence[np.ndarray] | None,
@@ -495,10 +585,10 @@ class GgmlBuilder:
         stream, each expert read from a pool of ``shape.depth`` slots ``stride`` bytes apart whose gate, up
         and down matrices start at ``bases`` in slot 0; ``table`` (E,) int32: each expert's slot, read as
         the graph runs; ``top``: the chosen experts in rank order."""
-        ctx, used = self.ctx, shape.used
+        ctx, used, t = self.ctx, shape.used, h.shape[0]
         table_leaf = self.graph.leaf(_I32, 1, len(table))
         table_leaf.contents.data = table.ctypes.data
-        slot_ids = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, table_leaf, top.t), used, 1)
+        slot_ids = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, table_leaf, top.t), used, t)
         mats = ((shape.gate, 2), (shape.down, 1)) if shape.gate_up else ((shape.gate, 1), (shape.gate, 1),
                                                                          (shape.down, 1))
         addrs = (bases[0], bases[2]) if shape.gate_up else bases
@@ -510,7 +600,8 @@ class GgmlBuilder:
             stacks.append(st)
             self.weight_bytes += used * rows * m.nbytes
         bias_leaves = None if biases is None else [self.leaf(b) for b in biases]
-        ys = expert_terms(ctx, shape, h.t, slot_ids, top.t, weights.t, stacks, bias_leaves)
+        ys = expert_terms(ctx, replace(shape, each=False) if t > 1 else shape, h.t, slot_ids, top.t, weights.t,
+                          stacks, bias_leaves, t)
         return Node(rank_sum(ctx, ys, x2.t, None if shared is None else shared.t), x2.shape)
 
     def _effect(self, t: Any) -> None:
@@ -519,7 +610,7 @@ class GgmlBuilder:
     def _positions(self) -> Any:
         key = ("positions",)
         if key not in self._leaves:
-            self._leaves[key] = self.over(self.inputs.pos32)
+            self._leaves[key] = self.over((self.batch if self.batch is not None else self.inputs).pos32)
         return self._leaves[key]
 
     def _strided(self, gid: int, width: int, n_kv: int, heads: int, row_bytes: int, address: int) -> Any:
@@ -562,9 +653,10 @@ class ExpertsShape:
 
 
 def expert_terms(ctx: Any, s: ExpertsShape, h: Any, slot_ids: Any, expert_ids: Any, w: Any, stacks: Sequence[Any],
-                 biases: Sequence[Any] | None) -> list[Any]:
-    """Each rank's weighted expert output (D, 1): w_r * down_r(act(gate_r h + b, up_r h + b)) + b, over the
-    stacks by ``ggml_mul_mat_id``; or, with ``s.each``, ``stacks`` holding each rank's gate, up and down."""
+                 biases: Sequence[Any] | None, t: int = 1) -> list[Any]:
+    """Each rank's weighted expert output (D, t) for t rows: w_r * down_r(act(gate_r h + b, up_r h + b)) + b,
+    over the stacks by ``ggml_mul_mat_id`` (every (row, rank) cell its own dot products: a row's bits are
+    its own alone); or, for one row with ``s.each``, ``stacks`` holding each rank's gate, up and down."""
     if s.each:
         ys = []
         for r in range(s.used):
@@ -581,10 +673,10 @@ def expert_terms(ctx: Any, s: ExpertsShape, h: Any, slot_ids: Any, expert_ids: A
                 y = G.ggml_add_id(ctx, G.ggml_reshape_3d(ctx, y, s.down.rows, 1, 1), biases[2], expert)
             ys.append(G.ggml_reshape_2d(ctx, y if s.weights_first else G.ggml_mul(ctx, y, wr), s.down.rows, 1))
         return ys
-    h3 = G.ggml_reshape_3d(ctx, h, s.gate.cols, 1, 1)
-    if s.weights_first:      # (D, used, 1): rank r's input is w_r * h
-        h3 = G.ggml_mul(ctx, G.ggml_repeat_4d(ctx, h3, s.gate.cols, s.used, 1, 1),
-                        G.ggml_reshape_3d(ctx, w, 1, s.used, 1))
+    h3 = G.ggml_reshape_3d(ctx, h, s.gate.cols, 1, t)
+    if s.weights_first:      # (D, used, t): rank r's input is w_r * h
+        h3 = G.ggml_mul(ctx, G.ggml_repeat_4d(ctx, h3, s.gate.cols, s.used, t, 1),
+                        G.ggml_reshape_3d(ctx, w, 1, s.used, t))
     if s.gate_up:
         a = G.ggml_swiglu(ctx, G.ggml_mul_mat_id(ctx, stacks[0], h3, slot_ids))
         wd = stacks[1]
@@ -594,13 +686,13 @@ def expert_terms(ctx: Any, s: ExpertsShape, h: Any, slot_ids: Any, expert_ids: A
             gate, up = G.ggml_add_id(ctx, gate, biases[0], expert_ids), G.ggml_add_id(ctx, up, biases[1], expert_ids)
         a = _activation(ctx, s.activation, gate, up)
         wd = stacks[2]
-    y = G.ggml_mul_mat_id(ctx, wd, a, slot_ids)                       # (D, used, 1)
+    y = G.ggml_mul_mat_id(ctx, wd, a, slot_ids)                       # (D, used, t)
     if biases is not None:
         y = G.ggml_add_id(ctx, y, biases[2], expert_ids)
     if not s.weights_first:
-        y = G.ggml_mul(ctx, y, G.ggml_reshape_3d(ctx, w, 1, s.used, 1))
-    nb1 = y.contents.nb[1]
-    return [G.ggml_view_2d(ctx, y, s.down.rows, 1, nb1, r * nb1) for r in range(s.used)]
+        y = G.ggml_mul(ctx, y, G.ggml_reshape_3d(ctx, w, 1, s.used, t))
+    nb1, nb2 = y.contents.nb[1], y.contents.nb[2]
+    return [G.ggml_view_2d(ctx, y, s.down.rows, t, nb2, r * nb1) for r in range(s.used)]
 
 
 def _activation(ctx: Any, name: str, gate: Any, up: Any) -> Any:
@@ -628,54 +720,90 @@ Trace = Callable[[GgmlBuilder], Sequence[tuple[Node, np.ndarray]]]
 class DecodeGraphs:
     """The graphs of one net's decode steps on one :class:`GgmlKernels`, and the buffers they share.
 
-    :meth:`traced` builds a graph from a description (once per context bucket) with every leaf pointed
-    for good and every output at a buffer of the caller's; :meth:`experts` runs a block's routed experts
-    from wherever their bytes are this time. All graphs here share one arena, so only one runs at a time
-    (the kernels' lock).
+    A step decodes one position of each of its rows: one sequence, or several together (a batch), each with
+    its own KV cache (:meth:`begin`). :meth:`traced` builds a graph from a description for the step's rows
+    (once per context bucket of each row) with every leaf pointed for good and every output at a buffer of
+    the caller's; :meth:`experts` runs a block's routed experts from wherever their bytes are this time.
+    All graphs here share one arena, so only one runs at a time (the kernels' lock).
     """
 
-    def __init__(self, kernels: GgmlKernels, cache: KVCache, rope: RopeParams, eps: float,
-                 f16_attention: bool = False) -> None:
-        self.kernels, self.cache, self.rope, self.eps = kernels, cache, rope, eps
+    # graphs kept (least recently used dropped): a batch of new rows traces its own, and each costs a
+    # context of tensor headers
+    MAX_GRAPHS = 512
+
+    def __init__(self, kernels: GgmlKernels, rope: RopeParams, eps: float, f16_attention: bool = False) -> None:
+        self.kernels, self.rope, self.eps = kernels, rope, eps
         self.f16_attention = f16_attention
-        self.inputs = StepInputs()
-        self.n_kv = 0
+        self.rows: dict[int, Row] = {}         # a sequence's number (its slot) -> its cache, inputs, bucket
+        self.current: tuple[int, ...] = ()     # the sequences of this step
+        self._batches: dict[tuple[int, ...], BatchInputs] = {}
         self.steps = 0                      # decode steps run on these graphs
         self.fused_products = 0             # products over adjacent matrices in the graphs built so far
-        self._graphs: dict[tuple, Graph | None] = {}
+        self._graphs: OrderedDict[tuple, Graph | None] = OrderedDict()
         self._scratch, self._scratch_addr = aligned_buffer(0)
         self._experts_ids = np.zeros(64, np.int32)
         self._experts_terms: dict[int, np.ndarray] = {}
 
-    def begin(self, position: int) -> None:
-        """The next step decodes ``position``: point every step buffer at it; a new context bucket drops the
-        graphs built for the last one."""
-        n_kv = min(self.cache.n_ctx, -(-(position + 1) // CONTEXT_BUCKET) * CONTEXT_BUCKET)
-        if n_kv != self.n_kv:
-            self.n_kv = n_kv
-            for graph in self._graphs.values():
-                if graph is not None:
-                    graph.free()
-            self._graphs.clear()
-        self.inputs.begin(position)
+    @property
+    def inputs(self) -> StepInputs:
+        """The first row's step inputs (its position)."""
+        return self.rows[self.current[0]].inputs
 
-    def traced(self, key: tuple, trace: Trace, n_nodes: int = _NODES, max_arena: int | None = None) -> Graph | None:
-        """The graph of ``trace`` for this context bucket (built on first use): its outputs written into the
-        buffers it pairs them with. None when its intermediates would take more than ``max_arena`` bytes."""
-        if key in self._graphs:
-            return self._graphs[key]
+    def begin(self, rows: Sequence[tuple[int, KVCache, int]]) -> None:
+        """The next step decodes, for each (sequence number, its cache, position), that position: point
+        every step buffer at it. A sequence entering a new context bucket (or given another cache) drops the
+        graphs built for its last one."""
+        for index, cache, position in rows:
+            n_kv = min(cache.n_ctx, -(-(position + 1) // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+            row = self.rows.get(index)
+            if row is None or row.cache is not cache or row.n_kv != n_kv:
+                if row is not None:
+                    self._drop(index)
+                row = self.rows[index] = Row(cache, StepInputs() if row is None else row.inputs, n_kv)
+            row.inputs.begin(position)
+        self.current = tuple(index for index, _, _ in rows)
+        if len(rows) > 1:
+            batch = self._batches.get(self.current)
+            if batch is None:
+                batch = self._batches[self.current] = BatchInputs(len(rows))
+            batch.begin([position for _, _, position in rows])
+
+    def _drop(self, index: int) -> None:
+        """Free the graphs of sequence ``index`` (its bucket or cache changed)."""
+        for key in [key for key in self._graphs if index in key[1]]:
+            graph = self._graphs.pop(key)
+            if graph is not None:
+                graph.free()
+        for batch in [b for b in self._batches if index in b and len(b) > 1]:
+            del self._batches[batch]
+
+    def traced(self, key: tuple, trace: Trace, n_nodes: int = _NODES, max_arena: int | None = None,
+               rows: int | None = None) -> Graph | None:
+        """The graph of ``trace`` for this step's rows and their context buckets (built on first use): its
+        outputs written into the buffers it pairs them with. None when its intermediates would take more than
+        ``max_arena`` bytes. ``rows``: a graph of so many rows that reads no sequence's cache or position (an
+        FFN, the head), which every step of as many rows shares, begun or not."""
+        full = (key, self.current, len(self.current)) if rows is None else (key, (), rows)
+        if full in self._graphs:
+            self._graphs.move_to_end(full)
+            return self._graphs[full]
         k = self.kernels
         graph = Graph(n_nodes, n_nodes)
-        f = GgmlBuilder(k, graph, self.inputs, self.cache, self.rope, self.eps, self.n_kv, self.f16_attention)
+        if rows is None:
+            seqs = [self.rows[i] for i in self.current]
+            f = GgmlBuilder(k, graph, seqs, self.rope, self.eps, self.f16_attention,
+                            self._batches.get(self.current) if len(seqs) > 1 else None)
+        else:
+            f = GgmlBuilder(k, graph, [], self.rope, self.eps, self.f16_attention, n_rows=rows)
         outputs = list(trace(f))
         k.finish_graph(graph, [node.t for node, _ in outputs], f.weight_bytes, own_arena=False)
-        graph.key = key                                                 # type: ignore[attr-defined]
+        graph.key = full                                                # type: ignore[attr-defined]
         graph.keep = (f._keep, [buf for _, buf in outputs])  # type: ignore[attr-defined]  # memory it points at
         for out, (_, buf) in zip(graph.outputs, outputs):
             out.data = buf.ctypes.data
         if max_arena is not None and graph.arena_size > max_arena:
             graph.free()
-            self._graphs[key] = None
+            self._keep_graph(full, None)
             return None
         self.fused_products += f.fused_products
         if graph.arena_size > self._scratch.size:
@@ -684,8 +812,15 @@ class DecodeGraphs:
                 if other is not None:
                     other.place(self._scratch_addr)
         graph.place(self._scratch_addr)
-        self._graphs[key] = graph
+        self._keep_graph(full, graph)
         return graph
+
+    def _keep_graph(self, key: tuple, graph: Graph | None) -> None:
+        self._graphs[key] = graph
+        while len(self._graphs) > self.MAX_GRAPHS:
+            _, old = self._graphs.popitem(last=False)
+            if old is not None:
+                old.free()
 
     def run(self, graph: Graph) -> None:
         with self.kernels.lock:
