@@ -117,8 +117,8 @@ def family(architecture: str) -> Family:
 
 def build_net(model: Model, experts: ExpertSource, n_ctx: int | None = None,
               kernels: Kernels | None = None, kv_type: str = DEFAULT_KV_TYPE,
-              settings: Settings | None = None) -> MoETransformer:
-    """The forward pass of ``model``'s family, bound to ``experts`` and a KV cache of ``n_ctx`` positions
-    stored as ``kv_type``, its products on ``kernels`` (None: the NumPy reference), with the engine's
-    ``settings`` (None: read now)."""
-    return model.family.net(model, experts, n_ctx, kernels, kv_type, settings)
+              settings: Settings | None = None, n_seq: int = 1) -> MoETransformer:
+    """The forward pass of ``model``'s family, bound to ``experts`` and ``n_seq`` KV caches (one per
+    sequence it holds) of ``n_ctx`` positions stored as ``kv_type``, its products on ``kernels`` (None: the
+    NumPy reference), with the engine's ``settings`` (None: read now)."""
+    return model.family.net(model, experts, n_ctx, kernels, kv_type, settings, n_seq)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 from contextlib import aclosing
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Literal
 
 import numpy as np
@@ -39,38 +40,40 @@ _UNSET = object()
 
 @dataclass(slots=True)
 class StepBuffers:
-    """Where the graphs of one net leave what the next graph, or the caller, reads."""
+    """Where the graphs of one net's steps of B rows (sequences) leave what the next graph, or the caller,
+    reads."""
 
-    stream: np.ndarray      # (1, D) the residual stream entering a block (and leaving the last)
-    residual: np.ndarray    # (1, D) after the block's attention
-    moe_input: np.ndarray   # (1, D) its FFN's input
-    order: np.ndarray       # (1, E) int32 experts by descending selection score
-    weights: np.ndarray     # (1, k) the first k's weights
+    stream: np.ndarray      # (B, D) the residual stream entering a block (and leaving the last)
+    residual: np.ndarray    # (B, D) after the block's attention
+    moe_input: np.ndarray   # (B, D) its FFN's input
+    order: np.ndarray       # (B, E) int32 experts by descending selection score
+    weights: np.ndarray     # (B, k) the first k's weights
     check: np.ndarray       # (1,) finite when nothing in the last graph broke
-    shared: np.ndarray      # (1, D) the shared expert's output
+    shared: np.ndarray      # (B, D) the shared expert's output
     shared_check: np.ndarray
-    logits: np.ndarray      # (1, V)
-    step_order: np.ndarray  # (blocks, E) of a one-graph step
-    step_weights: np.ndarray  # (blocks, k)
+    logits: np.ndarray      # (B, V)
+    step_order: np.ndarray  # (blocks, B, E) of a one-graph step
+    step_weights: np.ndarray  # (blocks, B, k)
     step_check: np.ndarray
 
     @classmethod
-    def make(cls, blocks: int, dim: int, experts: int, used: int, vocab: int) -> StepBuffers:
+    def make(cls, blocks: int, dim: int, experts: int, used: int, vocab: int, rows: int = 1) -> StepBuffers:
         z = np.zeros
-        return cls(z((1, dim), np.float32), z((1, dim), np.float32), z((1, dim), np.float32),
-                   z((1, experts), np.int32), z((1, used), np.float32), z(1, np.float32), z((1, dim), np.float32),
-                   z(1, np.float32), z((1, vocab), np.float32), z((blocks, experts), np.int32),
-                   z((blocks, used), np.float32), z(1, np.float32))
+        return cls(z((rows, dim), np.float32), z((rows, dim), np.float32), z((rows, dim), np.float32),
+                   z((rows, experts), np.int32), z((rows, used), np.float32), z(1, np.float32),
+                   z((rows, dim), np.float32), z(1, np.float32), z((rows, vocab), np.float32),
+                   z((blocks, rows, experts), np.int32), z((blocks, rows, used), np.float32), z(1, np.float32))
 
 
 class GraphDecode(MoETransformer):
     """A net whose decode steps run as ggml graphs traced from its description (module docstring)."""
 
     _decode_graphs: object = _UNSET
-    _buffers: StepBuffers
+    _buffers: StepBuffers                    # the step's (its number of rows'): the graphs' traces read it
     step_path: StepPathGuess                 # whether a step tries the one graph (policy/step_path.py)
     one_graph_steps = 0                      # steps run as one graph
     one_graph_misses = 0                     # one-graph steps discarded: an expert was not resident
+    batch_steps = 0                          # decode_batch steps of several sequences run together
 
     def decode_graphs(self) -> DecodeGraphs | None:
         """The net's decode graphs, or None when this net's steps take the per-operation pass."""
@@ -87,34 +90,83 @@ class GraphDecode(MoETransformer):
             return None
         from colibri_aio.kernels import ggml_graph
 
-        self._buffers = StepBuffers.make(a.block_count, a.embedding_length, a.expert_count, a.expert_used_count,
-                                         model.output.rows)
+        self._buffer_sets: dict[int, StepBuffers] = {}
+        self._buffers = self._buffers_for(1)
         self.step_path = StepPathGuess()
-        return ggml_graph.DecodeGraphs(k, self.cache, self.rope_params(), a.rms_eps,  # type: ignore[arg-type]
+        return ggml_graph.DecodeGraphs(k, self.rope_params(), a.rms_eps,  # type: ignore[arg-type]
                                        f16_attention=self.settings.get("ggml_attention") == "f16")
+
+    def _buffers_for(self, rows: int) -> StepBuffers:
+        """The buffers of steps of ``rows`` sequences (made once: the graphs traced for them point at them)."""
+        if rows not in self._buffer_sets:
+            a = self.args
+            self._buffer_sets[rows] = StepBuffers.make(a.block_count, a.embedding_length, a.expert_count,
+                                                       a.expert_used_count, self.model.output.rows, rows)
+        return self._buffer_sets[rows]
+
+    def batchable(self) -> bool:
+        """Whether :meth:`decode_batch` steps several sequences on one set of graphs: on the decode graphs,
+        for a family without recurrent layers (their state update is one sequence's; the others take one
+        step per sequence)."""
+        return self.decode_graphs() is not None and not any(r is not None for r in self.args.recurrent_states())
 
     async def _logits(self, tok: np.ndarray, positions: np.ndarray, observer: RouteObserver | None,
                       logits: Literal["last", "all"]) -> np.ndarray:
         graphs = self.decode_graphs() if tok.size == 1 and observer is None else None
         if graphs is not None:
-            graphs.begin(int(positions[0]))
-            discarded = self.one_graph_misses
-            out = await self._step_on_one_graph(graphs, tok)
-            if out is None:
-                misses = self.experts.misses
-                out = await self._step_on_block_graphs(graphs, tok, positions)
-                self.step_path.observe(self.experts.misses == misses and self.one_graph_misses == discarded)
-            else:
-                self.step_path.observe(True)
+            graphs.begin([(self.slots.index(self.slot), self.cache, int(positions[0]))])
+            out = await self._step_on_graphs(graphs, tok)
             if out is not None:
-                graphs.steps += 1
                 return out
         return await super()._logits(tok, positions, observer, logits)
+
+    async def _step_on_graphs(self, graphs: DecodeGraphs, tok: np.ndarray) -> np.ndarray | None:
+        """The logits (B, V) of the step :meth:`DecodeGraphs.begin` began, for its tokens ``tok`` (B,): on one
+        graph when it can, else block by block; None when a non-finite value appeared."""
+        self._buffers = self._buffers_for(len(tok))
+        discarded = self.one_graph_misses
+        out = await self._step_on_one_graph(graphs, tok)
+        if out is None:
+            misses = self.experts.misses
+            out = await self._step_on_block_graphs(graphs, tok)
+            self.step_path.observe(self.experts.misses == misses and self.one_graph_misses == discarded)
+        else:
+            self.step_path.observe(True)
+        if out is not None:
+            graphs.steps += 1
+        return out
+
+    async def decode_batch(self, rows: Sequence[tuple[int, int]]) -> np.ndarray:
+        """One decode step of several sequences on one set of graphs (see :meth:`MoETransformer.decode_batch`):
+        attention per sequence over its own cache, every product by a trunk matrix once for all rows where
+        that gives each row its bits alone (:meth:`GgmlKernels.rows_alike`), each expert read once for the
+        rows that route to it. A step whose graphs show a non-finite value runs again one sequence at a time,
+        which names the place."""
+        self._check_batch(rows)
+        graphs = self.decode_graphs() if len(rows) > 1 and self.batchable() else None
+        if graphs is None:
+            return await super().decode_batch(rows)
+        slots = [self.slots[index] for index, _ in rows]
+        tok = np.array([token for _, token in rows], np.int64)
+        self.experts.step(len(rows), len(rows))
+        for s in slots:
+            s.cache.start(s.n_past)
+        graphs.begin([(index, s.cache, s.n_past) for (index, _), s in zip(rows, slots)])
+        out = await self._step_on_graphs(graphs, tok)
+        if out is None or not np.isfinite(out).all():
+            return await super().decode_batch(rows)
+        for s, token in zip(slots, tok.tolist()):
+            s.cache.commit(s.n_past + 1)
+            s.n_past += 1
+            s.ids.append(token)
+        self.batch_steps += 1
+        return out
 
     def output_logits(self, rows: np.ndarray) -> np.ndarray:
         graphs = self.decode_graphs() if len(rows) == 1 else None
         if graphs is None:
             return super().output_logits(rows)
+        self._buffers = self._buffers_for(1)
         np.copyto(self._buffers.stream, rows)
         return self._head(graphs)
 
@@ -137,6 +189,12 @@ class GraphDecode(MoETransformer):
         if blk.get("ffn_gate_inp.bias") is not None:
             logits = f.add(logits, blk["ffn_gate_inp.bias"])
         return f.route(logits, a.expert_used_count, a.routing, blk.get("exp_probs_b.bias"))
+
+    def _wrote(self, graphs: DecodeGraphs, layer: int) -> None:
+        """Each sequence of the step has its position's keys and values of block ``layer`` in its cache."""
+        for index in graphs.current:
+            row = graphs.rows[index]
+            row.cache.wrote(layer, row.inputs.position + 1)
 
     def _dense_graph(self, f: GgmlBuilder, layer: int) -> list[tuple[Node, np.ndarray]]:
         b = self._buffers
@@ -207,100 +265,112 @@ class GraphDecode(MoETransformer):
         b = self._buffers
         np.copyto(b.stream, self.embed(tok))
         graphs.run(graph)
-        position = int(graphs.inputs.position)
         for layer in range(a.block_count):
-            self.cache.wrote(layer, position + 1)
-        chosen = b.step_order[layers, :a.expert_used_count]
-        if not resident.ready[np.asarray(layers)[:, None], chosen].all():
+            self._wrote(graphs, layer)
+        chosen = b.step_order[layers, :, :a.expert_used_count]                        # (blocks, B, k)
+        if not resident.ready[np.asarray(layers)[:, None, None], chosen].all():
             self.one_graph_misses += 1
             return None
         if not np.isfinite(b.step_check[0]):
             return None       # the per-block graphs find the place, or the per-operation pass names it
-        source.routed([(layer, sorted(row.tolist())) for layer, row in zip(layers, chosen)])
+        source.routed([(layer, np.unique(row).tolist()) for layer, row in zip(layers, chosen)])
         self.one_graph_steps += 1
         return b.logits.copy()
 
-    async def _step_on_block_graphs(self, graphs: DecodeGraphs, tok: np.ndarray,
-                                    positions: np.ndarray) -> np.ndarray | None:
-        """The logits of this step, block by block, or None when a non-finite value appeared."""
-        a, b, position = self.args, self._buffers, int(positions[0])
+    async def _step_on_block_graphs(self, graphs: DecodeGraphs, tok: np.ndarray) -> np.ndarray | None:
+        """The logits (B, V) of this step, block by block, or None when a non-finite value appeared."""
+        a, b, n = self.args, self._buffers, len(tok)
         x = self.embed(tok)
-        self._check_finite(x, "the token embedding (token_embd)", positions)
+        if not np.isfinite(x).all():
+            return None
         np.copyto(b.stream, x)
         used = a.expert_used_count
         for layer in range(a.block_count):
             graphs.run(graphs.traced(("attention", layer), lambda f: self._attention_graph(f, layer)))
-            self.cache.wrote(layer, position + 1)
+            self._wrote(graphs, layer)
             if not np.isfinite(b.check[0]):
                 return None
             predicted = self._lookahead(layer, b.stream, b.residual, b.moe_input)
             if not a.is_moe(layer):
                 if predicted is not None:
                     self.experts.hint(layer + 1, predicted)
-                graphs.run(graphs.traced(("dense", layer), lambda f: self._dense_graph(f, layer)))
+                graphs.run(graphs.traced(("dense", layer), lambda f: self._dense_graph(f, layer), rows=n))
                 if not np.isfinite(b.check[0]):
                     return None
                 continue
-            if not await self._experts_on_graphs(graphs, layer, b.order[0, :used].tolist(), predicted):
+            if not await self._experts_on_graphs(graphs, layer, b.order[:, :used].tolist(), predicted):
                 return None
         if not np.isfinite(b.stream).all():
             return None
         return self._head(graphs)
 
     def _head(self, graphs: DecodeGraphs) -> np.ndarray:
-        """Logits (1, V) of the row in the stream buffer; NaN when the head's input is not finite (as the
+        """Logits (B, V) of the rows in the stream buffer; NaN when the head's input is not finite (as the
         per-operation backend gives)."""
         b = self._buffers
-        graphs.run(graphs.traced(("head",), self._head_graph))
+        graphs.run(graphs.traced(("head",), self._head_graph, rows=len(b.stream)))
         logits = b.logits.copy()
         if not np.isfinite(b.check[0]):
             logits[:] = np.nan
         return logits
 
-    async def _experts_on_graphs(self, graphs: DecodeGraphs, layer: int, ids: list[int],
+    async def _experts_on_graphs(self, graphs: DecodeGraphs, layer: int, ids: list[list[int]],
                                  predicted: list[int] | None) -> bool:
-        """The residual stream after block ``layer``'s experts ``ids`` (in rank order) into the stream buffer,
-        plus the shared expert's output (its graph runs once this layer's reads are out); False when a
-        non-finite value appeared in the shared expert.
+        """The residual stream after block ``layer``'s experts into the stream buffer, for each row its experts
+        ``ids[row]`` (in rank order), plus the shared expert's output (its graph runs once this layer's reads
+        are out); False when a non-finite value appeared in the shared expert. Each expert any row routes to
+        is read once (the union).
 
-        All of them in the source's first batch (resident, or landed): one graph. Otherwise each batch
-        runs as it arrives, giving each expert's weighted output, and the same rank-ordered sum follows in
-        NumPy, which rounds as the graph does (one addition at a time), so arrival never changes a bit.
+        A row whose experts are all in the source's first batch (resident, or landed): one graph. Otherwise
+        the row's experts run batch by batch as they arrive, giving each one's weighted output, and the same
+        rank-ordered sum follows in NumPy, which rounds as the graph does (one addition at a time), so
+        arrival never changes a bit, nor do the other rows. (A batch's weights are only held while it is
+        being used: the source may reuse its slots for the next.)
         """
         b = self._buffers
         shared_on = self.shared_expert_on(layer)
         biases = self._expert_biases(layer)
-        terms: list[np.ndarray | None] = [None] * len(ids)
+        terms: list[list[np.ndarray | None]] = [[None] * len(row) for row in ids]
         first = True
-        async with aclosing(self.experts.stream(layer, sorted(ids))) as stream:
+        union = sorted(set().union(*ids))
+        async with aclosing(self.experts.stream(layer, union)) as stream:
             async for batch in stream:
+                by_id = dict(batch)
                 if first:
-                    first = False
                     if predicted is not None:
                         self.experts.hint(layer + 1, predicted)
                     if shared_on:
-                        graphs.run(graphs.traced(("shared", layer), lambda f: self._shared_graph(f, layer)))
+                        graphs.run(graphs.traced(("shared", layer), lambda f: self._shared_graph(f, layer),
+                                                 rows=len(ids)))
                         if not np.isfinite(b.shared_check[0]):
                             return False
-                    if len(batch) == len(ids):
-                        by_id = dict(batch)
-                        shape = self._experts_shape(layer)
-                        graphs.experts(shape, b.moe_input, b.residual, b.stream, [by_id[e] for e in ids], ids,
-                                       b.weights, biases, b.shared if shared_on else None)
-                        return True
-                ranks = [ids.index(expert) for expert, _ in batch]
-                shape = self._experts_shape(layer, used=len(batch))
-                ys = graphs.experts(shape, b.moe_input, b.residual, b.stream, [w for _, w in batch],
-                                    [e for e, _ in batch], np.ascontiguousarray(b.weights[:, ranks]), biases,
-                                    terms=True)
-                for rank, y in zip(ranks, ys):
-                    terms[rank] = y.copy()
-        acc = terms[0]
-        for term in terms[1:]:
-            acc = acc + term
-        if shared_on:
-            acc = acc + b.shared[0]
-        np.copyto(b.stream, b.residual + acc)
+                for i, row in enumerate(ids):
+                    ranks = [rank for rank, expert in enumerate(row) if expert in by_id]
+                    if not ranks:
+                        continue
+                    one = slice(i, i + 1)
+                    if first and len(ranks) == len(row):
+                        graphs.experts(self._experts_shape(layer), b.moe_input[one], b.residual[one], b.stream[one],
+                                       [by_id[e] for e in row], row, b.weights[one], biases,
+                                       b.shared[one] if shared_on else None)
+                        terms[i] = []
+                        continue
+                    shape = self._experts_shape(layer, used=len(ranks))
+                    ys = graphs.experts(shape, b.moe_input[one], b.residual[one], b.stream[one],
+                                        [by_id[row[r]] for r in ranks], [row[r] for r in ranks],
+                                        np.ascontiguousarray(b.weights[i, ranks][None]), biases, terms=True)
+                    for rank, y in zip(ranks, ys):
+                        terms[i][rank] = y.copy()
+                first = False
+        for i, row_terms in enumerate(terms):
+            if not row_terms:
+                continue          # summed in its graph
+            acc = row_terms[0]
+            for term in row_terms[1:]:
+                acc = acc + term
+            if shared_on:
+                acc = acc + b.shared[i]
+            np.copyto(b.stream[i], b.residual[i] + acc)
         return True
 
     # --- what a block's experts are ---------------------------------------------------------

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import aclosing
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
@@ -45,6 +46,15 @@ PREFILL_CHUNK = 256
 Rope = tuple[np.ndarray, np.ndarray]  # cos, sin tables (T, n_rot/2) of this call's positions
 # Routed experts' activations (``MoETransformer.expert_activation``): SwiGLU, and gpt-oss's clamped one.
 EXPERT_ACTIVATIONS = {"swiglu": swiglu, "swiglu_oai": swiglu_oai}
+
+
+@dataclass(slots=True, eq=False)
+class SeqSlot:
+    """One sequence a net holds: its KV cache, its length and the token ids behind it."""
+
+    cache: KVCache
+    n_past: int = 0
+    ids: list[int] = field(default_factory=list)
 
 
 class RouteObserver(Protocol):
@@ -87,11 +97,13 @@ class MoETransformer:
 
     def __init__(self, model: Model, experts: ExpertSource, n_ctx: int | None = None,
                  kernels: Kernels | None = None, kv_type: str = DEFAULT_KV_TYPE,
-                 settings: Settings | None = None) -> None:
+                 settings: Settings | None = None, n_seq: int = 1) -> None:
         """``n_ctx``: KV-cache positions (default: the model's, at most 4096; never more than the model's);
         ``kernels``: the backend every product runs on (None: the NumPy reference); the caller owns it;
         ``kv_type``: "f16" or "f32" storage of keys and values (see :mod:`colibri_aio.arch.kvcache`);
-        ``settings``: the engine's switches (None: read now; the ggml decode graphs' are among them)."""
+        ``settings``: the engine's switches (None: read now; the ggml decode graphs' are among them);
+        ``n_seq``: sequences held at once, each in a slot with its own KV cache of ``n_ctx`` positions
+        (:meth:`use` picks the one ``forward`` continues; :meth:`decode_batch` steps several together)."""
         a = model.args
         self.model, self.args, self.experts = model, a, experts
         self.settings = settings if settings is not None else Settings.read()
@@ -100,12 +112,38 @@ class MoETransformer:
         self.repacked_nbytes = self.kernels.resident([model.output, *(m for b in model.blocks for m in b.matrices())])
         self.n_ctx = min(n_ctx or default_context(a.context_length), a.context_length)
         self.kv_type = kv_type
-        self.cache = self.make_cache()
-        self.n_past = 0
-        self.ids: list[int] = []  # the token ids behind the cache: positions 0..n_past-1
+        if n_seq < 1:
+            raise ValueError(f"n_seq must be at least 1, not {n_seq}")
+        self.slots = [SeqSlot(self.make_cache()) for _ in range(n_seq)]
+        self.slot = self.slots[0]      # the sequence forward, prefill and rewind work on
         # The hidden state that predicts the next layer's experts (see arch/lookahead.PREDICTORS);
         # None: no hints (Placement.lookahead sets it).
         self.lookahead: str | None = None
+
+    # --- the sequence being computed ---------------------------------------------------------
+
+    def use(self, index: int) -> SeqSlot:
+        """Make slot ``index`` the sequence ``forward``, ``prefill``, ``rewind`` and ``checkpoint`` work on."""
+        self.slot = self.slots[index]
+        return self.slot
+
+    @property
+    def cache(self) -> KVCache:
+        return self.slot.cache
+
+    @property
+    def n_past(self) -> int:
+        """Positions of the current slot's context."""
+        return self.slot.n_past
+
+    @n_past.setter
+    def n_past(self, value: int) -> None:
+        self.slot.n_past = value
+
+    @property
+    def ids(self) -> list[int]:
+        """The token ids behind the current slot's cache: positions 0..n_past-1."""
+        return self.slot.ids
 
     # --- kernels: every product of every family ------------------------------------------
 
@@ -295,6 +333,33 @@ class MoETransformer:
         self.ids.extend(tok.tolist())
         self._check_finite(out, "the output head (output_norm, output)", positions[-len(out):])
         return out if logits == "all" else out[0]
+
+    async def decode_batch(self, rows: Sequence[tuple[int, int]]) -> np.ndarray:
+        """One decode step of several sequences: for each (slot, token) of ``rows``, ``token`` at that slot's
+        next position. Returns the logits (len(rows), V), row i for ``rows[i]``: bit for bit what ``forward``
+        of that token on that slot alone gives. Here one sequence after another; the decode graphs step them
+        together (:class:`~colibri_aio.arch.decode_graphs.GraphDecode`). Leaves the last row's slot current."""
+        self._check_batch(rows)
+        out = []
+        for index, token in rows:
+            self.use(index)
+            out.append(await self.forward([token]))
+        return np.stack(out)
+
+    def _check_batch(self, rows: Sequence[tuple[int, int]]) -> None:
+        """Refuse a step ``decode_batch`` cannot run whole, before any sequence moves."""
+        if not rows:
+            raise UserError("a decode step needs at least one sequence")
+        indices = [index for index, _ in rows]
+        if len(set(indices)) != len(indices):
+            raise ValueError(f"a sequence appears twice in one step: slots {indices}")
+        for index, token in rows:
+            if not 0 <= index < len(self.slots):
+                raise ValueError(f"no slot {index}: the net holds {len(self.slots)} sequences")
+            if not 0 <= token < self.args.vocab_size:
+                raise UserError(f"token id out of range [0, {self.args.vocab_size})")
+            if self.slots[index].n_past + 1 > self.n_ctx:
+                raise UserError(f"context full: slot {index} holds {self.slots[index].n_past} of n_ctx {self.n_ctx}")
 
     async def _logits(self, tok: np.ndarray, positions: np.ndarray, observer: RouteObserver | None,
                       logits: Literal["last", "all"]) -> np.ndarray:
