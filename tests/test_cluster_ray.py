@@ -217,3 +217,5 @@ def test_the_serve_run_application_takes_key_value_arguments() -> None:
     assert config.open_options == {"ram_budget": "1G", "n_ctx": 128, "io": "pread"}
     with pytest.raises(Exception, match="replicas must be a number"):
         ClusterConfig.from_args({"replicas": "many"})
+    # A replica of several sequence slots takes as many requests at once as it has slots, and its line.
+    assert ClusterConfig.from_args({"parallel": "4", "max_queue": "2"}).per_replica == 6

@@ -437,7 +437,29 @@ def test_concurrent_clients_each_get_a_full_answer_or_429(server: ServerProcess)
     assert all(status == 429 or (status, reason) == (200, "length") for status, reason in results), results
     assert sum(status == 200 for status, _ in results) >= 3  # one generating and two waiting at least
     with _http(server) as h:
-        assert h.get("/health").json() == {"status": "ok", "busy": False, "waiting": 0}
+        assert h.get("/health").json() == {"status": "ok", "busy": False, "generating": 0, "slots": 1, "waiting": 0}
+
+
+def test_a_parallel_server_decodes_its_clients_together_with_their_answers_alone() -> None:
+    """--parallel 4: four streaming clients at once each get the answer one client gets alone, none waits for a
+    place, and /metrics shows the batched steps."""
+    with ServerProcess("--parallel", "4", "--max-queue", "0") as s:
+        def one(i: int) -> str:
+            with _http(s, key=None) as h:
+                r = h.post("/v1/completions", json={"prompt": f"question {i}", "max_tokens": 16, "temperature": 0,
+                                                    "logit_bias": NO_END})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["text"]
+
+        alone = [one(i) for i in range(4)]
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            together = list(pool.map(one, range(4)))
+        with _http(s, key=None) as h:
+            health = h.get("/health").json()
+        metrics = _metrics(s)
+    assert together == alone
+    assert health == {"status": "ok", "busy": False, "generating": 0, "slots": 4, "waiting": 0}
+    assert metrics["colibri_sequence_slots"] == 4 and metrics["colibri_batch_steps_total"] > 0
 
 
 # --- user mistakes --------------------------------------------------------------------------------------------------

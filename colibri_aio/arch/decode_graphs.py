@@ -124,6 +124,7 @@ class GraphDecode(MoETransformer):
         """The logits (B, V) of the step :meth:`DecodeGraphs.begin` began, for its tokens ``tok`` (B,): on one
         graph when it can, else block by block; None when a non-finite value appeared."""
         self._buffers = self._buffers_for(len(tok))
+        self.step_unions = []
         discarded = self.one_graph_misses
         out = await self._step_on_one_graph(graphs, tok)
         if out is None:
@@ -273,7 +274,9 @@ class GraphDecode(MoETransformer):
             return None
         if not np.isfinite(b.step_check[0]):
             return None       # the per-block graphs find the place, or the per-operation pass names it
-        source.routed([(layer, np.unique(row).tolist()) for layer, row in zip(layers, chosen)])
+        routed = [(layer, np.unique(row).tolist()) for layer, row in zip(layers, chosen)]
+        source.routed(routed)
+        self.step_unions = [len(experts) for _, experts in routed]
         self.one_graph_steps += 1
         return b.logits.copy()
 
@@ -333,6 +336,7 @@ class GraphDecode(MoETransformer):
         terms: list[list[np.ndarray | None]] = [[None] * len(row) for row in ids]
         first = True
         union = sorted(set().union(*ids))
+        self.step_unions.append(len(union))
         async with aclosing(self.experts.stream(layer, union)) as stream:
             async for batch in stream:
                 by_id = dict(batch)

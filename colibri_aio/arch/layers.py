@@ -116,6 +116,7 @@ class MoETransformer:
             raise ValueError(f"n_seq must be at least 1, not {n_seq}")
         self.slots = [SeqSlot(self.make_cache()) for _ in range(n_seq)]
         self.slot = self.slots[0]      # the sequence forward, prefill and rewind work on
+        self.step_unions: list[int] = []   # a batched step's distinct experts per MoE block, where it knows them
         # The hidden state that predicts the next layer's experts (see arch/lookahead.PREDICTORS);
         # None: no hints (Placement.lookahead sets it).
         self.lookahead: str | None = None

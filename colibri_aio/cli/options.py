@@ -48,6 +48,10 @@ def add_memory(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     g.add_argument("--kv-type", choices=tuple(KV_TYPES), default=DEFAULT_KV_TYPE,
                    help="how the KV cache stores keys and values: f16 halves its memory (as llama.cpp), f32 "
                         "keeps every bit (default: %(default)s)")
+    g.add_argument("--parallel", type=int, default=1, metavar="N",
+                   help="sequences held at once, each with its own KV cache of --ctx positions: up to N requests "
+                        "decode together, each step reading every layer's experts once for all of them "
+                        "(default: %(default)s)")
     g.add_argument("--history", action=argparse.BooleanOptionalAction, default=True,
                    help="read and update this model's usage history, a cache file under "
                         "$XDG_CACHE_HOME/colibri_aio/usage (default: on)")
@@ -83,7 +87,7 @@ def placement_options(args: argparse.Namespace) -> dict:
     """Engine.open's keyword arguments from the placement options."""
     return dict(io=args.io, ram_budget=args.ram_budget, cache_per_layer=args.cache_per_layer,
                 prefetch=args.prefetch, pin=args.pin, kernels=args.kernels, n_ctx=args.ctx, kv_type=args.kv_type,
-                history=args.history, warm_start=args.warm_start, read_ahead=args.read_ahead,
+                history=args.history, warm_start=args.warm_start, read_ahead=args.read_ahead, parallel=args.parallel,
                 progress=_progress if sys.stderr.isatty() else None)
 
 

@@ -38,7 +38,8 @@ def command(args: argparse.Namespace) -> int:
     from colibri_aio.policy.budget import parse_size
 
     placement = Placement(ram_budget=parse_size(args.ram_budget) if args.ram_budget else None,
-                          cache_per_layer=args.cache_per_layer, pin=args.pin, context=args.ctx, kv_type=args.kv_type)
+                          cache_per_layer=args.cache_per_layer, pin=args.pin, context=args.ctx, kv_type=args.kv_type,
+                          parallel=args.parallel)
     model = load(model_path(args) or default_model_path(), resident=False)
     past = HistoryFile.for_model(model).load() if args.history else None
     limits = memory_limits()
@@ -84,6 +85,7 @@ def _plan_table(model, plan, limits) -> str:
         ("budget", f"{gb(plan.budget)} ({plan.budget_source})"),
         ("trunk resident", gb(plan.trunk)),
         ("KV cache", f"{gb(plan.kv_cache)} {plan.kv_type} for {plan.context} positions ({plan.context_source})"
+                     + (f" x {plan.parallel} sequences (--parallel)" if plan.parallel > 1 else "")
                      + _sliding_note(a, plan.context)),
         ("working", gb(plan.working)),
         ("expert pool", f"{plan.slots} slots x {gb(plan.slot_nbytes)} = {gb(plan.pool)} "

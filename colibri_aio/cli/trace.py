@@ -41,6 +41,8 @@ async def _trace_async(args: argparse.Namespace, text: str) -> int:
     from colibri_aio.engine.engine import Engine
     from colibri_aio.text.sampling import make_sampler
 
+    if args.parallel != 1:
+        raise UserError("trace follows one sequence: --parallel does not apply to it")
     sample = make_sampler(temperature=args.temperature, seed=args.seed)
     async with await Engine.open(model_path(args), **placement_options(args)) as engine:
         ids = engine.prompt_ids(text)

@@ -66,8 +66,9 @@ class ClusterConfig:
 
     @property
     def per_replica(self) -> int:
-        """Generation requests one replica takes at once: one generating, ``max_queue`` waiting."""
-        return 1 + self.max_queue
+        """Generation requests one replica takes at once: ``parallel`` generating together (its sequence slots,
+        1 unless the placement options say), ``max_queue`` waiting."""
+        return int(self.open_options.get("parallel", 1)) + self.max_queue
 
     @classmethod
     def from_args(cls, args: Mapping[str, Any]) -> "ClusterConfig":
@@ -83,8 +84,8 @@ class ClusterConfig:
             elif key in known and key != "open_options":
                 given[key] = value
             else:
-                given["open_options"][key] = _number(key, value, int) if key in ("n_ctx", "cache_per_layer") \
-                    else value
+                integral = key in ("n_ctx", "cache_per_layer", "parallel")
+                given["open_options"][key] = _number(key, value, int) if integral else value
         return cls(**given)
 
 

@@ -4,14 +4,18 @@
         async for piece in engine.generate("The list type", max_tokens=32):
             print(piece.text, end="", flush=True)
 
-One engine holds one KV cache, so it computes for one caller at a time:
-``generate``, ``logits`` and ``prefill`` called concurrently (several tasks,
-``asyncio.gather``, several threads through :class:`~colibri_aio.SyncEngine`)
-queue behind each other in call order, or, with ``wait=False``, fail at once
-with :class:`~colibri_aio.errors.EngineBusyError`. A stream holds the engine
-from its first piece until it ends or is closed: leave an ``async for`` early
-inside ``contextlib.aclosing(...)`` (or close the stream) so the next caller
-does not wait for the garbage collector.
+By default an engine holds one KV cache, so it computes for one caller at a
+time: ``generate``, ``logits`` and ``prefill`` called concurrently (several
+tasks, ``asyncio.gather``, several threads through
+:class:`~colibri_aio.SyncEngine`) queue behind each other in call order, or,
+with ``wait=False``, fail at once with
+:class:`~colibri_aio.errors.EngineBusyError`. Opened with ``parallel=N`` it
+holds N sequences and decodes up to N streams together, one decode step for
+all of them (:mod:`colibri_aio.engine.batch`); the (N+1)th caller queues or
+fails the same way. A stream holds its place from its first piece until it
+ends or is closed: leave an ``async for`` early inside
+``contextlib.aclosing(...)`` (or close the stream) so the next caller does
+not wait for the garbage collector.
 """
 from __future__ import annotations
 
@@ -33,15 +37,16 @@ from colibri_aio.engine.device import DeviceMonitor
 from colibri_aio.models import default_model_path
 from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE
 from colibri_aio.arch import build_net
-from colibri_aio.text.sampling import (FinishReason, SamplingParams, Stopper, TokenPicker, check_generation_options,
-                                      log_softmax, top_logprobs)
+from colibri_aio.text.sampling import SamplingParams, TokenPicker, check_generation_options
 from colibri_aio.engine.plan import Plan, gb
 from colibri_aio.policy.budget import parse_size
 from colibri_aio.engine.scheduler import CachedExpertSource
+from colibri_aio.engine.batch import Batcher, cached_prefix
 from colibri_aio.engine.history import HistoryFile
 from colibri_aio.engine.opening import OpenTimings, open_parts
 from colibri_aio.engine.placement import Placement
 from colibri_aio.engine.stats import EngineStats
+from colibri_aio.engine.streams import Decoding, GenerationPiece
 from colibri_aio.engine.tasks import EngineTasks
 from colibri_aio.logs import get_logger
 from colibri_aio.settings import Settings
@@ -50,38 +55,6 @@ from colibri_aio.text.tokenizer import Tokenizer
 Prompt = str | Sequence[Mapping[str, Any]] | Sequence[int]  # text, chat messages or token ids
 
 log = get_logger("colibri_aio.engine")
-
-
-@dataclass(frozen=True, slots=True)
-class GenerationPiece:
-    """One step of a generation stream: new text, the token that made it, and timing so far.
-
-    ``cached_tokens``: leading prompt tokens the KV cache already held (not
-    prefilled again). ``logprob``/``top_logprobs``: with ``logprobs=n``, the
-    token's log-probability and the n most likely (id, log-probability) pairs.
-    """
-
-    text: str
-    token: int | None
-    finish_reason: FinishReason | None
-    prompt_tokens: int
-    generated_tokens: int
-    prefill_seconds: float
-    decode_seconds: float
-    stats: EngineStats
-    cached_tokens: int = 0
-    logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
-
-    @property
-    def prefill_tps(self) -> float:
-        """Prompt tokens prefilled (the cached ones excluded) per second."""
-        n = self.prompt_tokens - self.cached_tokens
-        return n / self.prefill_seconds if self.prefill_seconds else 0.0
-
-    @property
-    def decode_tps(self) -> float:
-        return self.generated_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
 class Engine:
@@ -95,7 +68,7 @@ class Engine:
         self.model, self.tokenizer, self.source, self.plan, self.placement = model, tokenizer, source, plan, placement
         self.kernels, self.history, self._tasks = kernels, history, tasks
         self.settings = settings if settings is not None else Settings.read()
-        self.net = build_net(model, source, plan.context, kernels, plan.kv_type, self.settings)
+        self.net = build_net(model, source, plan.context, kernels, plan.kv_type, self.settings, plan.parallel)
         self.net.lookahead = placement.lookahead
         self.prompt_tokens = self.generated_tokens = self.cached_tokens = 0
         self.prefill_s = self.decode_s = 0.0
@@ -106,6 +79,13 @@ class Engine:
         self._holder: asyncio.Task[Any] | None = None  # the task whose turn it is
         self._closed = False
         self.open_timings: OpenTimings | None = None  # what each step of open took (set by open)
+        # Several sequences: their slots and the task that decodes them together (None: one caller at a time).
+        self.batcher: Batcher | None = None
+        if plan.parallel > 1:
+            if tasks is None:
+                raise ValueError("an engine of several sequences needs its tasks (Engine.open makes them)")
+            self.batcher = Batcher(self, self.net)
+            tasks.spawn(self.batcher.run(), name="decode steps")
 
     @classmethod
     async def open(cls, path: str | os.PathLike[str] | None = None, *, io: str = "auto",
@@ -113,7 +93,7 @@ class Engine:
                    prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None, kv_type: str = DEFAULT_KV_TYPE,
                    kernels: str | None = None, progress: Progress | None = None,
                    history: bool = True, warm_start: bool = False, read_ahead: bool = True,
-                   settings: Settings | None = None) -> "Engine":
+                   parallel: int = 1, settings: Settings | None = None) -> "Engine":
         """Load ``path`` (default: the shipped model) and open its expert source.
 
         Placement: ``io`` (auto|uring|pread|mmap), ``ram_budget`` (bytes or a
@@ -143,6 +123,10 @@ class Engine:
         they fault in the pool pages they fill; on by default: its A/B shortened
         the time to first token on the 8- and 48-layer files and kept the first
         decoded tokens at the steady rate (evidence/first_token_20261202T01*).
+        ``parallel``: sequences held at once, each with its own KV cache of
+        ``n_ctx`` positions (the plan reserves them all, and refuses a number
+        that does not fit): up to that many ``generate`` calls decode together,
+        each step reading every layer's experts once for all of them.
         ``settings``: the environment's switches (:mod:`colibri_aio.settings`), read once here when not given,
         and handed to everything the engine builds.
         """
@@ -150,7 +134,7 @@ class Engine:
         budget = parse_size(ram_budget) if isinstance(ram_budget, str) else ram_budget
         placement = Placement(io=io, ram_budget=budget, cache_per_layer=cache_per_layer, prefetch=prefetch,
                               pin=pin, context=n_ctx, kv_type=kv_type, warm_start=warm_start,
-                              read_ahead=read_ahead)
+                              read_ahead=read_ahead, parallel=parallel)
         tasks = await EngineTasks.start()
         try:
             model, tokenizer, source, plan, store, opened_kernels, timings = await open_parts(
@@ -186,7 +170,8 @@ class Engine:
         parts = len(self.model.paths)
         line = (f"{self.model.path.name}{f' (+{parts - 1} parts)' if parts > 1 else ''}: "
                 f"{a.layers_text} x {a.expert_count} experts of "
-                f"{gb(plan.expert_nbytes)}; KV {gb(plan.kv_cache)} {plan.kv_type} for {plan.context} ctx; "
+                f"{gb(plan.expert_nbytes)}; KV {gb(plan.kv_cache)} {plan.kv_type} for {plan.context} ctx"
+                f"{f' x {plan.parallel} sequences' if plan.parallel > 1 else ''}; "
                 f"cache {cache.n_slots} slots ({len(cache.pinned)} pinned) = {gb(cache.n_slots * plan.slot_nbytes)}; "
                 f"io {reader.backend}; prefetch {self.placement.prefetch}; kernels {self.kernels.name}")
         if not full:
@@ -211,7 +196,16 @@ class Engine:
             lookahead_recall=score.recall, lookahead_precision=score.precision,
             bytes_read=reader.bytes, io_bytes=reader.io_bytes, reads_in_flight=src.reader.in_flight,
             slots_used=len(policy.cache), slots_total=policy.cache.n_slots, read_busy_s=reader.busy_s,
-            rss=rss_bytes(), peak_rss=peak_rss_bytes())
+            rss=rss_bytes(), peak_rss=peak_rss_bytes(), **self._batch_stats())
+
+    def _batch_stats(self) -> dict[str, Any]:
+        b = self.batcher
+        if b is None:
+            busy = int(self._turn.locked())
+            return dict(sequences_busy=busy, sequences_total=1)
+        st = b.stats
+        return dict(sequences_busy=b.busy, sequences_total=b.n_slots, batch_steps=st.steps,
+                    batch_rows=st.last_rows, batch_rows_mean=st.mean_rows, batch_union_mean=st.mean_union)
 
     async def __aenter__(self) -> "Engine":
         return self
@@ -276,8 +270,9 @@ class Engine:
     @contextlib.asynccontextmanager
     async def turn(self, *, wait: bool = True) -> AsyncIterator[None]:
         """Hold the engine (its KV cache) for one caller; others queue, or fail at once without ``wait``."""
-        if self._closed:
-            raise RuntimeError("the engine is closed")
+        self._check_open()
+        if self.batcher is not None:
+            raise RuntimeError("an engine of several sequences has no single turn: use generate, logits or prefill")
         if self._turn.locked() and self._holder is asyncio.current_task():
             raise EngineBusyError("this task's own stream holds the engine: finish or close it first")
         if not wait and self._turn.locked():
@@ -289,14 +284,24 @@ class Engine:
             finally:
                 self._holder = None
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("the engine is closed")
+
     async def prefill(self, ids: Sequence[int], *, wait: bool = True) -> np.ndarray:
         """Run ``ids`` from an empty context; return the logits after the last one."""
+        if self.batcher is not None:
+            self._check_open()
+            return await self.batcher.teacher_forced(ids, "last", wait=wait)
         async with self.turn(wait=wait):
             self.net.reset()
             return await self.net.prefill(ids)
 
     async def logits(self, ids: Sequence[int], *, wait: bool = True) -> np.ndarray:
         """Teacher-forced logits (len(ids), vocab): row i follows ids[0..i]."""
+        if self.batcher is not None:
+            self._check_open()
+            return await self.batcher.teacher_forced(ids, "all", wait=wait)
         async with self.turn(wait=wait):
             self.net.reset()
             return await self.net.prefill(ids, logits="all")
@@ -304,11 +309,7 @@ class Engine:
     def cached_prefix(self, ids: Sequence[int]) -> int:
         """How many leading ``ids`` the KV cache already holds and can continue from, short of the last (its
         logits start generation). 0 when the common prefix ends before what a sliding window still holds."""
-        n = min(len(ids) - 1, self.net.n_past)
-        if n <= 0:
-            return 0
-        differ = np.flatnonzero(np.asarray(self.net.ids[:n]) != np.asarray(ids[:n]))
-        return self.net.resumable(int(differ[0]) if differ.size else n)
+        return cached_prefix(self.net, ids)
 
     async def generate(self, prompt: Prompt, *, chat: bool = False, max_tokens: int | None = 128,
                        stop: Sequence[str] = (), logprobs: int | None = None, reuse: bool = True,
@@ -330,8 +331,10 @@ class Engine:
         ``finish_reason`` is "stop" (an end-of-generation token or a stop
         string) or "length": ``max_tokens`` reached, or the context is full
         (then ``generated_tokens`` < ``max_tokens``). Concurrent calls queue
-        behind each other (see the module's docstring); ``wait=False`` raises
-        :class:`~colibri_aio.errors.EngineBusyError` instead of queueing.
+        behind each other (see the module's docstring) unless the engine holds
+        several sequences (``parallel``): then up to that many decode together;
+        ``wait=False`` raises :class:`~colibri_aio.errors.EngineBusyError`
+        instead of queueing.
         """
         params = replace(sampling or SamplingParams(), **options)
         check_generation_options(max_tokens=max_tokens, sampling=params, vocab_size=self.model.args.vocab_size)
@@ -341,6 +344,13 @@ class Engine:
             raise UserError(f"the prompt has {len(ids)} tokens; the context holds {self.net.n_ctx} "
                             f"(--ctx / n_ctx, at most the model's {self.model.args.context_length})")
         limit = budget if max_tokens is None else min(max_tokens, budget)
+        if self.batcher is not None:
+            self._check_open()
+            stream = self.batcher.generate(ids, limit, stop, TokenPicker(params, ids), logprobs, reuse, wait=wait)
+            async with contextlib.aclosing(stream):
+                async for piece in stream:
+                    yield piece
+            return
         async with self.turn(wait=wait):
             stream = self._generate(ids, limit, stop, TokenPicker(params, ids), logprobs, reuse)
             try:
@@ -352,34 +362,39 @@ class Engine:
 
     async def _generate(self, ids: list[int], max_tokens: int, stop: Sequence[str], pick: TokenPicker,
                         logprobs: int | None, reuse: bool) -> AsyncIterator[GenerationPiece]:
-        stopper = Stopper(self.tokenizer.stream_decoder(skip_special=True), self.tokenizer.is_eog,
-                          max_tokens=max_tokens, stop=stop)
         cached = self.cached_prefix(ids) if reuse else 0
         t0 = time.perf_counter()
         self.net.rewind(cached)
         logits = await self.net.prefill(ids[cached:])
         self.net.checkpoint()   # a recurrent state cannot be wound back: keep the prompt's for the next turn
         t_prefill = time.perf_counter() - t0
-        self.prompt_tokens += len(ids) - cached
-        self.cached_tokens += cached
-        self.prefill_s += t_prefill
-        t1 = tick = time.perf_counter()
-        while True:
-            token = pick(logits)
-            lp, alternatives = None, ()
-            if logprobs is not None:
-                dist = log_softmax(logits)
-                lp, alternatives = float(dist[token]), tuple(top_logprobs(dist, logprobs))
-            step = stopper.step(token)
+        self.count_prompt(len(ids) - cached, cached, t_prefill)
+        tick = time.perf_counter()
+
+        def tally() -> EngineStats:   # the token's time: from the forward call (or the prefill's end) to its piece
             self.generated_tokens += 1
-            now = time.perf_counter()
-            self.decode_s += now - tick
-            yield GenerationPiece(step.text, token, step.finish_reason, len(ids), stopper.n_tokens,
-                                  t_prefill, now - t1, self.stats(), cached, lp, alternatives)
-            if step.finish_reason is not None:
+            self.decode_s += time.perf_counter() - tick
+            return self.stats()
+
+        decoding = Decoding(self.tokenizer, ids, max_tokens, stop, pick, logprobs, cached, t_prefill, tally)
+        while True:
+            piece = decoding.piece(logits)
+            yield piece
+            if piece.finish_reason is not None:
                 return
             tick = time.perf_counter()
             # A token whose experts all hit never suspends: give the loop a turn for what waits on it
             # (signal handlers, reads that landed, an HTTP server's other requests).
             await asyncio.sleep(0)
-            logits = await self.net.forward([token])
+            logits = await self.net.forward([piece.token])
+
+    def count_prompt(self, prefilled: int, cached: int, seconds: float) -> None:
+        """A prompt is in: ``prefilled`` tokens computed in ``seconds``, ``cached`` found in the KV cache."""
+        self.prompt_tokens += prefilled
+        self.cached_tokens += cached
+        self.prefill_s += seconds
+
+    def count_token(self) -> EngineStats:
+        """One more generated token (its time is counted by the step that made it); the counters now."""
+        self.generated_tokens += 1
+        return self.stats()

@@ -67,6 +67,7 @@ class Placement:
     # 0.98 and 0.90 with ranges crossing 1 (...T010043Z.md, ...T012020Z.md).
     read_ahead: bool = True
     backpressure: BackpressureConfig | None = None  # thresholds of --prefetch auto (None: defaults)
+    parallel: int = 1               # sequences decoded together, each with its own KV cache (--parallel)
 
     def __post_init__(self) -> None:
         """Refuse an unknown choice here, once, before any file is opened."""
@@ -76,6 +77,8 @@ class Placement:
             raise UserError(f"unknown --prefetch {self.prefetch!r} (choose from {', '.join(PREFETCH_CHOICES)})")
         if self.cache_per_layer is not None and self.cache_per_layer < 1:
             raise UserError(f"--cache-per-layer must be >= 1, got {self.cache_per_layer}")
+        if self.parallel < 1:
+            raise UserError(f"--parallel must be >= 1 sequence, got {self.parallel}")
         if self.context is not None and self.context < 1:
             raise UserError(f"--ctx must be >= 1 position, got {self.context}")
         check_kv_type(self.kv_type)
@@ -132,7 +135,7 @@ def plan_for(model: Model, placement: Placement, past: UsageHistory | None, limi
                      kv_type=placement.kv_type, cache_per_layer=placement.cache_per_layer, usage_counts=counts,
                      pin_share=PIN_SHARE if pin_from is not None else 0.0,
                      history_tokens=known.tokens if counts is not None else None,
-                     speed=speed if speed is not None else cached_speed())
+                     speed=speed if speed is not None else cached_speed(), parallel=placement.parallel)
     return plan, pin_from
 
 

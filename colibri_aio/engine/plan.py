@@ -56,6 +56,7 @@ class Plan:
     disk_s_per_token: float
     speed_source: str = "assumed rates"  # where compute_s_per_token's rates come from
     notes: tuple[str, ...] = ()  # where the plan differs from what was asked, said aloud
+    parallel: int = 1          # sequences held at once: kv_cache is this many caches of ``context`` positions
 
     @property
     def pool(self) -> int:
@@ -75,7 +76,8 @@ class Plan:
     def one_line(self) -> str:
         hit = "n/a" if self.expected_hit_rate is None else f"{self.expected_hit_rate:.0%}"
         return (f"plan: budget {gb(self.budget)} ({self.budget_source}) = trunk {gb(self.trunk)} + "
-                f"KV {gb(self.kv_cache)} {self.kv_type} ({self.context} ctx, {self.context_source}) + pool "
+                f"KV {gb(self.kv_cache)} {self.kv_type} ({self.context} ctx, {self.context_source}"
+                f"{f'; {self.parallel} slots' if self.parallel > 1 else ''}) + pool "
                 f"{self.slots} slots x {gb(self.slot_nbytes)} = {gb(self.pool)} ({self.pinned_slots} pinned; "
                 f"{self.slots}/{self.experts_total} experts of {gb(self.expert_nbytes)}) + working "
                 f"{gb(self.working)}; expected hit {hit}; bound by {self.bottleneck}")
@@ -94,18 +96,19 @@ def kv_cache_nbytes(model: Model, context: int, kv_type: str = DEFAULT_KV_TYPE) 
     return model.args.kv_cache_nbytes(context, kv_type)
 
 
-def working_nbytes(model: Model, prefill_chunk: int = PREFILL_CHUNK) -> int:
-    """Activations of one prefill chunk (a few (T, D) buffers, attention scores) and one row of logits."""
+def working_nbytes(model: Model, prefill_chunk: int = PREFILL_CHUNK, parallel: int = 1) -> int:
+    """Activations of one prefill chunk (a few (T, D) buffers, attention scores) and a row of logits for each
+    of ``parallel`` sequences (a batched decode step's buffers hold one row each)."""
     a = model.args
     acts = prefill_chunk * a.embedding_length * 4 * 16
     scores = a.head_count * prefill_chunk * min(a.context_length, 4096) * 4 * 2
-    return RUNTIME_OVERHEAD + acts + scores + a.vocab_size * 4 * 2
+    return RUNTIME_OVERHEAD + acts + scores + a.vocab_size * 4 * 2 * parallel
 
 
 def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, context: int | None = None,
               kv_type: str = DEFAULT_KV_TYPE, cache_per_layer: int | None = None,
               usage_counts: dict[tuple[int, int], float] | None = None, pin_share: float = 0.0,
-              history_tokens: float | None = None, speed: MachineSpeed | None = None) -> Plan:
+              history_tokens: float | None = None, speed: MachineSpeed | None = None, parallel: int = 1) -> Plan:
     """The placement for ``model`` within ``budget`` (default: a share of usable RAM).
 
     Refuses, with a :class:`UserError` that says what is missing, a budget
@@ -119,9 +122,12 @@ def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, 
     ``usage_counts`` (with the ``history_tokens`` positions behind them)
     size the pins and, from a history long enough to stand for the
     workload, the expected hit rate. ``speed``: this machine's measured
-    kernel rates and per-layer overhead (None: assumed rates, no overhead).
+    kernel rates and per-layer overhead (None: assumed rates, no overhead). ``parallel``: sequences held at
+    once, each with a KV cache of ``context`` positions (all of them reserved).
     """
     a = model.args
+    if parallel < 1:
+        raise UserError(f"--parallel must be >= 1 sequence, got {parallel}")
     layers = a.moe_block_count  # blocks with experts: the cache keeps a quota for each
     notes: list[str] = []
     context, context_source = _context(a.context_length, context, notes)
@@ -132,7 +138,7 @@ def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, 
     else:
         _check_budget(budget, limits, notes)
     slot = slot_nbytes_for(model.expert_nbytes_max)
-    kv, working = kv_cache_nbytes(model, context, kv_type), working_nbytes(model)
+    kv, working = parallel * kv_cache_nbytes(model, context, kv_type), working_nbytes(model, parallel=parallel)
     reserved = model.trunk_nbytes + kv + working
     total = layers * a.expert_count
     if cache_per_layer is not None:
@@ -149,14 +155,14 @@ def make_plan(model: Model, limits: MemoryLimits, *, budget: int | None = None, 
     if reserved + minimal * slot > budget or slots < minimal:
         raise UserError(
             f"budget {gb(budget)} is too small: trunk {gb(model.trunk_nbytes)} + {kv_type} KV cache {gb(kv)} for "
-            f"{context} positions + working {gb(working)} + {what} ({gb(minimal * slot)}), need "
+            f"{context} positions{f' x {parallel} sequences (--parallel)' if parallel > 1 else ''} + working {gb(working)} + {what} ({gb(minimal * slot)}), need "
             f"{gb(reserved + minimal * slot)}")
     hit, hit_source = expected_hit_rate(usage_counts, slots, total, history_tokens)
     compute_s, disk_s, speed_source = token_times(model, 0.0 if hit is None else hit, speed)
     return Plan(budget, source, context, context_source, model.trunk_nbytes, kv, kv_type, working,
                 model.expert_nbytes_max,
                 slot, slots, total, pinned, hit, hit_source, "disk" if disk_s > compute_s else "compute",
-                compute_s, disk_s, speed_source, tuple(notes))
+                compute_s, disk_s, speed_source, tuple(notes), parallel)
 
 
 def _context(model_context: int, asked: int | None, notes: list[str]) -> tuple[int, str]:

@@ -34,6 +34,12 @@ class EngineStats:
     rss: int
     peak_rss: int
     prompt_tokens_cached: int = 0  # prompt tokens found in the KV cache (not prefilled; not in prompt_tokens)
+    sequences_busy: int = 0        # sequence slots holding a generation now
+    sequences_total: int = 1       # sequence slots (--parallel)
+    batch_steps: int = 0           # decode steps of the parallel engine (each over every decoding stream)
+    batch_rows: int = 0            # streams in the last such step
+    batch_rows_mean: float = 0.0   # ... on average
+    batch_union_mean: float = 0.0  # distinct experts a MoE block read per batched step, on average
 
     @property
     def lookups(self) -> int:

@@ -53,7 +53,7 @@ class Service:
     def __init__(self, session: Session, *, max_queue: int = 16, api_key: str | None = None,
                  model_id: str | None = None) -> None:
         self.session = session
-        self.line = RequestLine(max_queue)
+        self.line = RequestLine(max_queue, capacity=session.engine.engine.plan.parallel)
         self.metrics = ServerMetrics(session.engine.engine, self.line)
         self.api_key = api_key
         self.model_id = model_id or session.model_name
@@ -268,7 +268,8 @@ async def get_model(request: Request) -> Response:
 
 async def health(request: Request) -> Response:
     line = request.app.state.service.line
-    return JSONResponse({"status": "ok", "busy": line.busy, "waiting": line.waiting})
+    return JSONResponse({"status": "ok", "busy": line.busy, "generating": line.holders, "slots": line.capacity,
+                         "waiting": line.waiting})
 
 
 async def metrics(request: Request) -> Response:

@@ -78,7 +78,10 @@ class _EngineCollector(Collector):
         yield GaugeMetricFamily("colibri_queue_waiting", "Requests waiting for the engine", value=self.line.waiting)
         yield GaugeMetricFamily("colibri_queue_capacity", "Requests allowed to wait (--max-queue)",
                                 value=self.line.max_waiting)
-        yield GaugeMetricFamily("colibri_engine_busy", "1 while a request holds the engine", value=int(self.line.busy))
+        yield GaugeMetricFamily("colibri_engine_busy", "1 while every sequence slot holds a request",
+                                value=int(self.line.busy))
+        yield GaugeMetricFamily("colibri_requests_generating", "Requests holding a sequence slot",
+                                value=self.line.holders)
 
     def _device(self) -> Iterator[Metric]:
         assert self._disk is not None
@@ -119,6 +122,15 @@ def _engine_metrics(s: EngineStats) -> Iterator[Metric]:
                  s.generated_tokens / s.decode_s if s.decode_s else 0.0)
     yield _gauge("colibri_prefill_tokens_per_second", "Prompt tokens prefilled per second of prefill, since start",
                  s.prompt_tokens / s.prefill_s if s.prefill_s else 0.0)
+    yield _gauge("colibri_sequence_slots", "Sequence slots the engine holds (--parallel)", s.sequences_total)
+    yield _gauge("colibri_sequence_slots_busy", "Sequence slots holding a generation", s.sequences_busy)
+    yield _counter("colibri_batch_steps", "Decode steps over every decoding stream together (--parallel > 1)",
+                   s.batch_steps)
+    yield _gauge("colibri_batch_size", "Streams in the last batched decode step", s.batch_rows)
+    yield _gauge("colibri_batch_size_mean", "Streams per batched decode step, on average", s.batch_rows_mean)
+    yield _gauge("colibri_batch_union_experts_mean",
+                 "Distinct experts a MoE layer read per batched step (the union of its streams' choices), on average",
+                 s.batch_union_mean)
     lookups = CounterMetricFamily("colibri_expert_lookups", "Expert lookups by where the expert was found",
                                   labels=["result"])
     for result, n in (("pinned", s.pinned_hits), ("cached", s.cached_hits), ("prefetched", s.prefetch_hits),
