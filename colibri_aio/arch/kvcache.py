@@ -181,6 +181,11 @@ class KVCache:
         self._saved_at[slot] = end
         self._saved_order.append(slot)
 
+    def drop_checkpoints(self) -> None:
+        """Forget every kept copy of the recurrent states (the context they were taken from is gone)."""
+        self._saved_at = [-1] * len(self._saved)
+        self._saved_order = []
+
     @property
     def checkpoints(self) -> list[int]:
         """The context lengths whose recurrent states are kept, ascending."""

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 
-from colibri_aio.cli.options import (add_model, add_placement, add_sampling, model_path, placement_options,
-                                     sampling_options)
+from colibri_aio.cli.options import (add_model, add_placement, add_prompt_cache, add_sampling, model_path,
+                                     placement_options, sampling_options)
 from colibri_aio.errors import UserError
 
 
@@ -19,6 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=256, metavar="N", help="longest reply in tokens (default: %(default)s)")
     add_sampling(p, "the model's general.sampling.* keys, else llama.cpp's")
     add_placement(p)
+    add_prompt_cache(p)
     p.set_defaults(func=command)
 
 
@@ -29,4 +30,4 @@ def command(args: argparse.Namespace) -> int:
     if args.stop:
         raise UserError("chat takes no --stop (the model's end-of-turn token ends a reply)")
     return chat(model_path(args), system=args.system, max_tokens=args.max_tokens, sampling=sampling_options(args),
-                open_options=placement_options(args))
+                open_options=placement_options(args), prompt_cache=args.prompt_cache)

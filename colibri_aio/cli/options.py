@@ -83,6 +83,14 @@ def add_placement(p: argparse.ArgumentParser) -> None:
                         "(default: $COLIBRI_KERNELS or auto)")
 
 
+def add_prompt_cache(p: argparse.ArgumentParser) -> None:
+    """``--prompt-cache FILE``: the KV cache restored from FILE at the start and saved to it at the end."""
+    p.add_argument("--prompt-cache", type=Path, default=None, metavar="FILE",
+                   help="restore the KV cache (and its token ids) from FILE when it exists, and save it there at "
+                        "the end, so that a prompt beginning with the same tokens prefills only the rest next time "
+                        "(a file of another model, --ctx or --kv-type is refused)")
+
+
 def placement_options(args: argparse.Namespace) -> dict:
     """Engine.open's keyword arguments from the placement options."""
     return dict(io=args.io, ram_budget=args.ram_budget, cache_per_layer=args.cache_per_layer,

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING
 
 from colibri_aio.cli.loop import run_loop
-from colibri_aio.cli.options import (add_model, add_placement, add_prompt, add_sampling, model_path,
+from colibri_aio.cli.options import (add_model, add_placement, add_prompt, add_prompt_cache, add_sampling, model_path,
                                      placement_options, prompt_text, sampling_options)
 from colibri_aio.cli.outfiles import open_out
 from colibri_aio.errors import UserError
@@ -37,6 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--stats-interval", type=float, default=1.0, metavar="S", help="seconds per line (default: %(default)s)")
     t.add_argument("--stats-json", type=Path, default=None, metavar="FILE", help="write the same samples as JSON lines")
     add_placement(p)
+    add_prompt_cache(p)
     p.set_defaults(func=command)
 
 
@@ -74,6 +75,10 @@ async def _run_async(args: argparse.Namespace, prompt: str, sampling: SamplingPa
 
     async with await Engine.open(model_path(args), **placement_options(args)) as engine:
         print(f"[{engine.describe()}]", file=sys.stderr, flush=True)
+        cache_file = args.prompt_cache
+        if cache_file is not None and cache_file.exists():
+            n = await engine.restore_slot(cache_file)
+            print(f"[prompt cache: {n} positions restored from {cache_file}]", file=sys.stderr, flush=True)
         status = _status_line() if args.stats is None else None
         telemetry = Telemetry(engine, interval=args.stats_interval, out=sys.stderr if args.stats else None,
                               json_out=json_out, status=status)
@@ -97,6 +102,8 @@ async def _run_async(args: argparse.Namespace, prompt: str, sampling: SamplingPa
                 status.close()
         sys.stdout.write("\n")
         sys.stdout.flush()
+        if cache_file is not None:
+            await engine.save_slot(cache_file)
         print(summary_line(engine.stats(), _finish(last, args.max_tokens, engine.net.n_ctx)), file=sys.stderr)
     return 0
 

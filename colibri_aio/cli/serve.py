@@ -3,6 +3,7 @@ Ray Serve (:mod:`colibri_aio.cluster.launch`)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from colibri_aio import settings
 from colibri_aio.cli.options import add_model, add_placement, model_path, placement_options
@@ -14,8 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (chat, completions, SSE streams, /metrics)",
                        description="Serve a model over HTTP with OpenAI's API: /v1/chat/completions, /v1/completions "
                                    "(streamed with SSE or not), /v1/models, /health, /metrics (Prometheus), "
-                                   "/tokenize, /detokenize. One generation runs at a time; others wait in a bounded "
-                                   "queue (429 beyond it). The KV cache is reused across requests that share a "
+                                   "/tokenize, /detokenize, /slots/{id}?action=save|restore. --parallel generations decode "
+                                   "together; others wait in a bounded queue (429 beyond it). The KV cache is reused across requests that share a "
                                    "prefix. Sampling defaults come from the model's general.sampling.* keys, else "
                                    "llama.cpp's.")
     add_model(p)
@@ -25,6 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="require Authorization: Bearer KEY (default: $COLIBRI_API_KEY; unset: any key or none)")
     p.add_argument("--max-queue", type=int, default=16, metavar="N",
                    help="requests that may wait while one generates; more get 429 (default: %(default)s)")
+    p.add_argument("--slot-save-path", type=Path, default=None, metavar="DIR",
+                   help="the folder POST /slots/{id}?action=save|restore keeps slot files in (a slot's KV cache and "
+                        "token ids; default: off)")
     p.add_argument("--alias", default=None, metavar="NAME", help="model id to report (default: the file name)")
     g = p.add_argument_group("replicas on Ray Serve (pip install 'colibri-aio[ray]')")
     g.add_argument("--ray", action="store_true",
@@ -57,4 +61,4 @@ def command(args: argparse.Namespace) -> int:
     from colibri_aio.serve.server import serve
 
     return serve(model_path(args), host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
-                 model_id=args.alias, open_options=placement_options(args))
+                 model_id=args.alias, open_options=placement_options(args), slot_save_path=args.slot_save_path)

@@ -42,6 +42,8 @@ from colibri_aio.engine.plan import Plan, gb
 from colibri_aio.policy.budget import parse_size
 from colibri_aio.engine.scheduler import CachedExpertSource
 from colibri_aio.engine.batch import Batcher, cached_prefix
+from colibri_aio.engine.slot_file import restore_slot, save_slot
+from colibri_aio.gguf.fingerprint import model_fingerprint
 from colibri_aio.engine.history import HistoryFile
 from colibri_aio.engine.opening import OpenTimings, open_parts
 from colibri_aio.engine.placement import Placement
@@ -79,6 +81,7 @@ class Engine:
         self._holder: asyncio.Task[Any] | None = None  # the task whose turn it is
         self._closed = False
         self.open_timings: OpenTimings | None = None  # what each step of open took (set by open)
+        self._fingerprint: str | None = None
         # Several sequences: their slots and the task that decodes them together (None: one caller at a time).
         self.batcher: Batcher | None = None
         if plan.parallel > 1:
@@ -283,6 +286,43 @@ class Engine:
                 yield
             finally:
                 self._holder = None
+
+    async def save_slot(self, path: str | os.PathLike[str], slot: int = 0, *, wait: bool = True) -> int:
+        """Write sequence slot ``slot``'s KV cache, its token ids and the model's identity to ``path``; returns
+        the bytes written. The slot must not be generating (with a parallel engine: no stream holds it)."""
+        async with self._slot_turn(slot, wait):
+            return await asyncio.to_thread(save_slot, self.net, slot, path, self.fingerprint)
+
+    async def restore_slot(self, path: str | os.PathLike[str], slot: int = 0, *, wait: bool = True) -> int:
+        """Fill sequence slot ``slot`` from a file :meth:`save_slot` wrote; returns the positions restored. A
+        prompt that begins with them then prefills only the rest, and its logits equal the original's bit for
+        bit. A file of another model, context size or KV type is refused (:class:`UserError`)."""
+        async with self._slot_turn(slot, wait):
+            return await asyncio.to_thread(restore_slot, self.net, slot, path, self.fingerprint)
+
+    @property
+    def fingerprint(self) -> str:
+        """The model's identity in slot files: a digest of its GGUF header and size."""
+        if self._fingerprint is None:
+            self._fingerprint = model_fingerprint(self.model)
+        return self._fingerprint
+
+    @contextlib.asynccontextmanager
+    async def _slot_turn(self, slot: int, wait: bool) -> AsyncIterator[None]:
+        """Sole use of sequence slot ``slot`` and of the net, for a save or a restore."""
+        if not 0 <= slot < len(self.net.slots):
+            raise UserError(f"no slot {slot}: the engine holds {len(self.net.slots)} (--parallel)")
+        if self.batcher is None:
+            async with self.turn(wait=wait):
+                yield
+            return
+        self._check_open()
+        if not self.batcher.free[slot]:
+            raise EngineBusyError(f"slot {slot} is generating: save or restore it once its stream ends")
+        async with self.batcher.lock:
+            if not self.batcher.free[slot]:
+                raise EngineBusyError(f"slot {slot} is generating: save or restore it once its stream ends")
+            yield
 
     def _check_open(self) -> None:
         if self._closed:

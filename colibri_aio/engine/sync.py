@@ -270,6 +270,16 @@ class SyncEngine:
         self._not_streaming_here()
         return self._call(self.engine.logits(ids, **options))
 
+    def save_slot(self, path: str | os.PathLike[str], slot: int = 0) -> int:
+        """:meth:`Engine.save_slot`: the slot's KV cache and token ids to ``path``; the bytes written."""
+        self._not_streaming_here()
+        return self._call(self.engine.save_slot(path, slot))
+
+    def restore_slot(self, path: str | os.PathLike[str], slot: int = 0) -> int:
+        """:meth:`Engine.restore_slot`: the slot filled from ``path``; the positions restored."""
+        self._not_streaming_here()
+        return self._call(self.engine.restore_slot(path, slot))
+
     def stats(self):  # noqa: ANN201 - EngineStats
         return self.engine.stats()
 

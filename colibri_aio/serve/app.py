@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import json
 import time
+from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -31,7 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from colibri_aio import __version__
 from colibri_aio.engine.engine import GenerationPiece
-from colibri_aio.errors import ExpertReadError, UserError
+from colibri_aio.errors import EngineBusyError, ExpertReadError, UserError
 from colibri_aio.logs import get_logger
 from colibri_aio.serve.errors import APIError
 from colibri_aio.serve.metrics import CONTENT_TYPE, ServerMetrics
@@ -51,13 +52,14 @@ class Service:
     """What the routes share: the session, the line in front of it, metrics, the model's id, the key."""
 
     def __init__(self, session: Session, *, max_queue: int = 16, api_key: str | None = None,
-                 model_id: str | None = None) -> None:
+                 model_id: str | None = None, slot_save_path: Path | None = None) -> None:
         self.session = session
         self.line = RequestLine(max_queue, capacity=session.engine.engine.plan.parallel)
         self.metrics = ServerMetrics(session.engine.engine, self.line)
         self.api_key = api_key
         self.model_id = model_id or session.model_name
         self.started = int(time.time())
+        self.slot_save_path = slot_save_path
 
 
 def build_app(service: Service) -> Starlette:
@@ -71,6 +73,7 @@ def build_app(service: Service) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/slots/{slot:int}", slot_action, methods=["POST"]),
     ]
     handlers: dict[Any, Callable[..., Any]] = {
         APIError: _api_error, HTTPException: _http_error, ContextFull: _context_full, UserError: _user_error,
@@ -321,6 +324,35 @@ async def _json(request: Request) -> Any:
         raise APIError(400, f"the request body is not valid JSON: {exc}") from None
 
 
+class SlotFile(_Body):
+    filename: str
+
+
+async def slot_action(request: Request) -> Response:
+    """llama-server's ``POST /slots/{id}?action=save|restore`` with ``{"filename": ...}``: a sequence slot's KV
+    cache and token ids to or from a file of ``--slot-save-path`` (a bare file name: no folders)."""
+    service: Service = request.app.state.service
+    action = request.query_params.get("action")
+    if action not in ("save", "restore"):
+        raise APIError(400, f"action must be save or restore, got {action!r}", param="action")
+    if service.slot_save_path is None:
+        raise APIError(400, "slot files are off: start the server with --slot-save-path DIR", code="not_supported")
+    body: SlotFile = parse(SlotFile, await _json(request))
+    name = body.filename
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise APIError(400, f"filename must be a bare file name, got {name!r}", param="filename")
+    slot, path = request.path_params["slot"], service.slot_save_path / name
+    engine = service.session.engine
+    t0 = time.perf_counter()
+    if action == "save":
+        written = await run_in_threadpool(engine.save_slot, path, slot)
+        return JSONResponse({"id_slot": slot, "filename": name, "n_saved": engine.engine.net.slots[slot].n_past,
+                             "n_written": written, "timings": {"save_ms": (time.perf_counter() - t0) * 1e3}})
+    restored = await run_in_threadpool(engine.restore_slot, path, slot)
+    return JSONResponse({"id_slot": slot, "filename": name, "n_restored": restored, "n_read": path.stat().st_size,
+                         "timings": {"restore_ms": (time.perf_counter() - t0) * 1e3}})
+
+
 # --- errors ------------------------------------------------------------------------------------------------------
 
 def _error_for(exc: BaseException) -> APIError:
@@ -328,6 +360,8 @@ def _error_for(exc: BaseException) -> APIError:
         return exc
     if isinstance(exc, ContextFull):
         return APIError(400, str(exc), code="context_length_exceeded")
+    if isinstance(exc, EngineBusyError):
+        return APIError(409, str(exc), code="slot_busy")
     if isinstance(exc, UserError):
         return APIError(400, str(exc))
     if isinstance(exc, ExpertReadError):

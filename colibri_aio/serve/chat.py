@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 from typing import IO, Any
 
 from colibri_aio.errors import UserError
@@ -20,8 +21,9 @@ HELP = "/reset starts a new conversation, /exit quits (or Ctrl-D); Ctrl-C stops 
 
 def chat(model: Any, *, system: str | None, max_tokens: int | None, sampling: dict[str, Any],
          open_options: dict[str, Any], stdin: IO[str] = sys.stdin, stdout: IO[str] = sys.stdout,
-         stderr: IO[str] = sys.stderr) -> int:
-    """Run the conversation until /exit or end of input."""
+         stderr: IO[str] = sys.stderr, prompt_cache: Path | None = None) -> int:
+    """Run the conversation until /exit or end of input; ``prompt_cache``: a slot file restored at the start
+    when it exists (a long system prompt is prefilled once across runs) and saved at the end."""
     interactive = stdin.isatty() and stdout.isatty()
     if interactive:
         importlib.import_module("readline")  # line editing and history for input()
@@ -31,6 +33,9 @@ def chat(model: Any, *, system: str | None, max_tokens: int | None, sampling: di
         params.check(session.vocab_size)
         conversation = ChatSession(session, system=system, sampling=params, max_tokens=max_tokens)
         print(f"[{engine.describe()}]", file=stderr)
+        if prompt_cache is not None and prompt_cache.exists():
+            n = engine.restore_slot(prompt_cache)
+            print(f"[prompt cache: {n} positions restored from {prompt_cache}]", file=stderr)
         print(f"[chat with {session.model_name}: {HELP}]", file=stderr, flush=True)
         while True:
             try:
@@ -39,6 +44,8 @@ def chat(model: Any, *, system: str | None, max_tokens: int | None, sampling: di
                 print(file=stdout, flush=True)
                 continue
             if line is None or line.strip() in ("/exit", "/quit"):
+                if prompt_cache is not None:
+                    engine.save_slot(prompt_cache)
                 return 0
             text = line.strip()
             if not text:

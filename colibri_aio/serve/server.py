@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import sys
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -38,10 +39,13 @@ def url_of(sock: socket.socket) -> str:
 
 
 def serve(model: Any, *, host: str, port: int, api_key: str | None, max_queue: int, model_id: str | None,
-          open_options: dict[str, Any]) -> int:
-    """Serve until SIGINT or SIGTERM; the engine is closed (reads drained, history saved) on the way out."""
+          open_options: dict[str, Any], slot_save_path: Path | None = None) -> int:
+    """Serve until SIGINT or SIGTERM; the engine is closed (reads drained, history saved) on the way out.
+    ``slot_save_path``: the folder ``POST /slots/{id}?action=save|restore`` keeps slot files in (None: off)."""
     if max_queue < 0:
         raise UserError(f"--max-queue must be >= 0, got {max_queue}")
+    if slot_save_path is not None and not slot_save_path.is_dir():
+        raise UserError(f"--slot-save-path {slot_save_path}: no such folder")
     sock = bind(host, port)
     try:
         engine = SyncEngine.open(model, **open_options)
@@ -49,12 +53,15 @@ def serve(model: Any, *, host: str, port: int, api_key: str | None, max_queue: i
         sock.close()
         raise
     try:
-        service = Service(Session(engine), max_queue=max_queue, api_key=api_key, model_id=model_id)
+        service = Service(Session(engine), max_queue=max_queue, api_key=api_key, model_id=model_id,
+                          slot_save_path=slot_save_path)
         config = uvicorn.Config(build_app(service), lifespan="off", log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
         server = uvicorn.Server(config)
         print(f"[{engine.describe()}]", file=sys.stderr)
-        print(f"[serving {service.model_id} at {url_of(sock)}/v1 (one stream at a time, {max_queue} may wait"
+        slots = service.line.capacity
+        print(f"[serving {service.model_id} at {url_of(sock)}/v1 ("
+              f"{'one stream at a time' if slots == 1 else f'{slots} streams decoded together'}, {max_queue} may wait"
               f"{'; API key required' if api_key else ''}); Ctrl-C stops]", file=sys.stderr, flush=True)
         # uvicorn's own signal handlers stop it gracefully (no new connections, streams ended, open
         # requests given GRACEFUL_SHUTDOWN_S); then it raises the signal again, and the CLI's error path
