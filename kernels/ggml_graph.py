@@ -74,33 +74,45 @@ class Node:
         self.t, self.shape = t, shape
 
 
-class StepInputs:
-    """What changes from one decode step to the next, in buffers every graph of a net reads in place: the
-    position (RoPE), the slot each cache writes it to, and each cache's mask of the keys it may see."""
+class BatchInputs:
+    """What changes from step to step for a step of one or more rows together, in buffers the graphs read in
+    place: each row's position (RoPE) and query temperature. A row's cache slot and masks are its own
+    :class:`StepInputs`."""
 
-    def __init__(self) -> None:
-        self.position = 0
-        self.pos32 = np.zeros(1, np.int32)
-        self._slots: dict[int, np.ndarray] = {}          # ring size (0: a whole-context cache) -> (1,) int64
-        self._masks: dict[tuple[int, int, bool], np.ndarray] = {}  # (ring size or 0, keys, chunked) -> (rows, keys)
-        self._temperatures: dict[tuple[int, float], np.ndarray] = {}  # (floor_scale, scale) -> (1,) f32
+    def __init__(self, n_rows: int) -> None:
+        self.pos32 = np.zeros(n_rows, np.int32)
+        self._temperatures: dict[tuple[int, float], np.ndarray] = {}  # (floor_scale, scale) -> (rows,) f32
 
-    def begin(self, position: int) -> None:
-        self.position = position
-        self.pos32[0] = position
-        for size, slot in self._slots.items():
-            slot[0] = position % size if size else position
-        for key, mask in self._masks.items():
-            self._fill(key, mask)
+    def begin(self, positions: Sequence[int]) -> None:
+        self.pos32[:] = positions
         for (floor_scale, scale), t in self._temperatures.items():
             t[:] = attention_temperature(self.pos32, floor_scale, scale)
 
     def temperature(self, floor_scale: int, scale: float) -> np.ndarray:
-        """The buffer holding this step's query temperature (llama4's NoPE layers)."""
+        """The buffer holding this step's query temperatures (llama4's NoPE layers)."""
         key = (floor_scale, scale)
         if key not in self._temperatures:
             self._temperatures[key] = attention_temperature(self.pos32, floor_scale, scale)
         return self._temperatures[key]
+
+
+class StepInputs(BatchInputs):
+    """What changes from one decode step of one sequence to the next: besides its position and temperature,
+    the slot each cache writes it to, and each cache's mask of the keys it may see."""
+
+    def __init__(self) -> None:
+        super().__init__(1)
+        self.position = 0
+        self._slots: dict[int, np.ndarray] = {}          # ring size (0: a whole-context cache) -> (1,) int64
+        self._masks: dict[tuple[int, int, bool], np.ndarray] = {}  # (ring size or 0, keys, chunked) -> (rows, keys)
+
+    def begin(self, position: int) -> None:  # type: ignore[override]
+        self.position = position
+        super().begin([position])
+        for size, slot in self._slots.items():
+            slot[0] = position % size if size else position
+        for key, mask in self._masks.items():
+            self._fill(key, mask)
 
     def slot(self, ring: int) -> np.ndarray:
         """The buffer holding this step's slot in a cache of ``ring`` positions (0: the whole context)."""
@@ -127,26 +139,6 @@ class StepInputs:
         else:
             mask[0, :p + 1] = 0
             mask[0, p + 1:] = -np.inf
-
-
-class BatchInputs:
-    """What changes from step to step for a step of several sequences together: each row's position (RoPE)
-    and query temperature. Each row's cache slot and masks are its own :class:`StepInputs`."""
-
-    def __init__(self, n_rows: int) -> None:
-        self.pos32 = np.zeros(n_rows, np.int32)
-        self._temperatures: dict[tuple[int, float], np.ndarray] = {}
-
-    def begin(self, positions: Sequence[int]) -> None:
-        self.pos32[:] = positions
-        for (floor_scale, scale), t in self._temperatures.items():
-            t[:] = attention_temperature(self.pos32, floor_scale, scale)
-
-    def temperature(self, floor_scale: int, scale: float) -> np.ndarray:
-        key = (floor_scale, scale)
-        if key not in self._temperatures:
-            self._temperatures[key] = attention_temperature(self.pos32, floor_scale, scale)
-        return self._temperatures[key]
 
 
 @dataclass(slots=True, eq=False)

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import subprocess
 import sys
 import time
@@ -46,6 +45,8 @@ import numpy as np
 
 from colibri_aio.bench.lock import exclusive
 from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt
+from colibri_aio.bench.arms import arm_env
+from colibri_aio.bench.pagecache import drop_page_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 EVERY_EXPERT = 10**6   # cache slots per layer: every expert of any model
@@ -125,11 +126,7 @@ def worker(arm: str, path: Path, n_ctx: int, cache_per_layer: int) -> int:
 class Worker:
     def __init__(self, arm: str, path: Path, n_ctx: int, cache_per_layer: int) -> None:
         self.arm = arm
-        backend, _, setting = arm.partition("@")
-        env = dict(os.environ)
-        if setting:
-            key, _, value = setting.partition("=")
-            env[key] = value
+        backend, env = arm_env(arm)
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", backend, str(path), "--n-ctx", str(n_ctx),
                                       "--cache-per-layer", str(cache_per_layer)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
@@ -149,15 +146,6 @@ class Worker:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait()
-
-
-def drop_page_cache() -> bool:
-    try:
-        subprocess.run(["sync"], check=True)
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def _ratio(r: dict, key: str, arm: str) -> str:

@@ -34,7 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_scale import describe_model, drop_page_cache, proc_read_bytes, token_ids  # noqa: E402
+from bench_scale import describe_model, proc_read_bytes, token_ids  # noqa: E402
+from colibri_aio.bench.pagecache import drop_page_cache  # noqa: E402
 from colibri_aio.bench.lock import exclusive  # noqa: E402
 from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt  # noqa: E402
 

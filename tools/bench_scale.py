@@ -56,6 +56,7 @@ from bench_prefetch import make_model
 from colibri_aio.bench.iobench import measure_fio
 from colibri_aio.bench.lock import exclusive
 from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt
+from colibri_aio.bench.pagecache import drop_page_cache
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINES = ("ours", "llama.cpp")
@@ -242,16 +243,6 @@ class MemoryCgroup:
                 return
             except OSError:
                 time.sleep(0.1)
-
-
-def drop_page_cache() -> bool:
-    """Write back and drop the page cache so every run starts cold; False where not permitted."""
-    os.sync()
-    try:
-        Path("/proc/sys/vm/drop_caches").write_text("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def one_run(engine: str, cond: Condition, args: argparse.Namespace, cgroup: MemoryCgroup | None) -> dict:

@@ -22,6 +22,7 @@ import asyncio
 import json
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -93,14 +94,10 @@ async def one_request(http: httpx.AsyncClient, client: int, i: int, max_tokens: 
                     await r.aread()
                     return _judge_whole(client, kind, r, time.perf_counter() - t0)
                 ttft, finish, done, data = None, None, False, 0
-                async for line in r.aiter_lines():
-                    if not line.startswith("data: "):
-                        continue
-                    payload = line[len("data: "):]
-                    if payload == "[DONE]":
+                async for chunk in sse_chunks(r):
+                    if chunk is None:
                         done = True
                         continue
-                    chunk = json.loads(payload)
                     if "error" in chunk:
                         return Outcome(client, kind, r.status_code, time.perf_counter() - t0, ttft, False,
                                        f"error in stream: {chunk['error']}")
@@ -115,6 +112,15 @@ async def one_request(http: httpx.AsyncClient, client: int, i: int, max_tokens: 
                                "" if ok else f"stream ended: done={done} finish={finish} chunks={data}")
     except (TimeoutError, httpx.HTTPError) as exc:
         return Outcome(client, kind, 0, time.perf_counter() - t0, None, False, f"{exc.__class__.__name__}: {exc}")
+
+
+async def sse_chunks(r: httpx.Response) -> AsyncIterator[dict | None]:
+    """The JSON chunks of an SSE stream of the OpenAI API, then None for its ``[DONE]``."""
+    async for line in r.aiter_lines():
+        if not line.startswith("data: "):
+            continue
+        payload = line[len("data: "):]
+        yield None if payload == "[DONE]" else json.loads(payload)
 
 
 def _judge_whole(client: int, kind: str, r: httpx.Response, seconds: float) -> Outcome:

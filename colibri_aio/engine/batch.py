@@ -23,8 +23,8 @@ conversation), else the one unused longest.
 from __future__ import annotations
 
 import asyncio
+import sys
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from colibri_aio.arch.layers import PREFILL_CHUNK, MoETransformer
+from colibri_aio.engine.line import RequestLine
 from colibri_aio.engine.streams import Decoding, GenerationPiece
 from colibri_aio.errors import EngineBusyError
 from colibri_aio.logs import get_logger
@@ -116,8 +117,7 @@ class Batcher:
         self.free = [True] * n
         self.last_used = [0] * n
         self._clock = 0
-        self._waiters: deque[asyncio.Future[None]] = deque()
-        self._handed = 0                  # waiters woken for a freed slot and not yet in it
+        self.line = RequestLine(max_waiting=sys.maxsize, capacity=n)   # a place per slot, the rest wait in order
         self.lock = asyncio.Lock()        # the net: one prefill chunk or decode step at a time, in order
         self.active: dict[int, _Stream] = {}
         self._wake = asyncio.Event()
@@ -139,25 +139,12 @@ class Batcher:
         """A free slot for prompt ``ids`` (see :func:`choose_slot`), after those waiting before; with ``wait``
         False, :class:`EngineBusyError` at once when every slot is taken."""
         self._check_open()
-        if self.free.count(True) <= self._handed or self._waiters:
-            if not wait:
-                raise EngineBusyError(f"all {self.n_slots} sequence slots are generating "
-                                      f"(wait=True queues; --parallel sets how many)")
-            turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self._waiters.append(turn)
-            try:
-                await turn
-            except asyncio.CancelledError:
-                if turn.done() and not turn.cancelled():
-                    self._handed -= 1
-                    self._wake_waiter()   # handed a slot as it left: pass it on
-                else:
-                    self._waiters.remove(turn)
-                raise
-            self._handed -= 1
-            self._check_open()
+        if not wait and (self.line.busy or self.line.waiting):
+            raise EngineBusyError(f"all {self.n_slots} sequence slots are generating "
+                                  f"(wait=True queues; --parallel sets how many)")
+        await self.line.acquire()
         index = choose_slot(ids, [s.ids for s in self.net.slots], self.free, self.last_used)
-        assert index is not None, "a woken waiter always finds a free slot"
+        assert index is not None, "a place in the line is a free slot"
         self.free[index] = False
         return index
 
@@ -168,14 +155,7 @@ class Batcher:
         self.free[index] = True
         self._clock += 1
         self.last_used[index] = self._clock
-        self._wake_waiter()
-
-    def _wake_waiter(self) -> None:
-        while self._waiters and self.free.count(True) > self._handed:
-            turn = self._waiters.popleft()
-            if not turn.done():
-                self._handed += 1
-                turn.set_result(None)
+        self.line.release()
 
     def _check_open(self) -> None:
         if self._closed is not None:
@@ -271,9 +251,7 @@ class Batcher:
             for stream in list(self.active.values()):
                 stream.queue.put_nowait(RuntimeError("the engine is closed") if isinstance(
                     exc, asyncio.CancelledError) else exc)
-            for turn in self._waiters:
-                if not turn.done():
-                    turn.set_result(None)      # woken into _check_open's error
+            self.line.fail_waiting(RuntimeError("the engine is closed"))
             raise
 
     async def _step(self) -> None:

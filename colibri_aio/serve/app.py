@@ -36,7 +36,7 @@ from colibri_aio.errors import EngineBusyError, ExpertReadError, UserError
 from colibri_aio.logs import get_logger
 from colibri_aio.serve.errors import APIError
 from colibri_aio.serve.metrics import CONTENT_TYPE, ServerMetrics
-from colibri_aio.serve.queue import QueueFull, RequestLine
+from colibri_aio.engine.line import QueueFull, RequestLine
 from colibri_aio.serve.requests import ChatRequest, CompletionRequest, Message, _Body, _Generation, parse
 from colibri_aio.serve.responses import ChatShape, CompletionShape
 from colibri_aio.serve.session import (AsyncGeneration, ContextFull, GenerationCancelled, GenerationRequest,

@@ -23,7 +23,7 @@ from colibri_aio.policy.backpressure import DeviceSample
 
 if TYPE_CHECKING:
     from colibri_aio.engine.engine import Engine
-    from colibri_aio.serve.queue import RequestLine
+    from colibri_aio.engine.line import RequestLine
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)

@@ -5,7 +5,7 @@ import asyncio
 
 import pytest
 
-from colibri_aio.serve.queue import QueueFull, RequestLine
+from colibri_aio.engine.line import QueueFull, RequestLine
 
 
 async def test_turns_go_in_arrival_order_and_the_line_is_bounded() -> None:

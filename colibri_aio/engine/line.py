@@ -75,6 +75,13 @@ class RequestLine:
                 return
         self.holders -= 1
 
+    def fail_waiting(self, exc: BaseException) -> None:
+        """Every waiter gets ``exc`` instead of a turn (what they wait for is gone)."""
+        while self._waiters:
+            turn = self._waiters.popleft()
+            if not turn.done():
+                turn.set_exception(exc)
+
     def record_turn(self, seconds: float) -> None:
         """How long a finished turn held the engine (a moving average feeds Retry-After)."""
         self._mean_turn_s = 0.8 * self._mean_turn_s + 0.2 * max(seconds, 0.0)
