@@ -69,13 +69,17 @@ class Interval:
             "wasteMB": self._d("prefetch_wasted_bytes") / MB,
             "infl": self.end.reads_in_flight,
             "slots": f"{self.end.slots_used}/{self.end.slots_total}",
+            "seqs": f"{self.end.sequences_busy}/{self.end.sequences_total}",
+            "batch": self._d("batch_rows") / self._d("batch_steps") if self._d("batch_steps") else None,
+            "union": self._d("batch_union") / self._d("batch_union_blocks") if self._d("batch_union_blocks") else None,
             "RSS_MB": self.end.rss / MB,
         }
 
 
 COLUMNS = ("r/s", "rMB/s", "rareq-sz", "r_await", "aqu-sz", "%util", "tok/s", "hit%", "pin%", "lru%", "pre%",
-           "miss/s", "ourMB/s", "pf", "pf-prec%", "wasteMB", "infl", "slots", "RSS_MB", "pf-why")
-WIDTHS = {"pf": 3, "slots": 9, "pf-why": 0}
+           "miss/s", "ourMB/s", "pf", "pf-prec%", "wasteMB", "infl", "slots", "seqs", "batch", "union", "RSS_MB",
+           "pf-why")
+WIDTHS = {"pf": 3, "slots": 9, "seqs": 5, "batch": 5, "union": 5, "pf-why": 0}
 
 
 def _cell(name: str, value: Any) -> str:

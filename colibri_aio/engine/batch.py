@@ -78,23 +78,15 @@ def choose_slot(ids: Sequence[int], held: Sequence[Sequence[int]], free: Sequenc
 
 @dataclass(slots=True)
 class BatchStats:
-    """The batcher's counters: decode steps and the rows they carried, the last step's batch and union."""
+    """The batcher's counters: decode steps and the rows they carried, the last step's rows and, over steps
+    of several rows, the distinct experts each MoE block read (the union of its rows' choices)."""
 
     steps: int = 0
-    rows: int = 0                 # sequences stepped, summed over steps
+    rows: int = 0
     last_rows: int = 0
-    last_unions: list[int] = field(default_factory=list)   # distinct experts per MoE block, the last step
-    union_sum: int = 0            # over steps and MoE blocks (the graphs' steps)
+    last_unions: list[int] = field(default_factory=list)   # per MoE block, the last step of several rows
+    union_sum: int = 0
     union_count: int = 0
-
-    @property
-    def mean_rows(self) -> float:
-        return self.rows / self.steps if self.steps else 0.0
-
-    @property
-    def mean_union(self) -> float:
-        """Distinct experts a MoE block read per step, on average."""
-        return self.union_sum / self.union_count if self.union_count else 0.0
 
 
 class _Stream:

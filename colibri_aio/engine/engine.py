@@ -207,8 +207,8 @@ class Engine:
             busy = int(self._turn.locked())
             return dict(sequences_busy=busy, sequences_total=1)
         st = b.stats
-        return dict(sequences_busy=b.busy, sequences_total=b.n_slots, batch_steps=st.steps,
-                    batch_rows=st.last_rows, batch_rows_mean=st.mean_rows, batch_union_mean=st.mean_union)
+        return dict(sequences_busy=b.busy, sequences_total=b.n_slots, batch_steps=st.steps, batch_rows=st.rows,
+                    batch_last_rows=st.last_rows, batch_union=st.union_sum, batch_union_blocks=st.union_count)
 
     async def __aenter__(self) -> "Engine":
         return self

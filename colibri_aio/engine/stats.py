@@ -37,9 +37,10 @@ class EngineStats:
     sequences_busy: int = 0        # sequence slots holding a generation now
     sequences_total: int = 1       # sequence slots (--parallel)
     batch_steps: int = 0           # decode steps of the parallel engine (each over every decoding stream)
-    batch_rows: int = 0            # streams in the last such step
-    batch_rows_mean: float = 0.0   # ... on average
-    batch_union_mean: float = 0.0  # distinct experts a MoE block read per batched step, on average
+    batch_rows: int = 0            # streams those steps carried, summed
+    batch_last_rows: int = 0       # streams in the last step
+    batch_union: int = 0           # distinct experts MoE blocks read in batched steps of several streams, summed
+    batch_union_blocks: int = 0    # ... over so many (step, MoE block) pairs
 
     @property
     def lookups(self) -> int:
@@ -49,5 +50,17 @@ class EngineStats:
     def hit_rate(self) -> float:
         return (self.lookups - self.misses) / self.lookups if self.lookups else 0.0
 
+    @property
+    def batch_rows_mean(self) -> float:
+        """Streams per decode step of the parallel engine, on average."""
+        return self.batch_rows / self.batch_steps if self.batch_steps else 0.0
+
+    @property
+    def batch_union_mean(self) -> float:
+        """Distinct experts a MoE block read per step of several streams, on average (k of one stream at most
+        k x streams)."""
+        return self.batch_union / self.batch_union_blocks if self.batch_union_blocks else 0.0
+
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "hit_rate": self.hit_rate}
+        return {**asdict(self), "hit_rate": self.hit_rate, "batch_rows_mean": self.batch_rows_mean,
+                "batch_union_mean": self.batch_union_mean}

@@ -126,7 +126,7 @@ def _engine_metrics(s: EngineStats) -> Iterator[Metric]:
     yield _gauge("colibri_sequence_slots_busy", "Sequence slots holding a generation", s.sequences_busy)
     yield _counter("colibri_batch_steps", "Decode steps over every decoding stream together (--parallel > 1)",
                    s.batch_steps)
-    yield _gauge("colibri_batch_size", "Streams in the last batched decode step", s.batch_rows)
+    yield _gauge("colibri_batch_size", "Streams in the last batched decode step", s.batch_last_rows)
     yield _gauge("colibri_batch_size_mean", "Streams per batched decode step, on average", s.batch_rows_mean)
     yield _gauge("colibri_batch_union_experts_mean",
                  "Distinct experts a MoE layer read per batched step (the union of its streams' choices), on average",
