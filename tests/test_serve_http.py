@@ -462,11 +462,39 @@ def test_a_parallel_server_decodes_its_clients_together_with_their_answers_alone
     assert metrics["colibri_sequence_slots"] == 4 and metrics["colibri_batch_steps_total"] > 0
 
 
+def test_slots_are_saved_and_restored_through_the_api(tmp_path) -> None:
+    """POST /slots/{id}?action=save|restore as llama-server: a completion's slot saved, restored into the other
+    slot of a fresh server, and the same request answered from it with the prompt found cached."""
+    body = {"prompt": "The list type", "max_tokens": 8, "temperature": 0, "logit_bias": NO_END}
+    with ServerProcess("--parallel", "2", "--slot-save-path", str(tmp_path)) as s, _http(s, key=None) as h:
+        first = h.post("/v1/completions", json=body).json()
+        saved = h.post("/slots/0?action=save", json={"filename": "a.slot"})
+        assert saved.status_code == 200, saved.text
+        assert saved.json()["n_saved"] > 0 and saved.json()["n_written"] == (tmp_path / "a.slot").stat().st_size
+        for path, payload, status in [("/slots/0?action=save", {"filename": "../x"}, 400),
+                                      ("/slots/0?action=drop", {"filename": "a.slot"}, 400),
+                                      ("/slots/5?action=restore", {"filename": "a.slot"}, 400),
+                                      ("/slots/1?action=restore", {"filename": "missing.slot"}, 400)]:
+            r = h.post(path, json=payload)
+            assert r.status_code == status and r.json()["error"]["message"], (path, r.text)
+    with ServerProcess("--parallel", "2", "--slot-save-path", str(tmp_path)) as s, _http(s, key=None) as h:
+        restored = h.post("/slots/1?action=restore", json={"filename": "a.slot"})
+        assert restored.status_code == 200 and restored.json()["n_restored"] == saved.json()["n_saved"]
+        again = h.post("/v1/completions", json=body).json()
+    assert again["choices"][0]["text"] == first["choices"][0]["text"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    with ServerProcess() as s, _http(s, key=None) as h:
+        r = h.post("/slots/0?action=save", json={"filename": "a.slot"})
+        assert r.status_code == 400 and "--slot-save-path" in r.json()["error"]["message"]
+
+
 # --- user mistakes --------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("args,message", [
     (["serve", "--model", "no-such-model.gguf"], "no-such-model.gguf"),
     (["serve", "--max-queue", "-1"], "--max-queue"),
+    (["serve", "--slot-save-path", "/no/such/folder"], "--slot-save-path"),
+    (["serve", "--parallel", "0"], "--parallel"),
     (["serve", "--host", "256.1.1.1"], "cannot listen"),
     (["chat", "--model", "no-such-model.gguf"], "no-such-model.gguf"),
     (["chat", "--top-p", "7"], "top-p"),

@@ -1,7 +1,9 @@
 """Aggregate decode throughput with B concurrent streams: our engine beside llama.cpp decoding B sequences together.
 
-The model must fit in RAM (this measures batched compute, not the disk): our
-engine holds every expert in its cache, llama.cpp maps the file. For each B of
+By default the model fits in RAM (this measures batched compute, not the disk):
+our engine holds every expert in its cache, llama.cpp maps the file. With
+``--ram-budget SIZE`` ours streams experts from disk within that budget with
+its default placement (a file larger than RAM), llama.cpp still maps it. For each B of
 ``--batches`` both engines decode B streams at once, greedy (argmax of each
 stream's logits, end-of-generation tokens masked so that every stream runs
 its ``--tokens``), from the same B prompts of ``--prompt`` token ids (stream
@@ -87,11 +89,13 @@ class Unavailable(Exception):
 class Ours:
     """Our engine with one kernel backend, ``parallel`` slots, every expert cached (a model in RAM)."""
 
-    def __init__(self, path: Path, kernels: str, n_ctx: int, parallel: int) -> None:
+    def __init__(self, path: Path, kernels: str, n_ctx: int, parallel: int, ram_budget: str | None) -> None:
         from colibri_aio.engine.engine import Engine
 
         self.loop = asyncio.new_event_loop()
-        options = dict(prefetch="off", n_ctx=n_ctx, cache_per_layer=EVERY_EXPERT, kernels=kernels, history=False)
+        # In RAM: every expert cached, nothing to prefetch. Larger than RAM: the engine's defaults within the budget.
+        options = (dict(prefetch="off", cache_per_layer=EVERY_EXPERT) if ram_budget is None
+                   else dict(ram_budget=ram_budget)) | dict(n_ctx=n_ctx, kernels=kernels, history=False)
         if parallel > 1:
             options["parallel"] = parallel
         try:
@@ -301,10 +305,11 @@ class LlamaCpp:
         self.lc.llama_model_free(self.model)
 
 
-def worker(arm: str, path: Path, parallel: int, n_ctx: int, n_batch: int, flash_attn: str) -> int:
+def worker(arm: str, path: Path, parallel: int, n_ctx: int, n_batch: int, flash_attn: str,
+           ram_budget: str | None) -> int:
     try:
         engine = (LlamaCpp(path, parallel, n_ctx, n_batch, flash_attn) if arm == "llama.cpp"
-                  else Ours(path, arm, n_ctx, parallel))
+                  else Ours(path, arm, n_ctx, parallel, ram_budget))
     except Unavailable as exc:
         print(json.dumps({"unavailable": str(exc)}), flush=True)
         return 0
@@ -317,13 +322,15 @@ def worker(arm: str, path: Path, parallel: int, n_ctx: int, n_batch: int, flash_
 
 
 class Worker:
-    def __init__(self, arm: str, path: Path, parallel: int, n_ctx: int, n_batch: int, flash_attn: str) -> None:
+    def __init__(self, arm: str, path: Path, parallel: int, n_ctx: int, n_batch: int, flash_attn: str,
+                 ram_budget: str | None) -> None:
         self.arm = arm
         backend, env = arm_env(arm)
         # Started outside the checkout: its top-level io/ and kernels/ must not shadow real modules.
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", backend, str(path), "--parallel", str(parallel),
-             "--n-ctx", str(n_ctx), "--n-batch", str(n_batch), "--flash-attn", flash_attn],
+             "--n-ctx", str(n_ctx), "--n-batch", str(n_batch), "--flash-attn", flash_attn,
+             *(["--ram-budget", ram_budget] if ram_budget else [])],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=tempfile.gettempdir())
         self.describe = self.unavailable = None
 
@@ -405,13 +412,17 @@ def main() -> int:
     p.add_argument("--lock", type=Path, default=None, help="hold this lock file exclusively during each run")
     p.add_argument("--drop-caches", action="store_true",
                    help="drop the page cache before each B's workers start (needs root)")
+    p.add_argument("--ram-budget", default=None, metavar="SIZE",
+                   help="ours within this budget, experts streamed from disk with its default placement (a model "
+                        "larger than RAM; llama.cpp maps the file); default: every expert cached (in RAM)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--parallel", type=int, help=argparse.SUPPRESS)
     p.add_argument("--n-ctx", type=int, help=argparse.SUPPRESS)
     p.add_argument("--n-batch", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
-        return worker(args.worker, args.model, args.parallel, args.n_ctx, args.n_batch, args.flash_attn)
+        return worker(args.worker, args.model, args.parallel, args.n_ctx, args.n_batch, args.flash_attn,
+                      args.ram_budget)
     try:
         batches = [int(b) for b in args.batches.split(",")]
     except ValueError:
@@ -439,7 +450,7 @@ def main() -> int:
                 dropped[B] = drop_page_cache()
                 if not dropped[B]:
                     raise SystemExit("--drop-caches: cannot write /proc/sys/vm/drop_caches here")
-            started = [Worker(a, model, B, n_ctx, n_batch, args.flash_attn) for a in arms]
+            started = [Worker(a, model, B, n_ctx, n_batch, args.flash_attn, args.ram_budget) for a in arms]
             workers = {w.arm: w.ready() for w in started}
         describe[B] = {a: w.describe for a, w in workers.items() if w.describe}
         unavailable[B] = {a: w.unavailable for a, w in workers.items() if w.unavailable}
@@ -514,7 +525,7 @@ def main() -> int:
         "git": git_state("colibri_aio", "kernels", "io", "tools/bench_batch.py"),
         "model": model.name, "model_bytes": model.stat().st_size, "batches": batches, "tokens": args.tokens,
         "prompt": args.prompt, "runs": args.runs, "join_at": args.join_at, "join_after": args.join_after,
-        "n_ctx_per_sequence": n_ctx, "flash_attn": args.flash_attn, "seed": args.seed,
+        "n_ctx_per_sequence": n_ctx, "flash_attn": args.flash_attn, "seed": args.seed, "ram_budget": args.ram_budget,
         "page_cache_dropped": dropped if args.drop_caches else False,
         "arms": {str(B): describe[B] for B in batches}, "unavailable": {str(B): unavailable[B] for B in batches},
         "summary": {str(B): summary[B] for B in batches}, "ratios": {str(B): ratios[B] for B in batches},
@@ -522,7 +533,8 @@ def main() -> int:
         "samples": {str(B): raw[B] for B in batches},
     }
     stamp = receipt["date"]
-    lines = [f"# Batched decode, in RAM: B = {', '.join(map(str, batches))} concurrent streams — {stamp}", "",
+    where = "in RAM" if args.ram_budget is None else f"ours within --ram-budget {args.ram_budget}"
+    lines = [f"# Batched decode, {where}: B = {', '.join(map(str, batches))} concurrent streams — {stamp}", "",
              f"host `{receipt['host']}` ({receipt['cpu']}, {receipt['cpus']} CPUs), commit `{receipt['commit']}`"
              + (f" with uncommitted changes in {len(receipt['git']['modified'])} files" if receipt["git"]["modified"] else "")
              + f", model `{model.name}` ({receipt['model_bytes'] / 1e9:.2f} GB), load average at end "
