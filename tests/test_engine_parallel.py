@@ -145,3 +145,38 @@ def test_a_bad_parallel_flag_is_one_line_and_exit_2(value: str) -> None:
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and "--parallel" in err
 
+
+
+async def test_a_long_prompt_is_prefilled_between_the_decode_steps_of_the_others(monkeypatch) -> None:
+    """Chunked prefill: a prompt of several chunks that arrives while a stream decodes costs that stream at most
+    one chunk between two of its steps (chunks of 16 positions here, to fit the fixture's context)."""
+    import colibri_aio.engine.batch as batch
+
+    monkeypatch.setattr(batch, "PREFILL_CHUNK", 16)
+    async with await Engine.open(MODEL, io="pread", parallel=2) as engine:
+        events: list[str] = []
+        forward, decode_batch = engine.net.forward, engine.net.decode_batch
+
+        async def logged_forward(ids, **kw):
+            events.append(f"chunk{len(ids)}" if len(ids) > 1 else "one")
+            return await forward(ids, **kw)
+
+        async def logged_decode(rows):
+            events.append(f"step{len(rows)}")
+            return await decode_batch(rows)
+
+        monkeypatch.setattr(engine.net, "forward", logged_forward)
+        monkeypatch.setattr(engine.net, "decode_batch", logged_decode)
+        first = engine.generate("The list type", max_tokens=60)
+        await anext(first)
+        await anext(first)                                  # decoding now
+        long_prompt = list(range(5, 5 + 100))               # 7 chunks of 16 (the last of 4)
+        late = asyncio.create_task(_run(engine, long_prompt, dict(max_tokens=3)))
+        async for _ in first:
+            pass
+        await late
+    started = events.index("step1")                         # the first stream decodes: its prompt is in
+    chunks = [i for i, e in enumerate(events) if e.startswith("chunk") and i > started]
+    assert [events[i] for i in chunks] == ["chunk16"] * 6 + ["chunk4"]
+    # Between two chunks of the new prompt, the decoding stream took a step.
+    assert all(any(e.startswith("step") for e in events[a + 1:b]) for a, b in zip(chunks, chunks[1:])), " ".join(events)

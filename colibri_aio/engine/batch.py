@@ -198,6 +198,8 @@ class Batcher:
         # The chunks fall where a prefill of the whole prompt puts them (layers.MoETransformer.prefill), so
         # the bits are those of a prompt prefilled alone.
         for start in range(cached, len(ids), PREFILL_CHUNK):
+            # A chunk whose experts all hit never suspends: let the decode task queue for the net first.
+            await asyncio.sleep(0)
             async with self.lock:
                 net.use(index)
                 logits = await net.forward(ids[start: start + PREFILL_CHUNK])
