@@ -580,7 +580,10 @@ class GgmlBuilder:
         ctx, used, t = self.ctx, shape.used, h.shape[0]
         table_leaf = self.graph.leaf(_I32, 1, len(table))
         table_leaf.contents.data = table.ctypes.data
-        slot_ids = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, table_leaf, top.t), used, t)
+        # One lookup per (rank, row): the table is one column of E rows, so the (used, t) choices go in as one
+        # list (get_rows over a 2-D index wants a table per row).
+        chosen = G.ggml_reshape_1d(ctx, G.ggml_cont(ctx, top.t), used * t) if t > 1 else top.t
+        slot_ids = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, table_leaf, chosen), used, t)
         mats = ((shape.gate, 2), (shape.down, 1)) if shape.gate_up else ((shape.gate, 1), (shape.gate, 1),
                                                                          (shape.down, 1))
         addrs = (bases[0], bases[2]) if shape.gate_up else bases

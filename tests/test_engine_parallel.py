@@ -11,6 +11,7 @@ import pytest
 
 from colibri_aio import Engine, EngineBusyError, SyncEngine, UserError
 from colibri_aio.engine.batch import choose_slot
+from colibri_aio.gguf.model import load
 from support import fixture, main_in_process
 
 MODEL = fixture("tiny_q8_0.gguf")
@@ -180,3 +181,32 @@ async def test_a_long_prompt_is_prefilled_between_the_decode_steps_of_the_others
     assert [events[i] for i in chunks] == ["chunk16"] * 6 + ["chunk4"]
     # Between two chunks of the new prompt, the decoding stream took a step.
     assert all(any(e.startswith("step") for e in events[a + 1:b]) for a, b in zip(chunks, chunks[1:])), " ".join(events)
+
+
+
+@pytest.mark.parametrize("name", ["tiny_f32", "gptoss_f32", "deepseek2_f32", "glm4moe_f32", "llama4_f32"])
+async def test_a_step_whose_experts_are_all_resident_runs_as_one_graph_for_every_stream(name: str) -> None:
+    """Every expert in the pool (fixtures whose experts sit alike in their slots, io_uring's one-stride pool),
+    the one-graph path tried at every step: batched steps run as one graph, and each stream's tokens and
+    log-probabilities are still those it gets alone."""
+    from colibri_aio.policy.step_path import StepPathGuess
+
+    model = fixture(f"{name}.gguf")
+    vocab = load(model).args.vocab_size
+    requests = [([5 + (7 * i + j) % (vocab - 10) for j in range(4 + 3 * i)], dict(max_tokens=6 + i)) for i in range(3)]
+    placement = dict(io="uring", kernels="ggml", cache_per_layer=10**6, history=False)
+
+    async def run(engine: Engine, ids: list[int], options: dict) -> list[tuple[int, float]]:
+        return [(p.token, p.logprob) async for p in engine.generate(ids, logprobs=1, reuse=False, **options)]
+
+    async with await Engine.open(model, **placement) as engine:
+        alone = [await run(engine, ids, o) for ids, o in requests]
+    async with await Engine.open(model, parallel=3, **placement) as engine:
+        for ids, o in requests:                        # the experts these prompts route to are read once
+            await run(engine, ids, o)
+        engine.net.step_path = StepPathGuess(threshold=0.0)
+        one_graph, batched = engine.net.one_graph_steps, engine.stats().batch_steps
+        together = await asyncio.gather(*(run(engine, ids, o) for ids, o in requests))
+        assert engine.net.one_graph_steps - one_graph > 0 and engine.stats().batch_steps > batched
+        assert engine.stats().batch_union_mean > 0
+    assert together == alone
