@@ -354,3 +354,22 @@ def test_a_pass_counted_at_once_refuses_an_expert_that_is_not_cached() -> None:
     p = make()
     with pytest.raises(ValueError, match="not cached"):
         p.on_routes([(0, [3])], 0.0)
+
+
+def test_a_decode_step_of_several_sequences_prefetches_for_each_and_is_timed_as_a_decode_step() -> None:
+    """B sequences, one position each: a decode step (the controller times it; no read-ahead, which is for a
+    prefill), whose hint is the union of the streams' rankings: k candidates per sequence go to the gate (here one
+    that takes them all; its cap on reads in flight still bounds them)."""
+    p = make(per_layer=8, config=BackpressureConfig(max_prefetch_reads=16))
+    p.on_step(3, 0.0, sequences=3)
+    p.on_route(0, [1], 0.0)
+    assert [r.key for r in p.on_hint(1, [9, 3, 4, 5, 6, 7, 8, 10], 0.0).reads] == [(1, e) for e in (9, 3, 4, 5, 6, 7)]
+    assert p.stats.ahead_reads == 0
+    p.on_step(3, 0.1, sequences=3)
+    p.on_step(3, 0.2, sequences=3)
+    assert p.backpressure.counters.decode_steps == 2
+    p.on_step(32, 0.3)                                        # a prefill chunk in between: neither it nor the
+    p.on_step(3, 0.4, sequences=3)                            # step it cut short is a timed decode step
+    assert p.backpressure.counters.decode_steps == 2
+    p.on_step(3, 0.5, sequences=3)
+    assert p.backpressure.counters.decode_steps == 3

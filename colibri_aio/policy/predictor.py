@@ -93,9 +93,10 @@ class LookaheadPredictor:
         The caller still skips ids already cached; they count as prefetched
         here because the prediction, not the cache, is being scored.
         """
-        ranked = [int(x) for x in ranked[: self.max_candidates]]
-        chosen = ranked[: self.prefetch_count(headroom) if count is None else count]
-        self._pending[target] = (ranked, chosen)
+        scored = [int(x) for x in ranked[: self.max_candidates]]     # rank statistics keep their length
+        # ``count`` may reach past them: a decode step of several sequences hints the union of their rankings.
+        chosen = [int(x) for x in ranked[: self.prefetch_count(headroom) if count is None else count]]
+        self._pending[target] = (scored, chosen)
         return chosen
 
     def observed(self, target: Hashable, experts: Sequence[int]) -> None:
