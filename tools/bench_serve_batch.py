@@ -9,9 +9,10 @@ phase = completion tokens of its answers / the phase's wall time (first
 request sent to last byte). Per stream, the time per output token (the gaps
 between its token chunks): p50 and p99. A prober asks ``/health`` every
 ``--probe-interval`` seconds throughout, on its own connection. Checks:
-every request a full answer (finish_reason "length", ``[DONE]``), the N
-clients' answers equal the same prompts' answers alone (greedy: batching
-changes no token), /health answered every time. Run 0 is a warm-up (graphs
+every request a full answer (finish_reason "length", ``[DONE]``), the first
+client's answer together equals its answer alone (greedy, whole prompts
+prefilled: ``cache_prompt`` off; batching changes no token), /health answered
+every time. Run 0 is a warm-up (graphs
 traced, experts read) and not counted.
 
     python tools/bench_serve_batch.py --model /work/models/qwen3_30b_l8_q8_0.gguf --runs 5 --clients 8
@@ -37,8 +38,10 @@ TOPICS = ["the list type", "dictionaries", "the with statement", "generators", "
 
 async def stream_one(http: httpx.AsyncClient, prompt: str, max_tokens: int, bias: dict[str, float]) -> dict:
     """One streamed completion: its token chunk times (from sending), text, finish reason and whether [DONE]."""
+    # cache_prompt off: every request prefills its whole prompt, alone or together, so that the two compute the
+    # same thing (a prompt found in the KV cache prefills only its last token, which rounds differently).
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "logprobs": 0,
-            "logit_bias": bias}
+            "logit_bias": bias, "cache_prompt": False}
     t0 = time.perf_counter()
     times, text, finish, done = [], [], None, False
     async with http.stream("POST", "/v1/completions", json=body) as r:
