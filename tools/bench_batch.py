@@ -95,7 +95,8 @@ class Ours:
         self.loop = asyncio.new_event_loop()
         # In RAM: every expert cached, nothing to prefetch. Larger than RAM: the engine's defaults within the budget.
         options = (dict(prefetch="off", cache_per_layer=EVERY_EXPERT) if ram_budget is None
-                   else dict(ram_budget=ram_budget)) | dict(n_ctx=n_ctx, kernels=kernels, history=False)
+                   else {} if ram_budget == "auto" else dict(ram_budget=ram_budget)) \
+            | dict(n_ctx=n_ctx, kernels=kernels, history=False)
         if parallel > 1:
             options["parallel"] = parallel
         try:
@@ -109,7 +110,10 @@ class Ours:
         self.bias = {int(t): MASKED for t in self.engine.tokenizer.eog_ids}
         self.describe = (f"{self.engine.kernels.name}: {self.engine.kernels.reason}; "
                          f"{'parallel=' + str(parallel) if parallel > 1 else 'no parallel keyword'}, "
-                         f"n_ctx={n_ctx} per slot, prefetch off, {len(self.bias)} EOG ids masked")
+                         f"n_ctx={n_ctx} per slot, "
+                         + ("every expert cached, prefetch off" if ram_budget is None else
+                            f"--ram-budget {ram_budget}: {self.engine.describe()}")
+                         + f", {len(self.bias)} EOG ids masked")
 
     def _misses(self) -> int:
         return self.engine.stats().misses
@@ -413,8 +417,12 @@ def main() -> int:
     p.add_argument("--drop-caches", action="store_true",
                    help="drop the page cache before each B's workers start (needs root)")
     p.add_argument("--ram-budget", default=None, metavar="SIZE",
-                   help="ours within this budget, experts streamed from disk with its default placement (a model "
-                        "larger than RAM; llama.cpp maps the file); default: every expert cached (in RAM)")
+                   help="ours within this budget (auto: the engine's default, a share of usable RAM), experts "
+                        "streamed from disk with its default placement (a model larger than RAM; llama.cpp maps the "
+                        "file); default: every expert cached (in RAM)")
+    p.add_argument("--fresh-prompts", action="store_true",
+                   help="new prompts every timed run (same for every arm): the experts a run needs are not all "
+                        "those the run before read (for a model larger than RAM, whose caches persist across runs)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--parallel", type=int, help=argparse.SUPPRESS)
     p.add_argument("--n-ctx", type=int, help=argparse.SUPPRESS)
@@ -435,6 +443,13 @@ def main() -> int:
     arms = args.arms.split(",")
     rng = np.random.default_rng(args.seed)
     prompts = rng.integers(3, 2048, (max(batches), args.prompt)).tolist()
+
+    def prompts_of(run: int) -> list[list[int]]:
+        """The prompts of timed run ``run``: the same every run, or with --fresh-prompts drawn anew per run (the
+        same for every arm and B), so that a cache kept from the run before does not hold the next run's experts."""
+        if not args.fresh_prompts or run == 0:
+            return prompts
+        return np.random.default_rng([args.seed, run]).integers(3, 2048, (max(batches), args.prompt)).tolist()
     # Positions per sequence: prompt, tokens (the join's decoding streams run join_after more), a margin.
     n_ctx = args.prompt + args.tokens + args.join_after + 8
 
@@ -462,8 +477,9 @@ def main() -> int:
             for run in range(args.runs + 1):
                 for a in (live if run % 2 == 0 else live[::-1]):
                     with exclusive(args.lock):
-                        d = workers[a].ask("decode", prompts=prompts[:B], tokens=args.tokens)
-                        j = (workers[a].ask("join", prompts=prompts[:B - 1], newcomer=prompts[B - 1],
+                        these = prompts_of(run)
+                        d = workers[a].ask("decode", prompts=these[:B], tokens=args.tokens)
+                        j = (workers[a].ask("join", prompts=these[:B - 1], newcomer=these[B - 1],
                                             tokens=args.tokens, after=args.join_after) if joins else None)
                     rec = {"run": run, "warmup": run == 0, **d, "metrics": run_metrics(d["pieces"])}
                     if j is not None:
@@ -526,6 +542,7 @@ def main() -> int:
         "model": model.name, "model_bytes": model.stat().st_size, "batches": batches, "tokens": args.tokens,
         "prompt": args.prompt, "runs": args.runs, "join_at": args.join_at, "join_after": args.join_after,
         "n_ctx_per_sequence": n_ctx, "flash_attn": args.flash_attn, "seed": args.seed, "ram_budget": args.ram_budget,
+        "fresh_prompts": args.fresh_prompts,
         "page_cache_dropped": dropped if args.drop_caches else False,
         "arms": {str(B): describe[B] for B in batches}, "unavailable": {str(B): unavailable[B] for B in batches},
         "summary": {str(B): summary[B] for B in batches}, "ratios": {str(B): ratios[B] for B in batches},
@@ -541,7 +558,9 @@ def main() -> int:
              f"{receipt['load_average']}", "",
              f"Command: `{receipt['command']}`", "",
              f"B streams decode together, greedy, {args.tokens} tokens each after a prompt of {args.prompt} ids "
-             f"(different per stream, the same at every B). Aggregate tok/s: tokens produced after every stream "
+             f"(different per stream, the same at every B"
+             + ("; drawn anew for every timed run, the same for every arm" if args.fresh_prompts else "")
+             + f"). Aggregate tok/s: tokens produced after every stream "
              f"had its first one, over the time from then to the last token; TPOT: gaps between a stream's tokens "
              f"in that phase, pooled over streams (p50, p99, medians over runs); prefill: time until every stream "
              f"had its first token. One worker process per (arm, B)"
