@@ -423,6 +423,9 @@ def main() -> int:
     p.add_argument("--fresh-prompts", action="store_true",
                    help="new prompts every timed run (same for every arm): the experts a run needs are not all "
                         "those the run before read (for a model larger than RAM, whose caches persist across runs)")
+    p.add_argument("--cold-runs", action="store_true",
+                   help="every run of every arm in a fresh worker, the page cache dropped before it (needs root): "
+                        "one engine in memory at a time, each from a cold start; no warm-up run")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--parallel", type=int, help=argparse.SUPPRESS)
     p.add_argument("--n-ctx", type=int, help=argparse.SUPPRESS)
@@ -457,41 +460,71 @@ def main() -> int:
     describe: dict[int, dict[str, str]] = {}
     unavailable: dict[int, dict[str, str]] = {}
     raw: dict[int, dict[str, list[dict]]] = {}
+    def record(B: int, a: str, run: int, d: dict, j: dict | None, warmup: bool) -> None:
+        rec = {"run": run, "warmup": warmup, **d, "metrics": run_metrics(d["pieces"])}
+        if j is not None:
+            rec["join"] = j
+        raw[B][a].append(rec)
+        line = {"B": B, "arm": a, "run": run, **{k: v for k, v in rec["metrics"].items()}}
+        if j is not None:
+            line |= {"ttft_loaded_s": j["ttft_loaded"], "ttft_alone_s": j["ttft_alone"]}
+        print(json.dumps(line), flush=True)
+
+    def measure(worker: Worker, B: int, run: int) -> tuple[dict, dict | None]:
+        these = prompts_of(run)
+        d = worker.ask("decode", prompts=these[:B], tokens=args.tokens)
+        j = (worker.ask("join", prompts=these[:B - 1], newcomer=these[B - 1], tokens=args.tokens,
+                        after=args.join_after) if B == args.join_at and B >= 2 else None)
+        return d, j
+
     for B in batches:
-        joins = B == args.join_at and B >= 2
         n_batch = max(512, B * args.prompt + B)
-        with exclusive(args.lock):
-            if args.drop_caches:
-                dropped[B] = drop_page_cache()
-                if not dropped[B]:
-                    raise SystemExit("--drop-caches: cannot write /proc/sys/vm/drop_caches here")
-            started = [Worker(a, model, B, n_ctx, n_batch, args.flash_attn, args.ram_budget) for a in arms]
-            workers = {w.arm: w.ready() for w in started}
-        describe[B] = {a: w.describe for a, w in workers.items() if w.describe}
-        unavailable[B] = {a: w.unavailable for a, w in workers.items() if w.unavailable}
+        describe[B], unavailable[B] = {}, {}
+        raw[B] = {a: [] for a in arms}
+        if args.cold_runs:
+            # Every (run, arm) in a process of its own, the page cache dropped before it: one engine holds
+            # memory at a time (ours' expert cache would otherwise squeeze llama.cpp's page cache), each cold.
+            for run in range(args.runs):
+                for a in (arms if run % 2 == 0 else arms[::-1]):
+                    if a in unavailable[B]:
+                        continue
+                    with exclusive(args.lock):
+                        if not drop_page_cache():
+                            raise SystemExit("--cold-runs: cannot write /proc/sys/vm/drop_caches here")
+                        w = Worker(a, model, B, n_ctx, n_batch, args.flash_attn, args.ram_budget).ready()
+                        try:
+                            if w.unavailable:
+                                unavailable[B][a] = w.unavailable
+                                continue
+                            describe[B][a] = w.describe
+                            d, j = measure(w, B, run)
+                        finally:
+                            w.close()
+                    record(B, a, run, d, j, warmup=False)
+            dropped[B] = True
+        else:
+            with exclusive(args.lock):
+                if args.drop_caches:
+                    dropped[B] = drop_page_cache()
+                    if not dropped[B]:
+                        raise SystemExit("--drop-caches: cannot write /proc/sys/vm/drop_caches here")
+                started = [Worker(a, model, B, n_ctx, n_batch, args.flash_attn, args.ram_budget) for a in arms]
+                workers = {w.arm: w.ready() for w in started}
+            describe[B] = {a: w.describe for a, w in workers.items() if w.describe}
+            unavailable[B] = {a: w.unavailable for a, w in workers.items() if w.unavailable}
+            live = [a for a in arms if a not in unavailable[B]]
+            try:
+                for run in range(args.runs + 1):
+                    for a in (live if run % 2 == 0 else live[::-1]):
+                        with exclusive(args.lock):
+                            d, j = measure(workers[a], B, run)
+                        record(B, a, run, d, j, warmup=run == 0)
+            finally:
+                for w in workers.values():
+                    w.close()
         for a, why in unavailable[B].items():
             print(f"B={B} {a}: {why}", file=sys.stderr, flush=True)
-        live = [a for a in arms if a not in unavailable[B]]
-        raw[B] = {a: [] for a in live}
-        try:
-            for run in range(args.runs + 1):
-                for a in (live if run % 2 == 0 else live[::-1]):
-                    with exclusive(args.lock):
-                        these = prompts_of(run)
-                        d = workers[a].ask("decode", prompts=these[:B], tokens=args.tokens)
-                        j = (workers[a].ask("join", prompts=these[:B - 1], newcomer=these[B - 1],
-                                            tokens=args.tokens, after=args.join_after) if joins else None)
-                    rec = {"run": run, "warmup": run == 0, **d, "metrics": run_metrics(d["pieces"])}
-                    if j is not None:
-                        rec["join"] = j
-                    raw[B][a].append(rec)
-                    line = {"B": B, "arm": a, "run": run, **{k: v for k, v in rec["metrics"].items()}}
-                    if j is not None:
-                        line |= {"ttft_loaded_s": j["ttft_loaded"], "ttft_alone_s": j["ttft_alone"]}
-                    print(json.dumps(line), flush=True)
-        finally:
-            for w in workers.values():
-                w.close()
+            raw[B].pop(a, None)
 
     # --- summary ---
     keys = ("agg_tok_s", "tpot_p50_ms", "tpot_p99_ms", "prefill_s")
@@ -542,7 +575,7 @@ def main() -> int:
         "model": model.name, "model_bytes": model.stat().st_size, "batches": batches, "tokens": args.tokens,
         "prompt": args.prompt, "runs": args.runs, "join_at": args.join_at, "join_after": args.join_after,
         "n_ctx_per_sequence": n_ctx, "flash_attn": args.flash_attn, "seed": args.seed, "ram_budget": args.ram_budget,
-        "fresh_prompts": args.fresh_prompts,
+        "fresh_prompts": args.fresh_prompts, "cold_runs": args.cold_runs,
         "page_cache_dropped": dropped if args.drop_caches else False,
         "arms": {str(B): describe[B] for B in batches}, "unavailable": {str(B): unavailable[B] for B in batches},
         "summary": {str(B): summary[B] for B in batches}, "ratios": {str(B): ratios[B] for B in batches},
@@ -564,9 +597,12 @@ def main() -> int:
              f"had its first one, over the time from then to the last token; TPOT: gaps between a stream's tokens "
              f"in that phase, pooled over streams (p50, p99, medians over runs); prefill: time until every stream "
              f"had its first token. One worker process per (arm, B)"
-             + (", page cache dropped before each B's workers started" if args.drop_caches else "")
-             + f"; {args.runs} timed runs per (arm, B) after one warm-up, arms interleaved (order flipped "
-             f"every run). Medians [min–max].", ""]
+             + (", page cache dropped before each B's workers started" if args.drop_caches and not args.cold_runs
+                else "")
+             + (f"; {args.runs} timed runs per (arm, B), each in a fresh worker after the page cache was dropped "
+                f"(one engine in memory at a time, every run cold)" if args.cold_runs else
+                f"; {args.runs} timed runs per (arm, B) after one warm-up")
+             + ", arms interleaved (order flipped every run). Medians [min–max].", ""]
     for B in batches:
         lines += [f"- B={B} {a}: {d}" for a, d in describe[B].items()]
         lines += [f"- B={B} {a}: **{why}**" for a, why in unavailable[B].items()]
