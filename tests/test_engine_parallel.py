@@ -209,4 +209,20 @@ async def test_a_step_whose_experts_are_all_resident_runs_as_one_graph_for_every
         together = await asyncio.gather(*(run(engine, ids, o) for ids, o in requests))
         assert engine.net.one_graph_steps - one_graph > 0 and engine.stats().batch_steps > batched
         assert engine.stats().batch_union_mean > 0
+        _assert_step_graphs_fit_their_room(engine)
     assert together == alone
+
+
+def _assert_step_graphs_fit_their_room(engine: Engine) -> None:
+    """The one-graph step's tensors fit the room decode_graphs gives a step of B rows without its fixed slack
+    (so that a model of many more blocks than the fixture's never runs out of it: ggml aborts then)."""
+    import ggml as G
+
+    blocks = engine.model.args.block_count
+    steps = [(key[2], g) for key, g in engine.net.decode_graphs()._graphs.items() if g is not None and key[0] == ("step",)]
+    assert {rows for rows, _ in steps} >= {2, 3}
+    for rows, graph in steps:
+        room = (160 + 96 * (rows - 1)) * blocks
+        given = room + 4096
+        tensors = (G.ggml_used_mem(graph.ctx) - G.ggml_graph_overhead_custom(given, False)) / G.ggml_tensor_overhead()
+        assert tensors <= room, (rows, tensors, room)
