@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from colibri_aio import Engine, SyncEngine, UserError
@@ -55,6 +56,10 @@ async def test_files_of_another_model_context_or_kv_type_are_refused(tmp_path: P
     async with await Engine.open(fixture("tiny_q8_0.gguf"), io="pread", n_ctx=128, history=False) as engine:
         with pytest.raises(UserError, match="not a slot file"):
             await engine.restore_slot(garbage)
+        bare = tmp_path / "bare.npy"
+        np.save(bare, np.zeros(3))
+        with pytest.raises(UserError, match="not a slot file"):
+            await engine.restore_slot(bare)
         with pytest.raises(UserError, match="no such slot file"):
             await engine.restore_slot(tmp_path / "missing.npz")
         with pytest.raises(UserError, match="no slot 3"):

@@ -65,12 +65,15 @@ def restore_slot(net: MoETransformer, index: int, path: str | os.PathLike[str], 
     that is not a slot file, or of another model, context size or KV type, leaving the slot as it was."""
     path = Path(path)
     try:
-        with np.load(path, allow_pickle=False) as npz:
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):     # a bare .npy array
+            raise ValueError("not an archive")
+        with loaded as npz:
             arrays = {name: npz[name] for name in npz.files}
     except FileNotFoundError:
         raise UserError(f"{path}: no such slot file") from None
-    except (OSError, ValueError, zipfile.BadZipFile, EOFError) as exc:
-        raise UserError(f"{path}: not a slot file ({exc})") from None
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError):
+        raise UserError(f"{path}: not a slot file (not an .npz archive of a saved slot)") from None
     cache = net.slots[index].cache
     meta = _meta(path, arrays)
     for key, want, what in (("model", fingerprint, "model"), ("n_ctx", cache.n_ctx, "context size (--ctx)"),
