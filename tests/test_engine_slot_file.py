@@ -87,3 +87,24 @@ def test_run_with_a_prompt_cache_prefills_once(tmp_path: Path) -> None:
     assert out1 == out2 and "positions restored" in err2
     code, _, err = main_in_process(*args[:-2], "--ctx", "64", "--prompt-cache", str(file))
     assert code == 2 and len(err.strip().splitlines()) == 2 and "another context size" in err
+
+
+async def test_a_slot_file_with_a_broken_table_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Meta whose per-layer positions are not pairs, or whose token ids disagree with n_past: refused, no
+    traceback, the slot as it was."""
+    import json
+
+    file = tmp_path / "slot.npz"
+    async with await Engine.open(fixture("tiny_q8_0.gguf"), io="pread", history=False) as engine:
+        [_ async for _ in engine.generate(PROMPT, max_tokens=2)]
+        await engine.save_slot(file)
+        saved = dict(np.load(file))
+        meta = json.loads(saved["meta"].tobytes())
+        for broken, phrase in [({"held": [5] * len(meta["held"])}, "out of range"),
+                               ({"held": "all"}, "out of range"),
+                               ({"ids": meta["ids"][:-1]}, "n_past and ids disagree")]:
+            np.savez(file, **{**saved, "meta": np.frombuffer(json.dumps({**meta, **broken}).encode(), np.uint8)})
+            before = engine.net.n_past
+            with pytest.raises(UserError, match=phrase):
+                await engine.restore_slot(file)
+            assert engine.net.n_past == before

@@ -26,7 +26,7 @@ import asyncio
 import sys
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -35,13 +35,10 @@ from colibri_aio.arch.layers import PREFILL_CHUNK, MoETransformer
 from colibri_aio.engine.line import RequestLine
 from colibri_aio.engine.streams import Decoding, GenerationPiece
 from colibri_aio.errors import EngineBusyError
-from colibri_aio.logs import get_logger
 from colibri_aio.text.sampling import TokenPicker
 
 if TYPE_CHECKING:
     from colibri_aio.engine.engine import Engine
-
-log = get_logger("colibri_aio.engine")
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -84,7 +81,6 @@ class BatchStats:
     steps: int = 0
     rows: int = 0
     last_rows: int = 0
-    last_unions: list[int] = field(default_factory=list)   # per MoE block, the last step of several rows
     union_sum: int = 0
     union_count: int = 0
 
@@ -282,6 +278,5 @@ class Batcher:
         st.rows += rows
         st.last_rows = rows
         if unions:
-            st.last_unions = unions
             st.union_sum += sum(unions)
             st.union_count += len(unions)

@@ -82,9 +82,12 @@ def restore_slot(net: MoETransformer, index: int, path: str | os.PathLike[str], 
             raise UserError(f"{path}: saved for another {what}: {meta.get(key)!r}, this engine has {want!r}")
     if meta["n_past"] > cache.n_ctx or any(t >= net.args.vocab_size for t in meta["ids"]):
         raise UserError(f"{path}: broken slot file (its tokens do not fit the model)")
-    held = [tuple(h) for h in meta.get("held", [])]
-    if not all(len(h) == 2 and all(isinstance(x, int) and -1 <= x <= cache.n_ctx for x in h) for h in held):
+    held = meta.get("held")
+    if not isinstance(held, list) or not all(
+            isinstance(h, list) and len(h) == 2 and all(isinstance(x, int) and -1 <= x <= cache.n_ctx for x in h)
+            for h in held):
         raise UserError(f"{path}: broken slot file (the positions its layers hold are out of range)")
+    held = [tuple(h) for h in held]
     for store, layer, array in _staged(path, cache, arrays, held):
         np.copyto(store[layer][: len(array)], array)
     cache.held = held                                   # type: ignore[assignment]
