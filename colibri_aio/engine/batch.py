@@ -152,7 +152,8 @@ class Batcher:
     # --- one generation ---------------------------------------------------------------------------
 
     async def generate(self, ids: list[int], max_tokens: int, stop: Sequence[str], pick: TokenPicker,
-                       logprobs: int | None, reuse: bool, *, wait: bool = True) -> AsyncIterator[GenerationPiece]:
+                       logprobs: int | None, reuse: bool, *, wait: bool = True,
+                       special: bool = False) -> AsyncIterator[GenerationPiece]:
         """A generation on a slot of its own: chunked prefill, then its pieces from the shared decode steps."""
         index = await self.acquire(ids, wait=wait)
         stream = _Stream(index)
@@ -160,7 +161,7 @@ class Batcher:
             cached, logits, prefill_s = await self._prefill(index, ids, reuse)
             self.engine.count_prompt(len(ids) - cached, cached, prefill_s)
             stream.decoding = Decoding(self.engine.tokenizer, ids, max_tokens, stop, pick, logprobs, cached,
-                                       prefill_s, self.engine.count_token)
+                                       prefill_s, self.engine.count_token, special=special)
             piece = stream.decoding.piece(logits)
             yield piece
             if piece.finish_reason is not None:

@@ -37,7 +37,7 @@ from colibri_aio.engine.device import DeviceMonitor
 from colibri_aio.models import default_model_path
 from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE
 from colibri_aio.arch import build_net
-from colibri_aio.text.sampling import SamplingParams, TokenPicker, check_generation_options
+from colibri_aio.text.sampling import SamplingParams, TokenConstraint, TokenPicker, check_generation_options
 from colibri_aio.engine.plan import Plan, gb
 from colibri_aio.policy.budget import parse_size
 from colibri_aio.engine.scheduler import CachedExpertSource
@@ -354,6 +354,7 @@ class Engine:
     async def generate(self, prompt: Prompt, *, chat: bool = False, max_tokens: int | None = 128,
                        stop: Sequence[str] = (), logprobs: int | None = None, reuse: bool = True,
                        wait: bool = True, sampling: SamplingParams | None = None,
+                       constraint: TokenConstraint | None = None, special: bool = False,
                        **options: Any) -> AsyncIterator[GenerationPiece]:
         """Stream a continuation of ``prompt`` piece by piece; the last piece carries ``finish_reason``.
 
@@ -366,7 +367,10 @@ class Engine:
         the model's logits and the n most likely alternatives. ``reuse``: keep
         the longest prefix of the prompt the KV cache already holds and prefill
         only the rest (see ``cached_tokens``): the same bits as running the same
-        forward calls afresh.
+        forward calls afresh. ``constraint``: a
+        :class:`~colibri_aio.text.sampling.TokenConstraint` (a grammar) that
+        masks every pick. ``special``: pieces show special tokens' text (tool-call
+        and channel markers), not only plain text.
 
         ``finish_reason`` is "stop" (an end-of-generation token or a stop
         string) or "length": ``max_tokens`` reached, or the context is full
@@ -386,13 +390,15 @@ class Engine:
         limit = budget if max_tokens is None else min(max_tokens, budget)
         if self.batcher is not None:
             self._check_open()
-            stream = self.batcher.generate(ids, limit, stop, TokenPicker(params, ids), logprobs, reuse, wait=wait)
+            stream = self.batcher.generate(ids, limit, stop, TokenPicker(params, ids, constraint), logprobs, reuse,
+                                           wait=wait, special=special)
             async with contextlib.aclosing(stream):
                 async for piece in stream:
                     yield piece
             return
         async with self.turn(wait=wait):
-            stream = self._generate(ids, limit, stop, TokenPicker(params, ids), logprobs, reuse)
+            stream = self._generate(ids, limit, stop, TokenPicker(params, ids, constraint), logprobs, reuse,
+                                    special)
             try:
                 async with contextlib.aclosing(stream):
                     async for piece in stream:
@@ -401,7 +407,7 @@ class Engine:
                 await self.source.settle()  # the turn ends with no read in flight, however the stream ended
 
     async def _generate(self, ids: list[int], max_tokens: int, stop: Sequence[str], pick: TokenPicker,
-                        logprobs: int | None, reuse: bool) -> AsyncIterator[GenerationPiece]:
+                        logprobs: int | None, reuse: bool, special: bool) -> AsyncIterator[GenerationPiece]:
         cached = self.cached_prefix(ids) if reuse else 0
         t0 = time.perf_counter()
         self.net.rewind(cached)
@@ -416,7 +422,8 @@ class Engine:
             self.decode_s += time.perf_counter() - tick
             return self.stats()
 
-        decoding = Decoding(self.tokenizer, ids, max_tokens, stop, pick, logprobs, cached, t_prefill, tally)
+        decoding = Decoding(self.tokenizer, ids, max_tokens, stop, pick, logprobs, cached, t_prefill, tally,
+                            special=special)
         while True:
             piece = decoding.piece(logits)
             yield piece

@@ -57,13 +57,14 @@ class Decoding:
     ``ids``: the prompt; ``cached``: its leading tokens the KV cache held;
     ``prefill_s``: what its prefill took; ``tally``: called once per
     token, counts it in the engine's counters and returns them (each piece
-    carries them).
+    carries them). ``special``: the text shows special tokens (a tool-call or
+    channel marker a reply parser reads); an end-of-generation token never shows.
     """
 
     def __init__(self, tokenizer: Tokenizer, ids: Sequence[int], max_tokens: int, stop: Sequence[str],
                  pick: TokenPicker, logprobs: int | None, cached: int, prefill_s: float,
-                 tally: Callable[[], EngineStats]) -> None:
-        self.stopper = Stopper(tokenizer.stream_decoder(skip_special=True), tokenizer.is_eog,
+                 tally: Callable[[], EngineStats], *, special: bool = False) -> None:
+        self.stopper = Stopper(tokenizer.stream_decoder(skip_special=not special), tokenizer.is_eog,
                                max_tokens=max_tokens, stop=stop)
         self.n_prompt, self.pick, self.logprobs, self.cached = len(ids), pick, logprobs, cached
         self.prefill_s, self._tally = prefill_s, tally

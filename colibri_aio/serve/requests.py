@@ -26,9 +26,59 @@ class ContentPart(_Body):
     text: str | None = None
 
 
+class FunctionCall(_Body):
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"   # a JSON object as text (OpenAI), or the object itself
+
+
+class ToolCallIn(_Body):
+    """A tool call of an earlier assistant message, as the client sends it back."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None   # a JSON schema of the arguments
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(_Body):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class JSONSchemaFormat(_Body):
+    name: str = "response"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
 class Message(_Body):
     role: Role
     content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None   # an earlier reply's thinking, as this server returned it
 
     def text(self) -> str:
         """The message's text; parts other than text are refused."""
@@ -102,6 +152,13 @@ class ChatRequest(_Generation):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None   # extra template variables, e.g. {"enable_thinking": false}
+    reasoning_effort: Literal["low", "medium", "high"] | None = None   # gpt-oss's template variable
+    reasoning_budget: int | None = Field(None, ge=-1)   # thinking tokens before the span is closed; -1: no limit
 
     def token_budget(self) -> int | None:
         """max_completion_tokens, else max_tokens; None: to the end of the context."""

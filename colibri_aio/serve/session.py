@@ -21,7 +21,7 @@ from typing import Any
 from colibri_aio.engine.engine import GenerationPiece
 from colibri_aio.engine.sync import Event, Finished, SyncEngine
 from colibri_aio.errors import UserError
-from colibri_aio.text.sampling import GGUF_SAMPLING_KEYS, SamplingParams, model_defaults
+from colibri_aio.text.sampling import GGUF_SAMPLING_KEYS, SamplingParams, TokenConstraint, model_defaults
 
 
 class ContextFull(UserError):
@@ -42,11 +42,13 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None   # n: each piece carries its log-probability and the n most likely tokens
     reuse: bool = True            # start from the longest prefix the KV cache holds
+    constraint: TokenConstraint | None = None  # a grammar (or a forced span) masking every pick
+    special: bool = False         # pieces show special tokens (a reply parser reads tool-call markers)
 
     def options(self) -> dict[str, Any]:
         """:meth:`Engine.generate`'s keywords."""
         return dict(max_tokens=self.max_tokens, sampling=self.sampling, stop=self.stop, logprobs=self.logprobs,
-                    reuse=self.reuse)
+                    reuse=self.reuse, constraint=self.constraint, special=self.special)
 
 
 class Session:

@@ -257,16 +257,33 @@ def model_defaults(metadata: Mapping[str, Any]) -> SamplingParams:
     return replace(LLAMA_CPP_DEFAULTS, **found)
 
 
+class TokenConstraint(Protocol):
+    """What a generation may say next (a grammar, a forced span): it sees every token chosen."""
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """``logits`` (V,) with every token not allowed next at -inf (a copy, or ``logits`` itself)."""
+        ...
+
+    def accept(self, token_id: int) -> None:
+        """The token chosen (one the last :meth:`mask` allowed)."""
+        ...
+
+
 class TokenPicker:
-    """Chooses the next token of one generation: logit bias, penalties over the recent context, sampler chain.
+    """Chooses the next token of one generation: logit bias, penalties over the recent context, an optional
+    :class:`TokenConstraint`, sampler chain.
 
     ``context``: the prompt ids; each picked token joins the window the
     penalties see (the last ``penalty_last_n`` tokens, as llama.cpp counts them).
+    The constraint masks after bias and penalties, so no adjustment can bring
+    back a token it forbids.
     """
 
-    def __init__(self, params: SamplingParams, context: Sequence[int] = ()) -> None:
+    def __init__(self, params: SamplingParams, context: Sequence[int] = (),
+                 constraint: TokenConstraint | None = None) -> None:
         params.check()
         self.params = params
+        self.constraint = constraint
         self._sample = make_sampler(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
                                     min_p=params.min_p, seed=params.seed)
         n = params.penalty_last_n
@@ -280,7 +297,11 @@ class TokenPicker:
         if self._recent is not None:
             adjusted = apply_penalties(adjusted, self._recent, repeat=p.repeat_penalty,
                                        frequency=p.frequency_penalty, presence=p.presence_penalty)
+        if self.constraint is not None:
+            adjusted = self.constraint.mask(adjusted)
         token = self._sample(adjusted)
+        if self.constraint is not None:
+            self.constraint.accept(token)
         if self._recent is not None:
             self._recent.append(token)
         return token
