@@ -1,0 +1,191 @@
+"""Constrained decoding: a grammar that masks every pick, so the output parses (and validates) every time.
+
+:class:`Grammars` indexes a model's vocabulary once (llguidance's token
+trie: each token's bytes, special and control tokens flagged special so a
+grammar can name them, e.g. ``<|call|>``, and the model's end-of-generation
+tokens). From it, each request compiles a :class:`GrammarConstraint`:
+
+* :meth:`Grammars.json_schema`: OpenAI's ``response_format``. ``None`` is
+  ``json_object`` (any JSON object); a schema is ``json_schema``, with
+  ``strict`` deciding what a keyword the grammar cannot enforce does: refused
+  (:class:`GrammarError`) when strict, ignored otherwise;
+* :meth:`Grammars.lark`: llguidance's Lark dialect (``%json{...}`` embeds a
+  schema, :func:`lark_json` writes one; ``<|call|>`` names a special token),
+  for forced tool calls.
+
+The constraint implements :class:`~colibri_aio.text.sampling.TokenConstraint`:
+:class:`~colibri_aio.text.sampling.TokenPicker` masks the logits after bias
+and penalties, and the model's logits themselves are never touched (logprobs
+stay the model's). Once the grammar is complete (:attr:`done`), the mask
+allows exactly the end-of-generation tokens, so the reply ends.
+
+JSON is written compactly with ``", "`` and ``": "`` between items and keys
+and no other whitespace: a model cannot wander into endless whitespace, and
+the text reads like ``json.dumps``. A schema bounds the length of the
+output only when its strings, arrays, objects and numbers are bounded
+(``maxLength``, ``maxItems``, ``additionalProperties: false``, a fractional
+number's ``multipleOf``); an unbounded one may run into the token budget. A budget too small for the JSON ends the reply with
+``finish_reason`` "length" and text that is not valid JSON, as OpenAI's does.
+
+Cost: the mask is llguidance's bitmask computed in Rust into a preallocated
+buffer, unpacked and applied with NumPy (no Python loop over the vocabulary);
+``tools/bench_grammar.py`` measures it against a decode step.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import llguidance
+import llguidance.numpy
+import numpy as np
+
+from colibri_aio.errors import UserError
+from colibri_aio.text.tokenizer import Tokenizer
+
+__all__ = ["GrammarError", "Grammars", "GrammarConstraint", "JSON_OPTIONS", "lark_json"]
+
+# How the JSON is spelled between tokens: fixed separators, no free whitespace (see the module's docstring).
+JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+_NORMAL, _USER_DEFINED, _BYTE = 1, 4, 6   # gguf.TokenType values that stand for text
+_SPECIAL_MARK = b"\xff"   # llguidance's prefix for a token a grammar names as <|...|>, never as text
+
+
+def lark_json(schema: Mapping[str, Any]) -> str:
+    """``%json{...}``: a Lark rule body matching JSON valid under ``schema``, spelled as :meth:`Grammars.json_schema`
+    spells it (fixed separators, no free whitespace; a bare ``%json`` would allow whitespace without end).
+    The schema's own ``x-guidance`` options win."""
+    options = {**JSON_OPTIONS, **schema.get("x-guidance", {})}
+    return "%json" + json.dumps({**schema, "x-guidance": options})
+
+
+class GrammarError(UserError):
+    """A JSON schema or grammar that cannot be compiled into a token mask (one line naming the problem)."""
+
+
+class _VocabWrapper:
+    """The shape llguidance's ``TokenizerWrapper`` reads: token bytes, special ids, EOS, a text tokenizer."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_id if tokenizer.eos_id is not None else min(tokenizer.eog_ids)
+        self.bos_token_id = tokenizer.bos_id
+        self.special_token_ids = [i for i in range(tokenizer.vocab_size) if is_special(tokenizer, i)]
+        special = set(self.special_token_ids)
+        self.tokens = [_SPECIAL_MARK + tokenizer.token_bytes(i) if i in special else tokenizer.token_bytes(i)
+                       for i in range(tokenizer.vocab_size)]
+
+    def __call__(self, text: bytes | str) -> list[int]:
+        """Token ids of ``text`` as plain text (special-token text is not parsed)."""
+        if isinstance(text, bytes):
+            text = text.decode("utf-8", errors="replace")
+        return self._tokenizer.encode(text, parse_special=False)
+
+
+def is_special(tokenizer: Tokenizer, token_id: int) -> bool:
+    """Whether a token is a marker, not text: control, unknown and unused tokens, and user-defined ones that look
+    like ``<...>`` (``<tool_call>``), as llama.cpp's llguidance binding decides."""
+    kind = tokenizer.spec.token_types[token_id]
+    if kind in (_NORMAL, _BYTE):
+        return False
+    if kind == _USER_DEFINED:
+        text = tokenizer.spec.tokens[token_id]
+        return text.startswith("<") and text.endswith(">")
+    return True
+
+
+class Grammars:
+    """Compiles grammars against one model's vocabulary; build it once per model (it indexes every token)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        if not tokenizer.eog_ids:
+            raise GrammarError(f"{tokenizer.origin or 'this model'}: the tokenizer has no end-of-generation token; "
+                               "a constrained reply could not end")
+        self.tokenizer = tokenizer
+        self.eog_ids = sorted(tokenizer.eog_ids)
+        self.ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_VocabWrapper(tokenizer)),
+                                         eos_token=self.eog_ids)
+
+    def json_schema(self, schema: Mapping[str, Any] | None, *, strict: bool = True) -> GrammarConstraint:
+        """A constraint whose output is JSON valid under ``schema`` (``None``: any JSON object).
+
+        ``strict``: a keyword the grammar cannot enforce is a :class:`GrammarError`; not strict, it is ignored
+        (the output follows the rest of the schema).
+        """
+        if schema is None:
+            schema = {"type": "object"}
+        if not isinstance(schema, Mapping):
+            raise GrammarError(f"response_format: the JSON schema must be an object, got {type(schema).__name__}")
+        options = {**JSON_OPTIONS, "lenient": not strict}
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
+        except (TypeError, ValueError) as exc:
+            raise GrammarError(f"response_format: the JSON schema cannot be compiled: {_line(exc)}") from None
+        return self._compile(grammar, "response_format: the JSON schema cannot be compiled")
+
+    def lark(self, grammar: str) -> GrammarConstraint:
+        """A constraint from a grammar in llguidance's Lark dialect (``%json{...}`` embeds a JSON schema: write
+        it with :func:`lark_json`; ``<|name|>`` names a special token); the rule ``start`` is the whole output.
+
+        A forced tool call, for example::
+
+            start: <|im_start|> "get_weather " args
+            args: %json{"type": "object", ...}
+        """
+        return self._compile(llguidance.LLMatcher.grammar_from_lark(grammar), "the grammar cannot be compiled")
+
+    def _compile(self, grammar: str, what: str) -> GrammarConstraint:
+        matcher = llguidance.LLMatcher(self.ll, grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(f"{what}: {_line(matcher.get_error())}")
+        return GrammarConstraint(matcher, self.ll.vocab_size, self.eog_ids)
+
+
+class GrammarConstraint:
+    """One generation's grammar state: a :class:`~colibri_aio.text.sampling.TokenConstraint`."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, n_tokens: int, eog_ids: list[int]) -> None:
+        self._matcher = matcher
+        self._n = n_tokens
+        self._bitmask = llguidance.numpy.allocate_token_bitmask(1, n_tokens)
+        self._eog = np.asarray(eog_ids, dtype=np.int64)
+
+    @property
+    def done(self) -> bool:
+        """The grammar is complete: only an end-of-generation token may follow."""
+        return self._matcher.is_stopped() and not self._matcher.is_error()
+
+    def allowed(self) -> np.ndarray:
+        """A bool per token of the vocabulary: may it come next?"""
+        if self._matcher.is_stopped():
+            allowed = np.zeros(self._n, dtype=bool)
+            allowed[self._eog] = True
+            return allowed
+        llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask)
+        if self._matcher.is_error():
+            raise RuntimeError(f"grammar: {_line(self._matcher.get_error())}")
+        bits = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little", count=self._n)
+        return bits.view(bool)
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """``logits`` with every token the grammar forbids next at -inf (a new array; ``logits`` is kept).
+
+        Logit rows past the tokenizer's vocabulary (a model's padding) are always forbidden.
+        """
+        allowed = self.allowed()
+        out = np.full_like(logits, -np.inf)
+        n = min(self._n, logits.shape[-1])
+        np.copyto(out[:n], logits[:n], where=allowed[:n])
+        return out
+
+    def accept(self, token_id: int) -> None:
+        """Advance the grammar past ``token_id`` (one the last mask allowed)."""
+        if not self._matcher.consume_token(int(token_id)):
+            raise RuntimeError(f"grammar: token {token_id} is not allowed here: {_line(self._matcher.get_error())}")
+
+
+def _line(message: object) -> str:
+    """A library's message (often several lines, with a caret under the fault) as one line."""
+    return " ".join(str(message).split())
