@@ -1,0 +1,48 @@
+"""The model's side of tool calling and reasoning: which syntax a chat template's replies use, a streaming
+parser that splits generated text into reasoning, content and tool calls, and the grammar that forces a tool
+call in that syntax (see :mod:`colibri_aio.text.replies.base` for the contract).
+
+:func:`chat_syntax` tells the syntax from the template's source: each syntax's markers are written in the
+template itself (it renders past tool calls the way the model writes them), so finding them there is how
+the model's own syntax is known.
+"""
+from __future__ import annotations
+
+from colibri_aio.text.replies.base import ChatSyntax, Reply, ReplyDelta, ReplyParser, ToolCall
+from colibri_aio.text.replies.deepseek import CALL_BEGIN, DeepSeekSyntax
+from colibri_aio.text.replies.glm45 import GlmSyntax
+from colibri_aio.text.replies.harmony import HarmonySyntax
+from colibri_aio.text.replies.hermes import HermesSyntax
+from colibri_aio.text.replies.minimax_m2 import MiniMaxSyntax
+from colibri_aio.text.replies.mistral import MistralSyntax
+from colibri_aio.text.replies.plain import PlainSyntax
+
+__all__ = ["ChatSyntax", "Reply", "ReplyDelta", "ReplyParser", "ToolCall", "chat_syntax"]
+
+
+def _deepseek(template: str) -> ChatSyntax:
+    thinks = "<think>" in template or "</think>" in template
+    # V3.1 writes NAME<｜tool▁sep｜>ARGS; V3 and R1 write TYPE<｜tool▁sep｜>NAME and a ```json fence.
+    v31 = "```json" not in template
+    name = "deepseek_r1" if thinks and not v31 else "deepseek_v3"
+    return DeepSeekSyntax(name, thinks=thinks, v31=v31)
+
+
+def chat_syntax(template: str | None) -> ChatSyntax:
+    """The reply syntax of the chat template ``template`` (its Jinja source); "plain" when none matches."""
+    if not template:
+        return PlainSyntax()
+    if "<|channel|>" in template and "<|message|>" in template:
+        return HarmonySyntax()
+    if "<minimax:tool_call>" in template:
+        return MiniMaxSyntax()
+    if "<arg_key>" in template and "<tool_call>" in template:
+        return GlmSyntax()
+    if CALL_BEGIN in template:
+        return _deepseek(template)
+    if "[TOOL_CALLS]" in template:
+        return MistralSyntax(array="[ARGS]" not in template)
+    thinks = "</think>" in template
+    if "<tool_call>" in template:
+        return HermesSyntax(thinks=thinks)
+    return PlainSyntax(thinks=thinks)

@@ -1,0 +1,54 @@
+"""Hermes-style tool calls (Qwen3, Qwen2.5, QwQ, Hermes 2/3): a JSON object per call between tags,
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+and, in the templates that think (Qwen3, QwQ), reasoning in ``<think>…</think>``.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from colibri_aio.text.replies.base import (ChatSyntax, Lark, ReplyParser, ToolCall, Tools, function_specs,
+                                           make_call, repeat)
+from colibri_aio.text.replies.tagged import Markup, TaggedParser
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+def read_block(inside: str) -> list[ToolCall] | None:
+    """The call inside one ``<tool_call>`` block; None unless it is one JSON object with a name."""
+    try:
+        obj = json.loads(inside)
+    except ValueError:
+        return None
+    if not isinstance(obj, dict):
+        return None
+    arguments = obj["arguments"] if "arguments" in obj else obj.get("parameters")
+    call = make_call(obj.get("name"), arguments)
+    return None if call is None else [call]
+
+
+class HermesSyntax(ChatSyntax):
+    name = "hermes"
+
+    def __init__(self, thinks: bool) -> None:
+        self.thinks = thinks
+        self._markup = Markup(think_open="<think>" if thinks else None, block_open=OPEN, block_close=CLOSE)
+
+    def parser(self, *, prompt: str, tools: bool | Tools) -> ReplyParser:
+        return TaggedParser(self._markup, read_block, prompt=prompt, tools=bool(tools))
+
+    def tool_call_grammar(self, tools: Tools, *, name: str | None = None, parallel: bool = True,
+                          special_tokens: Mapping[str, int] | None = None) -> str:
+        g = Lark(special_tokens)
+        alternatives = []
+        for i, spec in enumerate(function_specs(tools, name)):
+            args = g.json_rule(f"args_{i}", spec.parameters)
+            head = g.text('{"name": ' + json.dumps(spec.name, ensure_ascii=False) + ', "arguments": ')
+            alternatives.append(g.rule(f"call_{i}", f'{head} {args} "}}"'))
+        g.rule("call", " | ".join(alternatives))
+        block = g.rule("block", f'{g.marker(OPEN)} "\\n" call "\\n" {g.marker(CLOSE)}')
+        return g.grammar(repeat(block, parallel, '"\\n"'))
