@@ -52,8 +52,8 @@ def tool_calls(calls: list, *, as_text: bool) -> list[dict]:
 
 def render(template: str, messages: list, *, generation_prompt: bool, **variables: Any) -> str:
     source = (TEMPLATES / f"{template}.jinja").read_text()
-    return ChatTemplate(source).render({"messages": messages, "tools": TOOLS, "add_generation_prompt": generation_prompt,
-                                        "bos_token": "<s>", "eos_token": "</s>", **variables})
+    return ChatTemplate(source).render({"messages": messages, "tools": TOOLS, "bos_token": "<s>", "eos_token": "</s>",
+                                        "add_generation_prompt": generation_prompt, **variables})
 
 
 @dataclass
@@ -521,3 +521,24 @@ def test_free_form_arguments(template: str) -> None:
     assert accepts(syntax_of(template).tool_call_grammar(FREE_FORM), text, False), text
     parser = syntax_of(template).parser(prompt=content_prompt(template), tools=FREE_FORM)
     assert_calls(run(parser, list(text)).tool_calls, calls)
+
+
+def test_harmony_text_without_any_header_is_content() -> None:
+    parser = syntax_of("openai-gpt-oss-120b").parser(prompt="", tools=True)
+    assert run(parser, list("Just words.")).content == "Just words."
+
+
+@pytest.mark.parametrize("case, closes", [("qwen3", "</tool_call>"), ("glm-4.6", "</tool_call>"),
+                                          ("deepseek-v3.1", "<｜tool▁calls▁end｜>"),
+                                          ("mistral-small-3.2", '"days": 3}'), ("mistral-nemo", 'abcd"}]')])
+def test_each_call_is_returned_as_soon_as_its_markup_closes(case: str, closes: str) -> None:
+    template, make = TURNS[case]
+    turn = make(CALLS)
+    parser = syntax_of(template).parser(prompt=turn.prompt, tools=TOOLS)
+    first = turn.generated.index(closes) + len(closes)
+    for i, ch in enumerate(turn.generated):
+        if parser.feed(ch).tool_calls:
+            assert i + 1 == first
+            break
+    else:
+        pytest.fail("no call came before the end of the generation")

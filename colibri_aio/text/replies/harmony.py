@@ -1,7 +1,7 @@
 """gpt-oss's harmony format: a reply is a run of messages, each a header and a body,
 
-    <|channel|>analysis<|message|>The user wants the weather.<|end|>
-    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>
+    <|channel|>analysis<|message|>Look up the weather.<|end|>
+    <|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city":"Rome"}<|call|>
     <|start|>assistant<|channel|>final<|message|>It is sunny.<|return|>
 
 (the generation prompt ends with ``<|start|>assistant``, so the first header comes without it). The channel
@@ -54,6 +54,7 @@ class HarmonyParser(ReplyParser):
             self._header = ""
         else:
             self._state, self._header = "header", tail
+        self._scanned = 0   # how far a call's body has been searched for its end
 
     @property
     def in_reasoning(self) -> bool:
@@ -94,13 +95,16 @@ class HarmonyParser(ReplyParser):
         return self._step_body(delta)
 
     def _step_body(self, delta: ReplyDelta) -> bool:
-        found = first_marker(self._buf, BODY_ENDS)
+        found = first_marker(self._buf, BODY_ENDS, self._scanned)
         if found is None:
-            if self._kind != "call":
-                keep = held_back(self._buf, BODY_ENDS)
+            keep = held_back(self._buf, BODY_ENDS)
+            if self._kind == "call":     # held whole until it ends; searched from where the last search left
+                self._scanned = len(self._buf) - keep
+            else:
                 self._put(self._buf[: len(self._buf) - keep], delta)
                 self._buf = self._buf[len(self._buf) - keep:]
             return False
+        self._scanned = 0
         i, marker = found
         body, self._buf = self._buf[:i], self._buf[i + len(marker):]
         self._close_body(body, delta)
@@ -132,6 +136,9 @@ class HarmonyParser(ReplyParser):
             self._close_body(rest, delta)
         elif self._state == "between":
             delta.content += rest.strip() and rest
+        elif CHANNEL not in rest and MESSAGE not in rest:
+            # text where a header should be, with none of a header's markers: the model's words, not markup
+            delta.content += rest
         self._state = "between"
 
 
