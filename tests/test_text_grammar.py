@@ -2,77 +2,35 @@
 tiny model (whose free output is noise); a schema that cannot be enforced is refused in one line; the mask changes
 which token is picked, never the model's logits.
 
-The schemas bound every string, array, object and number (``maxLength``,
-``maxItems``, ``additionalProperties: false``, ``multipleOf``) so that any path through them ends well
-inside the 256-token budget; a reply the budget cuts short ends with
+The schemas (fixtures/json_schemas.py) bound every string, array, object and
+number, so that any path through them ends well inside the 256-token budget; a reply the budget cuts short ends with
 ``finish_reason`` "length" and is not valid JSON (tested below).
 """
 from __future__ import annotations
 
 import json
+import sys
+from pathlib import Path
 
 import jsonschema
 import numpy as np
 import pytest
 
+import colibri_aio
 from colibri_aio import SyncEngine
 from colibri_aio.errors import UserError
 from colibri_aio.text.grammar import GrammarConstraint, GrammarError, Grammars, lark_json
 from colibri_aio.text.sampling import log_softmax
 from colibri_aio.text.tokenizer import Tokenizer
-from support import fixture
+from support import FIXTURES
 
-MODEL = fixture("colibri-tiny-q8_0.gguf")
+sys.path.insert(0, str(FIXTURES))
+from json_schemas import SCHEMAS, TOOL_CALL, TOOL_CLOSE, TOOL_OPEN, obj, tool_call_lark  # noqa: E402
+
+MODEL = Path(colibri_aio.__file__).parent / "models" / "colibri-tiny-q8_0.gguf"   # the shipped model
 PROMPT = "Reply with JSON:"
 BUDGET = 256
 SEEDS = (1, 2, 3)
-
-
-def obj(properties: dict, required: list[str] | None = None) -> dict:
-    """A closed object: these properties, all required unless said otherwise."""
-    return {"type": "object", "properties": properties, "additionalProperties": False,
-            "required": list(properties) if required is None else required}
-
-
-SHORT = {"type": "string", "maxLength": 8}
-
-# Twenty schemas, one feature or a mix of them each.
-SCHEMAS: dict[str, dict] = {
-    "flat": obj({"name": SHORT, "age": {"type": "integer", "minimum": 0, "maximum": 120}}),
-    "nested": obj({"user": obj({"id": {"type": "integer", "minimum": 1, "maximum": 999},
-                                "home": obj({"city": SHORT, "zip": {"type": "string", "pattern": "^[0-9]{5}$"}})})}),
-    "int_array": obj({"xs": {"type": "array", "items": {"type": "integer", "minimum": -9, "maximum": 9},
-                             "minItems": 1, "maxItems": 4}}),
-    "enum": obj({"color": {"enum": ["red", "green", "blue"]}, "size": {"enum": ["S", "M", "L", "XL"]}}),
-    # multipleOf bounds the digits (a bare number may have any number of them)
-    "number_bounds": obj({"x": {"type": "number", "minimum": -1.5, "maximum": 2.5, "multipleOf": 0.25},
-                          "y": {"type": "number", "exclusiveMinimum": 0, "maximum": 10, "multipleOf": 0.5}}),
-    "integer_exclusive": obj({"n": {"type": "integer", "exclusiveMinimum": 3, "exclusiveMaximum": 7}}),
-    "optional_fields": obj({"id": {"type": "integer", "minimum": 0, "maximum": 50}, "note": SHORT,
-                            "flag": {"type": "boolean"}}, required=["id"]),
-    "pattern": obj({"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{2}$"}}),
-    "min_length": obj({"word": {"type": "string", "minLength": 3, "maxLength": 6}}),
-    "booleans": obj({"a": {"type": "boolean"}, "b": {"type": "boolean"}}),
-    "null": obj({"nothing": {"type": "null"}, "maybe": {"type": ["integer", "null"], "minimum": 0, "maximum": 9}}),
-    "any_of": obj({"v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, SHORT, {"type": "null"}]}}),
-    "closed_object": obj({"k1": {"type": "boolean"}, "k2": {"type": "integer", "minimum": 0, "maximum": 3},
-                          "k3": {"enum": ["x", "y"]}}),
-    "object_array": obj({"items": {"type": "array", "minItems": 2, "maxItems": 3,
-                                   "items": obj({"sku": {"type": "string", "pattern": "^[a-z]{2}[0-9]$"},
-                                                 "qty": {"type": "integer", "minimum": 1, "maximum": 9}})}}),
-    "const": obj({"version": {"const": 2}, "kind": {"const": "event"}}),
-    "matrix": obj({"m": {"type": "array", "minItems": 2, "maxItems": 2,
-                         "items": {"type": "array", "minItems": 2, "maxItems": 2,
-                                   "items": {"type": "integer", "minimum": 0, "maximum": 9}}}}),
-    "mixed_enum": obj({"e": {"enum": [1, "two", None, True]}}),
-    "tool_like": obj({"call": {"anyOf": [
-        obj({"name": {"const": "get_weather"}, "arguments": obj({"city": SHORT})}),
-        obj({"name": {"const": "get_time"}, "arguments": obj({"zone": {"enum": ["UTC", "CET"]}})})]}}),
-    "refs": {"$defs": {"point": obj({"x": {"type": "integer", "minimum": 0, "maximum": 9},
-                                     "y": {"type": "integer", "minimum": 0, "maximum": 9}})},
-             **obj({"a": {"$ref": "#/$defs/point"}, "b": {"$ref": "#/$defs/point"}})},
-    "root_array": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"enum": ["a", "b"]}},
-}
 
 
 @pytest.fixture(scope="module")
@@ -154,6 +112,15 @@ def test_lark_tool_call_with_a_special_token(engine, grammars: Grammars) -> None
         assert finish == "stop" and constraint.done
         assert pieces[0].token == 1 and text.startswith("<|im_start|>get_weather ")
         jsonschema.validate(json.loads(text.removeprefix("<|im_start|>get_weather ")), args)
+
+
+def test_forced_tool_call_of_three_tools(engine, grammars: Grammars) -> None:
+    """The benchmark's tool-call grammar: text markers around one of three tools' calls."""
+    for options in ({"temperature": 0.0}, *({"temperature": 1.0, "seed": s} for s in SEEDS)):
+        constraint = grammars.lark(tool_call_lark(lark_json(TOOL_CALL)))
+        text, finish, _ = reply(engine, constraint, **options)
+        assert finish == "stop" and text.startswith(TOOL_OPEN) and text.endswith(TOOL_CLOSE), text
+        jsonschema.validate(json.loads(text[len(TOOL_OPEN):-len(TOOL_CLOSE)]), TOOL_CALL)
 
 
 def test_logits_are_the_models(engine, grammars: Grammars) -> None:

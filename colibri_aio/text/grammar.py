@@ -24,12 +24,14 @@ and no other whitespace: a model cannot wander into endless whitespace, and
 the text reads like ``json.dumps``. A schema bounds the length of the
 output only when its strings, arrays, objects and numbers are bounded
 (``maxLength``, ``maxItems``, ``additionalProperties: false``, a fractional
-number's ``multipleOf``); an unbounded one may run into the token budget. A budget too small for the JSON ends the reply with
-``finish_reason`` "length" and text that is not valid JSON, as OpenAI's does.
+number's ``multipleOf``); an unbounded one may run into the token budget.
+A budget too small for the JSON ends the reply with ``finish_reason``
+"length" and text that is not valid JSON, as OpenAI's does.
 
 Cost: the mask is llguidance's bitmask computed in Rust into a preallocated
 buffer, unpacked and applied with NumPy (no Python loop over the vocabulary);
-``tools/bench_grammar.py`` measures it against a decode step.
+``tools/bench_grammar.py`` measures it against a decode step (receipt
+``evidence/grammar_*``). llguidance was chosen by that receipt.
 """
 from __future__ import annotations
 
@@ -59,6 +61,17 @@ def lark_json(schema: Mapping[str, Any]) -> str:
     The schema's own ``x-guidance`` options win."""
     options = {**JSON_OPTIONS, **schema.get("x-guidance", {})}
     return "%json" + json.dumps({**schema, "x-guidance": options})
+
+
+# What a forbidden (0) and an allowed (1) token add to its logit, per logits dtype.
+_PENALTY: dict[np.dtype, np.ndarray] = {}
+
+
+def _penalty(dtype: np.dtype) -> np.ndarray:
+    table = _PENALTY.get(dtype)
+    if table is None:
+        table = _PENALTY[dtype] = np.array([-np.inf, 0.0], dtype=dtype)
+    return table
 
 
 class GrammarError(UserError):
@@ -159,25 +172,33 @@ class GrammarConstraint:
 
     def allowed(self) -> np.ndarray:
         """A bool per token of the vocabulary: may it come next?"""
+        return self.allowed_bits().view(bool)
+
+    def allowed_bits(self) -> np.ndarray:
+        """A uint8 per token of the vocabulary: 1 if it may come next, else 0."""
         if self._matcher.is_stopped():
-            allowed = np.zeros(self._n, dtype=bool)
-            allowed[self._eog] = True
-            return allowed
+            bits = np.zeros(self._n, dtype=np.uint8)
+            bits[self._eog] = 1
+            return bits
         llguidance.numpy.fill_next_token_bitmask(self._matcher, self._bitmask)
         if self._matcher.is_error():
             raise RuntimeError(f"grammar: {_line(self._matcher.get_error())}")
-        bits = np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little", count=self._n)
-        return bits.view(bool)
+        return np.unpackbits(self._bitmask[0].view(np.uint8), bitorder="little", count=self._n)
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """``logits`` with every token the grammar forbids next at -inf (a new array; ``logits`` is kept).
 
         Logit rows past the tokenizer's vocabulary (a model's padding) are always forbidden.
         """
-        allowed = self.allowed()
+        # Adding 0 or -inf looked up per token: one gather and one add, the same cost whatever the mask holds
+        # (a masked copy, np.copyto(where=), ran 2.5x slower on a mask of scattered bits).
+        penalty = _penalty(logits.dtype)
+        n = self._n
+        if logits.shape[-1] == n:
+            return logits + penalty[self.allowed_bits()]
         out = np.full_like(logits, -np.inf)
-        n = min(self._n, logits.shape[-1])
-        np.copyto(out[:n], logits[:n], where=allowed[:n])
+        k = min(n, logits.shape[-1])
+        out[:k] = logits[:k] + penalty[self.allowed_bits()[:k]]
         return out
 
     def accept(self, token_id: int) -> None:
