@@ -543,3 +543,19 @@ def test_each_call_is_returned_as_soon_as_its_markup_closes(case: str, closes: s
             break
     else:
         pytest.fail("no call came before the end of the generation")
+
+
+def test_hermes_reads_a_list_of_calls_and_arguments_as_text() -> None:
+    text = ('<tool_call>\n[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+            '{"name": "search", "arguments": "{\\"query\\": \\"x\\"}"}]\n</tool_call>')
+    reply = run(syntax_of("Qwen-Qwen2.5-7B-Instruct").parser(prompt="", tools=True), list(text))
+    assert_calls(reply.tool_calls, [("get_weather", {"city": "Paris"}), ("search", {"query": "x"})])
+
+
+def test_glm45_layout_is_read_too() -> None:
+    """GLM-4.5's template puts the newline before each key and none before the close."""
+    text = ("\n<think>Need it.</think>\nSure.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
+            "<arg_value>Paris</arg_value>\n<arg_key>days</arg_key>\n<arg_value>2</arg_value></tool_call>")
+    reply = run(syntax_of("GLM-4.6").parser(prompt="<|user|>\nWeather?<|assistant|>", tools=TOOLS), list(text))
+    assert (reply.reasoning, reply.content) == ("Need it.", "Sure.")
+    assert_calls(reply.tool_calls, [("get_weather", {"city": "Paris", "days": 2})])

@@ -18,17 +18,23 @@ from colibri_aio.text.replies.tagged import Markup, TaggedParser
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
+def read_call(obj: object) -> ToolCall | None:
+    """One ``{"name": …, "arguments": …}`` object (``parameters`` is read as ``arguments`` too)."""
+    if not isinstance(obj, dict):
+        return None
+    arguments = obj["arguments"] if "arguments" in obj else obj.get("parameters")
+    return make_call(obj.get("name"), arguments)
+
+
 def read_block(inside: str) -> list[ToolCall] | None:
-    """The call inside one ``<tool_call>`` block; None unless it is one JSON object with a name."""
+    """The calls inside one ``<tool_call>`` block (one object, or a list of them as some models write);
+    None unless every one is a JSON object with a name."""
     try:
         obj = json.loads(inside)
     except ValueError:
         return None
-    if not isinstance(obj, dict):
-        return None
-    arguments = obj["arguments"] if "arguments" in obj else obj.get("parameters")
-    call = make_call(obj.get("name"), arguments)
-    return None if call is None else [call]
+    calls = [read_call(item) for item in (obj if isinstance(obj, list) and obj else [obj])]
+    return None if None in calls else calls
 
 
 class HermesSyntax(ChatSyntax):
