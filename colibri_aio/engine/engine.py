@@ -245,26 +245,34 @@ class Engine:
         finally:
             self.kernels.close()
 
-    def prompt_ids(self, prompt: Prompt, *, chat: bool = False) -> list[int]:
-        """Token ids of a prompt: plain text, chat messages rendered with the model's template, or ids as given."""
+    def prompt_ids(self, prompt: Prompt, *, chat: bool = False,
+                   template_vars: Mapping[str, Any] | None = None) -> list[int]:
+        """Token ids of a prompt: plain text, chat messages rendered with the model's template (``template_vars``:
+        more variables for it, e.g. ``tools``, ``enable_thinking``), or ids as given."""
         if not isinstance(prompt, str) and prompt and all(isinstance(t, (int, np.integer)) for t in prompt):
             ids = [int(t) for t in prompt]  # type: ignore[arg-type]
             if min(ids) < 0 or max(ids) >= self.model.args.vocab_size:
                 raise UserError(f"token id out of range [0, {self.model.args.vocab_size})")
             return ids
         if not isinstance(prompt, str):
-            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
-        elif chat:
-            text = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
-        else:
-            text = prompt
+            return self.text_ids(self.render_chat(prompt, template_vars), templated=True)  # type: ignore[arg-type]
+        if chat:
+            return self.text_ids(self.render_chat([{"role": "user", "content": prompt}], template_vars), templated=True)
+        return self.text_ids(prompt)
+
+    def render_chat(self, messages: Sequence[Mapping[str, Any]], template_vars: Mapping[str, Any] | None = None) -> str:
+        """Chat messages rendered with the model's template, ending with the assistant's generation prompt."""
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, **(template_vars or {}))
+
+    def text_ids(self, text: str, *, templated: bool = False) -> list[int]:
+        """Token ids of ``text``; ``templated``: it came from the chat template (which may have written BOS)."""
         try:
             text.encode("utf-8")
         except UnicodeEncodeError as exc:  # lone surrogates: bytes from argv or a file that were not UTF-8
             raise UserError(f"the prompt is not valid UTF-8 (at character {exc.start})") from None
         ids = self.tokenizer.encode(text, parse_special=True, add_special=True)
         bos = self.tokenizer.bos_id
-        if text is not prompt and ids[:2] == [bos, bos]:
+        if templated and ids[:2] == [bos, bos]:
             ids = ids[1:]  # the template wrote BOS itself (Mixtral's, Llama 2's): one is the model's input
         if not ids:
             raise UserError("the prompt is empty")

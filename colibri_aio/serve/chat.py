@@ -72,14 +72,33 @@ def _read_line(stdin: IO[str], stdout: IO[str], prompt: str) -> str | None:
     return line if line else None
 
 
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"  # SGR faint and reset: thinking shown dimmed on a terminal
+
+
 def _reply(conversation: ChatSession, text: str, stdout: IO[str], stderr: IO[str]) -> None:
-    """Stream one reply; Ctrl-C stops it (the engine drains), an error is one line."""
+    """Stream one reply, its thinking dimmed on a terminal (in ``<think>`` tags otherwise); Ctrl-C stops it (the
+    engine drains), an error is one line."""
     dropped = conversation.dropped
+    tty = stdout.isatty()
+    thinking = False
     try:
-        for piece in conversation.say(text):
-            stdout.write(piece)
+        for delta in conversation.turn(text):
+            if delta.reasoning:
+                if not thinking:
+                    stdout.write(DIM if tty else "<think>")
+                    thinking = True
+                stdout.write(delta.reasoning)
+            if delta.content:
+                if thinking:
+                    stdout.write(PLAIN if tty else "</think>\n")
+                    thinking = False
+                stdout.write(delta.content)
             stdout.flush()
+        if thinking:
+            stdout.write(PLAIN if tty else "</think>\n")
     except KeyboardInterrupt:
+        if thinking and tty:
+            stdout.write(PLAIN)
         print(file=stdout, flush=True)
         print("[stopped]", file=stderr, flush=True)
         return

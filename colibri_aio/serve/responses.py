@@ -10,10 +10,13 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from colibri_aio.engine.engine import GenerationPiece
 from colibri_aio.text.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from colibri_aio.text.replies import ReplyDelta, ReplyParser, ToolCall
 
 
 def usage(last: GenerationPiece) -> dict[str, Any]:
@@ -52,8 +55,23 @@ class _Shape:
     chunk_object: str
 
 
+def tool_call_json(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    """OpenAI's ``tool_calls`` entry (with ``index`` in a stream's delta)."""
+    out: dict[str, Any] = {} if index is None else {"index": index}
+    out.update({"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}})
+    return out
+
+
 class ChatShape(_Shape):
+    """``chat.completion`` objects; with a ``parser``, the reply's text is split into ``reasoning_content``,
+    ``content`` and ``tool_calls`` (``finish_reason`` "tool_calls" when the model called one)."""
+
     object, chunk_object, prefix = "chat.completion", "chat.completion.chunk", "chatcmpl"
+
+    def __init__(self, model: str, tokenizer: Tokenizer, parser: ReplyParser | None = None) -> None:
+        super().__init__(model, tokenizer)
+        self.parser = parser
+        self._calls = 0  # tool calls streamed so far: the next one's index
 
     def logprobs(self, pieces: Sequence[GenerationPiece]) -> dict[str, Any]:
         content = []
@@ -66,11 +84,25 @@ class ChatShape(_Shape):
             content.append({"token": text, "logprob": p.logprob, "bytes": list(raw), "top_logprobs": top})
         return {"content": content, "refusal": None}
 
+    def _finish_reason(self, reason: str | None) -> str | None:
+        return "tool_calls" if reason == "stop" and self._calls else reason
+
     def response(self, pieces: Sequence[GenerationPiece], with_logprobs: bool) -> dict[str, Any]:
         last = pieces[-1]
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(p.text for p in pieces),
-                                          "refusal": None},
-                  "logprobs": self.logprobs(pieces) if with_logprobs else None, "finish_reason": last.finish_reason}
+        text = "".join(p.text for p in pieces)
+        message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+        if self.parser is not None:
+            self.parser.feed(text)
+            self.parser.finish()
+            reply = self.parser.reply
+            self._calls = len(reply.tool_calls)
+            message["content"] = reply.content if reply.content or not reply.tool_calls else None
+            if reply.reasoning:
+                message["reasoning_content"] = reply.reasoning
+            if reply.tool_calls:
+                message["tool_calls"] = [tool_call_json(c) for c in reply.tool_calls]
+        choice = {"index": 0, "message": message, "logprobs": self.logprobs(pieces) if with_logprobs else None,
+                  "finish_reason": self._finish_reason(last.finish_reason)}
         return self._envelope(self.object, [choice], usage=usage(last))
 
     def first_chunk(self, include_usage: bool) -> dict[str, Any]:
@@ -81,11 +113,34 @@ class ChatShape(_Shape):
     def chunk(self, piece: GenerationPiece, with_logprobs: bool, include_usage: bool) -> dict[str, Any] | None:
         """The chunk of one piece; None when it carries nothing to send."""
         lp = self.logprobs([piece]) if with_logprobs else None
-        if not piece.text and not piece.finish_reason and not (lp and lp["content"]):
+        delta = self._delta(piece)
+        if not delta and not piece.finish_reason and not (lp and lp["content"]):
             return None
-        choice = {"index": 0, "delta": {"content": piece.text} if piece.text else {},
-                  "logprobs": lp, "finish_reason": piece.finish_reason}
+        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": self._finish_reason(piece.finish_reason)}
         return self._envelope(self.chunk_object, [choice], **({"usage": None} if include_usage else {}))
+
+    def _delta(self, piece: GenerationPiece) -> dict[str, Any]:
+        if self.parser is None:
+            return {"content": piece.text} if piece.text else {}
+        parsed = self.parser.feed(piece.text)
+        if piece.finish_reason is not None:
+            parsed = _joined(parsed, self.parser.finish())
+        delta: dict[str, Any] = {}
+        if parsed.reasoning:
+            delta["reasoning_content"] = parsed.reasoning
+        if parsed.content:
+            delta["content"] = parsed.content
+        if parsed.tool_calls:
+            delta["tool_calls"] = [tool_call_json(c, self._calls + i) for i, c in enumerate(parsed.tool_calls)]
+            self._calls += len(parsed.tool_calls)
+        return delta
+
+
+def _joined(a: ReplyDelta, b: ReplyDelta) -> ReplyDelta:
+    from colibri_aio.text.replies import ReplyDelta
+
+    return ReplyDelta(content=a.content + b.content, reasoning=a.reasoning + b.reasoning,
+                      tool_calls=[*a.tool_calls, *b.tool_calls])
 
 
 class CompletionShape(_Shape):

@@ -13,6 +13,8 @@ of a chat) prefills only what is new. Pieces come back through
 from __future__ import annotations
 
 import asyncio
+import functools
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
@@ -21,6 +23,12 @@ from typing import Any
 from colibri_aio.engine.engine import GenerationPiece
 from colibri_aio.engine.sync import Event, Finished, SyncEngine
 from colibri_aio.errors import UserError
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from colibri_aio.text.grammar import Grammars
+    from colibri_aio.text.template_form import TemplateForm
+    from colibri_aio.text.replies import ChatSyntax, ReplyDelta
 from colibri_aio.text.sampling import GGUF_SAMPLING_KEYS, SamplingParams, TokenConstraint, model_defaults
 
 
@@ -63,6 +71,40 @@ class Session:
         self.model_name = model.path.name
         fields = model.reader.fields
         self.defaults = model_defaults({k: fields[k].contents() for k in GGUF_SAMPLING_KEYS if k in fields})
+        self._grammars: Grammars | None = None
+        self._grammars_lock = threading.Lock()  # first use indexes the vocabulary once, whichever thread asks
+
+    @functools.cached_property
+    def syntax(self) -> ChatSyntax:
+        """How the model's replies write thinking and tool calls (from its chat template)."""
+        from colibri_aio.text.replies import chat_syntax
+
+        return chat_syntax(self.tokenizer.spec.chat_template)
+
+    @functools.cached_property
+    def template_form(self) -> TemplateForm:
+        """How the chat template wants tool calls written (probed once)."""
+        from colibri_aio.text.template_form import probe_template_form
+
+        return probe_template_form(self.engine.engine.render_chat, self.syntax.name)
+
+    @functools.cached_property
+    def special_tokens(self) -> dict[str, int]:
+        """The vocabulary's marker tokens by their text (a grammar asks for these ids, not their spelling)."""
+        from colibri_aio.text.grammar import is_special
+
+        tok = self.tokenizer
+        return {tok.spec.tokens[i]: i for i in range(tok.vocab_size) if is_special(tok, i)}
+
+    @property
+    def grammars(self) -> Grammars:
+        """Grammar constraints over this model's vocabulary (indexed on first use, then kept)."""
+        from colibri_aio.text.grammar import Grammars
+
+        with self._grammars_lock:
+            if self._grammars is None:
+                self._grammars = Grammars(self.tokenizer)
+        return self._grammars
 
     def chat_ids(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
         """Prompt ids of chat messages, rendered with the model's chat template."""
@@ -73,13 +115,14 @@ class Session:
         return self.engine.engine.prompt_ids(text)
 
     def request(self, ids: list[int], *, max_tokens: int | None, sampling: SamplingParams,
-                stop: Sequence[str] = (), logprobs: int | None = None, reuse: bool = True) -> GenerationRequest:
+                stop: Sequence[str] = (), logprobs: int | None = None, reuse: bool = True,
+                constraint: TokenConstraint | None = None, special: bool = False) -> GenerationRequest:
         """A request for ``ids``; refuses a prompt that leaves no room in the context."""
         if len(ids) >= self.n_ctx:
             raise ContextFull(f"the prompt has {len(ids)} tokens; the context holds {self.n_ctx}")
         sampling.check(self.vocab_size)
         return GenerationRequest(ids=ids, max_tokens=max_tokens, sampling=sampling, stop=tuple(stop),
-                                 logprobs=logprobs, reuse=reuse)
+                                 logprobs=logprobs, reuse=reuse, constraint=constraint, special=special)
 
     def stream(self, request: GenerationRequest) -> Iterator[GenerationPiece]:
         """Generate and yield the pieces in the caller's thread; leaving early (``break``, Ctrl-C)
@@ -161,29 +204,45 @@ class ChatSession:
         self.last = None
 
     def say(self, text: str) -> Iterator[str]:
-        """Add a user message and stream the reply's text; the reply joins the conversation even if cut short."""
+        """Add a user message and stream the reply's answer text (its thinking left out)."""
+        for delta in self.turn(text):
+            if delta.content:
+                yield delta.content
+
+    def turn(self, text: str) -> Iterator[ReplyDelta]:
+        """Add a user message and stream the reply as thinking and answer text (a model whose template has no
+        thinking span answers only); the answer joins the conversation even if cut short."""
         self.messages.append({"role": "user", "content": text})
         try:
-            ids = self._fitting_ids()
+            prompt, ids = self._fitting_prompt()
         except UserError:
             self.messages.pop()
             raise
-        request = self.session.request(ids, max_tokens=self.max_tokens, sampling=self.sampling)
-        reply: list[str] = []
+        syntax = self.session.syntax
+        parser = syntax.parser(prompt=prompt, tools=False)
+        request = self.session.request(ids, max_tokens=self.max_tokens, sampling=self.sampling,
+                                       special=syntax.name != "plain")
         try:
             with closing(self.session.stream(request)) as pieces:  # leaving early cancels and drains at once
                 for piece in pieces:
                     self.last = piece
-                    reply.append(piece.text)
-                    yield piece.text
+                    delta = parser.feed(piece.text)
+                    if delta.content or delta.reasoning:
+                        yield delta
+                    if piece.finish_reason is not None:
+                        tail = parser.finish()
+                        if tail.content or tail.reasoning:
+                            yield tail
         finally:
-            self.messages.append({"role": "assistant", "content": "".join(reply)})
+            self.messages.append({"role": "assistant", "content": parser.reply.content})
 
-    def _fitting_ids(self) -> list[int]:
-        """Prompt ids of the conversation, dropping the oldest turns until a reply fits after them."""
+    def _fitting_prompt(self) -> tuple[str, list[int]]:
+        """The conversation's prompt and its ids, dropping the oldest turns until a reply fits after them."""
+        engine = self.session.engine.engine
         while True:
             head = [{"role": "system", "content": self.system}] if self.system else []
-            ids = self.session.chat_ids(head + self.messages)
+            prompt = engine.render_chat(head + self.messages)
+            ids = engine.text_ids(prompt, templated=True)
             if len(ids) + self.reply_room <= self.session.n_ctx or len(self.messages) <= 1:
                 break
             del self.messages[:2]  # the oldest user message and its reply
@@ -191,4 +250,4 @@ class ChatSession:
         if len(ids) >= self.session.n_ctx:
             raise ContextFull(f"the message has {len(ids)} tokens with the chat template; the context holds "
                               f"{self.session.n_ctx}")
-        return ids
+        return prompt, ids

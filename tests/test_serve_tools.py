@@ -1,0 +1,139 @@
+"""Agent clients against ``serve``: tool-calling loops, JSON-schema answers and thinking, through the official
+``openai`` client, on tiny fixtures of each family that carry their model's real chat template.
+
+The fixtures' weights are random, so a model never calls a tool of its own
+accord: ``tool_choice`` "required" (or a named function) makes the grammar
+write the call in the template's own syntax, which the server must then parse
+back into OpenAI ``tool_calls``; the tool's result goes back through the
+template, and the final answer is free text.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import openai
+import pytest
+
+from colibri_aio.serve.launch import ServerProcess
+from tests.support import fixture, rewrite_gguf
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "fixtures" / "templates"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                   "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "The time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}},
+                   "required": ["zone"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# A random model never ends its thinking by itself: where the template opens the span (MiniMax-M2's,
+# DeepSeek-R1's), the budget closes it and the call follows; elsewhere it changes nothing.
+BUDGET = {"reasoning_budget": 16}
+
+# (fixture, the model's real template, what the parser must be): each family whose template calls tools.
+FAMILIES = {
+    "qwen3": ("qwen3moeyarn_q8_0.gguf", "Qwen-Qwen3-0.6B.jinja"),
+    "glm45": ("glm4moe_q8_0.gguf", "GLM-4.6.jinja"),
+    "deepseek": ("deepseek2_q8_0.gguf", "deepseek-ai-DeepSeek-V3.1.jinja"),
+    "gptoss": ("gptoss_mxfp4.gguf", "openai-gpt-oss-120b.jinja"),
+    "mistral": ("mixtral_q8_0.gguf", "mistralai-Mistral-Nemo-Instruct-2407.jinja"),
+    "minimax": ("minimaxm2_q8_0.gguf", "MiniMax-M2.jinja"),
+}
+
+
+def with_template(stem: str, template: str, tmp: Path) -> Path:
+    """A copy of a family fixture whose chat template is its model's real one, and a context long enough for
+    the tools' descriptions in a 512-token vocabulary."""
+    import gguf
+
+    source = (TEMPLATES / template).read_text()
+    arch = gguf.GGUFReader(fixture(stem)).fields["general.architecture"].contents()
+    return rewrite_gguf(fixture(stem), tmp / f"{Path(stem).stem}-{Path(template).stem}.gguf",
+                        keys={"tokenizer.chat_template": source, f"{arch}.context_length": 4096})
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_server(request, tmp_path_factory) -> Iterator[ServerProcess]:
+    stem, template = FAMILIES[request.param]
+    model = with_template(stem, template, tmp_path_factory.mktemp(request.param))
+    with ServerProcess("--model", str(model), "--ctx", "4096") as s:
+        yield s
+
+
+def _client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.base_url, api_key="none", max_retries=0, timeout=300)
+
+
+def _check_call(name: str, arguments: str) -> dict:
+    tool = {"get_weather": WEATHER, "get_time": TIME}[name]
+    args = json.loads(arguments)
+    jsonschema.validate(args, tool["function"]["parameters"])
+    return args
+
+
+def _streamed(stream) -> tuple[str, str, list[dict], str | None]:
+    """(content, reasoning, tool calls, finish_reason) gathered from a chat stream's deltas."""
+    content, reasoning, calls, finish = "", "", {}, None
+    for chunk in stream:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        delta = choice.delta
+        content += delta.content or ""
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        for c in delta.tool_calls or ():
+            call = calls.setdefault(c.index, {"id": "", "name": "", "arguments": ""})
+            call["id"] += c.id or ""
+            call["name"] += (c.function.name or "") if c.function else ""
+            call["arguments"] += (c.function.arguments or "") if c.function else ""
+        finish = choice.finish_reason or finish
+    return content, reasoning, [calls[i] for i in sorted(calls)], finish
+
+
+def test_a_tool_calling_loop_through_the_models_own_template(family_server: ServerProcess) -> None:
+    client = _client(family_server)
+    first = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME], tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=200, temperature=0,
+                                           extra_body=BUDGET)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id and call.function.name in ("get_weather", "get_time")
+    _check_call(call.function.name, call.function.arguments)
+    # The call and its result go back through the template; the answer is text.
+    history = [*ASK, {"role": "assistant", "content": choice.message.content,
+                      "tool_calls": [call.model_dump(exclude_none=True)]},
+               {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature": 21})}]
+    final = client.chat.completions.create(model="m", messages=history, tools=[WEATHER, TIME], tool_choice="none",
+                                           max_tokens=8, temperature=0)
+    assert final.choices[0].finish_reason in ("stop", "length")
+    assert not final.choices[0].message.tool_calls
+    assert isinstance(final.choices[0].message.content, str)
+
+
+def test_a_named_function_call_streams_as_tool_call_deltas(family_server: ServerProcess) -> None:
+    client = _client(family_server)
+    stream = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME],
+                                            tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                            max_tokens=200, temperature=0.8, seed=3, stream=True, extra_body=BUDGET)
+    content, _, calls, finish = _streamed(stream)
+    assert finish == "tool_calls"
+    assert [c["name"] for c in calls] == ["get_time"] * len(calls) and calls
+    for c in calls:
+        assert c["id"]
+        _check_call(c["name"], c["arguments"])
+
+
+def test_stream_and_whole_answer_agree(family_server: ServerProcess) -> None:
+    client = _client(family_server)
+    options = dict(model="m", messages=ASK, tools=[WEATHER], tool_choice="required", max_tokens=200, temperature=0,
+                   parallel_tool_calls=False, extra_body=BUDGET)
+    whole = client.chat.completions.create(**options).choices[0].message
+    _, _, calls, _ = _streamed(client.chat.completions.create(**options, stream=True))
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls] == \
+        [(c["name"], json.loads(c["arguments"])) for c in calls]
