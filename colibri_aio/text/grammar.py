@@ -89,12 +89,45 @@ class _VocabWrapper:
         special = set(self.special_token_ids)
         self.tokens = [_SPECIAL_MARK + tokenizer.token_bytes(i) if i in special else tokenizer.token_bytes(i)
                        for i in range(tokenizer.vocab_size)]
+        self._by_bytes: dict[bytes, int] | None = None   # plain tokens by their bytes, built when first needed
 
     def __call__(self, text: bytes | str) -> list[int]:
-        """Token ids of ``text`` as plain text (special-token text is not parsed)."""
+        """Token ids of ``text`` as plain text (special-token text is not parsed), spelling exactly its bytes.
+
+        A sentencepiece tokenizer that prepends a space to its input (``add_space_prefix``) would make the
+        grammar force a space nobody asked for: that space comes off the first token again (its rest spelled
+        by the longest tokens that fit)."""
         if isinstance(text, bytes):
             text = text.decode("utf-8", errors="replace")
-        return self._tokenizer.encode(text, parse_special=False)
+        ids = self._tokenizer.encode(text, parse_special=False)
+        data = text.encode()
+        if not ids or b"".join(self._tokenizer.token_bytes(i) for i in ids) == data:
+            return ids
+        first = self._tokenizer.token_bytes(ids[0])
+        if first.startswith(b" "):
+            fixed = self._longest_first(first[1:]) + ids[1:]
+            if b"".join(self._tokenizer.token_bytes(i) for i in fixed) == data:
+                return fixed
+        return self._longest_first(data)
+
+    def _longest_first(self, data: bytes) -> list[int]:
+        """``data`` spelled greedily by the longest plain tokens (bytes every vocabulary with byte fallback has)."""
+        if self._by_bytes is None:
+            self._by_bytes = {}
+            for i, raw in enumerate(self.tokens):
+                if raw and not raw.startswith(_SPECIAL_MARK):
+                    self._by_bytes.setdefault(raw, i)
+        out, at, longest = [], 0, max(map(len, self._by_bytes))
+        while at < len(data):
+            for n in range(min(longest, len(data) - at), 0, -1):
+                token = self._by_bytes.get(data[at:at + n])
+                if token is not None:
+                    out.append(token)
+                    at += n
+                    break
+            else:
+                raise GrammarError(f"the vocabulary cannot spell the byte {data[at]:#04x}")
+        return out
 
 
 def is_special(tokenizer: Tokenizer, token_id: int) -> bool:

@@ -260,8 +260,22 @@ class Lark:
         ``": "``, as the templates' ``tojson`` writes it, and no free whitespace)."""
         return self.rule(name, lark_json(schema))
 
-    def text_until(self, name: str, close: str) -> str:
-        """Free text that ends at the first ``close`` (which it includes)."""
+    def text_until(self, name: str, close: str, schema: Mapping[str, Any] | None = None) -> str:
+        """Text that ends at the first ``close`` (which it includes): one of a string schema's ``enum``, or
+        held to its ``pattern`` or ``minLength``/``maxLength`` (without ``<``, so the text cannot run into
+        markup), else free."""
+        schema = schema or {}
+        if "enum" in schema or "const" in schema:
+            values = schema["enum"] if "enum" in schema else [schema["const"]]
+            choices = " | ".join(self.text(str(v)) for v in values)
+            return self.rule(name, f"({choices}) {self.marker(close)}")
+        if "pattern" in schema:
+            pattern = str(schema["pattern"]).removeprefix("^").removesuffix("$").replace("/", "\\/")
+            return self.rule(name, f"/{pattern}/ {self.marker(close)}")
+        low, high = int(schema.get("minLength", 0)), schema.get("maxLength")
+        if low or high is not None:
+            bounds = f"{low},{'' if high is None else int(high)}"
+            return self.rule(name, f"/[^<]{{{bounds}}}/ {self.marker(close)}")
         if close in self.special:
             # Ordinary text can never hold a special token, so the text simply runs up to it.
             return self.rule(name, f"/(?s:.*)/ {self.marker(close)}")

@@ -62,7 +62,7 @@ def argument_pairs(g: Lark, spec: FunctionSpec, i: int) -> str:
     parts = []
     for j, (key, schema, required) in enumerate(spec.properties()):
         if is_string_schema(schema):
-            value = g.text_until(f"text_{i}_{j}", VALUE_CLOSE)
+            value = g.text_until(f"text_{i}_{j}", VALUE_CLOSE, schema)
         else:
             value = f"{g.json_rule(f'value_{i}_{j}', schema)} {g.marker(VALUE_CLOSE)}"
         pair = f'{g.marker(KEY_OPEN)} {g.text(key)} {g.marker(KEY_CLOSE)} "\\n" {g.marker(VALUE_OPEN)} {value} "\\n"'

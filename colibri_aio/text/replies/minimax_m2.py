@@ -74,7 +74,7 @@ class MiniMaxSyntax(ChatSyntax):
             for j, (key, schema, required) in enumerate(spec.properties()):
                 head = g.text('<parameter name="' + key + '">')
                 if is_string_schema(schema):
-                    value = g.text_until(f"text_{i}_{j}", "</parameter>")
+                    value = g.text_until(f"text_{i}_{j}", "</parameter>", schema)
                 else:
                     value = g.json_rule(f"value_{i}_{j}", schema) + ' "</parameter>"'
                 param = g.rule(f"param_{i}_{j}", head + " " + value + ' "\\n"')
