@@ -73,6 +73,12 @@ def get(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     return _checked(switch, (os.environ if environ is None else environ).get(switch.variable) or switch.default)
 
 
+def given(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """Switch ``name``'s variable as the environment holds it: None when unset, ``""`` when set empty (which
+    :func:`get` reads as unset; a caller that must not take an empty value for none tells them apart here)."""
+    return (os.environ if environ is None else environ).get(SWITCHES[name].variable)
+
+
 def _thread_count(text: str | None) -> int:
     try:
         count = int(text or "")

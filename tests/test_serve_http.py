@@ -212,7 +212,10 @@ def test_logit_bias_and_penalties_change_the_choice(client: openai.OpenAI, serve
     ({"stop": 5}, "stop"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
+    ({"messages": [{"role": "user", "content": "hi", "colour": "red"}]}, "messages[0].colour"),
+    ({"mirostat": 2}, "mirostat"),
+    ({"audio": {"voice": "alloy"}}, "audio"),
     ({"top_logprobs": 2}, "top_logprobs"),
 ])
 def test_invalid_parameter_is_a_400_naming_it(server: ServerProcess, body: dict, param: str) -> None:
@@ -224,10 +227,16 @@ def test_invalid_parameter_is_a_400_naming_it(server: ServerProcess, body: dict,
     assert param.split("[")[0] in error["message"]
 
 
-def test_unknown_parameters_are_ignored(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(model="m", messages=HELLO, max_tokens=2, extra_body={"mirostat": 2,
-                                                                                            "frobnicate": [1]})
+def test_fields_that_change_nothing_here_are_accepted_and_unknown_ones_refused(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(model="m", messages=HELLO, max_tokens=2, user="u1", store=False,
+                                       metadata={"k": "v"}, service_tier="auto", extra_body={"audio": None})
     assert r.choices[0].finish_reason in ("length", "stop")
+    # The client's own reply object sent back as the next turn's assistant message.
+    turn2 = [*HELLO, r.choices[0].message.model_dump(), {"role": "user", "content": "And a tuple?"}]
+    assert client.chat.completions.create(model="m", messages=turn2, max_tokens=2).choices
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="m", messages=HELLO, max_tokens=2, extra_body={"frobnicate": [1]})
+    assert err.value.body["param"] == "frobnicate" and err.value.body["message"] == "frobnicate: unknown field"
 
 
 def test_bad_parameter_through_the_client_raises_bad_request(client: openai.OpenAI) -> None:

@@ -18,7 +18,7 @@ def test_field_names_read_like_the_request() -> None:
 
 def test_request_options_override_the_model_defaults_and_the_rest_stay() -> None:
     body = parse(ChatRequest, {"messages": MSG, "temperature": 0.3, "top_k": -1, "repeat_last_n": 16,
-                               "logit_bias": {"5": -2}, "something_new": {"x": 1}})
+                               "logit_bias": {"5": -2}, "user": "an ignored field"})
     params = body.sampling(LLAMA_CPP_DEFAULTS, vocab_size=100)
     assert (params.temperature, params.top_k, params.penalty_last_n, dict(params.logit_bias)) == (0.3, 0, 16, {5: -2.0})
     assert params.top_p == LLAMA_CPP_DEFAULTS.top_p and params.min_p == LLAMA_CPP_DEFAULTS.min_p

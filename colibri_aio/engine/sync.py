@@ -255,6 +255,18 @@ class SyncEngine:
                 # suspend: let the loop run here, so that a cancel (and the device watch) gets in.
                 await asyncio.sleep(0)
 
+    def cancel_all(self) -> None:
+        """Cancel every submitted generation that has not finished (any thread; returns at once): each sink then
+        hears :class:`Finished` with ``cancelled`` once its reads drained. A server stopping uses it."""
+        def cancel() -> None:  # on the engine's loop
+            for job in list(self._jobs):
+                job._cancel()
+
+        try:
+            self._portal.loop.call_soon_threadsafe(cancel)
+        except RuntimeError:  # the engine is closed: nothing runs any more
+            pass
+
     async def _cancel_jobs(self) -> None:
         tasks = [job._task for job in self._jobs if job._task is not None]
         for task in tasks:

@@ -16,7 +16,7 @@ import json
 import time
 from pathlib import Path
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 from prometheus_client import Counter
 from pydantic import Field
@@ -37,7 +37,9 @@ from colibri_aio.logs import get_logger
 from colibri_aio.serve.errors import APIError
 from colibri_aio.serve.metrics import CONTENT_TYPE, ServerMetrics
 from colibri_aio.engine.line import QueueFull, RequestLine
-from colibri_aio.serve.requests import ChatRequest, CompletionRequest, Message, _Body, _Generation, parse
+from colibri_aio.serve.guard import Limits, RequestGuard
+from colibri_aio.serve.requests import (MAX_MESSAGES, MAX_TOKEN_IDS, ChatRequest, CompletionRequest, Message, _Body,
+                                       _Generation, at_most, load_json, parse_json)
 from colibri_aio.serve.responses import ChatShape, CompletionShape
 from colibri_aio.serve.session import (AsyncGeneration, ContextFull, GenerationCancelled, GenerationRequest,
                                       Session)
@@ -62,8 +64,9 @@ class Service:
         self.slot_save_path = slot_save_path
 
 
-def build_app(service: Service) -> Starlette:
-    """The ASGI application serving ``service``."""
+def build_app(service: Service, limits: Limits | None = None) -> Starlette:
+    """The ASGI application serving ``service``; ``limits``: on the request's Host, Content-Type and body (default:
+    :class:`Limits`' sizes, any Host)."""
     routes = [
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/completions", completions, methods=["POST"]),
@@ -81,6 +84,7 @@ def build_app(service: Service) -> Starlette:
     }
     app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.service = service
+    app.add_middleware(RequestGuard, limits=limits or Limits())  # inside the key check: no stranger's body is read
     app.add_middleware(BearerAuth, api_key=service.api_key)
     app.add_middleware(CountRequests, requests=service.metrics.requests)  # added last: outermost, so it counts 401s too
     return app
@@ -90,7 +94,7 @@ def build_app(service: Service) -> Starlette:
 
 async def chat_completions(request: Request) -> Response:
     service: Service = request.app.state.service
-    body: ChatRequest = parse(ChatRequest, await _json(request))
+    body: ChatRequest = await _parsed(request, ChatRequest)
     ids = await run_in_threadpool(service.session.chat_ids, body.chat_messages())
     gen = _generation(service.session, ids, body, body.token_budget(), body.logprobs_count(), "messages")
     return await _respond(request, service, gen, ChatShape(service.model_id, service.session.tokenizer), body,
@@ -99,7 +103,7 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     service: Service = request.app.state.service
-    body: CompletionRequest = parse(CompletionRequest, await _json(request))
+    body: CompletionRequest = await _parsed(request, CompletionRequest)
     prompt = body.prompt
     ids = (await run_in_threadpool(service.session.text_ids, prompt) if isinstance(prompt, str)
            else _checked_ids(prompt, service.session.vocab_size))
@@ -281,20 +285,24 @@ async def metrics(request: Request) -> Response:
 
 
 class TokenizeRequest(_Body):
+    IGNORED = frozenset({"model"})             # vLLM's clients name the model; this server has one
+
     content: str | None = None                 # llama-server's name
     prompt: str | None = None                  # vLLM's name
-    messages: list[Message] | None = None      # rendered with the chat template first
+    messages: Annotated[list[Message], at_most(MAX_MESSAGES)] | None = None  # rendered with the chat template first
     add_special: bool = True
     with_pieces: bool = False
 
 
 class DetokenizeRequest(_Body):
-    tokens: list[int] = Field(default_factory=list)
+    IGNORED = frozenset({"model"})
+
+    tokens: Annotated[list[int], at_most(MAX_TOKEN_IDS)] = Field(default_factory=list)
 
 
 async def tokenize(request: Request) -> Response:
     service: Service = request.app.state.service
-    body: TokenizeRequest = parse(TokenizeRequest, await _json(request))
+    body: TokenizeRequest = await _parsed(request, TokenizeRequest)
     tok = service.session.tokenizer
     if body.messages is not None:
         chat = ChatRequest(messages=body.messages).chat_messages()
@@ -312,16 +320,20 @@ async def tokenize(request: Request) -> Response:
 
 async def detokenize(request: Request) -> Response:
     service: Service = request.app.state.service
-    body: DetokenizeRequest = parse(DetokenizeRequest, await _json(request))
+    body: DetokenizeRequest = await _parsed(request, DetokenizeRequest)
     _checked_ids(body.tokens or [0], service.session.vocab_size)
-    return JSONResponse({"content": service.session.tokenizer.decode(body.tokens)})
+    return JSONResponse({"content": await run_in_threadpool(service.session.tokenizer.decode, body.tokens)})
 
 
 async def _json(request: Request) -> Any:
-    try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+    """The body as JSON, decoded on a worker thread so that a large one does not hold up the loop (``/health``,
+    the streams); its size and pace were bounded by :class:`RequestGuard`."""
+    return await run_in_threadpool(load_json, await request.body())
+
+
+async def _parsed(request: Request, model: type[T]) -> T:
+    """The body validated as ``model`` (:func:`parse_json`) on a worker thread."""
+    return await run_in_threadpool(parse_json, model, await request.body())
 
 
 class SlotFile(_Body):
@@ -337,7 +349,7 @@ async def slot_action(request: Request) -> Response:
         raise APIError(400, f"action must be save or restore, got {action!r}", param="action")
     if service.slot_save_path is None:
         raise APIError(400, "slot files are off: start the server with --slot-save-path DIR", code="not_supported")
-    body: SlotFile = parse(SlotFile, await _json(request))
+    body: SlotFile = await _parsed(request, SlotFile)
     name = body.filename
     if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
         raise APIError(400, f"filename must be a bare file name, got {name!r}", param="filename")

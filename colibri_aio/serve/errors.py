@@ -7,8 +7,9 @@ from starlette.responses import JSONResponse
 
 # The error type OpenAI's API names for each status (the client picks its exception by status).
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",
-               503: "server_error"}
+               405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+               415: "invalid_request_error", 421: "invalid_request_error", 429: "rate_limit_error",
+               500: "server_error", 503: "server_error"}
 
 
 class APIError(Exception):
