@@ -247,8 +247,12 @@ def _same_text(a: list[str], b: list[str]) -> bool:
     return text(a) == text(b)
 
 
-def test_sigterm_ends_a_stream_with_shutting_down_and_refuses_the_waiting() -> None:
+def test_a_full_line_refuses_before_rendering_and_sigterm_ends_a_stream_with_shutting_down() -> None:
+    """The line holds one generating and one waiting: a third request gets 429 at once, before its prompt (3.6 MB,
+    seconds of template and tokenizer) is rendered. Then SIGTERM: the stream ends with a shutting_down event, the
+    waiting request gets 503 shutting_down."""
     long = {"prompt": "The list type", "max_tokens": 250, "temperature": 0, "logit_bias": NO_END}
+    huge = {"messages": [{"role": "user", "content": "The list type holds items in order. " * 100_000}]}
     s = ServerProcess("--max-queue", "1").start()
     try:
         with httpx.Client(base_url=s.url, timeout=60) as h, concurrent.futures.ThreadPoolExecutor(1) as pool, \
@@ -260,6 +264,9 @@ def test_sigterm_ends_a_stream_with_shutting_down_and_refuses_the_waiting() -> N
             while h.get("/health").json()["waiting"] < 1:
                 assert time.monotonic() < deadline, "the second request never waited"
                 time.sleep(0.01)
+            t0 = time.monotonic()
+            full = h.post("/v1/chat/completions", json=huge)
+            assert full.status_code == 429 and time.monotonic() - t0 < 2.0, (full.status_code, time.monotonic() - t0)
             s._proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
             rest = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
             refused = waiting.result(timeout=30)
