@@ -79,6 +79,19 @@ def test_a_content_part_other_than_text_is_named() -> None:
     assert err.param == "messages[0].content[0]" and "image_url" in err.message and "only text" in err.message
 
 
+def test_tokenize_bodies_are_strict_too() -> None:
+    from colibri_aio.serve.app import DetokenizeRequest, TokenizeRequest
+
+    assert parse(TokenizeRequest, {"content": "x", "model": "m"}).content == "x"   # vLLM's clients name the model
+    for body, param in [({"messages": []}, "messages"), ({"content": "x", "add_bos": True}, "add_bos")]:
+        with pytest.raises(APIError) as err:
+            parse(TokenizeRequest, body)
+        assert err.value.param == param
+    with pytest.raises(APIError) as err:
+        parse(DetokenizeRequest, {"tokens": [1] * (MAX_TOKEN_IDS + 1)})
+    assert err.value.param == "tokens"
+
+
 # --- caps and malformed values --------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("field,value", [

@@ -112,9 +112,9 @@ async def completions(request: Request) -> Response:
                           with_logprobs=body.logprobs is not None)
 
 
-def _checked_ids(ids: list[int], vocab_size: int) -> list[int]:
+def _checked_ids(ids: list[int], vocab_size: int, field: str = "prompt") -> list[int]:
     if min(ids) < 0 or max(ids) >= vocab_size:
-        raise APIError(400, f"prompt: token ids must be in [0, {vocab_size})", param="prompt")
+        raise APIError(400, f"{field}: token ids must be in [0, {vocab_size})", param=field)
     return ids
 
 
@@ -289,7 +289,8 @@ class TokenizeRequest(_Body):
 
     content: str | None = None                 # llama-server's name
     prompt: str | None = None                  # vLLM's name
-    messages: Annotated[list[Message], at_most(MAX_MESSAGES)] | None = None  # rendered with the chat template first
+    # Rendered with the chat template first.
+    messages: Annotated[list[Message], at_most(MAX_MESSAGES), Field(min_length=1)] | None = None
     add_special: bool = True
     with_pieces: bool = False
 
@@ -321,7 +322,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     service: Service = request.app.state.service
     body: DetokenizeRequest = await _parsed(request, DetokenizeRequest)
-    _checked_ids(body.tokens or [0], service.session.vocab_size)
+    _checked_ids(body.tokens or [0], service.session.vocab_size, "tokens")
     return JSONResponse({"content": await run_in_threadpool(service.session.tokenizer.decode, body.tokens)})
 
 
