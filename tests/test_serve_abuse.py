@@ -87,6 +87,17 @@ def _read_answer(sock: socket.socket, timeout: float) -> bytes:
     return out
 
 
+def _closed_within(sock: socket.socket, seconds: float) -> bool:
+    """Whether the server closes ``sock`` (with nothing more to say) within ``seconds``."""
+    sock.settimeout(seconds)
+    try:
+        return sock.recv(65536) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
 def _stream(server: ServerProcess, body: dict, headers: dict[str, str] | None = None) -> list[str]:
     """The data lines of a streamed answer."""
     with httpx.Client(base_url=server.url, timeout=60) as h, \
@@ -179,10 +190,20 @@ def trickled_head(server: ServerProcess) -> int:
                     break
         except OSError:
             closed = True
-        closed = closed or _read_answer(c, 1) == b""
+        closed = closed or _closed_within(c, 1)
         elapsed = time.monotonic() - t0
     assert closed and elapsed < 3 * READ_TIMEOUT_S, f"the trickled head held the connection {elapsed:.1f} s"
     return 0
+
+
+def huge_head(server: ServerProcess) -> int:
+    """A header of 1 MiB: refused (400) once the head passes 64 KiB, and the connection closed."""
+    with socket.create_connection(_address(server)) as c:
+        try:
+            c.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n")
+        except OSError:  # closed before all of it went in
+            pass
+        return _status(_read_answer(c, 10))
 
 
 def cross_origin_form(server: ServerProcess) -> int:
@@ -215,6 +236,7 @@ ATTACKS: dict[str, tuple[Callable[[ServerProcess], int], int]] = {
     "an unknown field": (many("frobnicate", 1), 400),
     "trickled body": (trickled_body, 408),
     "trickled head": (trickled_head, 0),
+    "a 1 MiB header": (huge_head, 400),
     "cross-origin text/plain": (cross_origin_form, 415),
     "wrong Host": (wrong_host, 421),
     "deep JSON": (deep_json, 400),
@@ -279,3 +301,18 @@ def test_a_full_line_refuses_before_rendering_and_sigterm_ends_a_stream_with_shu
         status = s.stop()
     assert status == 143, "".join(s.log)
     assert not any("Traceback" in line for line in s.log), "".join(s.log)
+
+
+def test_idle_connections_past_the_limit_are_refused_then_cut_off() -> None:
+    """--max-connections 3: three connections that send nothing fill the server (a request gets 503) until the
+    read timeout closes them; then it answers again."""
+    with ServerProcess("--max-connections", "3", "--read-timeout", str(READ_TIMEOUT_S)) as s:
+        idle = [socket.create_connection(_address(s)) for _ in range(3)]
+        try:
+            time.sleep(0.2)
+            assert httpx.get(f"{s.url}/health", timeout=10).status_code == 503
+            assert all(_closed_within(c, 3 * READ_TIMEOUT_S) for c in idle)
+            assert httpx.get(f"{s.url}/health", timeout=10).status_code == 200
+        finally:
+            for c in idle:
+                c.close()
