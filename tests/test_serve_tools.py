@@ -18,6 +18,7 @@ import openai
 import pytest
 
 from colibri_aio.serve.launch import ServerProcess
+from fixtures.json_schemas import SCHEMAS
 from tests.support import fixture, rewrite_gguf
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "fixtures" / "templates"
@@ -137,3 +138,51 @@ def test_stream_and_whole_answer_agree(family_server: ServerProcess) -> None:
     _, _, calls, _ = _streamed(client.chat.completions.create(**options, stream=True))
     assert [(c.function.name, json.loads(c.function.arguments)) for c in whole.tool_calls] == \
         [(c["name"], json.loads(c["arguments"])) for c in calls]
+
+
+# --- JSON-schema answers from the shipped model -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_server() -> Iterator[ServerProcess]:
+    with ServerProcess() as s:
+        yield s
+
+
+@pytest.mark.parametrize("name", sorted(SCHEMAS))
+def test_json_schema_answers_validate_every_time(tiny_server: ServerProcess, name: str) -> None:
+    schema = SCHEMAS[name]
+    fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+    client = _client(tiny_server)
+    for seed, stream in ((0, False), (1, True)):
+        options = dict(model="m", messages=ASK, response_format=fmt, max_tokens=400, temperature=1.0, seed=seed)
+        if stream:
+            text, _, _, finish = _streamed(client.chat.completions.create(**options, stream=True))
+        else:
+            choice = client.chat.completions.create(**options).choices[0]
+            text, finish = choice.message.content, choice.finish_reason
+        assert finish == "stop", (name, text)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_json_object_gives_an_object_or_says_it_was_cut(tiny_server: ServerProcess) -> None:
+    """No schema bounds a json_object, and a random model rarely closes one: an answer that ends ("stop") is an
+    object; one the budget cut says "length" (as OpenAI's does)."""
+    ended = 0
+    for seed in range(6):
+        choice = _client(tiny_server).chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "hi"}], max_tokens=300, temperature=1, seed=seed,
+            response_format={"type": "json_object"}).choices[0]
+        assert choice.finish_reason in ("stop", "length")
+        if choice.finish_reason == "stop":
+            assert isinstance(json.loads(choice.message.content), dict)
+            ended += 1
+        else:
+            assert choice.message.content.startswith("{")
+    assert ended
+
+
+def test_a_schema_the_grammar_cannot_compile_is_a_400_naming_it(tiny_server: ServerProcess) -> None:
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "strict": True,
+                                                  "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        _client(tiny_server).chat.completions.create(model="m", messages=ASK, max_tokens=8, response_format=fmt)
