@@ -270,37 +270,44 @@ def _same_text(a: list[str], b: list[str]) -> bool:
 
 
 def test_a_full_line_refuses_before_rendering_and_sigterm_ends_a_stream_with_shutting_down() -> None:
-    """The line holds one generating and one waiting: a third request gets 429 at once, before its prompt (3.6 MB,
-    seconds of template and tokenizer) is rendered. Then SIGTERM: the stream ends with a shutting_down event, the
-    waiting request gets 503 shutting_down."""
+    """The line holds two generating (a stream and a whole answer, --parallel 2) and one waiting: a fourth request
+    gets 429 at once, before its prompt (3.6 MB, seconds of template and tokenizer) is rendered. Then SIGTERM: the
+    stream ends with a shutting_down event, the whole answer and the waiting request get 503 shutting_down."""
     long = {"prompt": "The list type", "max_tokens": 250, "temperature": 0, "logit_bias": NO_END}
     huge = {"messages": [{"role": "user", "content": "The list type holds items in order. " * 100_000}]}
-    s = ServerProcess("--max-queue", "1").start()
+    s = ServerProcess("--parallel", "2", "--max-queue", "1").start()
     try:
-        with httpx.Client(base_url=s.url, timeout=60) as h, concurrent.futures.ThreadPoolExecutor(1) as pool, \
+        with httpx.Client(base_url=s.url, timeout=60) as h, concurrent.futures.ThreadPoolExecutor(2) as pool, \
                 h.stream("POST", "/v1/completions", json={**long, "stream": True}) as r:
             lines = r.iter_lines()
             first = next(line for line in lines if line.startswith("data: "))
+            whole = pool.submit(httpx.post, f"{s.url}/v1/completions", json=long, timeout=60)
+            _until(lambda: h.get("/health").json()["generating"] == 2, "the whole answer never started")
             waiting = pool.submit(httpx.post, f"{s.url}/v1/completions", json=long, timeout=60)
-            deadline = time.monotonic() + 10
-            while h.get("/health").json()["waiting"] < 1:
-                assert time.monotonic() < deadline, "the second request never waited"
-                time.sleep(0.01)
+            _until(lambda: h.get("/health").json()["waiting"] == 1, "the third request never waited")
             t0 = time.monotonic()
             full = h.post("/v1/chat/completions", json=huge)
             assert full.status_code == 429 and time.monotonic() - t0 < 2.0, (full.status_code, time.monotonic() - t0)
             s._proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
             rest = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
-            refused = waiting.result(timeout=30)
+            cut, refused = whole.result(timeout=30), waiting.result(timeout=30)
         assert json.loads(first.removeprefix("data: "))["choices"]
         error = json.loads(rest[-1])["error"]
         assert error["code"] == "shutting_down" and error["type"] == "server_error", rest[-1]
         assert "[DONE]" not in rest
-        assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down", refused.text
+        for answer in (cut, refused):
+            assert answer.status_code == 503 and answer.json()["error"]["code"] == "shutting_down", answer.text
     finally:
         status = s.stop()
     assert status == 143, "".join(s.log)
     assert not any("Traceback" in line for line in s.log), "".join(s.log)
+
+
+def _until(condition: Callable[[], bool], failure: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, failure
+        time.sleep(0.01)
 
 
 def test_idle_connections_past_the_limit_are_refused_then_cut_off() -> None:
