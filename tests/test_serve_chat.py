@@ -104,3 +104,37 @@ def test_ctrl_c_stops_a_reply_not_the_chat() -> None:
     term.expect(r"> ")
     term.type("/exit\r")
     assert term.wait() == 0
+
+
+def _thinking_model(tmp_path) -> str:
+    """A fixture with DeepSeek-R1's real template, whose prompt opens the thinking span: a random model then
+    thinks to the end of its token budget."""
+    from support import rewrite_gguf
+
+    template = (FIXTURES / "templates" / "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja").read_text()
+    return str(rewrite_gguf(FIXTURES / "deepseek2_q8_0.gguf", tmp_path / "r1.gguf",
+                            keys={"tokenizer.chat_template": template}))
+
+
+def test_thinking_is_tagged_through_a_pipe_and_left_out_of_the_history(tmp_path) -> None:
+    model = _thinking_model(tmp_path)
+    r = subprocess.run([sys.executable, "-m", "colibri_aio", "chat", model, "--max-tokens", "6", *GREEDY],
+                       input="Why?\nAnd?\n", capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    replies = r.stdout.splitlines()
+    assert len(replies) == 2 and all(line.startswith("<think>") and line.endswith("</think>") for line in replies)
+    (_, prompt1, _), (_, prompt2, _) = [tuple(map(int, m)) for m in STATUS.findall(r.stderr)]
+    # The second prompt holds the first turn without its thinking (the answer was empty): a few tokens more.
+    assert prompt2 < prompt1 + 12, r.stderr
+
+
+def test_thinking_is_dimmed_on_a_terminal(tmp_path) -> None:
+    term = Terminal("chat", _thinking_model(tmp_path), "--max-tokens", "6", *GREEDY)
+    term.expect(r"> ")
+    term.type("Why?\r")
+    term.expect("\x1b\\[2m")               # faint on
+    term.expect("\x1b\\[0m")               # and off again before the status line
+    term.expect(STATUS.pattern)
+    term.expect(r"> ")
+    term.type("/exit\r")
+    assert term.wait() == 0

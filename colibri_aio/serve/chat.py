@@ -95,7 +95,7 @@ def _reply(conversation: ChatSession, text: str, stdout: IO[str], stderr: IO[str
                 stdout.write(delta.content)
             stdout.flush()
         if thinking:
-            stdout.write(PLAIN if tty else "</think>\n")
+            stdout.write(PLAIN if tty else "</think>")
     except KeyboardInterrupt:
         if thinking and tty:
             stdout.write(PLAIN)
