@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from colibri_aio.serve.errors import APIError
+from colibri_aio.serve.chat_flow import template_messages
 from colibri_aio.serve.requests import ChatRequest, CompletionRequest, field_name, parse
 from colibri_aio.text.sampling import LLAMA_CPP_DEFAULTS
 
@@ -35,7 +36,7 @@ def test_text_parts_are_joined_and_developer_is_system() -> None:
     body = parse(ChatRequest, {"messages": [
         {"role": "developer", "content": "be brief"},
         {"role": "user", "content": [{"type": "text", "text": "a "}, {"type": "text", "text": "b"}]}]})
-    assert body.chat_messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b"}]
+    assert template_messages(body) == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a b"}]
 
 
 def test_prompt_forms() -> None:

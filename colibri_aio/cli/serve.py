@@ -44,6 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--allowed-hosts", action="append", default=None, metavar="NAME[,NAME]",
                    help="Host names answered when no API key is set, besides IP addresses, localhost and the --host "
                         "name (against DNS rebinding: a page elsewhere whose name points here); '*': any")
+    p.add_argument("--reasoning-budget", type=int, default=-1, metavar="N",
+                   help="thinking tokens a reply may spend before its thinking span is closed (a request's "
+                        "reasoning_budget overrides it; 0: answer at once; default: -1, no limit)")
     g = p.add_argument_group("replicas on Ray Serve (pip install 'colibri-aio[ray]')")
     g.add_argument("--ray", action="store_true",
                    help="serve replicas of the engine on Ray Serve behind this endpoint: a chat's next turn goes "
@@ -82,7 +85,7 @@ def command(args: argparse.Namespace) -> int:
 
     return serve(model_path(args), host=args.host, port=args.port, api_key=args.api_key, max_queue=args.max_queue,
                  model_id=args.alias, open_options=placement_options(args), slot_save_path=args.slot_save_path,
-                 **_limit_options(args))
+                 reasoning_budget=args.reasoning_budget, **_limit_options(args))
 
 
 def _limit_options(args: argparse.Namespace) -> dict[str, Any]:

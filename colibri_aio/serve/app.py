@@ -9,13 +9,12 @@ is handed on only once its reads have drained.
 """
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import hmac
 import json
 import time
 from pathlib import Path
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, TypeVar
 
 from prometheus_client import Counter
@@ -31,21 +30,22 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from colibri_aio import __version__
-from colibri_aio.engine.engine import GenerationPiece
-from colibri_aio.errors import EngineBusyError, ExpertReadError, UserError
+from colibri_aio.errors import ExpertReadError, UserError
 from colibri_aio.logs import get_logger
+from colibri_aio.serve import anthropic
 from colibri_aio.serve.errors import APIError
 from colibri_aio.serve.metrics import CONTENT_TYPE, ServerMetrics
-from colibri_aio.engine.line import QueueFull, RequestLine
+from colibri_aio.engine.line import RequestLine
 from colibri_aio.serve.guard import Limits, RequestGuard
 from colibri_aio.serve.requests import (MAX_MESSAGES, MAX_TOKEN_IDS, ChatRequest, CompletionRequest, Message, _Body,
                                        _Generation, at_most, load_json, parse_json)
 from colibri_aio.serve.responses import ChatShape, CompletionShape
-from colibri_aio.serve.session import (AsyncGeneration, ContextFull, GenerationCancelled, GenerationRequest,
-                                      Session)
+from colibri_aio.serve.chat_flow import plan_chat, template_messages
+from colibri_aio.serve.runs import ClientGone, Run, error_for, open_run, until_disconnect  # noqa: F401 (re-exported)
+from colibri_aio.serve.session import ContextFull, GenerationCancelled, GenerationRequest, Session
 
-T = TypeVar("T")
 log = get_logger("colibri_aio.serve")
+T = TypeVar("T")
 PUBLIC_PATHS = frozenset({"/health"})
 SSE_SEP = "\n"  # events end with a blank line, fields with "\n" (not sse-starlette's default "\r\n")
 
@@ -54,7 +54,8 @@ class Service:
     """What the routes share: the session, the line in front of it, metrics, the model's id, the key."""
 
     def __init__(self, session: Session, *, max_queue: int = 16, api_key: str | None = None,
-                 model_id: str | None = None, slot_save_path: Path | None = None) -> None:
+                 model_id: str | None = None, slot_save_path: Path | None = None,
+                 reasoning_budget: int | None = None) -> None:
         self.session = session
         self.line = RequestLine(max_queue, capacity=session.engine.engine.plan.parallel)
         self.metrics = ServerMetrics(session.engine.engine, self.line)
@@ -62,6 +63,7 @@ class Service:
         self.model_id = model_id or session.model_name
         self.started = int(time.time())
         self.slot_save_path = slot_save_path
+        self.reasoning_budget = reasoning_budget
 
 
 def build_app(service: Service, limits: Limits | None = None) -> Starlette:
@@ -77,6 +79,7 @@ def build_app(service: Service, limits: Limits | None = None) -> Starlette:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/slots/{slot:int}", slot_action, methods=["POST"]),
+        *anthropic.routes(anthropic.ChatPath(open=open_chat, read_json=_json)),  # /v1/messages, …/count_tokens
     ]
     handlers: dict[Any, Callable[..., Any]] = {
         APIError: _api_error, HTTPException: _http_error, ContextFull: _context_full, UserError: _user_error,
@@ -95,21 +98,38 @@ def build_app(service: Service, limits: Limits | None = None) -> Starlette:
 async def chat_completions(request: Request) -> Response:
     service: Service = request.app.state.service
     body: ChatRequest = await _parsed(request, ChatRequest)
-    ids = await run_in_threadpool(service.session.chat_ids, body.chat_messages())
-    gen = _generation(service.session, ids, body, body.token_budget(), body.logprobs_count(), "messages")
-    return await _respond(request, service, gen, ChatShape(service.model_id, service.session.tokenizer), body,
-                          with_logprobs=body.logprobs)
+    run = await open_chat(request, service, body)
+    if isinstance(run, Response):
+        return run
+    return await _answer(run, body)
+
+
+async def open_chat(request: Request, service: Service, body: ChatRequest) -> ChatRun | Response:
+    """A chat request's turn, prompt (tools, reasoning options) and grammar; its generation started."""
+    def prepare() -> tuple[GenerationRequest, ChatShape]:
+        plan = plan_chat(service.session, body, default_budget=service.reasoning_budget)
+        gen = _generation(service.session, plan.ids, body, body.token_budget(), body.logprobs_count(), "messages",
+                          constraint=plan.constraint, special=plan.special)
+        return gen, ChatShape(service.model_id, service.session.tokenizer, plan.parser)
+
+    return await open_run(request, service, prepare, with_logprobs=body.logprobs)
 
 
 async def completions(request: Request) -> Response:
     service: Service = request.app.state.service
     body: CompletionRequest = await _parsed(request, CompletionRequest)
     prompt = body.prompt
-    ids = (await run_in_threadpool(service.session.text_ids, prompt) if isinstance(prompt, str)
-           else _checked_ids(prompt, service.session.vocab_size))
-    gen = _generation(service.session, ids, body, body.token_budget(), body.logprobs, "prompt")
-    return await _respond(request, service, gen, CompletionShape(service.model_id, service.session.tokenizer), body,
-                          with_logprobs=body.logprobs is not None)
+
+    def prepare() -> tuple[GenerationRequest, CompletionShape]:
+        ids = (service.session.text_ids(prompt) if isinstance(prompt, str)
+               else _checked_ids(prompt, service.session.vocab_size))
+        gen = _generation(service.session, ids, body, body.token_budget(), body.logprobs, "prompt")
+        return gen, CompletionShape(service.model_id, service.session.tokenizer)
+
+    run = await open_run(request, service, prepare, with_logprobs=body.logprobs is not None)
+    if isinstance(run, Response):
+        return run
+    return await _answer(run, body)
 
 
 def _checked_ids(ids: list[int], vocab_size: int, field: str = "prompt") -> list[int]:
@@ -119,95 +139,30 @@ def _checked_ids(ids: list[int], vocab_size: int, field: str = "prompt") -> list
 
 
 def _generation(session: Session, ids: list[int], body: _Generation, budget: int | None, logprobs: int | None,
-                prompt_field: str) -> GenerationRequest:
+                prompt_field: str, **options: Any) -> GenerationRequest:
     try:
         return session.request(ids, max_tokens=budget, sampling=body.sampling(session.defaults, session.vocab_size),
-                               stop=body.stops(), logprobs=logprobs, reuse=body.cache_prompt)
+                               stop=body.stops(), logprobs=logprobs, reuse=body.cache_prompt, **options)
     except ContextFull as exc:
         raise APIError(400, str(exc), param=prompt_field, code="context_length_exceeded") from None
 
 
-async def _respond(request: Request, service: Service, gen: GenerationRequest, shape: ChatShape | CompletionShape,
-                   body: _Generation, *, with_logprobs: bool) -> Response:
-    """Wait for the turn, start generating, answer whole or as a stream."""
-    arrival = time.perf_counter()
-    try:
-        await until_disconnect(request.receive, service.line.acquire())
-    except QueueFull as exc:
-        raise APIError(429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after)}) from None
-    except ClientGone:
-        return Response(status_code=499)
-    turn = time.perf_counter()
-    service.metrics.queue_wait.observe(turn - arrival)
-
-    def on_idle() -> None:
-        now = time.perf_counter()
-        service.line.record_turn(now - turn)
-        service.metrics.duration.observe(now - arrival)
-        service.line.release()
-
-    try:
-        generation = AsyncGeneration(service.session, gen, on_idle)
-    except BaseException:
-        service.line.release()
-        raise
-    try:
-        first = await until_disconnect(request.receive, generation.next())
-    except ClientGone:
-        generation.cancel()
-        return Response(status_code=499)
-    except BaseException:
-        generation.cancel()
-        raise
-    assert first is not None  # a generation yields at least one piece
-    ttft = time.perf_counter() - arrival
-    service.metrics.ttft.observe(ttft)
-    service.metrics.last_ttft.set(ttft)
+async def _answer(run: Run, body: _Generation) -> Response:
+    """The run's answer: an SSE stream ending with ``[DONE]`` (or an error event), or the whole object."""
     if body.stream:
-        events = _sse(service, generation, shape, first, with_logprobs, body.include_usage())
-        return EventSourceResponse(events, sep=SSE_SEP, background=BackgroundTask(generation.cancel))
+        return EventSourceResponse(_sse(run, body.include_usage()), sep=SSE_SEP, background=BackgroundTask(run.cancel))
     try:
-        pieces = [first, *await until_disconnect(request.receive, _rest(generation))]
+        return JSONResponse(await run.whole())
     except ClientGone:
         return Response(status_code=499)
-    finally:
-        generation.cancel()
-    _record_speed(service, pieces[-1])
-    return JSONResponse(shape.response(pieces, with_logprobs))
 
 
-async def _rest(generation: AsyncGeneration) -> list[GenerationPiece]:
-    pieces = []
-    while (piece := await generation.next()) is not None:
-        pieces.append(piece)
-    return pieces
-
-
-async def _sse(service: Service, generation: AsyncGeneration, shape: ChatShape | CompletionShape,
-               first: GenerationPiece, with_logprobs: bool, include_usage: bool) -> AsyncIterator[dict[str, str]]:
-    """SSE events: the chunks, the usage chunk when asked, ``[DONE]``; an error mid-stream ends it with an error."""
-    try:
-        head = shape.first_chunk(include_usage)
-        if head is not None:
-            yield _data(head)
-        piece: GenerationPiece | None = first
-        last = first
-        while piece is not None:
-            last = piece
-            chunk = shape.chunk(piece, with_logprobs, include_usage)
-            if chunk is not None:
-                yield _data(chunk)
-            piece = await generation.next()
-        _record_speed(service, last)
-        if include_usage:
-            yield _data(shape.usage_chunk(last))
-        yield {"data": "[DONE]"}
-    except Exception as exc:  # the status line is sent: the error goes in the stream, and the stream ends
-        if not isinstance(exc, (UserError, ExpertReadError, GenerationCancelled)):
-            log.exception("generation failed mid-stream")
-        yield _data(_error_for(exc).body())
-    finally:
-        generation.cancel()
+async def _sse(run: Run, include_usage: bool) -> AsyncIterator[dict[str, str]]:
+    async for chunk in run.chunks(include_usage):
+        yield _data(chunk)
+        if "error" in chunk:
+            return
+    yield {"data": "[DONE]"}
 
 
 def _data(obj: dict[str, Any]) -> dict[str, str]:
@@ -219,38 +174,7 @@ def sse_frame(obj: dict[str, Any]) -> bytes:
     return ServerSentEvent(**_data(obj), sep=SSE_SEP).encode()
 
 
-def _record_speed(service: Service, last: GenerationPiece) -> None:
-    service.metrics.last_decode_tps.set(last.decode_tps)
-    service.metrics.last_prefill_tps.set(last.prefill_tps)
-
-
-class ClientGone(Exception):
-    """The client disconnected before the work it waited for was done."""
-
-
-async def until_disconnect(receive: Receive, work: Awaitable[T]) -> T:
-    """Await ``work`` unless the client disconnects first: then cancel it and raise :class:`ClientGone`.
-
-    The request body must have been read: ``receive`` then only ever
-    reports the disconnect.
-    """
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while (await receive())["type"] != "http.disconnect":
-            pass
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            await asyncio.wait({task})
-    if task.cancelled():
-        raise ClientGone()
-    return task.result()
+ChatRun = Run  # what open_chat starts: whole() or chunks() give the chat.completion answer
 
 
 # --- other routes ------------------------------------------------------------------------------------------------
@@ -306,7 +230,7 @@ async def tokenize(request: Request) -> Response:
     body: TokenizeRequest = await _parsed(request, TokenizeRequest)
     tok = service.session.tokenizer
     if body.messages is not None:
-        chat = ChatRequest(messages=body.messages).chat_messages()
+        chat = template_messages(ChatRequest(messages=body.messages))
         ids = await run_in_threadpool(service.session.chat_ids, chat)
     else:
         text = body.content if body.content is not None else body.prompt
@@ -368,24 +292,8 @@ async def slot_action(request: Request) -> Response:
 
 # --- errors ------------------------------------------------------------------------------------------------------
 
-def _error_for(exc: BaseException) -> APIError:
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, ContextFull):
-        return APIError(400, str(exc), code="context_length_exceeded")
-    if isinstance(exc, EngineBusyError):
-        return APIError(409, str(exc), code="slot_busy")
-    if isinstance(exc, UserError):
-        return APIError(400, str(exc))
-    if isinstance(exc, ExpertReadError):
-        return APIError(500, f"I/O error: {exc}", code="io_error")
-    if isinstance(exc, GenerationCancelled):
-        return APIError(503, "the server is shutting down", code="shutting_down")
-    return APIError(500, f"internal error: {exc.__class__.__name__}")
-
-
 async def _api_error(request: Request, exc: Exception) -> Response:
-    return _error_for(exc).response()
+    return error_for(exc).response()
 
 
 _user_error = _context_full = _read_error = _cancelled = _api_error
@@ -409,13 +317,17 @@ class BearerAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self._digest is not None and scope["path"] not in PUBLIC_PATHS:
-            header = dict(scope["headers"]).get(b"authorization", b"")
-            scheme, _, token = header.partition(b" ")
+            headers = dict(scope["headers"])
+            scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
+            if scheme.lower() != b"bearer" and b"x-api-key" in headers:  # how Anthropic's clients send the key
+                scheme, token = b"bearer", headers[b"x-api-key"]
             # Digests of equal length: the comparison's time says nothing about the key.
             if not (scheme.lower() == b"bearer"
                     and hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self._digest)):
-                response = APIError(401, "invalid or missing API key (Authorization: Bearer KEY)",
-                                    code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"}).response()
+                error = APIError(401, "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY)",
+                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                response = (anthropic.error_response(error) if anthropic.is_messages_path(scope["path"])
+                            else error.response())
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -425,7 +337,7 @@ class CountRequests:
     """Counts answered requests by route and status (in ``requests``, labelled endpoint and status) for ``/metrics``."""
 
     ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-                        "/detokenize"})
+                        "/detokenize", *anthropic.PATHS})
 
     def __init__(self, app: ASGIApp, requests: Counter) -> None:
         self.app, self.requests = app, requests

@@ -286,17 +286,6 @@ class ChatRequest(_Generation):
             raise APIError(400, "top_logprobs: requires logprobs to be true", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
 
-    def chat_messages(self) -> list[dict[str, str]]:
-        """Messages as the chat template takes them (``developer`` is the newer name of ``system``)."""
-        out = []
-        for i, m in enumerate(self.messages):
-            try:
-                text = m.text()
-            except ValueError as exc:
-                raise APIError(400, f"messages[{i}].content: {exc}", param=f"messages[{i}].content") from None
-            out.append({"role": "system" if m.role == "developer" else m.role, "content": text})
-        return out
-
 
 class CompletionRequest(_Generation):
     # Tried in this order, and a list stops at its first bad item: a million token ids are not also tried, one

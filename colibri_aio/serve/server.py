@@ -145,7 +145,7 @@ def url_of(sock: socket.socket) -> str:
 
 
 def serve(model: Any, *, host: str, port: int, api_key: str | None, max_queue: int, model_id: str | None,
-          open_options: dict[str, Any], slot_save_path: Path | None = None,
+          open_options: dict[str, Any], slot_save_path: Path | None = None, reasoning_budget: int = -1,
           max_body: int = DEFAULT_MAX_BODY, read_timeout: float = DEFAULT_READ_TIMEOUT,
           max_connections: int = DEFAULT_MAX_CONNECTIONS, allowed_hosts: Sequence[str] = ()) -> int:
     """Serve until SIGINT or SIGTERM; the engine is closed (reads drained, history saved) on the way out.
@@ -156,6 +156,8 @@ def serve(model: Any, *, host: str, port: int, api_key: str | None, max_queue: i
     limits = _limits(host, api_key, max_body, read_timeout, max_connections, allowed_hosts)
     if max_queue < 0:
         raise UserError(f"--max-queue must be >= 0, got {max_queue}")
+    if reasoning_budget < -1:
+        raise UserError(f"--reasoning-budget must be >= -1 (-1: no limit), got {reasoning_budget}")
     if slot_save_path is not None and not slot_save_path.is_dir():
         raise UserError(f"--slot-save-path {slot_save_path}: no such folder")
     sock = bind(host, port)
@@ -166,7 +168,8 @@ def serve(model: Any, *, host: str, port: int, api_key: str | None, max_queue: i
         raise
     try:
         service = Service(Session(engine), max_queue=max_queue, api_key=api_key, model_id=model_id,
-                          slot_save_path=slot_save_path)
+                          slot_save_path=slot_save_path,
+                          reasoning_budget=None if reasoning_budget < 0 else reasoning_budget)
         config = uvicorn.Config(build_app(service, limits), lifespan="off", log_level="warning", access_log=False,
                                 timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
                                 http=deadline_protocol(read_timeout), timeout_keep_alive=KEEP_ALIVE_S,
