@@ -94,3 +94,12 @@ def test_template_kwargs_reach_the_template(tmp_path: Path) -> None:
 def test_bad_options_are_a_400_naming_the_field(r1_server: ServerProcess, kwargs: dict, message: str) -> None:
     with pytest.raises(openai.BadRequestError, match=message.replace("(", r"\(")):
         _client(r1_server).chat.completions.create(model="m", messages=ASK, max_tokens=4, extra_body=kwargs)
+
+
+def test_reasoning_effort_reaches_gpt_oss_template(tmp_path: Path) -> None:
+    with SyncEngine.open(with_template("gptoss_mxfp4.gguf", "openai-gpt-oss-120b.jinja", tmp_path), n_ctx=1024) as e:
+        session = Session(e)
+        high = plan_chat(session, parse(ChatRequest, {"messages": ASK, "reasoning_effort": "high"}))
+        default = plan_chat(session, parse(ChatRequest, {"messages": ASK}))
+    assert "Reasoning: high" in high.prompt and "Reasoning: medium" in default.prompt
+    assert session.syntax.name == "harmony" and high.special
