@@ -19,6 +19,7 @@ from colibri_aio.cluster.gateway import Gateway, ReplicaFailed, build_gateway_ap
 from colibri_aio.cluster.tunnel import REPLICA_HEADER, HTTPRequest, Part, answer_as, exchange
 from colibri_aio.engine.sync import SyncEngine
 from colibri_aio.serve.app import Service, build_app
+from colibri_aio.serve.guard import HostAllowList, Limits
 from colibri_aio.serve.session import Session
 
 NO_END = {"0": -100, "2": -100}
@@ -177,3 +178,19 @@ def test_ray_options_without_ray_and_ray_missing_are_user_mistakes(monkeypatch: 
     monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray were not installed
     status, _, err = main_in_process("serve", "--ray", "--port", "0")
     assert status == 2 and "pip install 'colibri-aio[ray]'" in err and len(err.strip().splitlines()) == 1
+
+
+async def test_the_gateway_bounds_requests_as_a_replica_does(engines: list[SyncEngine]) -> None:
+    gateway, _ = _gateway(engines)
+    gateway.limits = Limits(max_body=1024, hosts=HostAllowList.for_server("127.0.0.1"))
+    app = build_gateway_app(gateway)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://127.0.0.1",
+                                 timeout=60) as client:
+        big = await client.post("/v1/completions", json={"prompt": "x" * 4096, "max_tokens": 1})
+        assert big.status_code == 413
+        form = await client.post("/v1/completions", content=b'{"prompt": "x"}', headers={"content-type": "text/plain"})
+        assert form.status_code == 415
+        foreign = await client.get("/v1/models", headers={"host": "attacker.example"})
+        assert foreign.status_code == 421
+        ok = await client.post("/v1/completions", json={"prompt": "The list", "max_tokens": 2})
+        assert ok.status_code == 200, ok.text

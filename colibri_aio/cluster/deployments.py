@@ -31,6 +31,7 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.handle import DeploymentHandle
 
 from colibri_aio.cluster.gateway import Gateway, ReplicaFailed, build_gateway_app
+from colibri_aio.serve.guard import HostAllowList, Limits
 from colibri_aio.cluster.board import board
 from colibri_aio.cluster.router import ROUTE_TO, PinnedRouter
 from colibri_aio.cluster.tunnel import HTTPRequest, Part, answer_as
@@ -55,6 +56,7 @@ class ClusterConfig:
     model_id: str | None = None          # the model id to report (None: the file name)
     open_options: dict[str, Any] = field(default_factory=dict)  # Engine.open's placement options
     health_check_period_s: float = 2.0   # how often Ray checks a replica (a dead one is replaced after this)
+    host: str = "127.0.0.1"              # the address the gateway listens on: with no key, the Host names answered
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -187,8 +189,9 @@ class GatewayIngress:
     """The HTTP ingress: :mod:`~colibri_aio.cluster.gateway` over the engine replicas."""
 
     def __init__(self, engine: DeploymentHandle, config: ClusterConfig) -> None:
+        hosts = None if config.api_key else HostAllowList.for_server(config.host)
         self.gateway = Gateway(RayReplicas(engine), per_replica=config.per_replica, expected=config.replicas,
-                               api_key=config.api_key)
+                               api_key=config.api_key, limits=Limits(hosts=hosts))
 
     async def __serve_build_asgi_app__(self) -> Any:
         # One call through the handle makes its router, which then hears of every replica (the board).

@@ -43,6 +43,7 @@ from starlette.types import Receive, Scope, Send
 from colibri_aio.cluster.affinity import SESSION_HEADER, NoReplica, NoRoom, ReplicaChooser, conversation_key
 from colibri_aio.cluster.tunnel import REPLICA_HEADER, Head, HTTPRequest, Part
 from colibri_aio.serve.app import BearerAuth, ClientGone, CountRequests, sse_frame, until_disconnect
+from colibri_aio.serve.guard import Limits, RequestGuard
 from colibri_aio.serve.errors import APIError
 from colibri_aio.serve.metrics import CONTENT_TYPE
 
@@ -80,8 +81,9 @@ class Gateway:
     """
 
     def __init__(self, replicas: Replicas, *, per_replica: int, expected: int = 1, api_key: str | None = None,
-                 fan_out_timeout: float = 5.0) -> None:
+                 fan_out_timeout: float = 5.0, limits: Limits | None = None) -> None:
         self.replicas = replicas
+        self.limits = limits or Limits()  # the same bounds on Host, Content-Type and body as a replica's own
         self.expected = expected  # replicas the deployment asks for: fewer live is "degraded"
         self.chooser = ReplicaChooser(per_replica)
         self.api_key = api_key
@@ -122,6 +124,7 @@ def build_gateway_app(gateway: Gateway) -> Starlette:
               Route("/{path:path}", forward, methods=METHODS)]
     app = Starlette(routes=routes, exception_handlers={APIError: _api_error})
     app.state.gateway = gateway
+    app.add_middleware(RequestGuard, limits=gateway.limits)  # inside the key check: no stranger's body is read
     app.add_middleware(BearerAuth, api_key=gateway.api_key)
     app.add_middleware(CountRequests, requests=gateway.metrics.requests)  # outermost: counts 401s and 429s too
     return app

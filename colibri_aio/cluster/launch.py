@@ -45,7 +45,7 @@ def serve_on_ray(model: Path | None, *, host: str, port: int, api_key: str | Non
     options = {k: v for k, v in open_options.items() if k != "progress"}  # no terminal in a replica
     config = ClusterConfig(model=None if model is None else str(model.resolve()), replicas=replicas,
                            replica_cpus=replica_cpus, max_queue=max_queue, api_key=api_key, model_id=model_id,
-                           open_options=options)
+                           open_options=options, host=host)
     path = model if model is not None else default_model_path()
     load(path, resident=False)  # a missing or broken model is one line now, not a failed deployment later
     with bind(host, port) as probe:  # the address is free and ours to take; port 0: the kernel picks one
