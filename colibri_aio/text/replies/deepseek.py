@@ -17,7 +17,7 @@ from collections.abc import Mapping
 
 from colibri_aio.text.replies.base import (ChatSyntax, Lark, ReplyParser, ToolCall, Tools, function_specs,
                                            make_call, repeat)
-from colibri_aio.text.replies.tagged import Markup, TaggedParser
+from colibri_aio.text.replies.tagged import Markup, TaggedParser, read_each
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -37,16 +37,7 @@ def read_call(text: str) -> ToolCall | None:
 
 
 def read_block(inside: str) -> list[ToolCall] | None:
-    calls, pos = [], 0
-    while (match := _CALL.match(inside, pos)) is not None:
-        call = read_call(match.group(1))
-        if call is None:
-            return None
-        calls.append(call)
-        pos = match.end()
-    if not calls or inside[pos:].strip():
-        return None
-    return calls
+    return read_each(_CALL, inside, lambda match: read_call(match.group(1)))
 
 
 class DeepSeekSyntax(ChatSyntax):

@@ -21,7 +21,7 @@ from typing import Any
 from colibri_aio.text.replies.base import (ChatSyntax, Lark, ReplyParser, ToolCall, Tools, function_specs,
                                            is_string_schema, make_call, repeat, schemas_by_name, xml_value)
 from colibri_aio.text.replies.glm45 import argument_schema
-from colibri_aio.text.replies.tagged import Markup, TaggedParser
+from colibri_aio.text.replies.tagged import Markup, TaggedParser, read_each
 
 OPEN, CLOSE = "<minimax:tool_call>", "</minimax:tool_call>"
 _INVOKE = re.compile(r'\s*<invoke name="([^"]*)">(.*?)</invoke>', re.S)
@@ -42,16 +42,7 @@ def read_invoke(name: str, body: str, schemas: Mapping[str, dict[str, Any]]) -> 
 
 def read_block(inside: str, schemas: Mapping[str, dict[str, Any]]) -> list[ToolCall] | None:
     """The calls inside one ``<minimax:tool_call>`` block; None unless it is only whole invocations."""
-    calls, pos = [], 0
-    while (match := _INVOKE.match(inside, pos)) is not None:
-        call = read_invoke(html.unescape(match.group(1)), match.group(2), schemas)
-        if call is None:
-            return None
-        calls.append(call)
-        pos = match.end()
-    if not calls or inside[pos:].strip():
-        return None
-    return calls
+    return read_each(_INVOKE, inside, lambda match: read_invoke(html.unescape(match.group(1)), match.group(2), schemas))
 
 
 class MiniMaxSyntax(ChatSyntax):

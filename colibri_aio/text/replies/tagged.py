@@ -10,6 +10,7 @@ are dropped (the templates write these separators and strip them when they rende
 """
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -27,6 +28,22 @@ class Markup:
     block_open: str | None = None
     block_close: str | None = None      # None: the block runs to the end of the generation
     close_optional: bool = False        # the block's close may be missing at the end (an end token)
+
+
+def read_each(pattern: re.Pattern[str], inside: str,
+              read_one: Callable[[re.Match[str]], ToolCall | None]) -> list[ToolCall] | None:
+    """The calls of a block written as back-to-back matches of ``pattern`` (whitespace between them); None unless
+    the block is only that and each match reads as a call."""
+    calls, pos = [], 0
+    while (match := pattern.match(inside, pos)) is not None:
+        call = read_one(match)
+        if call is None:
+            return None
+        calls.append(call)
+        pos = match.end()
+    if not calls or inside[pos:].strip():
+        return None
+    return calls
 
 
 def thinking_state(prompt: str, markup: Markup) -> str:
