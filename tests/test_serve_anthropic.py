@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -495,3 +496,26 @@ def test_thinking_comes_first_in_its_own_block_within_its_budget(thinking_server
     # The reply goes back as it came (thinking, signature and all) and the conversation goes on.
     history = [*ASK, {"role": "assistant", "content": whole.content}, {"role": "user", "content": "And a tuple?"}]
     assert client.messages.create(model="m", max_tokens=4, messages=history, extra_body=GREEDY).usage.output_tokens == 4
+
+
+def test_a_stream_cut_by_shutdown_ends_with_an_error_event() -> None:
+    """SIGTERM while a reply streams: the stream's last event is Anthropic's ``error`` (overloaded: the server is
+    shutting down), with no ``message_stop``, and the official client raises it."""
+    s = ServerProcess().start()
+    try:
+        client = anthropic.Anthropic(base_url=s.url, api_key="none", max_retries=0, timeout=60)
+        seen = []
+        with pytest.raises(anthropic.APIStatusError) as info, \
+                client.messages.stream(model="m", max_tokens=230, messages=ASK, extra_body=GREEDY) as stream:
+            for event in stream:  # 230 tokens take seconds here: the signal lands mid-stream
+                seen.append(event.type)
+                if event.type == "message_start":
+                    s._proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+        assert info.value.body == {"type": "error", "error": {"type": "overloaded_error",
+                                                              "message": "the server is shutting down"}}
+        assert seen[0] == "message_start" and "message_stop" not in seen
+        s._proc.wait(30)  # type: ignore[union-attr]  # it stops by itself: a second signal would cut that short
+    finally:
+        status = s.stop()
+    assert status == 143, "".join(s.log)
+    assert not any("Traceback" in line for line in s.log), "".join(s.log)
