@@ -69,6 +69,16 @@ def test_missing_and_bad_values_name_their_field() -> None:
         "messages[0].content: a message needs at least one block"
 
 
+def test_lists_are_capped_as_the_chat_route_caps_them() -> None:
+    assert refusal({**BASE, "stop_sequences": ["x"] * 65}) == "stop_sequences: at most 64 items, got 65"
+    assert refusal({**BASE, "messages": BASE["messages"] * 4097}) == "messages: at most 4096 items, got 4097"
+    many = [{"type": "text", "text": "a"}] * 257
+    assert refusal({**BASE, "messages": [{"role": "user", "content": many}]}) == \
+        "messages[0].content: at most 256 items, got 257"
+    tools = [{**WEATHER, "name": f"tool_{i}"} for i in range(129)]
+    assert refusal({**BASE, "tools": tools}) == "tools: at most 128 items, got 129"
+
+
 def test_images_documents_and_server_tools_are_refused_in_one_line() -> None:
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}
     msg = refusal({**BASE, "messages": [{"role": "user", "content": [{"type": "text", "text": "see"}, image]}]})

@@ -50,7 +50,8 @@ from starlette.routing import Route
 from colibri_aio.logs import get_logger
 from colibri_aio.serve.chat_flow import template_messages, template_vars, tools_offered
 from colibri_aio.serve.errors import APIError
-from colibri_aio.serve.requests import ChatRequest
+from colibri_aio.serve.requests import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOLS,
+                                       ChatRequest, at_most)
 from colibri_aio.serve.runs import ClientGone, Run, error_for
 from colibri_aio.text.sampling import first_completed
 
@@ -133,7 +134,7 @@ class ToolUseBlock(_Strict):
 class ToolResultBlock(_Strict):
     type: Literal["tool_result"]
     tool_use_id: str = Field(min_length=1)
-    content: str | list[TextBlock] = ""
+    content: str | Annotated[list[TextBlock], at_most(MAX_CONTENT_PARTS)] = ""
     is_error: bool = False
 
     @field_validator("content", mode="before")
@@ -186,7 +187,7 @@ def _known_blocks(v: Any, allowed: Sequence[str]) -> Any:
 
 class MessageIn(_Strict):
     role: Literal["user", "assistant"]
-    content: str | list[Block]
+    content: str | Annotated[list[Block], at_most(MAX_CONTENT_PARTS)]
 
     @field_validator("content", mode="before")
     @classmethod
@@ -269,9 +270,9 @@ class CountTokensRequest(_Strict):
 
     IGNORED = IGNORED_FIELDS["request"]
     model: str = Field(min_length=1)
-    messages: list[MessageIn] = Field(min_length=1)
-    system: str | list[TextBlock] | None = None
-    tools: list[ToolIn] | None = None
+    messages: Annotated[list[MessageIn], at_most(MAX_MESSAGES)] = Field(min_length=1)
+    system: str | Annotated[list[TextBlock], at_most(MAX_CONTENT_PARTS)] | None = None
+    tools: Annotated[list[ToolIn], at_most(MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
 
@@ -297,7 +298,7 @@ class MessagesRequest(CountTokensRequest):
     """The body of ``/v1/messages``."""
 
     max_tokens: int = Field(ge=1)
-    stop_sequences: list[str] | None = None
+    stop_sequences: Annotated[list[Annotated[str, Field(max_length=MAX_STOP_CHARS)]], at_most(MAX_STOPS)] | None = None
     temperature: float | None = Field(None, ge=0)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=0)
@@ -323,7 +324,7 @@ def parse_request(model: type[_Strict], body: Any) -> Any:
 
 def _deepest(errors: Sequence[Any]) -> Any:
     """The error that reached furthest into the body: for ``str | list[...]`` given a list, the list's problem."""
-    return max(errors, key=lambda e: len(e["loc"]))
+    return max(errors, key=lambda e: (len(e["loc"]), e["loc"][-1:] != ("str",)))
 
 
 def _problem(err: Any) -> str:
