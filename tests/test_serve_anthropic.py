@@ -169,8 +169,7 @@ def test_sampling_and_stops_reach_the_chat_request() -> None:
     chat = chat_of(temperature=0.5, top_p=0.9, top_k=40, stop_sequences=["\n\n", "END"], stream=True)
     assert (chat.max_tokens, chat.temperature, chat.top_p, chat.top_k) == (16, 0.5, 0.9, 40)
     assert chat.stops() == ("\n\n", "END") and chat.stream and chat.include_usage()
-    assert chat.logprobs and chat.top_logprobs == 0  # the token bytes tell which stop string ended the reply
-    assert not chat_of().logprobs
+    assert not chat.logprobs  # the chat path names the stop string itself
 
 
 def test_count_tokens_takes_no_generation_fields() -> None:
@@ -182,11 +181,10 @@ def test_count_tokens_takes_no_generation_fields() -> None:
 
 # --- translation of the reply ----------------------------------------------------------------------------------------
 
-def completion(message: dict[str, Any], finish: str, logprob_text: str | None = None) -> dict[str, Any]:
-    logprobs = None if logprob_text is None else {"content": [{"bytes": list(c.encode())} for c in logprob_text]}
+def completion(message: dict[str, Any], finish: str, stop: str | None = None) -> dict[str, Any]:
     return {"id": "chatcmpl-1", "model": "tiny.gguf",
             "choices": [{"index": 0, "message": {"role": "assistant", **message}, "finish_reason": finish,
-                         "logprobs": logprobs}],
+                         "stop_reason": stop, "logprobs": None}],
             "usage": {"prompt_tokens": 30, "completion_tokens": 7, "prompt_tokens_details": {"cached_tokens": 12}}}
 
 
@@ -194,7 +192,7 @@ def test_a_whole_reply_becomes_thinking_text_and_tool_use_blocks() -> None:
     call = {"id": "call_9", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
     chat = completion({"content": "Let me look.", "reasoning_content": "Oslo it is.", "tool_calls": [call]},
                       "tool_calls")
-    msg = to_message(chat, msg_id="msg_1", stops=())
+    msg = to_message(chat, msg_id="msg_1")
     assert msg["content"] == [{"type": "thinking", "thinking": "Oslo it is.", "signature": ""},
                               {"type": "text", "text": "Let me look."},
                               {"type": "tool_use", "id": "call_9", "name": "get_weather", "input": {"city": "Oslo"}}]
@@ -202,30 +200,27 @@ def test_a_whole_reply_becomes_thinking_text_and_tool_use_blocks() -> None:
     assert (msg["stop_reason"], msg["stop_sequence"]) == ("tool_use", None)
     assert msg["usage"] == {"input_tokens": 18, "output_tokens": 7, "cache_creation_input_tokens": 0,
                             "cache_read_input_tokens": 12}
-    assert to_message(chat, msg_id="m", stops=(), show_thinking=False)["content"][0]["thinking"] == ""
+    assert to_message(chat, msg_id="m", show_thinking=False)["content"][0]["thinking"] == ""
 
 
 def test_finish_reasons_map_to_stop_reasons() -> None:
-    assert to_message(completion({"content": "abc"}, "length"), msg_id="m", stops=())["stop_reason"] == "max_tokens"
-    assert to_message(completion({"content": "abc"}, "stop"), msg_id="m", stops=())["stop_reason"] == "end_turn"
-    assert to_message(completion({"content": None}, "stop"), msg_id="m", stops=())["content"] == []
+    assert to_message(completion({"content": "abc"}, "length"), msg_id="m")["stop_reason"] == "max_tokens"
+    assert to_message(completion({"content": "abc"}, "stop"), msg_id="m")["stop_reason"] == "end_turn"
+    assert to_message(completion({"content": None}, "stop"), msg_id="m")["content"] == []
 
 
-def test_the_stop_sequence_is_the_first_to_complete_in_the_generated_tokens() -> None:
-    stops = ("END", "ND!", "lo")
-    hit = to_message(completion({"content": "Hel"}, "stop", "Hello END"), msg_id="m", stops=stops)
+def test_the_stop_sequence_is_the_one_the_chat_path_names() -> None:
+    hit = to_message(completion({"content": "Hel"}, "stop", stop="lo"), msg_id="m")
     assert (hit["stop_reason"], hit["stop_sequence"]) == ("stop_sequence", "lo")
-    assert stop_reason({"finish_reason": "stop"}, stops, "x ND!END") == ("stop_sequence", "ND!")
-    assert stop_reason({"finish_reason": "stop"}, ("END", "D"), "xEND") == ("stop_sequence", "END")  # longest on a tie
-    # The end-of-generation token is not in the logprobs: no stop string in them means the model ended its turn.
-    assert stop_reason({"finish_reason": "stop"}, stops, "Hi there") == ("end_turn", None)
-    assert stop_reason({"finish_reason": "length"}, stops, "Hello") == ("max_tokens", None)
+    assert stop_reason({"finish_reason": "stop", "stop_reason": None}) == ("end_turn", None)
+    assert stop_reason({"finish_reason": "length", "stop_reason": None}) == ("max_tokens", None)
+    assert stop_reason({"finish_reason": "tool_calls"}) == ("tool_use", None)
 
 
 def test_tool_arguments_that_are_not_an_object_are_an_error() -> None:
     call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1, 2]"}}
     with pytest.raises(APIError, match="not a JSON object") as info:
-        to_message(completion({"tool_calls": [call]}, "tool_calls"), msg_id="m", stops=())
+        to_message(completion({"tool_calls": [call]}, "tool_calls"), msg_id="m")
     assert info.value.status == 500
 
 
@@ -234,7 +229,7 @@ def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, **extr
 
 
 def test_stream_chunks_become_block_events_in_order() -> None:
-    t = StreamTranslator(msg_id="msg_1", model="tiny.gguf", stops=())
+    t = StreamTranslator(msg_id="msg_1", model="tiny.gguf")
     start = t.start(18, 12)
     assert [name for name, _ in start] == ["message_start", "ping"]
     assert start[0][1]["message"]["usage"]["cache_read_input_tokens"] == 12
@@ -263,18 +258,15 @@ def test_stream_chunks_become_block_events_in_order() -> None:
     assert t.done
 
 
-def test_a_stream_names_its_stop_sequence_from_the_chunks_logprobs() -> None:
-    t = StreamTranslator(msg_id="m", model="x", stops=("\n\n",))
-    def lp(s: str) -> dict[str, Any]:
-        return {"content": [{"bytes": list(s.encode())}]}
-
-    events = t.chunk(chunk({"content": "Hi"}, logprobs=lp("Hi"))) + t.chunk(chunk({}, "stop", logprobs=lp("\n\n")))
+def test_a_stream_names_its_stop_sequence_from_the_last_chunk() -> None:
+    t = StreamTranslator(msg_id="m", model="x")
+    events = t.chunk(chunk({"content": "Hi"})) + t.chunk(chunk({}, "stop", stop_reason="\n\n"))
     events += t.chunk({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 2}})
     assert events[-2][1]["delta"] == {"stop_reason": "stop_sequence", "stop_sequence": "\n\n"}
 
 
 def test_an_error_chunk_is_an_error_event_and_the_end() -> None:
-    t = StreamTranslator(msg_id="m", model="x", stops=())
+    t = StreamTranslator(msg_id="m", model="x")
     t.chunk(chunk({"content": "Hi"}))
     body = {"error": {"message": "the server is shutting down", "type": "server_error", "code": "shutting_down"}}
     assert t.chunk(body) == [("error", {"type": "error", "error": {"type": "overloaded_error",

@@ -168,9 +168,13 @@ def test_stop_string_ends_the_text_before_it(client: openai.OpenAI) -> None:
     r = client.completions.create(**args, stop=[stop, "never-produced"])
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].text == text[: text.index(stop)]
+    assert r.choices[0].model_extra["stop_reason"] == stop   # vLLM's field: which stop string ended it
     streamed = list(client.completions.create(**args, stop=stop, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == r.choices[0].text
     assert streamed[-1].choices[0].finish_reason == "stop"
+    assert streamed[-1].choices[0].model_extra["stop_reason"] == stop
+    chat = client.chat.completions.create(model="m", messages=HELLO, max_tokens=4, temperature=0)
+    assert chat.choices[0].model_extra["stop_reason"] is None
 
 
 def test_same_seed_same_text_other_seed_other_text(client: openai.OpenAI) -> None:

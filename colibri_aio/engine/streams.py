@@ -38,6 +38,7 @@ class GenerationPiece:
     cached_tokens: int = 0
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    stop: str | None = None   # the stop string that ended the stream (finish_reason "stop" by a string)
 
     @property
     def prefill_tps(self) -> float:
@@ -81,4 +82,4 @@ class Decoding:
         stats = self._tally()
         return GenerationPiece(step.text, token, step.finish_reason, self.n_prompt, self.stopper.n_tokens,
                                self.prefill_s, time.perf_counter() - self.t_decode, stats, self.cached,
-                               lp, alternatives)
+                               lp, alternatives, step.stop)

@@ -18,11 +18,9 @@ What the translation decides:
   those found in the KV cache are ``cache_read_input_tokens`` (Anthropic's
   split: their sum is the prompt). ``cache_creation_input_tokens`` is 0.
 - ``stop_reason`` ``stop_sequence`` says which stop string ended the reply
-  in ``stop_sequence``. The reply's text omits it, so a request with
-  ``stop_sequences`` asks the chat path for logprobs (top 0): their token
-  bytes still hold it, and the first stop string to complete in them is the
-  one the engine stopped on (its own rule). A reply that ended on the
-  model's end-of-generation token is ``end_turn``.
+  in ``stop_sequence`` (the chat path names it in its choice's
+  ``stop_reason``, as vLLM's does). A reply that ended on the model's
+  end-of-generation token is ``end_turn``.
 - A conversation ending with an assistant message (Anthropic's prefill) is
   refused: the chat template opens a new reply, it does not continue one.
 
@@ -53,7 +51,6 @@ from colibri_aio.serve.errors import APIError
 from colibri_aio.serve.requests import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOLS,
                                        ChatRequest, at_most)
 from colibri_aio.serve.runs import ClientGone, Run, error_for
-from colibri_aio.text.sampling import first_completed
 
 if TYPE_CHECKING:
     from colibri_aio.serve.app import Service
@@ -384,8 +381,6 @@ def to_chat(req: CountTokensRequest) -> ChatRequest:
     if isinstance(req, MessagesRequest):
         body.update(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                     stop=req.stop_sequences or None, stream=req.stream)
-        if req.stop_sequences:  # the tokens' bytes show which stop string ended the reply (the text omits it)
-            body.update(logprobs=True, top_logprobs=0)
         if req.stream:
             body["stream_options"] = {"include_usage": True}
     try:
@@ -469,24 +464,15 @@ def usage(chat_usage: dict[str, Any] | None) -> dict[str, int]:
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
 
 
-def stop_reason(choice: dict[str, Any], stops: Sequence[str], generated: str = "") -> tuple[str, str | None]:
-    """``(stop_reason, stop_sequence)`` of a finished chat choice; ``generated``: the text of every token the
-    reply generated (its logprobs' bytes), in which the stop string that ended it still stands."""
+def stop_reason(choice: dict[str, Any]) -> tuple[str, str | None]:
+    """``(stop_reason, stop_sequence)`` of a finished chat choice."""
     finish = choice.get("finish_reason")
     if finish == "length":
         return "max_tokens", None
     if finish == "tool_calls":
         return "tool_use", None
-    matched = choice.get("stop_reason")  # vLLM's field, should the chat path name the stop string itself
-    if not (isinstance(matched, str) and matched in stops):
-        hit = first_completed(generated, stops)  # the rule the engine stopped by: the first to complete
-        matched = None if hit is None else hit[1]
-    return ("stop_sequence", matched) if matched is not None else ("end_turn", None)
-
-
-def token_text(logprobs: dict[str, Any] | None) -> bytes:
-    """The bytes of the tokens a chat choice's (or chunk's) logprobs list."""
-    return b"".join(bytes(t.get("bytes") or b"") for t in (logprobs or {}).get("content") or ())
+    matched = choice.get("stop_reason")  # the stop string that ended the reply (None: an end-of-generation token)
+    return ("stop_sequence", matched) if isinstance(matched, str) else ("end_turn", None)
 
 
 def tool_input(call: dict[str, Any]) -> dict[str, Any]:
@@ -501,7 +487,7 @@ def tool_input(call: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
-def to_message(chat: dict[str, Any], *, msg_id: str, stops: Sequence[str], show_thinking: bool = True
+def to_message(chat: dict[str, Any], *, msg_id: str, show_thinking: bool = True
                ) -> dict[str, Any]:
     """The Anthropic ``message`` of a whole ``chat.completion`` dict."""
     choice = chat["choices"][0]
@@ -515,8 +501,7 @@ def to_message(chat: dict[str, Any], *, msg_id: str, stops: Sequence[str], show_
     for call in reply.get("tool_calls") or []:
         content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                         "input": tool_input(call)})
-    generated = token_text(choice.get("logprobs")).decode("utf-8", errors="replace")
-    reason, sequence = stop_reason(choice, stops, generated)
+    reason, sequence = stop_reason(choice)
     return {"id": msg_id, "type": "message", "role": "assistant", "model": chat.get("model"), "content": content,
             "stop_reason": reason, "stop_sequence": sequence, "usage": usage(chat.get("usage"))}
 
@@ -529,12 +514,11 @@ class StreamTranslator:
     tool use), closed when the next kind of delta starts; ``message_delta`` and ``message_stop`` once the usage
     chunk arrives."""
 
-    def __init__(self, *, msg_id: str, model: str, stops: Sequence[str], show_thinking: bool = True) -> None:
-        self.msg_id, self.model, self.stops, self.show_thinking = msg_id, model, stops, show_thinking
+    def __init__(self, *, msg_id: str, model: str, show_thinking: bool = True) -> None:
+        self.msg_id, self.model, self.show_thinking = msg_id, model, show_thinking
         self.index = -1                  # of the open (or last) block
         self.open: str | None = None     # "thinking", "text", or "tool:<chat tool-call index>"
         self.finish: tuple[str, str | None] = ("end_turn", None)
-        self.generated = b""             # the bytes of the tokens generated so far (when logprobs come)
         self.done = False
 
     def start(self, input_tokens: int = 0, cached_tokens: int = 0) -> list[Event]:
@@ -556,11 +540,10 @@ class StreamTranslator:
                                                           "message": err.get("message", "")}})]
         events: list[Event] = []
         for choice in chunk.get("choices") or []:
-            self.generated += token_text(choice.get("logprobs"))
             events += self._delta(choice.get("delta") or {})
             if choice.get("finish_reason"):
                 events += self._close()
-                self.finish = stop_reason(choice, self.stops, self.generated.decode("utf-8", errors="replace"))
+                self.finish = stop_reason(choice)
         if chunk.get("usage") and not chunk.get("choices"):
             events += self._close() + self.end(chunk["usage"])
         return events
@@ -648,15 +631,14 @@ async def messages(request: Request, *, chat: ChatPath) -> Response:
         return _refusal(exc)
     if isinstance(run, Response):  # the client left while waiting for its turn
         return run
-    stops = tuple(req.stop_sequences or ())
     show = getattr(req.thinking, "display", None) != "omitted"
     if req.stream:
-        translator = StreamTranslator(msg_id=message_id(), model=service.model_id, stops=stops, show_thinking=show)
+        translator = StreamTranslator(msg_id=message_id(), model=service.model_id, show_thinking=show)
         return EventSourceResponse(_events(run, translator), sep=SSE_SEP, ping=PING_SECONDS,
                                    ping_message_factory=_ping, background=BackgroundTask(run.cancel))
     try:
         chat_reply = await run.whole()
-        return JSONResponse(to_message(chat_reply, msg_id=message_id(), stops=stops, show_thinking=show))
+        return JSONResponse(to_message(chat_reply, msg_id=message_id(), show_thinking=show))
     except ClientGone:
         return Response(status_code=499)
     except Exception as exc:

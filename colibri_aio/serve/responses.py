@@ -102,7 +102,7 @@ class ChatShape(_Shape):
             if reply.tool_calls:
                 message["tool_calls"] = [tool_call_json(c) for c in reply.tool_calls]
         choice = {"index": 0, "message": message, "logprobs": self.logprobs(pieces) if with_logprobs else None,
-                  "finish_reason": self._finish_reason(last.finish_reason)}
+                  "finish_reason": self._finish_reason(last.finish_reason), "stop_reason": last.stop}
         return self._envelope(self.object, [choice], usage=usage(last))
 
     def first_chunk(self, include_usage: bool) -> dict[str, Any]:
@@ -116,7 +116,8 @@ class ChatShape(_Shape):
         delta = self._delta(piece)
         if not delta and not piece.finish_reason and not (lp and lp["content"]):
             return None
-        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": self._finish_reason(piece.finish_reason)}
+        choice = {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": self._finish_reason(piece.finish_reason),
+                  **({"stop_reason": piece.stop} if piece.finish_reason else {})}
         return self._envelope(self.chunk_object, [choice], **({"usage": None} if include_usage else {}))
 
     def _delta(self, piece: GenerationPiece) -> dict[str, Any]:
@@ -164,7 +165,8 @@ class CompletionShape(_Shape):
     def response(self, pieces: Sequence[GenerationPiece], with_logprobs: bool) -> dict[str, Any]:
         last = pieces[-1]
         choice = {"index": 0, "text": "".join(p.text for p in pieces),
-                  "logprobs": self.logprobs(pieces) if with_logprobs else None, "finish_reason": last.finish_reason}
+                  "logprobs": self.logprobs(pieces) if with_logprobs else None, "finish_reason": last.finish_reason,
+                  "stop_reason": last.stop}
         return self._envelope(self.object, [choice], usage=usage(last))
 
     def first_chunk(self, include_usage: bool) -> None:
@@ -176,5 +178,6 @@ class CompletionShape(_Shape):
             self._streamed += sum(len(t) for t in lp["tokens"])
         if not piece.text and not piece.finish_reason and not (lp and lp["tokens"]):
             return None
-        choice = {"index": 0, "text": piece.text, "logprobs": lp, "finish_reason": piece.finish_reason}
+        choice = {"index": 0, "text": piece.text, "logprobs": lp, "finish_reason": piece.finish_reason,
+                  **({"stop_reason": piece.stop} if piece.finish_reason else {})}
         return self._envelope(self.chunk_object, [choice], **({"usage": None} if include_usage else {}))

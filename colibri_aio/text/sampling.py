@@ -378,10 +378,12 @@ class TokenDecoder(Protocol):
 
 @dataclass(frozen=True)
 class Step:
-    """What one generated token produced: text to show, and why generation ended (None: go on)."""
+    """What one generated token produced: text to show, and why generation ended (None: go on); ``stop``: the
+    stop string that ended it."""
 
     text: str
     finish_reason: FinishReason | None
+    stop: str | None = None
 
 
 class Stopper:
@@ -426,4 +428,4 @@ class Stopper:
 
     def _finish(self, text: str, reason: FinishReason) -> Step:
         self.finish_reason = reason
-        return Step(text, reason)
+        return Step(text, reason, self._stops.stopped)
