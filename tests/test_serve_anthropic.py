@@ -398,6 +398,16 @@ def test_bad_requests_are_refused_with_anthropics_error_body(server: ServerProce
     assert r.status_code == 400 and r.json()["type"] == "error"
 
 
+def test_refusals_before_the_body_is_read_take_anthropics_shape_too(server: ServerProcess) -> None:
+    headers = {"x-api-key": KEY}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        form = http.post("/v1/messages", content=b"{}", headers={**headers, "content-type": "text/plain"})
+        wrong_method = http.get("/v1/messages", headers=headers)
+    assert (form.status_code, form.json()["type"], form.json()["error"]["type"]) == (
+        415, "error", "invalid_request_error")
+    assert wrong_method.status_code == 405 and wrong_method.json()["type"] == "error"
+
+
 def test_the_key_is_taken_as_x_api_key_or_bearer_and_a_wrong_one_is_refused(server: ServerProcess) -> None:
     bearer = anthropic.Anthropic(base_url=server.url, auth_token=KEY, max_retries=0)
     assert bearer.messages.count_tokens(model="m", messages=ASK).input_tokens > 0

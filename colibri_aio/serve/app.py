@@ -87,7 +87,8 @@ def build_app(service: Service, limits: Limits | None = None) -> Starlette:
     }
     app = Starlette(routes=routes, exception_handlers=handlers)
     app.state.service = service
-    app.add_middleware(RequestGuard, limits=limits or Limits())  # inside the key check: no stranger's body is read
+    app.add_middleware(RequestGuard, limits=limits or Limits(),   # inside the key check: no stranger's body is read
+                       respond=error_response_for)
     app.add_middleware(BearerAuth, api_key=service.api_key)
     app.add_middleware(CountRequests, requests=service.metrics.requests)  # added last: outermost, so it counts 401s too
     return app
@@ -302,8 +303,13 @@ _user_error = _context_full = _read_error = _cancelled = _api_error
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     message = {404: f"no route {request.url.path}", 405: f"{request.method} is not allowed on {request.url.path}"}
-    return APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
-                    headers=dict(exc.headers or {})).response()
+    return error_response_for(request.url.path, APIError(exc.status_code, message.get(exc.status_code, str(exc.detail)),
+                                                         headers=dict(exc.headers or {})))
+
+
+def error_response_for(path: str, error: APIError) -> Response:
+    """``error`` in the shape of the API ``path`` belongs to: Anthropic's on /v1/messages, else OpenAI's."""
+    return anthropic.error_response(error) if anthropic.is_messages_path(path) else error.response()
 
 
 # --- middleware --------------------------------------------------------------------------------------------------
@@ -326,9 +332,7 @@ class BearerAuth:
                     and hmac.compare_digest(hashlib.sha256(token.strip()).digest(), self._digest)):
                 error = APIError(401, "invalid or missing API key (Authorization: Bearer KEY, or x-api-key: KEY)",
                                  code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                response = (anthropic.error_response(error) if anthropic.is_messages_path(scope["path"])
-                            else error.response())
-                await response(scope, receive, send)
+                await error_response_for(scope["path"], error)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
 

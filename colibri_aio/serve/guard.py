@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from starlette.datastructures import Headers
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from colibri_aio.serve.errors import APIError
@@ -95,11 +96,18 @@ class ClientLeft(Exception):
     """The client disconnected while its body was read: nobody to answer."""
 
 
-class RequestGuard:
-    """ASGI middleware enforcing :class:`Limits` (module docstring)."""
+def openai_error(path: str, error: APIError) -> Response:
+    """An error in OpenAI's shape, whatever the path."""
+    return error.response()
 
-    def __init__(self, app: ASGIApp, limits: Limits) -> None:
-        self.app, self.limits = app, limits
+
+class RequestGuard:
+    """ASGI middleware enforcing :class:`Limits` (module docstring); ``respond`` shapes a refusal for the path it
+    was made on (an API of another shape on some paths)."""
+
+    def __init__(self, app: ASGIApp, limits: Limits,
+                 respond: Callable[[str, APIError], Response] = openai_error) -> None:
+        self.app, self.limits, self.respond = app, limits, respond
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -112,7 +120,7 @@ class RequestGuard:
                 receive = _replay(body, receive)
         except APIError as exc:
             exc.headers.setdefault("Connection", "close")
-            await exc.response()(scope, receive, send)
+            await self.respond(scope["path"], exc)(scope, receive, send)
             return
         except ClientLeft:
             return
