@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from colibri_aio.cluster.affinity import CHAT_PATH, NoReplica, NoRoom, ReplicaChooser, conversation_key
+from colibri_aio.cluster.affinity import (CHAT_PATH, MESSAGES_PATH, NoReplica, NoRoom, ReplicaChooser,
+                                          conversation_key)
 
 SYSTEM = {"role": "system", "content": "You explain Python."}
 ASK = {"role": "user", "content": "What is a list?"}
@@ -87,3 +88,12 @@ def test_replicas_that_go_and_come_are_forgotten_and_start_empty() -> None:
     c.forget("b")
     c.finished("b")
     assert c.assign("x").reason == "least_busy"
+
+
+def test_an_anthropic_conversation_keeps_its_key_and_its_system_prompt_counts() -> None:
+    turn1 = {"system": "You explain Python.", "messages": [{"role": "user", "content": "What is a list?"}]}
+    turn2 = {**turn1, "messages": [*turn1["messages"], {"role": "assistant", "content": "A sequence."},
+                                   {"role": "user", "content": "And a tuple?"}]}
+    key = conversation_key(MESSAGES_PATH, turn1)
+    assert key is not None and key == conversation_key(MESSAGES_PATH, turn2)
+    assert conversation_key(MESSAGES_PATH, {**turn1, "system": "Be brief."}) != key

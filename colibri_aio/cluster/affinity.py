@@ -38,18 +38,19 @@ from typing import Any
 
 SESSION_HEADER = "x-session-id"
 CHAT_PATH = "/v1/chat/completions"
+MESSAGES_PATH = "/v1/messages"   # Anthropic's: the system prompt is a field beside the messages
 
 
 def conversation_key(path: str, body: Any, session: str | None = None) -> str | None:
     """The conversation a request belongs to (see the module's docstring); None: route by load alone."""
     if session:
         return "session:" + session
-    if path != CHAT_PATH or not isinstance(body, Mapping):
+    if path not in (CHAT_PATH, MESSAGES_PATH) or not isinstance(body, Mapping):
         return None
     messages = body.get("messages")
     if not isinstance(messages, list):
         return None
-    opening = []
+    opening: list[Any] = [{"role": "system", "content": body["system"]}] if body.get("system") is not None else []
     for message in messages:
         opening.append(message)
         if isinstance(message, Mapping) and message.get("role") == "user":

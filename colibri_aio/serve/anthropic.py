@@ -46,7 +46,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from colibri_aio.logs import get_logger
-from colibri_aio.serve.chat_flow import template_messages, template_vars, tools_offered
+from colibri_aio.serve.chat_flow import render_prompt
 from colibri_aio.serve.errors import APIError
 from colibri_aio.serve.requests import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOLS,
                                        ChatRequest, at_most)
@@ -667,10 +667,7 @@ def translated(model: type[MessagesRequest] | type[CountTokensRequest], body: An
 
 def prompt_ids(session: Session, body: ChatRequest) -> list[int]:
     """The prompt's ids as the chat route renders it: messages and offered tools through the chat template."""
-    engine = session.engine.engine
-    messages = template_messages(body, session.template_form)
-    prompt = engine.render_chat(messages, template_vars(body, tools_offered(body)))
-    return engine.text_ids(prompt, templated=True)
+    return render_prompt(session, body)[1]
 
 
 async def _events(run: Run, translator: StreamTranslator) -> AsyncIterator[dict[str, str]]:

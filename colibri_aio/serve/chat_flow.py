@@ -127,13 +127,20 @@ def template_vars(body: ChatRequest, tools: list[dict[str, Any]]) -> dict[str, A
     return extra
 
 
+def render_prompt(session: Session, body: ChatRequest) -> tuple[str, list[int], list[dict[str, Any]]]:
+    """The request's prompt through the chat template (its messages and the tools offered), its ids, and those
+    tools."""
+    tools = tools_offered(body)
+    engine = session.engine.engine
+    prompt = engine.render_chat(template_messages(body, session.template_form), template_vars(body, tools))
+    return prompt, engine.text_ids(prompt, templated=True), tools
+
+
 def plan_chat(session: Session, body: ChatRequest, *, default_budget: int | None = None) -> ChatPlan:
     """Render and tokenize the request, and choose the reply's parser and constraint (runs off the event loop:
     the template may take up to its time limit)."""
-    tools = tools_offered(body)
     required, name = forced_tool(body)
-    prompt = session.engine.engine.render_chat(template_messages(body, session.template_form), template_vars(body, tools))
-    ids = session.engine.engine.text_ids(prompt, templated=True)
+    prompt, ids, tools = render_prompt(session, body)
     syntax = session.syntax
     parser = syntax.parser(prompt=prompt, tools=tools)
     answer = _answer_grammar(session, syntax, body, tools, required, name)
