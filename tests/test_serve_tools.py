@@ -186,3 +186,25 @@ def test_a_schema_the_grammar_cannot_compile_is_a_400_naming_it(tiny_server: Ser
                                                   "schema": {"type": "object", "properties": {"a": {"$ref": "#/nope"}}}}}
     with pytest.raises(openai.BadRequestError, match="response_format"):
         _client(tiny_server).chat.completions.create(model="m", messages=ASK, max_tokens=8, response_format=fmt)
+
+
+def test_a_json_answer_from_gpt_oss_is_written_in_its_final_channel(tmp_path: Path) -> None:
+    """gpt-oss answers in harmony's final channel: the grammar writes the channel's markers (special tokens) before
+    the JSON, and the parser hands back only the JSON as content."""
+    from colibri_aio.engine.sync import SyncEngine
+    from colibri_aio.serve.chat_flow import plan_chat
+    from colibri_aio.serve.requests import ChatRequest, parse
+    from colibri_aio.serve.responses import ChatShape
+    from colibri_aio.serve.session import Session
+
+    schema = SCHEMAS[sorted(SCHEMAS)[0]]
+    fmt = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}
+    with SyncEngine.open(with_template(*FAMILIES["gptoss"], tmp_path), n_ctx=2048) as engine:
+        session = Session(engine)
+        plan = plan_chat(session, parse(ChatRequest, {"messages": ASK, "response_format": fmt}))
+        pieces = list(engine.generate(plan.ids, max_tokens=400, constraint=plan.constraint, special=plan.special,
+                                      temperature=0))
+        choice = ChatShape("m", session.tokenizer, plan.parser).response(pieces, False)["choices"][0]
+    assert "".join(p.text for p in pieces).startswith("<|channel|>final<|message|>")
+    assert choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)

@@ -18,6 +18,7 @@ from colibri_aio.serve.errors import APIError
 from colibri_aio.serve.requests import ChatRequest, Message
 from colibri_aio.serve.session import Session
 from colibri_aio.text.reasoning_gate import ReasoningGate
+from colibri_aio.text.replies.base import Lark
 from colibri_aio.text.template_form import TemplateForm, assistant_message, tool_message
 from colibri_aio.text.sampling import TokenConstraint
 
@@ -27,8 +28,9 @@ if TYPE_CHECKING:
 # Template variables the server sets itself: chat_template_kwargs may not replace them.
 RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token",
                                 "reasoning_effort"})
-# What a grammar-constrained answer starts with, per syntax: gpt-oss writes its answer in the final channel.
-ANSWER_PREFIX = {"harmony": "<|channel|>final<|message|>"}
+# What a grammar-constrained answer starts with, per syntax (markers, then text): gpt-oss writes its answer in
+# the final channel.
+ANSWER_PREFIX = {"harmony": ("<|channel|>", "final", "<|message|>")}
 # How a thinking span opens, and the text that shows it closed (gpt-oss's analysis channel ends at <|end|>,
 # whatever channel follows: the final answer or a tool call in commentary).
 REASONING_MARKERS = {"harmony": ("<|channel|>analysis<|message|>", "<|end|>")}
@@ -171,8 +173,10 @@ def _answer_grammar(session: Session, syntax: ChatSyntax, body: ChatRequest, too
     prefix = ANSWER_PREFIX.get(syntax.name)
     if prefix is None:
         return session.grammars.json_schema(schema, strict=strict)
-    body_schema = json.dumps(schema if schema is not None else {"type": "object"})
-    return session.grammars.lark(f"start: {json.dumps(prefix)} %json {body_schema}")
+    g = Lark(session.special_tokens)
+    marker, text, close = prefix
+    head = f"{g.marker(marker)} {g.text(text)} {g.marker(close)}"
+    return session.grammars.lark(g.grammar(f"{head} {g.json_rule('answer', schema or {'type': 'object'})}"))
 
 
 def _gate(session: Session, syntax: ChatSyntax, budget: int | None, answer: TokenConstraint | None, *,
