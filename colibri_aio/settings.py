@@ -54,6 +54,8 @@ SWITCHES: dict[str, Switch] = {
     "ggml_attention": Switch("COLIBRI_GGML_ATTENTION", "f32", ("f32", "f16"), "decode attention's precision"),
     "ggml_expert_gemm": Switch("COLIBRI_GGML_EXPERT_GEMM", "1", ("1", "0"),
                                "experts of several rows on llamafile's GEMM"),
+    "ggml_expert_cells": Switch("COLIBRI_GGML_EXPERT_CELLS", "batch", ("batch", "rows"),
+                                "a batched step's experts over all its rows in one product, or row by row"),
     "ggml_step": Switch("COLIBRI_GGML_STEP", "graph", ("graph", "layers"),
                         "a resident decode step as one graph, or two graphs a block"),
     "ggml_repack": Switch("COLIBRI_GGML_REPACK", "on", ("on", "off"),

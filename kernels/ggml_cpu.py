@@ -570,6 +570,7 @@ class GgmlKernels:
         self._scratch, _ = aligned_buffer(0)           # the intermediates of _expert_gemms' graphs
         self._lock = threading.Lock()
         self._rows_alike: dict[tuple[int, bool], bool] = {}   # rows_alike's measurements
+        self._cells_alike: dict[int, bool] = {}               # cells_alike's
         self._probes: list[QTensor] = []                        # the repacked matrices they measured
 
     # --- the interface the forward pass calls ---
@@ -840,19 +841,9 @@ class GgmlKernels:
             return False
         rows, cols = 64, 256
         rng = np.random.default_rng(7)
-        data = rng.standard_normal((rows, cols)).astype(np.float32)
-        if t == GGMLQuantizationType.F32:
-            raw = data.view(np.uint8).reshape(-1)
-        else:
-            raw = np.zeros(QTensor.nbytes_for(t, (rows, cols)), np.uint8)
-            imatrix = np.ones(cols, np.float32)
-            G.ggml_quantize_init(m.gid)
-            written = G.ggml_quantize_chunk(
-                m.gid, data.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), raw.ctypes.data, 0, rows, cols,
-                imatrix.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
-                if G.ggml_quantize_requires_imatrix(m.gid) else None)
-            if written != raw.size:
-                return False
+        raw = self._random_matrix(m.gid, t, rows, cols, rng)
+        if raw is None:
+            return False
         w = QTensor(raw, t, (rows, cols))
         if m.packed:
             self._probes.append(w)               # its copy lives as long as the backend
@@ -865,6 +856,55 @@ class GgmlKernels:
             if not np.array_equal(together, alone):
                 return False
         return True
+
+    def cells_alike(self, m: Mat) -> bool:
+        """Whether ``ggml_mul_mat_id`` over experts of ``m``'s type (unpacked: pool slots) gives each
+        (expert, row) cell the bits that cell alone gives, whatever other cells and rows share the product:
+        measured once per type on two random experts and eight rows, together and one at a time. A batched
+        decode step runs every row's experts in one product where this holds
+        (:meth:`DecodeGraphs.expert_cells`), and row by row where it does not."""
+        known = self._cells_alike.get(m.gid)
+        if known is None:
+            known = self._cells_alike[m.gid] = self._probe_cells_alike(m)
+        return known
+
+    def _probe_cells_alike(self, m: Mat) -> bool:
+        t = self._type_of.get(m.gid)
+        if t is None:
+            return False
+        n = 256
+        rng = np.random.default_rng(5)
+        mats = [self._random_matrix(m.gid, t, n, n, rng) for _ in range(6)]   # two experts' gate, up, down
+        if any(raw is None for raw in mats):
+            return False
+        pool = np.concatenate(mats)                   # expert 1 one stride (three matrices) after expert 0
+        size = mats[0].size
+        base = self.address(pool)
+        addrs = [tuple(base + (3 * e + j) * size for j in range(3)) for e in range(2)]
+        mat = self.mat(QTensor(mats[0], t, (n, n)))
+        x = rng.standard_normal((8, n)).astype(np.float32)
+        together = self._expert_stacks(addrs, [x[:5], x[5:]], mat, mat, "swiglu")   # type: ignore[arg-type]
+        for e, (rows, ys) in enumerate(((x[:5], together[0]), (x[5:], together[1]))):
+            for i in range(len(rows)):
+                (alone,) = self._expert_stacks([addrs[e]], [rows[i: i + 1]], mat, mat, "swiglu")  # type: ignore[list-item]
+                if not np.array_equal(ys[i: i + 1], alone):
+                    return False
+        return True
+
+    @staticmethod
+    def _random_matrix(gid: int, t: GGMLQuantizationType, rows: int, cols: int,
+                       rng: np.random.Generator) -> np.ndarray | None:
+        """A (rows, cols) matrix of random weights in type ``t``'s bytes; None when ggml cannot write it."""
+        data = rng.standard_normal((rows, cols)).astype(np.float32)
+        if t == GGMLQuantizationType.F32:
+            return data.view(np.uint8).reshape(-1)
+        raw = np.zeros(QTensor.nbytes_for(t, (rows, cols)), np.uint8)
+        imatrix = np.ones(cols, np.float32)
+        G.ggml_quantize_init(gid)
+        written = G.ggml_quantize_chunk(
+            gid, data.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), raw.ctypes.data, 0, rows, cols,
+            imatrix.ctypes.data_as(ctypes.POINTER(ctypes.c_float)) if G.ggml_quantize_requires_imatrix(gid) else None)
+        return raw if written == raw.size else None
 
     # --- helpers ---
 

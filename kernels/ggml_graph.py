@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -862,6 +862,46 @@ class DecodeGraphs:
             k.run(graph)
         return target
 
+    def expert_cells(self, shape: ExpertsShape, h: np.ndarray, batch: Mapping[int, Any], cells: np.ndarray,
+                     weights: np.ndarray, biases: Sequence[np.ndarray] | None = None) -> np.ndarray | None:
+        """Each (row, rank) cell's weighted expert output, (N, D), for N cells of a batched step at once: cell
+        ``j`` is expert ``cells[j]`` (int32; its FFNWeights ``batch[cells[j]]``, one expert may serve several
+        cells) on input ``h[j]`` (N, D) with weight ``weights[j]`` (N,). One ``ggml_mul_mat_id`` per matrix
+        over all cells, each expert's weights loaded once for every cell routed to it; each cell is its own
+        dot products, so it carries the bits :meth:`experts` gives its row alone (the kernels'
+        :meth:`~GgmlKernels.cells_alike` measures this per type: the caller asks it first). None when the
+        experts are not one stack of matrices one stride apart (the caller runs its rows one by one)."""
+        k, n = self.kernels, len(cells)
+        a = k.address
+        members, first_of, counts = np.unique(cells, return_inverse=True, return_counts=True)
+        addrs = [(a(e.gate.data), a(e.up.data), a(e.down.data)) for e in (batch[int(m)] for m in members)]
+        stacks = split_stacks(addrs, counts.tolist())
+        if len(stacks) != 1 or shape.each:
+            return None
+        (stack,) = stacks
+        index = np.empty(len(members), np.int32)
+        index[list(stack.members)] = stack.index
+        ids = np.empty(2 * n, np.int32)
+        ids[:n] = index[first_of]
+        ids[n:] = cells
+        gate_up = (shape.activation == "swiglu" and not shape.biased
+                   and stack.base[1] - stack.base[0] == shape.gate.nbytes)
+        shape = replace(shape, used=1, depth=stack.depth, gate_up=gate_up)
+        bases = (stack.base[0], stack.base[2]) if gate_up else stack.base
+        out = np.empty((n, shape.down.rows), np.float32)
+        with k.lock:
+            graph = k.graph(("cells", shape, n), 16 + 16, lambda g: _build_cells(g, shape, n),
+                            sum(m.nbytes for m in (shape.gate, shape.gate, shape.down)) * len(members))
+            addrs_in = [h.ctypes.data, *bases, ids.ctypes.data, ids.ctypes.data + 4 * n, weights.ctypes.data,
+                        *(b.ctypes.data for b in biases or ())]
+            for leaf, addr in zip(graph.inputs, addrs_in):
+                leaf.data = addr
+            for st in graph.stacks:
+                graph.set_stride(st, stack.stride)
+            graph.outputs[0].data = out.ctypes.data
+            k.run(graph)
+        return out
+
     def _terms(self, shape: ExpertsShape, used: int) -> np.ndarray:
         buf = self._experts_terms.get(used)
         if buf is None or buf.shape[1] != shape.down.rows:
@@ -901,3 +941,21 @@ def _build_experts(g: Graph, s: ExpertsShape, terms: bool) -> list:
     for y in ys[1:]:
         acc = G.ggml_concat(ctx, acc, y, 1)
     return [G.ggml_cont(ctx, acc)]
+
+
+def _build_cells(g: Graph, s: ExpertsShape, n: int) -> list:
+    """The graph :meth:`DecodeGraphs.expert_cells` points: leaves h (D, n), the stacks, each cell's stack
+    index and expert, its weight, the biases; its output each cell's weighted expert output (D, n)."""
+    ctx = g.ctx
+    h = g.leaf(_F32, s.gate.cols, n)
+    if s.gate_up:
+        stacks = [g.stack(s.gate.gid, s.gate.cols, 2 * s.gate.rows, s.depth),
+                  g.stack(s.down.gid, s.down.cols, s.down.rows, s.depth)]
+    else:
+        stacks = [g.stack(m.gid, m.cols, m.rows, s.depth) for m in (s.gate, s.gate, s.down)]
+    slot_ids, expert_ids = g.leaf(_I32, 1, n), g.leaf(_I32, 1, n)
+    w = g.leaf(_F32, 1, n)
+    biases = ([g.leaf(_F32, rows, s.n_experts) for rows in (s.gate.rows, s.gate.rows, s.down.rows)]
+              if s.biased else None)
+    (y,) = expert_terms(ctx, s, h, slot_ids, expert_ids, w, stacks, biases, n)
+    return [G.ggml_cont(ctx, y)]

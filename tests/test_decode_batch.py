@@ -137,3 +137,81 @@ def test_rows_alike_is_measured_per_type(ggml: Kernels) -> None:  # noqa: F811
     together = ggml.linear(w, x)
     alone = np.concatenate([ggml.linear(w, x[i:i + 1]) for i in range(6)])
     assert ggml.rows_alike(m) == bool(np.array_equal(together, alone))  # type: ignore[attr-defined]
+
+
+class _Arriving(MappedExpertSource):
+    """The experts of a request in several batches of one to three, in a shuffled order: as reads land."""
+
+    def __init__(self, model, seed: int = 0) -> None:
+        super().__init__(model)
+        self.rng = np.random.default_rng(seed)
+
+    async def stream(self, layer, experts):
+        order = self.rng.permutation(len(experts)).tolist()
+        async for (batch,) in _one(super().stream(layer, experts)):
+            items = [batch[i] for i in order]
+            while items:
+                n = int(self.rng.integers(1, 4))
+                yield items[:n]
+                items = items[n:]
+
+
+async def _one(stream):
+    yield [batch async for batch in stream]
+
+
+def _arriving_net(name: str, kernels: Kernels, n_seq: int):
+    model = load(fixture(f"{name}.gguf"))
+    return build_net(model, _Arriving(model), n_ctx=64, kernels=kernels, kv_type="f16", n_seq=n_seq)
+
+
+@pytest.mark.parametrize("name", ["tiny_q8_0", "tiny_q4_k", "gptoss_mxfp4", "llama4_q8_0", "deepseek2_q8_0"])
+def test_experts_over_all_rows_give_each_row_its_bits(monkeypatch, name: str, ggml: Kernels) -> None:  # noqa: F811
+    """A batched step runs each arriving batch of experts over every row routed to it in one product; the
+    logits equal, bit for bit, those of the same steps row by row and of each sequence alone, experts
+    arriving in several batches in any order."""
+    got = {}
+    for cells in ("batch", "rows"):
+        monkeypatch.setenv("COLIBRI_GGML_EXPERT_CELLS", cells)
+        net = _arriving_net(name, ggml, len(PROMPTS))
+        prompts, tokens = _sequences(net.args.vocab_size)
+        got[cells] = asyncio.run(_batched(net, prompts, tokens))
+        together = net.expert_cell_products
+        assert (together > 0) == (cells == "batch"), (cells, together)
+    alone_net = _arriving_net(name, ggml, 1)
+    counts = [sum(i in slots for slots in _schedule()) for i in range(len(PROMPTS))]
+    alone = asyncio.run(_alone(alone_net, prompts, tokens, counts))
+    assert alone_net.expert_cell_products == 0        # one row: its own graphs
+    for key in alone:
+        np.testing.assert_array_equal(got["batch"][key], got["rows"][key], err_msg=f"{name} {key}")
+        np.testing.assert_array_equal(got["batch"][key], alone[key], err_msg=f"{name} {key}")
+
+
+def test_expert_cells_carry_each_rows_terms(ggml: Kernels) -> None:  # noqa: F811
+    """DecodeGraphs.expert_cells against DecodeGraphs.experts one row at a time on the fixture's experts:
+    every cell the bits of its row's own product, whichever cells share an expert; the probe agrees."""
+    net = _net("tiny_q8_0", ggml, "f16", n_seq=1)
+    graphs = net.decode_graphs()
+    layer = next(i for i in range(net.args.block_count) if net.args.is_moe(i))
+    shape = net._experts_shape(layer)
+    assert ggml.cells_alike(shape.gate) and ggml.cells_alike(shape.down)  # type: ignore[attr-defined]
+    batch = dict(asyncio.run(_collect(net.experts.stream(layer, range(net.args.expert_count)))))
+    rng = np.random.default_rng(2)
+    rows, used = 6, net.args.expert_used_count
+    h = rng.standard_normal((rows, shape.gate.cols)).astype(np.float32)
+    routed = np.stack([rng.choice(net.args.expert_count, used, replace=False) for _ in range(rows)]).astype(np.int32)
+    weights = rng.random((rows, used)).astype(np.float32)
+    cells = routed.reshape(-1)
+    assert len(set(cells.tolist())) < cells.size          # some expert serves several rows
+    out = graphs.expert_cells(shape, np.repeat(h, used, axis=0), batch, cells, weights.reshape(-1))
+    assert out is not None and out.shape == (rows * used, shape.down.rows)
+    for i in range(rows):
+        x2 = np.zeros((1, shape.down.rows), np.float32)
+        alone = graphs.experts(net._experts_shape(layer, used=used), h[i:i + 1], x2, x2,
+                               [batch[e] for e in routed[i].tolist()], routed[i].tolist(), weights[i:i + 1],
+                               terms=True)
+        np.testing.assert_array_equal(out[i * used:(i + 1) * used], alone, err_msg=f"row {i}")
+
+
+async def _collect(stream) -> list:
+    return [item async for batch in stream for item in batch]

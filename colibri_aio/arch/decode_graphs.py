@@ -55,6 +55,7 @@ class StepBuffers:
     step_order: np.ndarray  # (blocks, B, E) of a one-graph step
     step_weights: np.ndarray  # (blocks, B, k)
     step_check: np.ndarray
+    terms: np.ndarray       # (B, k, D) each row's weighted expert outputs in rank order, before their sum
 
     @classmethod
     def make(cls, blocks: int, dim: int, experts: int, used: int, vocab: int, rows: int = 1) -> StepBuffers:
@@ -62,7 +63,8 @@ class StepBuffers:
         return cls(z((rows, dim), np.float32), z((rows, dim), np.float32), z((rows, dim), np.float32),
                    z((rows, experts), np.int32), z((rows, used), np.float32), z(1, np.float32),
                    z((rows, dim), np.float32), z(1, np.float32), z((rows, vocab), np.float32),
-                   z((blocks, rows, experts), np.int32), z((blocks, rows, used), np.float32), z(1, np.float32))
+                   z((blocks, rows, experts), np.int32), z((blocks, rows, used), np.float32), z(1, np.float32),
+                   z((rows, used, dim), np.float32))
 
 
 class GraphDecode(MoETransformer):
@@ -74,6 +76,7 @@ class GraphDecode(MoETransformer):
     one_graph_steps = 0                      # steps run as one graph
     one_graph_misses = 0                     # one-graph steps discarded: an expert was not resident
     batch_steps = 0                          # decode_batch steps of several sequences run together
+    expert_cell_products = 0                 # arriving batches of experts run over all their rows at once
 
     def decode_graphs(self) -> DecodeGraphs | None:
         """The net's decode graphs, or None when this net's steps take the per-operation pass."""
@@ -327,16 +330,20 @@ class GraphDecode(MoETransformer):
         are out); False when a non-finite value appeared in the shared expert. Each expert any row routes to
         is read once (the union).
 
-        A row whose experts are all in the source's first batch (resident, or landed): one graph. Otherwise
-        the row's experts run batch by batch as they arrive, giving each one's weighted output, and the same
-        rank-ordered sum follows in NumPy, which rounds as the graph does (one addition at a time), so
-        arrival never changes a bit, nor do the other rows. (A batch's weights are only held while it is
-        being used: the source may reuse its slots for the next.)
+        Several rows (a batched step), where the experts' type allows (:meth:`_cells_together`): each batch
+        as it arrives in one product over every (row, rank) cell it serves, each expert's weights loaded once
+        for all its rows. Otherwise row by row: a row whose experts are all in the source's first batch
+        (resident, or landed) in one graph, the others batch by batch, giving each expert's weighted output.
+        Either way the rank-ordered sum follows in NumPy, which rounds as the graph does (one addition at a
+        time, then the shared expert, then the residual), so neither arrival nor the other rows change a
+        bit. (A batch's weights are only held while it is being used: the source may reuse its slots for
+        the next.)
         """
         b = self._buffers
         shared_on = self.shared_expert_on(layer)
-        biases = self._expert_biases(layer)
-        terms: list[list[np.ndarray | None]] = [[None] * len(row) for row in ids]
+        together = self._cells_together(layer, len(ids))
+        terms = b.terms
+        summed = [False] * len(ids)           # rows whose one graph gave their whole sum
         first = True
         union = sorted(set().union(*ids))
         self.step_unions.append(len(union))
@@ -351,34 +358,80 @@ class GraphDecode(MoETransformer):
                                                  rows=len(ids)))
                         if not np.isfinite(b.shared_check[0]):
                             return False
-                for i, row in enumerate(ids):
-                    ranks = [rank for rank, expert in enumerate(row) if expert in by_id]
-                    if not ranks:
-                        continue
-                    one = slice(i, i + 1)
-                    if first and len(ranks) == len(row):
-                        graphs.experts(self._experts_shape(layer), b.moe_input[one], b.residual[one], b.stream[one],
-                                       [by_id[e] for e in row], row, b.weights[one], biases,
-                                       b.shared[one] if shared_on else None)
-                        terms[i] = []
-                        continue
-                    shape = self._experts_shape(layer, used=len(ranks))
-                    ys = graphs.experts(shape, b.moe_input[one], b.residual[one], b.stream[one],
-                                        [by_id[row[r]] for r in ranks], [row[r] for r in ranks],
-                                        np.ascontiguousarray(b.weights[i, ranks][None]), biases, terms=True)
-                    for rank, y in zip(ranks, ys):
-                        terms[i][rank] = y.copy()
+                if not (together and self._cells_on_graphs(graphs, layer, ids, by_id)):
+                    self._rows_on_graphs(graphs, layer, ids, by_id, first, summed)
                 first = False
-        for i, row_terms in enumerate(terms):
-            if not row_terms:
-                continue          # summed in its graph
-            acc = row_terms[0]
-            for term in row_terms[1:]:
-                acc = acc + term
-            if shared_on:
-                acc = acc + b.shared[i]
-            np.copyto(b.stream[i], b.residual[i] + acc)
+        self._rank_sums([i for i, done in enumerate(summed) if not done], terms, shared_on)
         return True
+
+    def _cells_together(self, layer: int, rows: int) -> bool:
+        """Whether a step of ``rows`` rows runs block ``layer``'s experts over all its rows at once: several
+        rows, ``COLIBRI_GGML_EXPERT_CELLS=batch``, and a product over several cells gives each cell its
+        own bits for the experts' types on this build (:meth:`GgmlKernels.cells_alike`)."""
+        if rows < 2 or self.settings.get("ggml_expert_cells") != "batch":
+            return False
+        shape = self._experts_shape(layer)
+        return not shape.each and self.kernels.cells_alike(shape.gate) and self.kernels.cells_alike(shape.down)  # type: ignore[attr-defined]
+
+    def _cells_on_graphs(self, graphs: DecodeGraphs, layer: int, ids: list[list[int]], by_id: dict) -> bool:
+        """Each (row, rank) cell whose expert is in ``by_id`` (one arriving batch) into the terms buffer, all
+        in one product (:meth:`DecodeGraphs.expert_cells`); False (nothing written) when the batch's experts
+        are not one stack, for the caller to run the rows one by one."""
+        b = self._buffers
+        routed = np.asarray(ids, np.int32)                                    # (B, k)
+        rows, ranks = np.nonzero(np.isin(routed, np.fromiter(by_id, np.int32, len(by_id))))
+        if rows.size == 0:
+            return True
+        out = graphs.expert_cells(self._experts_shape(layer), b.moe_input[rows], by_id, routed[rows, ranks],
+                                  np.ascontiguousarray(b.weights[rows, ranks]), self._expert_biases(layer))
+        if out is None:
+            return False
+        b.terms[rows, ranks] = out
+        self.expert_cell_products += 1
+        return True
+
+    def _rows_on_graphs(self, graphs: DecodeGraphs, layer: int, ids: list[list[int]], by_id: dict, first: bool,
+                        summed: list[bool]) -> None:
+        """Each row's experts of one arriving batch, row by row: a row whose experts all came in the first
+        batch in one graph that also sums them (``summed``), the others' weighted outputs into the terms
+        buffer."""
+        b = self._buffers
+        shared_on = self.shared_expert_on(layer)
+        biases = self._expert_biases(layer)
+        for i, row in enumerate(ids):
+            ranks = [rank for rank, expert in enumerate(row) if expert in by_id]
+            if not ranks:
+                continue
+            one = slice(i, i + 1)
+            if first and len(ranks) == len(row):
+                graphs.experts(self._experts_shape(layer), b.moe_input[one], b.residual[one], b.stream[one],
+                               [by_id[e] for e in row], row, b.weights[one], biases,
+                               b.shared[one] if shared_on else None)
+                summed[i] = True
+                continue
+            shape = self._experts_shape(layer, used=len(ranks))
+            ys = graphs.experts(shape, b.moe_input[one], b.residual[one], b.stream[one],
+                                [by_id[row[r]] for r in ranks], [row[r] for r in ranks],
+                                np.ascontiguousarray(b.weights[i, ranks][None]), biases, terms=True)
+            b.terms[i, ranks] = ys
+
+    def _rank_sums(self, rows: list[int], terms: np.ndarray, shared_on: bool) -> None:
+        """The stream of ``rows`` = residual + (((t0 + t1) + t2) ... + shared): their terms summed in rank
+        order one addition at a time, as the graphs add, for all these rows at once."""
+        if not rows:
+            return
+        b = self._buffers
+        every = len(rows) == len(b.stream)
+        t = terms if every else terms[rows]
+        acc = t[:, 0]
+        for r in range(1, t.shape[1]):
+            acc = acc + t[:, r]
+        if shared_on:
+            acc = acc + (b.shared if every else b.shared[rows])
+        if every:
+            np.add(b.residual, acc, out=b.stream)
+        else:
+            b.stream[rows] = b.residual[rows] + acc
 
     # --- what a block's experts are ---------------------------------------------------------
 
