@@ -208,3 +208,14 @@ def test_a_json_answer_from_gpt_oss_is_written_in_its_final_channel(tmp_path: Pa
     assert "".join(p.text for p in pieces).startswith("<|channel|>final<|message|>")
     assert choice["finish_reason"] == "stop"
     jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
+def test_tools_for_a_template_without_tool_syntax_are_a_400(tiny_server: ServerProcess) -> None:
+    """The shipped model's template does not render tools: offering them would be silently dropped."""
+    client = _client(tiny_server)
+    for choice in ("auto", "required"):
+        with pytest.raises(openai.BadRequestError, match="tool") as info:
+            client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice=choice, max_tokens=4)
+        assert info.value.status_code == 400
+    r = client.chat.completions.create(model="m", messages=ASK, tools=[WEATHER], tool_choice="none", max_tokens=4)
+    assert r.choices[0].finish_reason in ("stop", "length")

@@ -142,8 +142,12 @@ def plan_chat(session: Session, body: ChatRequest, *, default_budget: int | None
     """Render and tokenize the request, and choose the reply's parser and constraint (runs off the event loop:
     the template may take up to its time limit)."""
     required, name = forced_tool(body)
-    prompt, ids, tools = render_prompt(session, body)
     syntax = session.syntax
+    if tools_offered(body) and syntax.name == "plain":
+        # Its template would drop them, or write calls no parser here reads back: never silently.
+        raise APIError(400, "tools: this model's chat template has no tool-call syntax this server reads "
+                            "(send the request without tools, or with tool_choice \"none\")", param="tools")
+    prompt, ids, tools = render_prompt(session, body)
     parser = syntax.parser(prompt=prompt, tools=tools)
     answer = _answer_grammar(session, syntax, body, tools, required, name)
     budget = body.reasoning_budget if body.reasoning_budget is not None else default_budget
