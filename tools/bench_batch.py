@@ -61,6 +61,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -118,6 +119,17 @@ class Ours:
     def _misses(self) -> int:
         return self.engine.stats().misses
 
+    def _counters(self) -> dict:
+        """What bounds a run: expert reads (count, bytes, wall time with one in flight), the distinct experts a
+        block read per batched step, the machine's load when it starts."""
+        s = self.engine.stats()
+        return {"misses": s.misses, "io_bytes": s.io_bytes, "read_busy_s": s.read_busy_s,
+                "batch_union": s.batch_union, "batch_union_blocks": s.batch_union_blocks}
+
+    def _since(self, before: dict) -> dict:
+        after = self._counters()
+        return {k: after[k] - before[k] for k in before}
+
     async def _stream(self, ids: list[int], n: int, t0: float, times: list[float], tokens: list[int],
                       ready: asyncio.Event | None = None, after: int = 0) -> None:
         try:
@@ -134,10 +146,10 @@ class Ours:
         async def run() -> dict:
             times: list[list[float]] = [[] for _ in prompts]
             ids: list[list[int]] = [[] for _ in prompts]
-            misses = self._misses()
+            before, load = self._counters(), os.getloadavg()[0]
             t0 = time.perf_counter()
             await asyncio.gather(*(self._stream(p, tokens, t0, times[s], ids[s]) for s, p in enumerate(prompts)))
-            return {"pieces": times, "tokens": ids, "misses": self._misses() - misses}
+            return {"pieces": times, "tokens": ids, **self._since(before), "load_at_start": load}
 
         return self.loop.run_until_complete(run())
 
@@ -258,6 +270,7 @@ class LlamaCpp:
         seqs = list(range(len(prompts)))
         times: list[list[float]] = [[] for _ in prompts]
         ids: list[list[int]] = [[] for _ in prompts]
+        load = os.getloadavg()[0]
         t0 = time.perf_counter()
         last = self._prefill(prompts, seqs)
         for s, i in enumerate(last):
@@ -271,7 +284,7 @@ class LlamaCpp:
                 ids[s].append(self._pick(s))
                 times[s].append(time.perf_counter() - t0)
             steps.append(time.perf_counter() - ts)
-        return {"pieces": times, "tokens": ids, "steps": steps}
+        return {"pieces": times, "tokens": ids, "steps": steps, "load_at_start": load}
 
     def join(self, prompts: list[list[int]], newcomer: list[int], tokens: int, after: int) -> dict:
         """len(prompts) streams prefilled together and decoded to ``after`` tokens each; then one batch of their
@@ -538,6 +551,13 @@ def main() -> int:
             s["all_overlapped"] = all(r["metrics"]["overlapped"] for r in timed)
             if "misses" in timed[0]:
                 s["expert_misses_per_run"] = [r["misses"] for r in timed]
+            if "read_busy_s" in timed[0]:
+                s["read_busy_s_per_run"] = [round(r["read_busy_s"], 3) for r in timed]
+                s["io_gb_per_run"] = [round(r["io_bytes"] / 1e9, 3) for r in timed]
+                s["union_mean_per_run"] = [round(r["batch_union"] / r["batch_union_blocks"], 2)
+                                           for r in timed if r["batch_union_blocks"]]
+            if "load_at_start" in timed[0]:
+                s["load_at_start"] = [round(r["load_at_start"], 2) for r in timed]
             if "join" in timed[0]:
                 for k in ("ttft_loaded", "ttft_alone"):
                     xs = [r["join"][k] for r in timed]
@@ -634,6 +654,19 @@ def main() -> int:
     if misses:
         lines += ["", "Expert cache misses in timed runs (reads, not in RAM): "
                   + "; ".join(f"B={B} {a}: {m}" for (B, a), m in misses.items())]
+    reads = {(B, a): s for B in batches for a, s in summary[B].items() if "read_busy_s_per_run" in s}
+    if reads:
+        lines += ["", ("What bounds ours, per timed run (whole run, prefill included): expert bytes asked of the "
+                       "disk (GB), wall time with an expert read in flight (s), run time (s), distinct experts a MoE "
+                       "block read per step of several streams:")]
+        lines += [f"- B={B} {a}: read {s['io_gb_per_run']} GB; reads in flight {s['read_busy_s_per_run']} s of "
+                  f"{[round(r['pieces'] and max(max(p) for p in r['pieces']), 2) for r in raw[B][a] if not r['warmup']]} s"
+                  + (f"; union {s['union_mean_per_run']}" if s["union_mean_per_run"] else "")
+                  for (B, a), s in reads.items()]
+    loads = {(B, a): s["load_at_start"] for B in batches for a, s in summary[B].items() if "load_at_start" in s}
+    if loads:
+        lines += ["", "Load average (1 min) at each timed run's start: "
+                  + "; ".join(f"B={B} {a}: {v}" for (B, a), v in loads.items())]
     if agree:
         lines += ["", "Greedy tokens in common from the start (last timed run; of " f"{args.tokens}):"]
         lines += [f"- {a}: " + "; ".join(f"{k}: {v}" for k, v in d.items()) for a, d in agree.items()]
