@@ -28,7 +28,7 @@ from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.gguf.model import load
 from colibri_aio.kernels.backend import Kernels, KernelsUnavailable, open_kernels
 
-from support import FIXTURES, ORACLE, family_stems, teacher_forced
+from support import FIXTURES, ORACLE, family_stems, oracle_tolerance, teacher_forced
 
 REL_TOL = 1e-4
 QUANTISED_VS_LLAMACPP = 0.05  # x max|logit|: llama.cpp's Q8_0 activations; argmax checked beyond twice this margin
@@ -123,7 +123,8 @@ def ggml() -> Kernels:
 def test_ggml_logits_match_llamacpp(stem: str, decode: bool, ggml: Kernels) -> None:
     """ggml rounds activations as llama.cpp does: held to llama.cpp's logits (GGML_VS_LLAMACPP)."""
     net = _net(stem, ggml)
-    rel = ATTENTION_ROUNDING_FLIP.get((stem, decode), GGML_VS_LLAMACPP)
+    # Without AVX-512: deepseek2lite_q8_0's decode measured 6.5e-3 (its 26 blocks carry a moved Q8_0 code on).
+    rel = oracle_tolerance(ATTENTION_ROUNDING_FLIP.get((stem, decode), GGML_VS_LLAMACPP), 1e-2)
     for ids, want in _oracle(stem, "llamacpp"):
         got = teacher_forced(net, ids, decode=decode)
         tol = rel * float(np.abs(want).max())

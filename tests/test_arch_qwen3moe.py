@@ -40,7 +40,7 @@ from colibri_aio.kernels.backend import Kernels, NumpyKernels, open_kernels
 from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.arch.qwen3moe import Qwen3MoE
 
-from support import FIXTURES, ORACLE, family_stems, fixture, oracle_ids, teacher_forced
+from support import FIXTURES, ORACLE, family_stems, fixture, oracle_ids, oracle_tolerance, teacher_forced
 
 REL_TOL = 1e-4
 KV_F16_TOL = 3e-3
@@ -170,7 +170,9 @@ def test_ggml_logits_match_llamacpp(name: str, decode: bool, ggml: Kernels) -> N
     for key, ids, want in _oracle(name, "llamacpp"):
         got = teacher_forced(net, ids, decode=decode)
         scale = float(np.abs(want).max())
-        tol = (GGML_VS_LLAMACPP_Q8 if "q8_0" in name else GGML_VS_LLAMACPP) * scale
+        # Without AVX-512, the Q8_0 prefill of colibri-tiny-q8_0 measured 3.3e-3 (seq1; decode 0).
+        rel = GGML_VS_LLAMACPP_Q8 if "q8_0" in name else GGML_VS_LLAMACPP
+        tol = oracle_tolerance(rel, 5e-3) * scale
         assert float(np.abs(got - want).max()) <= tol, f"{name} {key}"
         top2 = np.sort(want, axis=-1)[:, -2:]
         clear = (top2[:, 1] - top2[:, 0]) > 2 * tol

@@ -40,7 +40,7 @@ from colibri_aio.arch import build_net
 from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.gguf.model import load
 
-from support import FIXTURES, ORACLE, fixture, oracle_ids, teacher_forced
+from support import AVX512, FIXTURES, ORACLE, fixture, oracle_ids, oracle_tolerance, teacher_forced
 from test_arch_qwen3moe import _net, ggml  # noqa: F401 (ggml: the module's kernels, a fixture)
 
 sys.path.insert(0, str(FIXTURES.parent / "tools"))
@@ -76,6 +76,10 @@ F32_WEIGHTS_VS_LLAMACPP_BY_NAME = {"qwen3next_f32": 5e-5}
 ATTENTION_FLIP_VS_PER_OPERATION = {("minimaxm2_q8_0", "f32"): 2e-2, ("deepseek2_q8_0", "f32"): 2e-2,
                                    ("deepseek2lite_q8_0", "f32"): 8e-2, ("deepseek2lite_q8_0", "f16"): 5e-2,
                                    ("qwen3moeyarn_q8_0", "f32"): 2e-2}
+# Without AVX-512 (AMD EPYC, AVX2): minimaxm2_q8_0's moved code sends a near-tie of its sigmoid routing the other
+# way, and the rest of the sequence follows another expert: measured 0.54 x max|logit| (argmax still held where
+# clear of that margin).
+OTHER_CPU_FLIP_VS_PER_OPERATION = {("minimaxm2_q8_0", "f32"): 0.6}
 # Every family fixture beyond qwen3moe's tiny_*, each of whose decode steps runs on graphs traced from its
 # description: F32 and a quantised fixture each.
 FAMILY_NAMES = ("olmoe", "qwen2moe", "mixtral", "deepseek2", "deepseek2lite", "glm4moe", "gptoss", "minimaxm2",
@@ -154,6 +158,8 @@ def test_family_decode_on_graphs_matches_the_per_operation_path(monkeypatch, nam
     want = _per_operation(monkeypatch, name, ggml, ids, kv_type)
     rel = F16_CACHE_VS_PER_OPERATION if kv_type == "f16" else 1e-5 if name.endswith("_f32") else 1e-3
     rel = ATTENTION_FLIP_VS_PER_OPERATION.get((name, kv_type), rel)
+    if not AVX512:  # the flips above were measured on the AVX-512 host; on others they fall elsewhere
+        rel = OTHER_CPU_FLIP_VS_PER_OPERATION.get((name, kv_type), rel)
     tol = rel * float(np.abs(want).max())
     assert float(np.abs(got - want).max()) <= tol
     _same_argmax_where_clear(got, want, tol)
@@ -190,7 +196,7 @@ def test_family_decode_on_graphs_against_llamacpp(name: str, ggml: Kernels) -> N
     ref = np.load(ORACLE / f"{name}.llamacpp.npz")
     ids = json.loads((ORACLE / "family_ids.json").read_text())["sequences"]
     tol = (F32_WEIGHTS_VS_LLAMACPP_BY_NAME.get(name, F32_WEIGHTS_VS_LLAMACPP) if name.endswith("_f32")
-           else F32_VS_LLAMACPP_Q8)
+           else oracle_tolerance(F32_VS_LLAMACPP_Q8, 1e-2))   # without AVX-512: deepseek2lite_q8_0 6.5e-3
     for key in sorted(ref.files):
         want = ref[key]
         seq = ids[int(key[3:])][: want.shape[0]]
@@ -232,7 +238,8 @@ def test_decode_on_graphs_against_llamacpp(monkeypatch, name: str, kv_type: str,
         net = _net(name, ggml, kv_type)
         got = teacher_forced(net, seq, decode=True)
         assert net.decode_graphs().steps == len(seq)
-        assert float(np.abs(got - want).max()) <= tol * float(np.abs(want).max()), key
+        # Without AVX-512: tiny_f32's f16 decode measured 7.2e-5, colibri-tiny-q8_0's f32 3.1e-4.
+        assert float(np.abs(got - want).max()) <= oracle_tolerance(tol, 1e-3) * float(np.abs(want).max()), key
 
 
 def test_rewind_and_continue_on_graphs_gives_the_bits_of_a_fresh_run(ggml: Kernels) -> None:
@@ -313,8 +320,9 @@ async def test_a_step_as_one_graph_against_llamacpp(monkeypatch, ggml: Kernels) 
         seq = ids[int(key[3:])][: want.shape[0]]
         got, engine = await _engine_run("tiny_f32", seq, "f16", 10**6)
         assert engine.net.one_graph_steps >= len(seq)
+        tol = oracle_tolerance(F16_DECODE_EXACT, 1e-3) * float(np.abs(want).max())   # as tiny_f32's f16 decode
         for one_pass in np.split(got, PASSES):
-            assert float(np.abs(one_pass - want).max()) <= F16_DECODE_EXACT * float(np.abs(want).max()), key
+            assert float(np.abs(one_pass - want).max()) <= tol, key
 
 
 async def test_the_scheduler_counts_a_one_graph_step_as_its_per_block_steps(monkeypatch, ggml: Kernels) -> None:
