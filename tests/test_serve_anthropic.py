@@ -18,7 +18,7 @@ from colibri_aio.serve.anthropic import (CountTokensRequest, MessagesRequest, St
                                          stop_reason, to_chat, to_message)
 from colibri_aio.serve.errors import APIError
 from colibri_aio.serve.launch import ServerProcess
-from tests.support import fixture, rewrite_gguf
+from support import fixture, rewrite_gguf
 
 BASE = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "Hi"}]}
 WEATHER = {"name": "get_weather", "description": "The weather of a city",

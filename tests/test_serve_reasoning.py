@@ -13,7 +13,7 @@ from colibri_aio.serve.chat_flow import plan_chat
 from colibri_aio.serve.launch import ServerProcess
 from colibri_aio.serve.requests import ChatRequest, parse
 from colibri_aio.serve.session import Session
-from tests.test_serve_tools import with_template
+from test_serve_tools import with_template
 
 ASK = [{"role": "user", "content": "Why is the sky blue?"}]
 R1 = ("deepseek2_q8_0.gguf", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja")   # its prompt opens <think>

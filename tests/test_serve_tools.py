@@ -10,6 +10,7 @@ template, and the final answer is free text.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,10 +19,12 @@ import openai
 import pytest
 
 from colibri_aio.serve.launch import ServerProcess
-from fixtures.json_schemas import SCHEMAS
-from tests.support import fixture, rewrite_gguf
+from support import FIXTURES, fixture, rewrite_gguf
 
-TEMPLATES = Path(__file__).resolve().parent.parent / "fixtures" / "templates"
+sys.path.insert(0, str(FIXTURES))
+from json_schemas import SCHEMAS  # noqa: E402
+
+TEMPLATES = FIXTURES / "templates"
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
