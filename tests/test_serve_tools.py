@@ -42,6 +42,8 @@ BUDGET = {"reasoning_budget": 16}
 # (fixture, the model's real template, what the parser must be): each family whose template calls tools.
 FAMILIES = {
     "qwen3": ("qwen3moeyarn_q8_0.gguf", "Qwen-Qwen3-0.6B.jinja"),
+    "qwen3next": ("qwen3next_q8_0.gguf", "Qwen-Qwen3-0.6B.jinja"),
+    "qwen2moe": ("qwen2moe_q8_0.gguf", "Qwen-Qwen2.5-7B-Instruct.jinja"),
     "glm45": ("glm4moe_q8_0.gguf", "GLM-4.6.jinja"),
     "deepseek": ("deepseek2_q8_0.gguf", "deepseek-ai-DeepSeek-V3.1.jinja"),
     "gptoss": ("gptoss_mxfp4.gguf", "openai-gpt-oss-120b.jinja"),
