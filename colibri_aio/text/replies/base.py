@@ -312,7 +312,21 @@ class ChatSyntax:
         """A Lark grammar (llguidance's dialect, start rule ``start``) that admits one tool call (or, with
         ``parallel``, one or more) in this syntax, of ``tools`` or only the function ``name``; arguments are
         held to each function's schema by ``%json``. ``special_tokens`` maps marker texts that the model's
-        vocabulary has as single special tokens to their ids, so the grammar asks for those tokens."""
+        vocabulary has as single special tokens to their ids, so the grammar asks for those tokens.
+
+        The rule ``call`` is one call of any of the functions (:meth:`_call`); :meth:`_calls` frames it."""
+        g = Lark(special_tokens)
+        alternatives = [g.rule(f"call_{i}", self._call(g, spec, i))
+                        for i, spec in enumerate(function_specs(tools, name))]
+        g.rule("call", " | ".join(alternatives))
+        return g.grammar(self._calls(g, parallel))
+
+    def _call(self, g: Lark, spec: FunctionSpec, i: int) -> str:
+        """The Lark expression of one call of ``spec`` (the ``i``-th function: its rules' names)."""
+        raise NotImplementedError
+
+    def _calls(self, g: Lark, parallel: bool) -> str:
+        """The start rule's expression: the rule ``call`` once, or repeated with ``parallel``, in its markers."""
         raise NotImplementedError
 
     def __repr__(self) -> str:

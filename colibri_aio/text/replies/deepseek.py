@@ -13,10 +13,9 @@ whichever template is in use. R1 (and V3.1 when thinking) reason in ``<think>…
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 
-from colibri_aio.text.replies.base import (ChatSyntax, Lark, ReplyParser, ToolCall, Tools, function_specs,
-                                           make_call, repeat)
+from colibri_aio.text.replies.base import (ChatSyntax, FunctionSpec, Lark, ReplyParser, ToolCall, Tools, make_call,
+                                           repeat)
 from colibri_aio.text.replies.tagged import Markup, TaggedParser, read_each
 
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -54,17 +53,14 @@ class DeepSeekSyntax(ChatSyntax):
     def parser(self, *, prompt: str, tools: bool | Tools) -> ReplyParser:
         return TaggedParser(self._markup, read_block, prompt=prompt, tools=bool(tools))
 
-    def tool_call_grammar(self, tools: Tools, *, name: str | None = None, parallel: bool = True,
-                          special_tokens: Mapping[str, int] | None = None) -> str:
-        g = Lark(special_tokens)
-        alternatives = []
-        for i, spec in enumerate(function_specs(tools, name)):
-            args = g.json_rule(f"args_{i}", spec.parameters)
-            if self.v31:
-                body = f"{g.text(spec.name)} {g.marker(SEP)} {args}"
-            else:
-                body = f'"function" {g.marker(SEP)} {g.text(spec.name + chr(10) + "```json" + chr(10))} {args} "\\n```"'
-            alternatives.append(g.rule(f"call_{i}", f"{g.marker(CALL_BEGIN)} {body} {g.marker(CALL_END)}"))
-        g.rule("call", " | ".join(alternatives))
+    def _call(self, g: Lark, spec: FunctionSpec, i: int) -> str:
+        args = g.json_rule(f"args_{i}", spec.parameters)
+        if self.v31:
+            body = f"{g.text(spec.name)} {g.marker(SEP)} {args}"
+        else:
+            body = f'"function" {g.marker(SEP)} {g.text(spec.name + chr(10) + "```json" + chr(10))} {args} "\\n```"'
+        return f"{g.marker(CALL_BEGIN)} {body} {g.marker(CALL_END)}"
+
+    def _calls(self, g: Lark, parallel: bool) -> str:
         calls = repeat("call", parallel, "" if self.v31 else '"\\n"?')
-        return g.grammar(f"{g.marker(CALLS_BEGIN)} {calls} {g.marker(CALLS_END)}")
+        return f"{g.marker(CALLS_BEGIN)} {calls} {g.marker(CALLS_END)}"

@@ -17,7 +17,7 @@ from functools import partial
 from typing import Any
 
 from colibri_aio.text.replies.base import (ChatSyntax, FunctionSpec, Lark, ReplyParser, ToolCall, Tools,
-                                           function_specs, is_string_schema, make_call, repeat, schemas_by_name,
+                                           is_string_schema, make_call, repeat, schemas_by_name,
                                            xml_value)
 from colibri_aio.text.replies.tagged import Markup, TaggedParser
 
@@ -81,13 +81,9 @@ class GlmSyntax(ChatSyntax):
         return TaggedParser(self._markup, partial(read_block, schemas=schemas_by_name(tools)), prompt=prompt,
                             tools=bool(tools))
 
-    def tool_call_grammar(self, tools: Tools, *, name: str | None = None, parallel: bool = True,
-                          special_tokens: Mapping[str, int] | None = None) -> str:
-        g = Lark(special_tokens)
-        alternatives = []
-        for i, spec in enumerate(function_specs(tools, name)):
-            pairs = argument_pairs(g, spec, i)
-            alternatives.append(g.rule(f"call_{i}", f'{g.text(spec.name)} "\\n" {pairs}'.rstrip()))
-        g.rule("call", " | ".join(alternatives))
+    def _call(self, g: Lark, spec: FunctionSpec, i: int) -> str:
+        return f'{g.text(spec.name)} "\\n" {argument_pairs(g, spec, i)}'.rstrip()
+
+    def _calls(self, g: Lark, parallel: bool) -> str:
         block = g.rule("block", f"{g.marker(OPEN)} call {g.marker(CLOSE)}")
-        return g.grammar(repeat(block, parallel, '"\\n"'))
+        return repeat(block, parallel, '"\\n"')

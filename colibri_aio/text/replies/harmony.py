@@ -14,10 +14,9 @@ as if its end had come.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
 
-from colibri_aio.text.replies.base import (ChatSyntax, Lark, ReplyDelta, ReplyParser, Tools, first_marker,
-                                           function_specs, held_back, make_call)
+from colibri_aio.text.replies.base import (ChatSyntax, FunctionSpec, Lark, ReplyDelta, ReplyParser, Tools,
+                                           first_marker, held_back, make_call)
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -150,20 +149,16 @@ class HarmonySyntax(ChatSyntax):
     def parser(self, *, prompt: str, tools: bool | Tools) -> ReplyParser:
         return HarmonyParser(prompt=prompt, tools=bool(tools))
 
-    def tool_call_grammar(self, tools: Tools, *, name: str | None = None, parallel: bool = True,
-                          special_tokens: Mapping[str, int] | None = None) -> str:
+    def _call(self, g: Lark, spec: FunctionSpec, i: int) -> str:
+        to = g.text(f"{FUNCTIONS}{spec.name}")
+        args = g.json_rule(f"args_{i}", spec.parameters)
+        channel_first = f'{g.marker(CHANNEL)} "commentary to=" {to} (" " {g.marker(CONSTRAIN)} "json")?'
+        recipient_first = f'" to=" {to} {g.marker(CHANNEL)} "commentary" (" json")?'
+        return f"({channel_first} | {recipient_first}) {g.marker(MESSAGE)} {args}"
+
+    def _calls(self, g: Lark, parallel: bool) -> str:
         """One call (a harmony message addresses one recipient, and ``<|call|>`` ends the generation, so
         ``parallel`` changes nothing), from where a header starts: right after the prompt's
         ``<|start|>assistant``, or after an ``<|end|>`` (then with its own ``<|start|>assistant``). The
         grammar ends with the arguments: ``<|call|>`` is the end-of-generation token that follows."""
-        g = Lark(special_tokens)
-        alternatives = []
-        for i, spec in enumerate(function_specs(tools, name)):
-            to = g.text(f"{FUNCTIONS}{spec.name}")
-            args = g.json_rule(f"args_{i}", spec.parameters)
-            channel_first = f'{g.marker(CHANNEL)} "commentary to=" {to} (" " {g.marker(CONSTRAIN)} "json")?'
-            recipient_first = f'" to=" {to} {g.marker(CHANNEL)} "commentary" (" json")?'
-            header = f"({channel_first} | {recipient_first})"
-            alternatives.append(g.rule(f"call_{i}", f"{header} {g.marker(MESSAGE)} {args}"))
-        g.rule("call", " | ".join(alternatives))
-        return g.grammar(f'({g.marker(START)} "assistant")? call')
+        return f'({g.marker(START)} "assistant")? call'

@@ -9,10 +9,9 @@ and, in the templates that think (Qwen3, QwQ), reasoning in ``<think>…</think>
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 
-from colibri_aio.text.replies.base import (ChatSyntax, Lark, ReplyParser, ToolCall, Tools, function_specs,
-                                           make_call, repeat)
+from colibri_aio.text.replies.base import (ChatSyntax, FunctionSpec, Lark, ReplyParser, ToolCall, Tools, make_call,
+                                           repeat)
 from colibri_aio.text.replies.tagged import Markup, TaggedParser
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -47,14 +46,11 @@ class HermesSyntax(ChatSyntax):
     def parser(self, *, prompt: str, tools: bool | Tools) -> ReplyParser:
         return TaggedParser(self._markup, read_block, prompt=prompt, tools=bool(tools))
 
-    def tool_call_grammar(self, tools: Tools, *, name: str | None = None, parallel: bool = True,
-                          special_tokens: Mapping[str, int] | None = None) -> str:
-        g = Lark(special_tokens)
-        alternatives = []
-        for i, spec in enumerate(function_specs(tools, name)):
-            args = g.json_rule(f"args_{i}", spec.parameters)
-            head = g.text('{"name": ' + json.dumps(spec.name, ensure_ascii=False) + ', "arguments": ')
-            alternatives.append(g.rule(f"call_{i}", f'{head} {args} "}}"'))
-        g.rule("call", " | ".join(alternatives))
+    def _call(self, g: Lark, spec: FunctionSpec, i: int) -> str:
+        args = g.json_rule(f"args_{i}", spec.parameters)
+        head = g.text('{"name": ' + json.dumps(spec.name, ensure_ascii=False) + ', "arguments": ')
+        return f'{head} {args} "}}"'
+
+    def _calls(self, g: Lark, parallel: bool) -> str:
         block = g.rule("block", f'{g.marker(OPEN)} "\\n" call "\\n" {g.marker(CLOSE)}')
-        return g.grammar(repeat(block, parallel, '"\\n"'))
+        return repeat(block, parallel, '"\\n"')

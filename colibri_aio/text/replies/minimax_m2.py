@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from functools import partial
 from typing import Any
 
-from colibri_aio.text.replies.base import (ChatSyntax, Lark, ReplyParser, ToolCall, Tools, function_specs,
+from colibri_aio.text.replies.base import (ChatSyntax, FunctionSpec, Lark, ReplyParser, ToolCall, Tools,
                                            is_string_schema, make_call, repeat, schemas_by_name, xml_value)
 from colibri_aio.text.replies.glm45 import argument_schema
 from colibri_aio.text.replies.tagged import Markup, TaggedParser, read_each
@@ -56,25 +56,21 @@ class MiniMaxSyntax(ChatSyntax):
         return TaggedParser(self._markup, partial(read_block, schemas=schemas_by_name(tools)), prompt=prompt,
                             tools=bool(tools))
 
-    def tool_call_grammar(self, tools: Tools, *, name: str | None = None, parallel: bool = True,
-                          special_tokens: Mapping[str, int] | None = None) -> str:
-        g = Lark(special_tokens)
-        alternatives = []
-        for i, spec in enumerate(function_specs(tools, name)):
-            params = []
-            for j, (key, schema, required) in enumerate(spec.properties()):
-                head = g.text('<parameter name="' + key + '">')
-                if is_string_schema(schema):
-                    value = g.text_until(f"text_{i}_{j}", "</parameter>", schema)
-                else:
-                    value = g.json_rule(f"value_{i}_{j}", schema) + ' "</parameter>"'
-                param = g.rule(f"param_{i}_{j}", head + " " + value + ' "\\n"')
-                params.append(param if required else param + "?")
-            if not params:   # a free-form object: any parameters, as text
-                value = g.text_until(f"free_{i}", "</parameter>")
-                params.append(g.rule(f"param_{i}", '"<parameter name=\\"" /[^"<]+/ "\\">" ' + value + ' "\\n"') + "*")
-            invoke = " ".join([g.text('<invoke name="' + spec.name + '">\n'), *params, g.text("</invoke>\n")])
-            alternatives.append(g.rule(f"invoke_{i}", invoke))
-        g.rule("invoke", " | ".join(alternatives))
-        block = f'{g.marker(OPEN)} "\\n" {repeat("invoke", parallel)} {g.marker(CLOSE)}'
-        return g.grammar(block)
+    def _call(self, g: Lark, spec: FunctionSpec, i: int) -> str:
+        """One ``<invoke>``: its parameters in the schema's order, text values held to their string schemas."""
+        params = []
+        for j, (key, schema, required) in enumerate(spec.properties()):
+            head = g.text('<parameter name="' + key + '">')
+            if is_string_schema(schema):
+                value = g.text_until(f"text_{i}_{j}", "</parameter>", schema)
+            else:
+                value = g.json_rule(f"value_{i}_{j}", schema) + ' "</parameter>"'
+            param = g.rule(f"param_{i}_{j}", head + " " + value + ' "\\n"')
+            params.append(param if required else param + "?")
+        if not params:   # a free-form object: any parameters, as text
+            value = g.text_until(f"free_{i}", "</parameter>")
+            params.append(g.rule(f"param_{i}", '"<parameter name=\\"" /[^"<]+/ "\\">" ' + value + ' "\\n"') + "*")
+        return " ".join([g.text('<invoke name="' + spec.name + '">\n'), *params, g.text("</invoke>\n")])
+
+    def _calls(self, g: Lark, parallel: bool) -> str:
+        return f'{g.marker(OPEN)} "\\n" {repeat("call", parallel)} {g.marker(CLOSE)}'

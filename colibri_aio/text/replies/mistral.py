@@ -14,10 +14,9 @@ text so far is whole calls.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 
-from colibri_aio.text.replies.base import (ChatSyntax, Lark, ReplyDelta, ReplyParser, ToolCall, Tools,
-                                           function_specs, make_call, repeat)
+from colibri_aio.text.replies.base import (ChatSyntax, FunctionSpec, Lark, ReplyDelta, ReplyParser, ToolCall, Tools,
+                                           make_call, repeat)
 from colibri_aio.text.replies.tagged import Markup, TaggedParser
 
 TOOL_CALLS, CALL_ID, ARGS = "[TOOL_CALLS]", "[CALL_ID]", "[ARGS]"
@@ -99,21 +98,16 @@ class MistralSyntax(ChatSyntax):
     def parser(self, *, prompt: str, tools: bool | Tools) -> ReplyParser:
         return MistralParser(self._markup, read_block, prompt=prompt, tools=bool(tools))
 
-    def tool_call_grammar(self, tools: Tools, *, name: str | None = None, parallel: bool = True,
-                          special_tokens: Mapping[str, int] | None = None) -> str:
-        g = Lark(special_tokens)
-        alternatives = []
-        for i, spec in enumerate(function_specs(tools, name)):
-            args = g.json_rule(f"args_{i}", spec.parameters)
-            if self.array:
-                head = g.text('{"name": ' + json.dumps(spec.name, ensure_ascii=False) + ', "arguments": ')
-                body = f'{head} {args} call_id? "}}"'
-            else:
-                body = f"{g.marker(TOOL_CALLS)} {g.text(spec.name)} ({g.marker(CALL_ID)} ID)? {g.marker(ARGS)} {args}"
-            alternatives.append(g.rule(f"call_{i}", body))
-        g.rule("call", " | ".join(alternatives))
+    def _call(self, g: Lark, spec: FunctionSpec, i: int) -> str:
+        args = g.json_rule(f"args_{i}", spec.parameters)
+        if self.array:
+            head = g.text('{"name": ' + json.dumps(spec.name, ensure_ascii=False) + ', "arguments": ')
+            return f'{head} {args} call_id? "}}"'
+        return f"{g.marker(TOOL_CALLS)} {g.text(spec.name)} ({g.marker(CALL_ID)} ID)? {g.marker(ARGS)} {args}"
+
+    def _calls(self, g: Lark, parallel: bool) -> str:
         g.rules.append("ID: /[a-zA-Z0-9]{9}/")
         if self.array:
             g.rule("call_id", '", \\"id\\": \\"" ID "\\""')
-            return g.grammar(f'{g.marker(TOOL_CALLS)} "[" {repeat("call", parallel, chr(34) + ", " + chr(34))} "]"')
-        return g.grammar(repeat("call", parallel))
+            return f'{g.marker(TOOL_CALLS)} "[" {repeat("call", parallel, chr(34) + ", " + chr(34))} "]"'
+        return repeat("call", parallel)
