@@ -165,7 +165,7 @@ def _answer_grammar(session: Session, syntax: ChatSyntax, body: ChatRequest, too
                     required: bool, name: str | None) -> TokenConstraint | None:
     if required:
         grammar = syntax.tool_call_grammar(tools, name=name, parallel=body.parallel_tool_calls,
-                                           special_tokens=session.special_tokens)
+                                           special_tokens=session.grammars.special_tokens)
         return session.grammars.lark(grammar)
     fmt = body.response_format
     if fmt is None or fmt.type == "text":
@@ -177,7 +177,7 @@ def _answer_grammar(session: Session, syntax: ChatSyntax, body: ChatRequest, too
     prefix = ANSWER_PREFIX.get(syntax.name)
     if prefix is None:
         return session.grammars.json_schema(schema, strict=strict)
-    g = Lark(session.special_tokens)
+    g = Lark(session.grammars.special_tokens)
     marker, text, close = prefix
     head = f"{g.marker(marker)} {g.text(text)} {g.marker(close)}"
     return session.grammars.lark(g.grammar(f"{head} {g.json_rule('answer', schema or {'type': 'object'})}"))

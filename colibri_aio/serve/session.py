@@ -18,18 +18,17 @@ import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from colibri_aio.engine.engine import GenerationPiece
 from colibri_aio.engine.sync import Event, Finished, SyncEngine
 from colibri_aio.errors import UserError
-from typing import TYPE_CHECKING
+from colibri_aio.text.sampling import GGUF_SAMPLING_KEYS, SamplingParams, TokenConstraint, model_defaults
 
 if TYPE_CHECKING:
     from colibri_aio.text.grammar import Grammars
-    from colibri_aio.text.template_form import TemplateForm
     from colibri_aio.text.replies import ChatSyntax, ReplyDelta
-from colibri_aio.text.sampling import GGUF_SAMPLING_KEYS, SamplingParams, TokenConstraint, model_defaults
+    from colibri_aio.text.template_form import TemplateForm
 
 
 class ContextFull(UserError):
@@ -87,14 +86,6 @@ class Session:
         from colibri_aio.text.template_form import probe_template_form
 
         return probe_template_form(self.engine.engine.render_chat, self.syntax.name)
-
-    @functools.cached_property
-    def special_tokens(self) -> dict[str, int]:
-        """The vocabulary's marker tokens by their text (a grammar asks for these ids, not their spelling)."""
-        from colibri_aio.text.grammar import is_special
-
-        tok = self.tokenizer
-        return {tok.spec.tokens[i]: i for i in range(tok.vocab_size) if is_special(tok, i)}
 
     @property
     def grammars(self) -> Grammars:

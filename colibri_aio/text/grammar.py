@@ -151,7 +151,10 @@ class Grammars:
                                "a constrained reply could not end")
         self.tokenizer = tokenizer
         self.eog_ids = sorted(tokenizer.eog_ids)
-        self.ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(_VocabWrapper(tokenizer)),
+        vocab = _VocabWrapper(tokenizer)
+        # The marker tokens by their text: a grammar names these ids rather than spelling their text.
+        self.special_tokens = {tokenizer.spec.tokens[i]: i for i in vocab.special_token_ids}
+        self.ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab),
                                          eos_token=self.eog_ids)
 
     def json_schema(self, schema: Mapping[str, Any] | None, *, strict: bool = True) -> GrammarConstraint:
