@@ -81,18 +81,6 @@ def make_call(name: Any, arguments: Any) -> ToolCall | None:
     return ToolCall(new_call_id(), name.strip(), compact_json(arguments))
 
 
-def held_back(text: str, markers: Collection[str]) -> int:
-    """How many characters at the end of ``text`` could be the start of one of ``markers`` (and so must wait
-    for the next piece before they can be called plain text)."""
-    longest = 0
-    for marker in markers:
-        for n in range(min(len(marker) - 1, len(text)), longest, -1):
-            if text.endswith(marker[:n]):
-                longest = n
-                break
-    return longest
-
-
 def first_marker(text: str, markers: Collection[str], start: int = 0) -> tuple[int, str] | None:
     """The earliest of ``markers`` in ``text`` (the longest one when two start at the same place)."""
     best: tuple[int, str] | None = None

@@ -16,7 +16,8 @@ from __future__ import annotations
 import re
 
 from colibri_aio.text.replies.base import (ChatSyntax, FunctionSpec, Lark, ReplyDelta, ReplyParser, Tools,
-                                           first_marker, held_back, make_call)
+                                           first_marker, make_call)
+from colibri_aio.text.sampling import longest_partial_suffix
 
 START, CHANNEL, MESSAGE, CONSTRAIN = "<|start|>", "<|channel|>", "<|message|>", "<|constrain|>"
 END, CALL, RETURN = "<|end|>", "<|call|>", "<|return|>"
@@ -80,7 +81,7 @@ class HarmonyParser(ReplyParser):
         if self._state == "between":
             found = first_marker(self._buf, (START, CHANNEL))
             if found is None:
-                keep = held_back(self._buf, (START, CHANNEL))
+                keep = longest_partial_suffix(self._buf, (START, CHANNEL))
                 stray = self._buf[: len(self._buf) - keep]
                 self._buf = self._buf[len(stray):]
                 delta.content += stray.strip() and stray
@@ -96,7 +97,7 @@ class HarmonyParser(ReplyParser):
     def _step_body(self, delta: ReplyDelta) -> bool:
         found = first_marker(self._buf, BODY_ENDS, self._scanned)
         if found is None:
-            keep = held_back(self._buf, BODY_ENDS)
+            keep = longest_partial_suffix(self._buf, BODY_ENDS)
             if self._kind == "call":     # held whole until it ends; searched from where the last search left
                 self._scanned = len(self._buf) - keep
             else:

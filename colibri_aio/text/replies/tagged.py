@@ -14,7 +14,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from colibri_aio.text.replies.base import ReplyDelta, ReplyParser, ToolCall, first_marker, held_back
+from colibri_aio.text.replies.base import ReplyDelta, ReplyParser, ToolCall, first_marker
+from colibri_aio.text.sampling import longest_partial_suffix
 
 BlockReader = Callable[[str], "list[ToolCall] | None"]   # a block's inside -> its calls, None when broken
 
@@ -138,7 +139,7 @@ class TaggedParser(ReplyParser):
         markers = [m for m in markers if m]
         found = first_marker(self._buf, markers)
         if found is None:
-            keep = held_back(self._buf, markers)
+            keep = longest_partial_suffix(self._buf, markers)
             safe = self._buf[: len(self._buf) - keep]
             self._buf = self._buf[len(safe):]
             if safe:
