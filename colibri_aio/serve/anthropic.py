@@ -49,7 +49,7 @@ from colibri_aio.logs import get_logger
 from colibri_aio.serve.chat_flow import render_prompt
 from colibri_aio.serve.errors import APIError
 from colibri_aio.serve.requests import (MAX_CONTENT_PARTS, MAX_MESSAGES, MAX_STOP_CHARS, MAX_STOPS, MAX_TOOLS,
-                                       ChatRequest, at_most)
+                                       ChatRequest, at_most, parse)
 from colibri_aio.serve.runs import ClientGone, Run, error_for
 
 if TYPE_CHECKING:
@@ -310,13 +310,8 @@ class MessagesRequest(CountTokensRequest):
 
 
 def parse_request(model: type[_Strict], body: Any) -> Any:
-    """Validate a JSON body; the first problem becomes a 400 naming its field."""
-    if not isinstance(body, dict):
-        raise APIError(400, "the request body must be a JSON object")
-    try:
-        return model.model_validate(body)
-    except ValidationError as exc:
-        raise APIError(400, _problem(_deepest(exc.errors(include_url=False)))) from None
+    """Validate a JSON body; the deepest problem becomes a 400 naming its field."""
+    return parse(model, body, lambda exc: APIError(400, _problem(_deepest(exc.errors(include_url=False)))))
 
 
 def _deepest(errors: Sequence[Any]) -> Any:

@@ -24,6 +24,7 @@ it. Sampling options left out take the model's defaults
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Annotated, Any, ClassVar, Literal
 
 import pydantic_core
@@ -327,14 +328,16 @@ class CompletionRequest(_Generation):
         return self.max_tokens or 16
 
 
-def parse(model: type[_Body], body: Any) -> Any:
-    """Validate a JSON body already decoded; the first problem becomes a 400 naming its field."""
+def parse(model: type[BaseModel], body: Any,
+          refusal: Callable[[ValidationError], APIError] | None = None) -> Any:
+    """Validate a JSON body already decoded; the first problem becomes a 400 naming its field (``refusal``: how
+    another API words it)."""
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
         return model.model_validate(body)
     except ValidationError as exc:
-        raise _refusal(exc) from None
+        raise (refusal or _refusal)(exc) from None
 
 
 def load_json(raw: bytes) -> Any:
