@@ -9,6 +9,7 @@ is handed on only once its reads have drained.
 """
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -32,7 +33,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from colibri_aio import __version__
 from colibri_aio.errors import ExpertReadError, UserError
 from colibri_aio.logs import get_logger
-from colibri_aio.serve import anthropic
+from colibri_aio.serve import anthropic, page, telemetry_stream
 from colibri_aio.serve.errors import APIError
 from colibri_aio.serve.metrics import CONTENT_TYPE, ServerMetrics
 from colibri_aio.engine.line import RequestLine
@@ -64,6 +65,8 @@ class Service:
         self.started = int(time.time())
         self.slot_save_path = slot_save_path
         self.reasoning_budget = reasoning_budget
+        # Set when the server stops: long-lived streams that no generation ends (the telemetry) end on it.
+        self.stopping = asyncio.Event()
 
 
 def build_app(service: Service, limits: Limits | None = None) -> Starlette:
@@ -79,6 +82,8 @@ def build_app(service: Service, limits: Limits | None = None) -> Starlette:
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/slots/{slot:int}", slot_action, methods=["POST"]),
+        Route(telemetry_stream.PATH, telemetry, methods=["GET"]),
+        *page.routes(),                                             # the web page: /, /web/*
         *anthropic.routes(anthropic.ChatPath(open=open_chat, read_json=_json)),  # /v1/messages, …/count_tokens
     ]
     handlers: dict[Any, Callable[..., Any]] = {
@@ -204,6 +209,15 @@ async def health(request: Request) -> Response:
                          "waiting": line.waiting})
 
 
+async def telemetry(request: Request) -> Response:
+    """The engine's telemetry as SSE, one event every ``?interval=S`` seconds (:mod:`.telemetry_stream`)."""
+    service: Service = request.app.state.service
+    interval = telemetry_stream.parse_interval(request.query_params.get("interval"))
+    sampler = telemetry_stream.TelemetrySampler(service.session.engine.engine, service.line)
+    return EventSourceResponse(telemetry_stream.events(sampler, interval, service.stopping), sep=SSE_SEP,
+                               headers={"Cache-Control": "no-store"})
+
+
 async def metrics(request: Request) -> Response:
     service: Service = request.app.state.service
     return Response(service.metrics.render(), media_type=CONTENT_TYPE)
@@ -315,14 +329,16 @@ def error_response_for(path: str, error: APIError) -> Response:
 # --- middleware --------------------------------------------------------------------------------------------------
 
 class BearerAuth:
-    """``Authorization: Bearer KEY`` on every route but ``/health`` when a key is set (constant-time compare)."""
+    """``Authorization: Bearer KEY`` on every route but ``/health`` and reading the web page (GET of its files: the
+    page asks for the key, so it must load without it) when a key is set (constant-time compare)."""
 
     def __init__(self, app: ASGIApp, api_key: str | None) -> None:
         self.app = app
         self._digest = None if api_key is None else hashlib.sha256(api_key.encode()).digest()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self._digest is not None and scope["path"] not in PUBLIC_PATHS:
+        if (scope["type"] == "http" and self._digest is not None and scope["path"] not in PUBLIC_PATHS
+                and not page.is_public(scope["method"], scope["path"])):
             headers = dict(scope["headers"])
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" and b"x-api-key" in headers:  # how Anthropic's clients send the key
@@ -341,7 +357,7 @@ class CountRequests:
     """Counts answered requests by route and status (in ``requests``, labelled endpoint and status) for ``/metrics``."""
 
     ROUTES = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-                        "/detokenize", *anthropic.PATHS})
+                        "/detokenize", telemetry_stream.PATH, *page.PAGE_PATHS, *anthropic.PATHS})
 
     def __init__(self, app: ASGIApp, requests: Counter) -> None:
         self.app, self.requests = app, requests

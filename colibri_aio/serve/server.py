@@ -117,7 +117,8 @@ class StoppingServer(uvicorn.Server):
 async def stop_generating(service: Service) -> None:
     """Until cancelled: every request waiting in the line gets 503 ``shutting_down`` and every generation is
     cancelled (its stream ends with that error; a whole answer is that 503). Repeated, because a request whose
-    prompt was being prepared starts its generation afterwards."""
+    prompt was being prepared starts its generation afterwards. The telemetry streams end too (``stopping``)."""
+    service.stopping.set()
     while True:
         service.line.fail_waiting(APIError(503, "the server is shutting down", code="shutting_down"))
         service.session.engine.cancel_all()

@@ -1,0 +1,128 @@
+"""The web page in a real headless browser: Debian's chromium driven by Playwright for Python (no browser is
+downloaded: Playwright launches /usr/bin/chromium, which .ci/run installs where it can).
+
+Each server is a real ``python -m colibri_aio serve`` process with the shipped model. The page is used as a
+person uses it, with the keyboard: type, Enter sends, the Stop button, the key form.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from colibri_aio.serve.launch import ServerProcess
+
+CHROMIUM = Path("/usr/bin/chromium")
+KEY = "web-key-5678"
+# What keeps a headless browser from reaching anything but the server under test and from needing a GPU or a
+# sandbox it cannot have in a container.
+BROWSER_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run"]
+SCREENSHOT = os.environ.get("COLIBRI_WEB_SCREENSHOT")  # a path: save the page during a reply there (evidence/)
+
+playwright_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
+if not CHROMIUM.exists() or shutil.which(str(CHROMIUM)) is None:
+    pytest.skip(f"no browser: {CHROMIUM} is not installed (apt-get install chromium; .ci/run does when it is root)",
+                allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[object]:
+    with playwright_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=BROWSER_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture()
+def page(browser):  # noqa: ANN001, ANN201 - playwright's types
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    pg = context.new_page()
+    errors: list[str] = []
+    pg.on("pageerror", lambda exc: errors.append(str(exc)))
+    yield pg
+    context.close()
+    assert not errors, f"the page's scripts failed: {errors}"
+
+
+def _samples(page, chart: str) -> int:  # noqa: ANN001
+    return int(page.get_attribute(f"#{chart}", "data-samples") or 0)
+
+
+def _until(page, check: Callable[[], bool], what: str, timeout: float = 15.0) -> None:  # noqa: ANN001
+    """Poll ``check`` from here until it holds (the page's Content-Security-Policy, which the test keeps, forbids
+    the string evaluation page.wait_for_function would use)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout:g} s waiting for {what}")
+        page.wait_for_timeout(100)
+
+
+def test_chat_streams_stops_and_the_telemetry_charts_move_meanwhile(page) -> None:  # noqa: ANN001
+    with ServerProcess() as server:
+        page.goto(f"{server.url}/")
+        playwright_api.expect(page.locator("#model-name")).to_have_text("colibri-tiny-q8_0.gguf")
+        playwright_api.expect(page.locator("#key-form")).to_be_hidden()   # no key set: none asked for
+        # The first telemetry sample arrives within an interval of opening the page.
+        _until(page, lambda: _samples(page, "chart-tps") >= 1, "the first telemetry sample")
+        prompt = page.locator("#prompt")
+        playwright_api.expect(prompt).to_be_focused()                     # ready to type on load
+        prompt.type("Tell me about Python lists")
+        prompt.press("Enter")                                             # Enter sends
+        answer = page.locator(".message.assistant .content").last
+        _until(page, lambda: len((answer.text_content() or "").strip()) > 20, "streamed text", 30)
+        playwright_api.expect(page.locator("#stop")).to_be_enabled()
+        playwright_api.expect(page.locator("#send")).to_be_disabled()
+        first_text = answer.text_content()
+        # While the reply streams, new samples arrive and one of them counts generated tokens.
+        before = _samples(page, "chart-tps")
+        _until(page, lambda: _samples(page, "chart-tps") >= before + 2, "two samples during the reply")
+        label = page.get_attribute("#chart-tps", "aria-label")
+        assert label is not None and label.startswith("Tokens per second: tok/s ")
+        assert float(label.rsplit(" ", 1)[1]) > 0, label
+        hits = page.get_attribute("#chart-hits", "aria-label")
+        assert hits is not None and "pinned" in hits and "cached" in hits and "prefetched" in hits
+        assert len(answer.text_content()) > len(first_text)                # the text grew meanwhile
+        if SCREENSHOT:
+            page.screenshot(path=SCREENSHOT)
+        playwright_api.expect(page.locator("#stop")).to_be_enabled()     # still streaming: the stop is ours
+        page.locator("#stop").click()
+        playwright_api.expect(page.locator("#status")).to_have_text("stopped")
+        playwright_api.expect(page.locator(".message.assistant .meta").last).to_have_text("stopped")
+        playwright_api.expect(page.locator("#send")).to_be_enabled()
+        playwright_api.expect(page.locator("#stop")).to_be_disabled()
+        stopped_text = answer.text_content()
+        assert stopped_text and len(stopped_text) > 20
+        page.wait_for_timeout(1500)
+        assert answer.text_content() == stopped_text                       # nothing arrives after the stop
+        # The server let go of the generation: its one slot is free again.
+        _until(page, lambda: "sequences0/1" in (page.text_content("#readout") or ""), "the slot set free")
+        # The conversation is kept in the browser: a reload shows it again.
+        page.reload()
+        playwright_api.expect(page.locator(".message.user .content")).to_have_text("Tell me about Python lists")
+        playwright_api.expect(page.locator(".message.assistant .content")).to_have_text(stopped_text)
+
+
+def test_a_wrong_key_is_refused_on_the_page_and_the_right_one_lets_it_in(page) -> None:  # noqa: ANN001
+    with ServerProcess("--api-key", KEY) as server:
+        page.goto(f"{server.url}/")                                       # the page loads without the key
+        playwright_api.expect(page.locator("#key-form")).to_be_visible()
+        playwright_api.expect(page.locator("#status")).to_have_text("This server needs an API key.")
+        key = page.locator("#api-key")
+        playwright_api.expect(key).to_be_focused()
+        key.type("not-the-key")
+        key.press("Enter")
+        playwright_api.expect(page.locator("#status")).to_have_text(
+            "The API key was refused (401): check it and try again.")
+        playwright_api.expect(page.locator("#model-name")).to_have_text("not connected")
+        assert _samples(page, "chart-tps") == 0                           # no telemetry without the key
+        key.fill(KEY)
+        key.press("Enter")
+        playwright_api.expect(page.locator("#model-name")).to_have_text("colibri-tiny-q8_0.gguf")
+        playwright_api.expect(page.locator("#key-form")).to_be_hidden()
+        _until(page, lambda: _samples(page, "chart-tps") >= 1, "telemetry with the key")
