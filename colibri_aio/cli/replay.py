@@ -168,15 +168,39 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="replay prompt positions one at a time, as teacher-forced decode would read them")
     p.add_argument("--each", action="store_true", help="replay each trace on its own; report median and min-max")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.add_argument("--plot", type=Path, default=None, metavar="FILE.png|.svg",
+                   help="also draw hit rate against cache size per policy, with Belady's optimum beside them "
+                        "(800x500 px; needs pip install 'colibri-aio[plot]')")
     p.set_defaults(func=command)
 
 
 def command(args: argparse.Namespace) -> int:
-    """Print :func:`replay_command`'s table, or its JSON document with --json; the exit status."""
-    doc, text = replay_command(
-        [str(t) for t in args.traces], policy=args.policy, cache_per_layer=args.cache_per_layer,
-        scope=args.scope, warmup=args.warmup, pin_from=[str(t) for t in args.pin_from],
-        pin_fraction=args.pin_fraction, prefetch=args.prefetch, prefetch_count=args.prefetch_count, each=args.each,
-        split_prefill=args.prefill_as_decode, half_life=args.half_life, demote=not args.no_demote)
+    """Print :func:`replay_command`'s table, or its JSON document with --json (and draw it with --plot); the exit
+    status."""
+    if args.plot is not None:
+        from colibri_aio.plots import check_plot_path
+
+        check_plot_path(args.plot, "--plot")  # before the replay, which can take a while
+    options: dict[str, Any] = dict(
+        cache_per_layer=args.cache_per_layer, scope=args.scope, warmup=args.warmup,
+        pin_from=[str(t) for t in args.pin_from], pin_fraction=args.pin_fraction, prefetch_count=args.prefetch_count,
+        each=args.each, split_prefill=args.prefill_as_decode, half_life=args.half_life, demote=not args.no_demote)
+    paths = [str(t) for t in args.traces]
+    doc, text = replay_command(paths, policy=args.policy, prefetch=args.prefetch, **options)
     print(json.dumps(doc, indent=1) if args.json else text)
+    if args.plot is not None:
+        _plot(doc, paths, options, args.plot)
     return 0
+
+
+def _plot(doc: dict[str, Any], paths: list[str], options: dict[str, Any], out: Path) -> None:
+    """Draw ``doc``'s rows against cache size with Belady's beside them (replayed here when the grid had none)."""
+    from colibri_aio.plots import replay_figure
+
+    key = "summary" if options["each"] else "results"
+    rows = doc[key]
+    belady = [r for r in rows if r["policy"] == "belady" and not r["prefetch"]]
+    if not belady:  # the optimum at the same sizes and scopes, without prefetch (Belady needs none)
+        belady = replay_command(paths, policy="belady", prefetch="none", **options)[0][key]
+    names = ", ".join(Path(p).name for p in paths)
+    replay_figure(rows, belady, out, title=f"replay of {names} (warm-up {options['warmup']:g} not scored)")
