@@ -11,9 +11,9 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+from support import run_cli
 
 from colibri_aio.models import default_model_path
-from support import run_cli
 
 pytest.importorskip("matplotlib", reason="matplotlib is not installed (pip install 'colibri-aio[plot]')")
 

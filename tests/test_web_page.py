@@ -39,7 +39,7 @@ def browser() -> Iterator[object]:
 
 
 @pytest.fixture()
-def page(browser):  # noqa: ANN001, ANN201 - playwright's types
+def page(browser):
     context = browser.new_context(viewport={"width": 1400, "height": 900})
     pg = context.new_page()
     errors: list[str] = []
@@ -49,11 +49,11 @@ def page(browser):  # noqa: ANN001, ANN201 - playwright's types
     assert not errors, f"the page's scripts failed: {errors}"
 
 
-def _samples(page, chart: str) -> int:  # noqa: ANN001
+def _samples(page, chart: str) -> int:
     return int(page.get_attribute(f"#{chart}", "data-samples") or 0)
 
 
-def _until(page, check: Callable[[], bool], what: str, timeout: float = 15.0) -> None:  # noqa: ANN001
+def _until(page, check: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
     """Poll ``check`` from here until it holds (the page's Content-Security-Policy, which the test keeps, forbids
     the string evaluation page.wait_for_function would use)."""
     deadline = time.monotonic() + timeout
@@ -63,9 +63,11 @@ def _until(page, check: Callable[[], bool], what: str, timeout: float = 15.0) ->
         page.wait_for_timeout(100)
 
 
-def test_chat_streams_stops_and_the_telemetry_charts_move_meanwhile(page) -> None:  # noqa: ANN001
+def test_chat_streams_stops_and_the_telemetry_charts_move_meanwhile(page) -> None:
     with ServerProcess() as server:
-        page.goto(f"{server.url}/")
+        # The shipped model's context is 256 positions: a reply lasts a second or two, so samples come 5 a second.
+        page.goto(f"{server.url}/?telemetry=0.2")
+        playwright_api.expect(page.locator("#telemetry-state")).to_have_text("live, one sample every 0.2 s")
         playwright_api.expect(page.locator("#model-name")).to_have_text("colibri-tiny-q8_0.gguf")
         playwright_api.expect(page.locator("#key-form")).to_be_hidden()   # no key set: none asked for
         # The first telemetry sample arrives within an interval of opening the page.
@@ -108,7 +110,7 @@ def test_chat_streams_stops_and_the_telemetry_charts_move_meanwhile(page) -> Non
         playwright_api.expect(page.locator(".message.assistant .content")).to_have_text(stopped_text)
 
 
-def test_a_wrong_key_is_refused_on_the_page_and_the_right_one_lets_it_in(page) -> None:  # noqa: ANN001
+def test_a_wrong_key_is_refused_on_the_page_and_the_right_one_lets_it_in(page) -> None:
     with ServerProcess("--api-key", KEY) as server:
         page.goto(f"{server.url}/")                                       # the page loads without the key
         playwright_api.expect(page.locator("#key-form")).to_be_visible()

@@ -6,7 +6,13 @@ Each server is a real ``python -m colibri_aio serve`` process with the shipped m
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import threading
+import time
+import zipfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
@@ -70,15 +76,33 @@ def test_telemetry_stream_sends_the_engine_figures_at_the_interval(keyed: Server
                          "seqs", "RSS_MB"):
                 assert name in e, name
             assert e["queue"] == {"waiting": 0, "capacity": 16, "generating": 0, "slots": 1}
+            assert e["lookups"] == 0 and e["tok/s"] == 0.0                # idle: nothing looked up, nothing made
             assert e["RSS_MB"] > 0 and e["engine"]["rss"] > 0
         assert events[0]["t"] < events[1]["t"] < events[2]["t"]
-        # A generation shows in the next samples: its tokens, its lookups.
-        r = c.post("/v1/chat/completions", headers=auth, timeout=120,
-                   json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8})
-        assert r.status_code == 200
-        after = _events(c, "/v1/telemetry/stream?interval=0.3", 1, headers=auth)[0]
-        assert after["engine"]["generated_tokens"] >= events[-1]["engine"]["generated_tokens"] + 1
-        assert after["engine"]["prompt_tokens"] > events[-1]["engine"]["prompt_tokens"]
+    # A generation shows in the samples taken meanwhile: their lookups add up to the engine's counters.
+    during: list[dict] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        with httpx.stream("GET", f"{keyed.url}/v1/telemetry/stream?interval=0.2", headers=auth, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    during.append(json.loads(line[5:]))
+                    if done.is_set() and len(during) >= 3:
+                        return
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    r = httpx.post(f"{keyed.url}/v1/chat/completions", headers=auth, timeout=120,
+                   json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64})
+    assert r.status_code == 200
+    done.set()
+    watcher.join(30)
+    assert len(during) >= 3
+    first, last = during[0]["engine"], during[-1]["engine"]
+    kinds = ("pinned_hits", "cached_hits", "prefetch_hits", "misses")
+    assert sum(e["lookups"] for e in during[1:]) == sum(last[k] - first[k] for k in kinds) > 0
+    assert max(e["tok/s"] for e in during) > 0
 
 
 @pytest.mark.parametrize("interval", ["0", "0.05", "61", "nan", "fast"])
@@ -98,9 +122,6 @@ def test_without_a_key_the_host_guard_still_stands_in_front_of_the_page() -> Non
 
 
 def test_an_open_telemetry_stream_does_not_hold_up_a_shutdown() -> None:
-    import threading
-    import time
-
     with ServerProcess() as s:
         got: list[dict] = []
         ended = threading.Event()
@@ -123,12 +144,7 @@ def test_an_open_telemetry_stream_does_not_hold_up_a_shutdown() -> None:
         assert ended.wait(5)
 
 
-def test_a_built_wheel_carries_the_page(tmp_path) -> None:  # noqa: ANN001
-    import subprocess
-    import sys
-    import zipfile
-    from pathlib import Path
-
+def test_a_built_wheel_carries_the_page(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parent.parent
     r = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(root)],
                        capture_output=True, text=True, timeout=600)

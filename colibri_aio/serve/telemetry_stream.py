@@ -4,7 +4,7 @@ Each event is one JSON object: the figures ``run --stats`` prints for the
 interval just ended (:meth:`colibri_aio.cli.telemetry.Interval.row`: tok/s,
 expert hit rate split pinned/cached/prefetched, disk r/s, MB/s and %util
 from ``/proc/diskstats``, reads in flight, prefetch state and its reason,
-sequence slots, batch size, RSS), the request line (waiting, capacity,
+sequence slots, batch size, RSS) with the interval's expert lookups, the request line (waiting, capacity,
 generating) and the engine's cumulative counters. Device figures are
 ``null`` where the model is on no block device: nothing is made up.
 
@@ -53,7 +53,7 @@ def parse_interval(text: str | None) -> float:
 class TelemetrySampler:
     """One client's view: each :meth:`sample` is the interval since the previous one."""
 
-    def __init__(self, engine: "Engine", line: "RequestLine") -> None:
+    def __init__(self, engine: Engine, line: RequestLine) -> None:
         self.engine, self.line = engine, line
         self._disk: Snapshot | None = engine.device.read() if engine.device is not None else None
         self._last = engine.stats()
@@ -66,9 +66,10 @@ class TelemetrySampler:
             before, self._disk = self._disk, self.engine.device.read()
             device = between(before, self._disk)
         interval = Interval(self._last, now, device)
+        lookups = now.lookups - self._last.lookups  # 0: the hit shares of the row are 0 for want of lookups
         self._last = now
         line = self.line
-        return {"t": now.t, "seconds": interval.seconds, **interval.row(),
+        return {"t": now.t, "seconds": interval.seconds, **interval.row(), "lookups": lookups,
                 "device": self.engine.device.device if self.engine.device is not None else None,
                 "queue": {"waiting": line.waiting, "capacity": line.max_waiting, "generating": line.holders,
                           "slots": line.capacity},

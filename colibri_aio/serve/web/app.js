@@ -7,7 +7,12 @@ const STORE_CONVERSATIONS = "colibri-aio.conversations";
 const STORE_SETTINGS = "colibri-aio.settings";
 // The key is kept for this tab only (sessionStorage): a key typed into a page should not outlive it on disk.
 const STORE_KEY = "colibri-aio.api-key";
-const TELEMETRY_INTERVAL_S = 1;   // the server's default, run --stats-interval's too
+// Seconds between telemetry samples: the server's default (run --stats-interval's too), or the page's
+// ?telemetry=S (0.2 to 60, what the server accepts) for a closer look at short replies.
+const TELEMETRY_INTERVAL_S = (() => {
+  const asked = Number(new URLSearchParams(location.search).get("telemetry"));
+  return asked >= 0.2 && asked <= 60 ? asked : 1;
+})();
 const RECONNECT_MS = 2000;
 
 const $ = (id) => document.getElementById(id);
@@ -369,10 +374,11 @@ $("new-chat").addEventListener("click", () => {
 const CHART_SPECS = [
   { id: "chart-tps", title: "Tokens per second", series: [
     { label: "tok/s", color: "#0a84ff", value: (s) => s["tok/s"] }] },
+  // An interval without expert lookups (idle) has no hit rate: a gap, not a drop to 0 %.
   { id: "chart-hits", title: "Expert hit rate", unit: "%", max: 100, stacked: true, series: [
-    { label: "pinned", color: "#34a853", value: (s) => s["pin%"] },
-    { label: "cached", color: "#4285f4", value: (s) => s["lru%"] },
-    { label: "prefetched", color: "#fbbc05", value: (s) => s["pre%"] }] },
+    { label: "pinned", color: "#34a853", value: (s) => (s.lookups ? s["pin%"] : null) },
+    { label: "cached", color: "#4285f4", value: (s) => (s.lookups ? s["lru%"] : null) },
+    { label: "prefetched", color: "#fbbc05", value: (s) => (s.lookups ? s["pre%"] : null) }] },
   { id: "chart-disk", title: "Disk reads", unit: "MB/s", missing: "the model is on no block device", series: [
     { label: "device", color: "#ea4335", value: (s) => s["rMB/s"] },
     { label: "experts", color: "#9c27b0", value: (s) => s["ourMB/s"] }] },
