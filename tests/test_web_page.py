@@ -128,3 +128,67 @@ def test_a_wrong_key_is_refused_on_the_page_and_the_right_one_lets_it_in(page) -
         playwright_api.expect(page.locator("#model-name")).to_have_text("colibri-tiny-q8_0.gguf")
         playwright_api.expect(page.locator("#key-form")).to_be_hidden()
         _until(page, lambda: _samples(page, "chart-tps") >= 1, "telemetry with the key")
+
+
+def test_thinking_is_shown_apart_and_the_settings_go_with_the_request(page, tmp_path: Path) -> None:
+    import json
+
+    import httpx
+    from test_serve_tools import with_template
+
+    # A fixture with DeepSeek-R1's real template: its prompt opens <think>, so every reply starts thinking; the
+    # server closes the thinking span after 12 tokens.
+    model = with_template("deepseek2_q8_0.gguf", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", tmp_path)
+    with ServerProcess("--model", str(model), "--ctx", "1024", "--reasoning-budget", "12") as server:
+        page.goto(f"{server.url}/")
+        playwright_api.expect(page.locator("#model-name")).to_have_text(model.name)
+        page.locator("#settings summary").press("Enter")                 # the settings open from the keyboard
+        page.locator("#system-prompt").fill("You answer briefly.")
+        page.locator("#temperature").fill("0")
+        page.locator("#max-tokens").fill("40")
+        page.locator("#max-tokens").press("Tab")                           # the change is kept on leaving
+        page.locator("#prompt").fill("Why is the sky blue?")
+        with page.expect_request("**/v1/chat/completions") as sent:
+            page.locator("#prompt").press("Enter")
+        body = json.loads(sent.value.post_data or "{}")
+        assert body["messages"] == [{"role": "system", "content": "You answer briefly."},
+                                    {"role": "user", "content": "Why is the sky blue?"}]
+        assert (body["temperature"], body["max_tokens"], body["stream"]) == (0, 40, True)
+        assert "top_p" not in body                                         # left empty: the model's default
+        playwright_api.expect(page.locator("#send")).to_be_enabled(timeout=60_000)
+        meta = page.locator(".message.assistant .meta").text_content() or ""
+        assert meta.startswith("40 tokens in ") and meta.endswith("finish: length"), meta
+        # The same request as a whole reply: the page showed its thinking and its answer, each in its place.
+        whole = httpx.post(f"{server.base_url}/chat/completions", timeout=120,
+                           json={k: body[k] for k in ("messages", "temperature", "max_tokens")}).json()
+        message = whole["choices"][0]["message"]
+        assert message["reasoning_content"] and message["content"]
+        assert page.locator(".message.assistant .reasoning-text").text_content() == message["reasoning_content"]
+        assert page.locator(".message.assistant .content").text_content() == message["content"]
+        playwright_api.expect(page.locator(".message.assistant .reasoning")).to_be_visible()
+        # The settings are kept for the next visit.
+        page.reload()
+        playwright_api.expect(page.locator("#system-prompt")).to_have_value("You answer briefly.")
+        playwright_api.expect(page.locator("#max-tokens")).to_have_value("40")
+
+
+def test_every_control_is_reached_with_tab_in_reading_order(page) -> None:
+    with ServerProcess() as server:
+        page.goto(f"{server.url}/")
+        playwright_api.expect(page.locator("#model-name")).to_have_text("colibri-tiny-q8_0.gguf")
+        page.locator("#prompt").fill("Hello")
+        page.locator("#prompt").press("Enter")
+        playwright_api.expect(page.locator("#send")).to_be_enabled(timeout=60_000)
+        page.locator("#new-chat").focus()
+        seen = []
+        for _ in range(6):
+            focused = page.locator(":focus")
+            seen.append(focused.get_attribute("id", timeout=2000) or focused.get_attribute("class")
+                        or focused.text_content())
+            page.keyboard.press("Tab")
+        # New chat, the conversation and its delete button, Settings, the message box, Send (Stop is disabled
+        # while nothing streams, so it is skipped).
+        assert seen == ["new-chat", "open", "delete", "Settings", "prompt", "send"], seen
+        page.keyboard.press("Shift+Tab")
+        page.keyboard.press("Shift+Tab")
+        playwright_api.expect(page.locator("#prompt")).to_be_focused()
