@@ -13,7 +13,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from support import rewrite_gguf
 
+from colibri_aio.models import DEFAULT_MODEL, default_model_path
 from colibri_aio.serve.launch import ServerProcess
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -63,10 +65,12 @@ def _until(page, check: Callable[[], bool], what: str, timeout: float = 15.0) ->
         page.wait_for_timeout(100)
 
 
-def test_chat_streams_stops_and_the_telemetry_charts_move_meanwhile(page) -> None:
-    with ServerProcess() as server:
-        # The shipped model's context is 256 positions: a reply lasts a second or two, so samples come 5 a second.
-        page.goto(f"{server.url}/?telemetry=0.2")
+def test_chat_streams_stops_and_the_telemetry_charts_move_meanwhile(page, tmp_path: Path) -> None:
+    # The shipped model with room for a long reply: its own context (256 positions) would end a reply within a
+    # second on a fast machine, before the test could press Stop on it.
+    model = rewrite_gguf(default_model_path(), tmp_path / DEFAULT_MODEL, keys={"qwen3moe.context_length": 2048})
+    with ServerProcess("--model", str(model)) as server:
+        page.goto(f"{server.url}/?telemetry=0.2")                        # samples 5 a second
         playwright_api.expect(page.locator("#telemetry-state")).to_have_text("live, one sample every 0.2 s")
         playwright_api.expect(page.locator("#model-name")).to_have_text("colibri-tiny-q8_0.gguf")
         playwright_api.expect(page.locator("#key-form")).to_be_hidden()   # no key set: none asked for
@@ -104,6 +108,10 @@ def test_chat_streams_stops_and_the_telemetry_charts_move_meanwhile(page) -> Non
         assert answer.text_content() == stopped_text                       # nothing arrives after the stop
         # The server let go of the generation: its one slot is free again.
         _until(page, lambda: "sequences0/1" in (page.text_content("#readout") or ""), "the slot set free")
+        # ... and generates no more: the engine's token count stands still over the next samples.
+        counted = page.text_content("#readout") or ""
+        page.wait_for_timeout(1000)
+        assert page.text_content("#readout").split("tokens since start")[1] == counted.split("tokens since start")[1]
         # The conversation is kept in the browser: a reload shows it again.
         page.reload()
         playwright_api.expect(page.locator(".message.user .content")).to_have_text("Tell me about Python lists")
@@ -181,14 +189,14 @@ def test_every_control_is_reached_with_tab_in_reading_order(page) -> None:
         playwright_api.expect(page.locator("#send")).to_be_enabled(timeout=60_000)
         page.locator("#new-chat").focus()
         seen = []
-        for _ in range(6):
+        for _ in range(7):
             focused = page.locator(":focus")
             seen.append(focused.get_attribute("id", timeout=2000) or focused.get_attribute("class")
                         or focused.text_content())
             page.keyboard.press("Tab")
-        # New chat, the conversation and its delete button, Settings, the message box, Send (Stop is disabled
-        # while nothing streams, so it is skipped).
-        assert seen == ["new-chat", "open", "delete", "Settings", "prompt", "send"], seen
+        # New chat, the conversation and its delete button, Settings, the messages (to scroll them), the message
+        # box, Send (Stop is disabled while nothing streams, so it is skipped).
+        assert seen == ["new-chat", "open", "delete", "Settings", "messages", "prompt", "send"], seen
         page.keyboard.press("Shift+Tab")
         page.keyboard.press("Shift+Tab")
         playwright_api.expect(page.locator("#prompt")).to_be_focused()
