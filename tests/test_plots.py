@@ -173,3 +173,17 @@ def test_samples_must_be_run_stats_json(tmp_path: Path) -> None:
     path.write_text("")
     with pytest.raises(UserError, match="no samples"):
         read_samples(path)
+
+
+def test_a_run_without_a_block_device_is_drawn_without_device_figures(tmp_path: Path) -> None:
+    from colibri_aio.plots import read_samples, stats_figure
+
+    base = {"seconds": 0.5, "tok/s": 10.0, "pin%": 10.0, "lru%": 60.0, "pre%": 20.0, "ourMB/s": 1.5,
+            "RSS_MB": 90.0, "rMB/s": None, "%util": None}
+    path = tmp_path / "s.jsonl"
+    path.write_text("".join(json.dumps({**base, "t": 100.0 + i / 2}) + "\n" for i in range(4)))
+    svg = tmp_path / "s.svg"
+    stats_figure(read_samples(path), svg, title="no device")
+    words = svg_text(svg_root(svg))
+    assert "no block device under the model: no device figures" in words
+    assert "expert reads MB/s" in words and "%util" not in words
