@@ -137,9 +137,13 @@ async def reference_logits(path: Path, ids: list[int], split: int = 12, kernels:
     from colibri_aio.engine.mapped_source import MappedExpertSource
     from colibri_aio.gguf.model import load
     from colibri_aio.kernels.backend import open_kernels
+    from colibri_aio.kernels.threads import limit_blas_threads
 
     model = load(path)
     backend = open_kernels(kernels)
+    # One OpenBLAS thread, as every engine runs (engine/opening.py): OpenBLAS 0.3.31 splits a small
+    # product's work across threads in a way that changes its last bits, and the pool size is process-wide.
+    limit_blas_threads(1)
     try:
         net = build_net(model, MappedExpertSource(model), kernels=backend)
         prefill = await net.forward(ids[:split], logits="all")
