@@ -261,6 +261,19 @@ def test_warm_start_gives_way_to_demand_reads() -> None:
     p.on_end(demand, 0.0)
 
 
+def test_warm_start_waits_out_a_prefill_and_goes_on_in_decode() -> None:
+    p = make_warm()
+    p.on_step(32, 0.0)                                            # a prefill: its read-ahead owns the disk
+    assert p.start_warm([(2, 0), (2, 1)], 0.0).reads == []
+    assert p.warm_pending == 2
+    p.on_step(4, 0.0, sequences=4)                                # a decode step of four sequences
+    demand, actions = p.on_route(0, [3], 0.0)
+    after = land(p, actions)                                      # the demand read lands: warm reads start
+    assert [(r.kind, r.key) for r in after.reads] == [("warm", (2, 0)), ("warm", (2, 1))]
+    assert consume(p, demand) == [3]
+    p.on_end(demand, 0.0)
+
+
 def test_warm_start_skips_what_is_cached_and_never_evicts() -> None:
     p = make_warm(per_layer=2)
     warm(p, 0, [1])

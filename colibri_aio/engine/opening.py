@@ -5,8 +5,8 @@ The header is parsed first (it says where everything is). Then, side by side:
 - the resident trunk is read with large aligned reads (worker threads);
 - the engine's kernels are loaded (ggml's library and thread pool; a worker thread);
 - the tokenizer is read from its cache, or built and cached (a worker thread);
-- on the event loop, the plan is made, the expert reader opens its pool and
-  the warm start begins streaming experts into it.
+- on the event loop, the plan is made and the expert reader opens its pool;
+  once the trunk is read, the warm start begins streaming experts into it.
 
 Each step's time is kept in :class:`OpenTimings` (logged, and in receipts);
 the steps overlap, so they add up to more than the whole. The worker threads
@@ -119,7 +119,7 @@ async def open_parts(path: str | os.PathLike[str], placement: Placement, tasks: 
     source: CachedExpertSource | None = None
     try:
         t1 = time.perf_counter()
-        source, plan = await open_source(described, placement, progress, store)
+        source, plan = await open_source(described, placement, progress, store, fill_after=threads[0])
         source_s = time.perf_counter() - t1
         (model, trunk_s), (opened, kernels_s), ((tokenizer, how), tokenizer_s) = await asyncio.gather(*threads)
         if tokenizer.vocab_size != model.args.vocab_size:

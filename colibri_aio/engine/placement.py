@@ -6,9 +6,11 @@ expert source. Placement changes speed, never tokens (design invariant 1).
 """
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, check_kv_type
 from colibri_aio.errors import UserError
@@ -166,12 +168,16 @@ def warm_keys(model: Model, placement: Placement, cache: ExpertCache, past: Usag
 
 
 async def open_source(model: Model, placement: Placement, progress: Progress | None = None,
-                      history: HistoryFile | None = None) -> tuple[CachedExpertSource, Plan]:
-    """Open the reader, size the cache from the plan, fill pinned experts.
+                      history: HistoryFile | None = None, fill_after: asyncio.Future[Any] | None = None
+                      ) -> tuple[CachedExpertSource, Plan]:
+    """Open the reader, size the cache from the plan, fill pinned experts, start the warm start.
 
     ``history``: this model's usage history file (None: off). The source
     records this run's selections into its ``usage``; saving them is the
-    caller's business.
+    caller's business. ``fill_after``: the warm start waits for this to end
+    well (the engine passes its trunk read: the first token needs the whole
+    trunk, and warm reads sharing the disk with it made the trunk read 3x
+    slower, evidence/first_token_20261207T013105Z.md); None: at once.
     """
     past = history.load() if history is not None else None
     plan, pin_from = plan_for(model, placement, past)
@@ -198,7 +204,13 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
         await source.aclose()
         raise
     warm = warm_keys(model, placement, cache, past)
-    source.start_warm(warm)
+    if fill_after is None:
+        source.start_warm(warm)
+    elif warm:
+        def start(done: asyncio.Future[Any]) -> None:
+            if not done.cancelled() and done.exception() is None:
+                source.start_warm(warm)
+        fill_after.add_done_callback(start)
     log.info("placement", io=reader.backend, io_reason=reader.backend_reason, slots=cache.n_slots,
              scope=cache.scope, policy=cache.policy, prefetch=placement.prefetch, pinned=len(pinned),
              warm_start=len(warm))

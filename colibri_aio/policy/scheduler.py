@@ -455,6 +455,8 @@ class SchedulerPolicy:
 
     def _warm_more(self, now: float, actions: Actions) -> None:
         """Start warm reads while nothing more urgent is out and the warm window has room."""
+        if self._positions > self._sequences:
+            return  # a prefill: its read-ahead keeps the disk busy with what it needs; warm reads would queue ahead
         while (self._warm and not self._closed and not self._urgent
                and self._warm_in_flight < self.warm_inflight_bytes and not any(d.todo for d in self._open)):
             layer = next((l for l in sorted(self._warm) if l > self._current_layer), min(self._warm))
