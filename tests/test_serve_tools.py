@@ -49,6 +49,7 @@ FAMILIES = {
     "gptoss": ("gptoss_mxfp4.gguf", "openai-gpt-oss-120b.jinja"),
     "mistral": ("mixtral_q8_0.gguf", "mistralai-Mistral-Nemo-Instruct-2407.jinja"),
     "minimax": ("minimaxm2_q8_0.gguf", "MiniMax-M2.jinja"),
+    "llama4": ("llama4_q8_0.gguf", "vllm-llama4-pythonic.jinja"),   # pythonic calls: [get_weather(city="…")]
 }
 
 
@@ -133,6 +134,16 @@ def test_a_named_function_call_streams_as_tool_call_deltas(family_server: Server
     for c in calls:
         assert c["id"]
         _check_call(c["name"], c["arguments"])
+
+
+def test_tools_with_the_automatic_choice_are_accepted(family_server: ServerProcess) -> None:
+    """Every family's template has a tool syntax the server reads, so offering tools is never refused; whatever
+    the random model writes comes back as content or as calls of the offered tools."""
+    choice = _client(family_server).chat.completions.create(model="m", messages=ASK, tools=[WEATHER, TIME],
+                                                            max_tokens=8, temperature=0).choices[0]
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    for call in choice.message.tool_calls or ():
+        assert call.function.name in ("get_weather", "get_time")
 
 
 def test_stream_and_whole_answer_agree(family_server: ServerProcess) -> None:

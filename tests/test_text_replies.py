@@ -233,6 +233,7 @@ def assert_calls(got: list, expected: list) -> None:
     ("mistralai-Mistral-Nemo-Instruct-2407", "mistral", False),
     ("Mistral-Small-3.2-24B-Instruct-2506", "mistral", False),
     ("microsoft-Phi-3.5-mini-instruct", "plain", False),
+    ("vllm-llama4-pythonic", "pythonic", False),
 ])
 def test_chat_syntax_is_told_from_the_real_template(template: str, name: str, thinks: bool) -> None:
     syntax = syntax_of(template)
@@ -339,6 +340,7 @@ BROKEN = {
                                              '[TOOL_CALLS][{"arguments": {}}]'],
     "Mistral-Small-3.2-24B-Instruct-2506": ['[TOOL_CALLS]get_weather[ARGS]{"city": ',
                                             "[TOOL_CALLS]get_weather{}"],
+    "vllm-llama4-pythonic": ['[get_weather(city="Paris", ', '[get_weather(city=Paris)]'],
 }
 
 

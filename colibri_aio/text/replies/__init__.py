@@ -8,6 +8,8 @@ the model's own syntax is known.
 """
 from __future__ import annotations
 
+import re
+
 from colibri_aio.text.replies.base import ChatSyntax, Reply, ReplyDelta, ReplyParser, ToolCall
 from colibri_aio.text.replies.deepseek import CALL_BEGIN, DeepSeekSyntax
 from colibri_aio.text.replies.glm45 import GlmSyntax
@@ -16,8 +18,13 @@ from colibri_aio.text.replies.hermes import HermesSyntax
 from colibri_aio.text.replies.minimax_m2 import MiniMaxSyntax
 from colibri_aio.text.replies.mistral import MistralSyntax
 from colibri_aio.text.replies.plain import PlainSyntax
+from colibri_aio.text.replies.pythonic import PythonicSyntax
 
 __all__ = ["ChatSyntax", "Reply", "ReplyDelta", "ReplyParser", "ToolCall", "chat_syntax"]
+
+# A template that writes a past call as its name and an open parenthesis (``tool_call.name + '('``) shows the
+# model calls tools in Python syntax (Llama 4's and Llama 3.2's pythonic templates).
+_PYTHONIC_CALL = re.compile(r"""\.name\s*\+\s*(['"])\(\1""")
 
 
 def _deepseek(template: str) -> ChatSyntax:
@@ -45,4 +52,6 @@ def chat_syntax(template: str | None) -> ChatSyntax:
     thinks = "</think>" in template
     if "<tool_call>" in template:
         return HermesSyntax(thinks=thinks)
+    if _PYTHONIC_CALL.search(template):
+        return PythonicSyntax()
     return PlainSyntax(thinks=thinks)
