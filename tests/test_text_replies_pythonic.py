@@ -227,3 +227,19 @@ def test_optional_and_free_arguments() -> None:
         assert accepts(grammar, text, False) == ok, text
     reply = run(SYNTAX.parser(prompt="", tools=tools), ['[note(text="buy <milk>", count=2, done=null), opt(b=true)]'])
     assert_calls(reply.tool_calls, [("note", {"text": "buy <milk>", "count": 2, "done": None}), ("opt", {"b": True})])
+
+
+def test_hyphenated_names_and_keyword_arguments() -> None:
+    """OpenAI tool names may hold hyphens and arguments may be named by Python keywords: the grammar writes
+    them as they are, and the parser reads them back."""
+    tools = [{"type": "function", "function": {"name": "book-flight", "parameters": {
+        "type": "object", "properties": {"from": {"type": "string"}, "class": {"type": "string"},
+                                         "_0_": {"type": "integer"}}, "required": ["from"]}}}]
+    text = '[book-flight(from="PAR", class="eco", _0_=1), book-flight(from="from=x")]'
+    assert accepts(SYNTAX.tool_call_grammar(tools), text, False)
+    for how in ("whole", "chars"):
+        reply = run(SYNTAX.parser(prompt="", tools=tools), pieces(text, how))
+        assert_calls(reply.tool_calls, [("book-flight", {"from": "PAR", "class": "eco", "_0_": 1}),
+                                        ("book-flight", {"from": "from=x"})])
+    for not_calls in ('[book - flight(from="PAR")]', '[f(a=1) - g(b=2)]', '[book-flight("PAR")]'):
+        assert read_calls(not_calls) is None, not_calls

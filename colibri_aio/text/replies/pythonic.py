@@ -6,7 +6,9 @@ written after any content, sometimes inside ``<|python_start|>…<|python_end|>`
 Python's own parser (:mod:`ast`, nothing is evaluated): it must be a list of calls of plain or dotted names
 with keyword arguments only, each value a literal (a string, a number, True/False/None, or lists, tuples and
 dicts of them). Anything else (a list of other things, a positional argument, a variable, an expression) is
-not a call: the text stays content, as broken markup does in the other syntaxes.
+not a call: the text stays content, as broken markup does in the other syntaxes. Tool names with hyphens
+(``get-weather(``) and arguments named by Python keywords (``from=``), which OpenAI tools may have and the
+grammar then writes, are read too (stand-in names for Python's parser, mapped back).
 
 Values are read both as Python writes them (``True``, ``None``) and as JSON does (``true``, ``null``): the
 forced-call grammar (:meth:`PythonicSyntax.tool_call_grammar`) writes each argument as JSON, because
@@ -24,8 +26,11 @@ Streaming: text before a ``[`` streams as content; a ``[`` is held while what fo
 from __future__ import annotations
 
 import ast
+import io
 import json
+import keyword
 import re
+import tokenize
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -38,7 +43,7 @@ from colibri_aio.text.sampling import longest_partial_suffix
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 _JSON_NAMES = {"true": True, "false": False, "null": None}
 _NAME_START = re.compile(r"[A-Za-z_]")
-_NAME_CHAR = re.compile(r"[\w.]")
+_NAME_CHAR = re.compile(r"[\w.-]")
 _CLOSERS = {")": "(", "]": "[", "}": "{"}
 
 
@@ -122,18 +127,65 @@ def _typed(value: Any, schema: Mapping[str, Any] | None) -> Any:
     return read if isinstance(read, wanted) else value
 
 
+def _placeholders(text: str) -> tuple[str, dict[str, str]]:
+    """``text`` with what a tool's name or argument may be but a Python name may not, each replaced by a
+    stand-in name: a callee spelled with hyphens (``get-weather(``) and an argument named by a Python keyword
+    (``from="Paris"``). Returns the text and each stand-in's original; the text unchanged when it does not
+    tokenize."""
+    try:
+        tokens = [t for t in tokenize.generate_tokens(io.StringIO(text).readline)
+                  if t.type in (tokenize.NAME, tokenize.OP, tokenize.STRING, tokenize.NUMBER)]
+    except (tokenize.TokenError, SyntaxError):
+        return text, {}
+    line_starts = [0]
+    for line in text.splitlines(keepends=True):
+        line_starts.append(line_starts[-1] + len(line))
+
+    def offset(pos: tuple[int, int]) -> int:
+        return line_starts[pos[0] - 1] + pos[1]
+
+    edits: list[tuple[int, int, str]] = []
+    depth = 0
+    for i, tok in enumerate(tokens):
+        before = tokens[i - 1].string if i else ""
+        after = tokens[i + 1].string if i + 1 < len(tokens) else ""
+        if tok.type == tokenize.OP and tok.string in "([{":
+            depth += 1
+        elif tok.type == tokenize.OP and tok.string in ")]}":
+            depth -= 1
+        elif tok.type == tokenize.NAME and keyword.iskeyword(tok.string) and before in ("(", ",") and after == "=":
+            edits.append((offset(tok.start), offset(tok.end), tok.string))
+        elif tok.type == tokenize.NAME and depth == 1 and before in ("[", ","):
+            j = i   # a callee: NAME, then "-" or "." and NAME, up to "("
+            while j + 2 < len(tokens) and tokens[j + 1].string in ("-", ".") and tokens[j + 2].type == tokenize.NAME:
+                j += 2
+            name = text[offset(tok.start):offset(tokens[j].end)]
+            if "-" in name and j + 1 < len(tokens) and tokens[j + 1].string == "(" and re.fullmatch(r"[\w.-]+", name):
+                edits.append((offset(tok.start), offset(tokens[j].end), name))
+    originals: dict[str, str] = {}
+    n = 0
+    for start, end, original in reversed(edits):
+        while f"_{n}_" in text:
+            n += 1
+        stand_in = f"_{n}_"
+        n += 1
+        originals[stand_in] = original
+        text = text[:start] + stand_in + text[end:]
+    return text, originals
+
+
 def read_calls(text: str, schemas: Mapping[str, Mapping[str, Any]] | None = None) -> list[ToolCall] | None:
     """The calls of a list written in Python, ``[f(a=1), g(b="x")]``; None unless it is exactly that.
-    ``schemas``: each function's parameters schema, for reading quoted values by their declared type."""
-    try:
-        with warnings.catch_warnings():
-            # JSON's "\/" is an escape Python does not know: it warns, keeps the backslash, and _literal
-            # decodes such a string as JSON instead
-            warnings.simplefilter("ignore")
-            tree = ast.parse(text.strip(), mode="eval")
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
+    ``schemas``: each function's parameters schema, for reading quoted values by their declared type.
+    Tool names with hyphens and arguments named by Python keywords (``from=``) are read too."""
     source = text.strip()
+    originals: dict[str, str] = {}
+    tree = _parse(source)
+    if tree is None:
+        source, originals = _placeholders(source)
+        tree = _parse(source) if originals else None
+    if tree is None:
+        return None
     body = tree.body
     if not isinstance(body, ast.List) or not body.elts:
         return None
@@ -144,22 +196,35 @@ def read_calls(text: str, schemas: Mapping[str, Mapping[str, Any]] | None = None
         name = _dotted(node.func)
         if name is None:
             return None
+        name = originals.get(name, name)
         props = ((schemas or {}).get(name) or {}).get("properties") or {}
         arguments = {}
-        for keyword in node.keywords:
-            if keyword.arg is None or keyword.arg in arguments:   # f(**x), or a name given twice
+        for kw in node.keywords:
+            key = originals.get(kw.arg, kw.arg) if kw.arg is not None else None
+            if key is None or key in arguments:   # f(**x), or a name given twice
                 return None
             try:
-                value = _literal(keyword.value, source)
+                value = _literal(kw.value, source)
             except (_NotLiteral, RecursionError):
                 return None
-            schema = props.get(keyword.arg)
-            arguments[keyword.arg] = _typed(value, schema if isinstance(schema, Mapping) else None)
+            schema = props.get(key)
+            arguments[key] = _typed(value, schema if isinstance(schema, Mapping) else None)
         call = make_call(name, arguments)
         if call is None:
             return None
         calls.append(call)
     return calls
+
+
+def _parse(source: str) -> ast.Expression | None:
+    try:
+        with warnings.catch_warnings():
+            # JSON's "\/" is an escape Python does not know: it warns, keeps the backslash, and _literal
+            # decodes such a string as JSON instead
+            warnings.simplefilter("ignore")
+            return ast.parse(source, mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
 
 
 def _opening(text: str, i: int) -> int | None:
