@@ -216,10 +216,47 @@ def test_warm_start_streams_all_experts_that_fit_else_a_long_historys_hot_set() 
     for _ in range(4):
         past.record(0, [5, 6])
         past.record(1, [1, 2, 3, 4])
-    on, off = Placement(warm_start=True), Placement()
+    on, off = Placement(), Placement(warm_start=False)                # on by default
     assert warm_keys(model, on, full, None) == [(l, e) for l in range(layers) for e in range(experts)]
     assert warm_keys(model, off, full, None) == []
     assert warm_keys(model, on, small, past) == []                 # a short history names no hot set
     past.count_tokens(MIN_TOKENS)
     hot = warm_keys(model, on, small, past)
     assert sorted(hot) == [(0, 5), (0, 6), (1, 1), (1, 2), (1, 3)]  # each layer's quota of 3, most used first
+
+
+def test_the_plan_says_what_the_warm_start_streams_and_why() -> None:
+    from types import SimpleNamespace
+
+    from colibri_aio.engine.placement import warm_start_text
+    from colibri_aio.policy.usage import MIN_TOKENS, UsageHistory
+
+    fits, short = SimpleNamespace(all_experts_fit=True, experts_total=16, slots=16), \
+        SimpleNamespace(all_experts_fit=False, experts_total=16, slots=6)
+    past = UsageHistory("f", 2, 8)
+    assert warm_start_text(None, Placement(), fits, None).startswith("every expert (16: all fit)")
+    assert warm_start_text(None, Placement(warm_start=False), fits, None) == "off (--no-warm-start)"
+    assert "(--no-history)" in warm_start_text(None, Placement(), short, None)
+    assert f"fewer than {MIN_TOKENS}" in warm_start_text(None, Placement(), short, past)
+    past.count_tokens(MIN_TOKENS)
+    assert warm_start_text(None, Placement(), short, past).startswith(f"the experts the usage history ({MIN_TOKENS} ")
+
+
+async def test_the_warm_start_waits_for_what_it_is_told_to_follow() -> None:
+    model = load(fixture("tiny_q8_0.gguf"))
+    trunk: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    source, plan = await open_source(model, Placement(io="pread"), fill_after=trunk)
+    try:
+        assert plan.all_experts_fit and "every expert" in plan.warm_start
+        await asyncio.sleep(0.05)
+        assert source.policy.stats.warm_reads == 0 and source.policy.reads_in_flight == 0
+        trunk.set_result(None)                                  # the trunk is read: the warm start begins
+        await asyncio.sleep(0)                                  # (its callback runs on the next turn)
+        for _ in range(500):
+            if not source.policy.warm_pending and not source.policy.reads_in_flight:
+                break
+            await asyncio.sleep(0.01)
+        a = model.args
+        assert source.policy.stats.warm_reads == a.moe_block_count * a.expert_count
+    finally:
+        await source.aclose()

@@ -7,9 +7,10 @@ two engines alternate, the order flipped every round. ``--lock PATH`` holds
 an exclusive flock on PATH around each run only.
 
 - ours: ``Engine.open(model)`` with its defaults (context min(model, 4096),
-  f16 KV cache, budget from RAM, ggml kernels, no warm start, the prefill's read-ahead), ``prefill``
+  f16 KV cache, budget from RAM, ggml kernels, the warm start, the prefill's read-ahead), ``prefill``
   of the prompt;
-- ours-warm (``--arms``): the same with the warm start;
+- ours-warm (``--arms``): the same with the warm start asked for (receipts from when it was off by default);
+- ours-nowarm (``--arms``): the same without the warm start (its A/B since it is on by default);
 - ours-noahead (``--arms``): the same without the prefill's read-ahead (its A/B; receipts
   from when it was off by default have ours-ahead, ours with it on);
 - llama.cpp: llama-cpp-python, ``n_threads=2``, ``n_ctx=4096`` (llama-cli's
@@ -41,8 +42,9 @@ from colibri_aio.bench.receipt import header as receipt_header, spread, write as
 
 ROOT = Path(__file__).resolve().parents[1]
 # ours-warm: Engine.open(warm_start=True), the warm start's A/B; ours-noahead: read_ahead=False, the read-ahead's A/B
-ARMS = ("ours", "ours-warm", "ours-noahead", "llama.cpp")
-OURS = {"ours": {}, "ours-warm": {"warm_start": True}, "ours-noahead": {"read_ahead": False}}
+ARMS = ("ours", "ours-warm", "ours-nowarm", "ours-noahead", "llama.cpp")
+OURS = {"ours": {}, "ours-warm": {"warm_start": True}, "ours-nowarm": {"warm_start": False},
+        "ours-noahead": {"read_ahead": False}}
 PROMPT = 32
 N_CTX = 4096
 
@@ -142,12 +144,14 @@ def summarise(runs: list[dict]) -> dict:
                                                            "steady_tok_s", "first_vs_steady") if ok}
         out[e]["failed"] = sum(1 for r in runs if r["engine"] == e and "error" in r)
     for arm, ref, key in (("ours", "llama.cpp", "ttft_ratio"), ("ours-warm", "ours", "ttft_ratio_warm"),
-                          ("ours", "ours-noahead", "ttft_ratio_default_vs_noahead")):
+                          ("ours", "ours-noahead", "ttft_ratio_default_vs_noahead"),
+                          ("ours", "ours-nowarm", "ttft_ratio_default_vs_nowarm")):
         pairs = [(a, b) for a, b in zip([r for r in runs if r["engine"] == arm],
                                          [r for r in runs if r["engine"] == ref])
                  if "error" not in a and "error" not in b]
         if pairs:
             out[key] = spread([a["ttft_s"] / b["ttft_s"] for a, b in pairs])
+            out[key.replace("ttft_", "first_")] = spread([a["first_tok_s"] / b["first_tok_s"] for a, b in pairs])
     return out
 
 
@@ -160,7 +164,8 @@ def _cell(s: dict | None, fmt: str = "{:.2f}") -> str:
 def markdown(receipt: dict) -> str:
     s = receipt["summary"]
     lines = [f"# Time to first token beside llama.cpp — {receipt['date']}", "",
-             f"host `{receipt['host']}`, commit `{receipt['commit']}`, model {receipt['model']} "
+             f"host `{receipt['host']}` ({receipt.get('cpu', 'CPU not recorded')}), commit `{receipt['commit']}`, "
+             f"model {receipt['model']} "
              f"({receipt['model_bytes'] / 1e9:.2f} GB; {receipt['model_description']}), "
              f"load average at end {receipt['load_average']}", "",
              f"Command: `{receipt['command']}`", "",
@@ -174,7 +179,11 @@ def markdown(receipt: dict) -> str:
         lines.append(f"| {e} | {_cell(x.get('ttft_s'))} | {_cell(x.get('load_s'))} | {_cell(x.get('prompt_s'))} | "
                      f"{_cell(x.get('first_tok_s'))} | {_cell(x.get('steady_tok_s'))} | "
                      f"{_cell(x.get('first_vs_steady'))} |")
-    lines += ["", f"TTFT ours / llama.cpp, per round: {_cell(s.get('ttft_ratio'))}", "",
+    lines += ["", f"TTFT ours / llama.cpp, per round: {_cell(s.get('ttft_ratio'))}; first tokens' rate ours / "
+              f"llama.cpp: {_cell(s.get('first_ratio'))}", "",
+              f"Ours (defaults) / ours without the warm start, per round: TTFT "
+              f"{_cell(s.get('ttft_ratio_default_vs_nowarm'))}, first tokens' rate "
+              f"{_cell(s.get('first_ratio_default_vs_nowarm'))}", "",
               f"TTFT ours with the warm start / without it, per round: {_cell(s.get('ttft_ratio_warm'))}", "",
               f"TTFT ours (defaults, read-ahead on) / ours without read-ahead, per round: "
               f"{_cell(s.get('ttft_ratio_default_vs_noahead'))}", "",

@@ -68,11 +68,10 @@ def add_placement(p: argparse.ArgumentParser) -> None:
                    help="read the experts router lookahead predicts for the next layer; auto keeps it on "
                         "unless the disk is saturated and decode steps measure faster with it off "
                         "(default: %(default)s)")
-    g.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=False,
-                   help="stream experts into the expert cache from the start, behind every read the model waits "
-                        "for: all of them when they fit, else the ones a long usage history uses most "
-                        "(default: off; on the 8-layer cut its reads slowed the start and doubled the time to "
-                        "first token)")
+    g.add_argument("--warm-start", action=argparse.BooleanOptionalAction, default=True,
+                   help="stream experts into the expert cache in the background, from when the trunk is read, "
+                        "never during a prompt, behind every read the model waits for: all of them when they "
+                        "fit, else the ones a long usage history uses most (default: on; `plan` says which)")
     g.add_argument("--read-ahead", action=argparse.BooleanOptionalAction, default=True,
                    help="while a prompt's layer computes, read the experts the next layer will likely use, with "
                         "reads issued from io_uring's kernel workers (default: on; on the 48-layer file it cut the "

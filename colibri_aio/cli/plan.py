@@ -92,6 +92,7 @@ def _plan_table(model, plan, limits) -> str:
                         f"({plan.slots}/{plan.experts_total} experts{', all fit' if plan.all_experts_fit else ''}; "
                         f"a slot holds one expert of {gb(plan.expert_nbytes)} aligned for O_DIRECT)"),
         ("pinned", f"{plan.pinned_slots} slots = {gb(plan.pinned_slots * plan.slot_nbytes)}"),
+        ("warm start", plan.warm_start),
         ("expected hit rate", hit),
         ("per token", f"compute ~{plan.compute_s_per_token * 1e3:.1f} ms, expert reads ~"
                       f"{plan.disk_s_per_token * 1e3:.1f} ms -> bound by {plan.bottleneck} "

@@ -95,7 +95,7 @@ class Engine:
                    ram_budget: int | str | None = None, cache_per_layer: int | None = None,
                    prefetch: str = "auto", pin: str = "off", n_ctx: int | None = None, kv_type: str = DEFAULT_KV_TYPE,
                    kernels: str | None = None, progress: Progress | None = None,
-                   history: bool = True, warm_start: bool = False, read_ahead: bool = True,
+                   history: bool = True, warm_start: bool = True, read_ahead: bool = True,
                    parallel: int = 1, settings: Settings | None = None) -> "Engine":
         """Load ``path`` (default: the shipped model) and open its expert source.
 
@@ -115,11 +115,12 @@ class Engine:
         each one took. ``history``:
         read and update this model's usage history (a cache file under
         ``$XDG_CACHE_HOME/colibri_aio/usage``; False: neither read nor write it).
-        ``warm_start``: stream experts into the expert cache from the start, in
-        the background and behind every read the model waits for (all of them
-        when they fit, else the ones a long enough usage history uses most);
-        off by default: on the 8-layer cut its reads slowed the open's cold
-        start and doubled the time to first token (evidence/first_token_*).
+        ``warm_start``: stream experts into the expert cache in the background,
+        from when the trunk is read, never during a prompt (whose read-ahead
+        has the disk) and behind every read the model waits for: all of them
+        when they fit, else the ones a long enough usage history uses most
+        (``plan.warm_start`` says which); on by default: the first token comes
+        no later and the first decoded tokens miss less (evidence/first_token_*).
         ``read_ahead``: while a prefill computes one layer, read the experts
         the next one will likely use (:mod:`colibri_aio.policy.scheduler`), and
         issue reads from io_uring's kernel workers so that compute goes on while

@@ -23,7 +23,7 @@ from colibri_aio.policy.cache import ExpertCache, Key
 from colibri_aio.policy.backpressure import BackpressureConfig, BackpressureController
 from colibri_aio.policy.predictor import LookaheadPredictor
 from colibri_aio.policy.scheduler import SchedulerPolicy
-from colibri_aio.policy.usage import UsageHistory, model_fingerprint
+from colibri_aio.policy.usage import MIN_TOKENS, UsageHistory, model_fingerprint
 from colibri_aio.engine.history import HistoryFile, read_history
 from colibri_aio.engine.scheduler import CachedExpertSource
 from colibri_aio.logs import get_logger
@@ -57,7 +57,11 @@ class Placement:
     cache_half_life: float = 4096.0
     context: int | None = None
     kv_type: str = DEFAULT_KV_TYPE  # storage of the KV cache: f16 (llama.cpp's default) or f32
-    warm_start: bool = False        # stream experts into the pool from the start (see warm_keys); off: its A/B
+    # Stream experts into the pool in the background (see warm_keys and the scheduler's rules): from when the
+    # trunk is read, never during a prefill, behind every read the model waits for. On by default: its A/B
+    # (evidence/first_token_20261207T*.md, see README) left the first token where it was and filled the
+    # pool during the first decoded tokens instead of miss by miss.
+    warm_start: bool = True
     # A prefill reads the next layer's likely experts while this one computes, and reads are handed to
     # io_uring's kernel workers (IOSQE_ASYNC): issued inline, a submit faults in the fresh pool pages it
     # reads into on the event loop, which on the 48-layer file held the loop 43 s of a 47 s prefill
@@ -138,7 +142,7 @@ def plan_for(model: Model, placement: Placement, past: UsageHistory | None, limi
                      pin_share=PIN_SHARE if pin_from is not None else 0.0,
                      history_tokens=known.tokens if counts is not None else None,
                      speed=speed if speed is not None else cached_speed(), parallel=placement.parallel)
-    return plan, pin_from
+    return plan.with_warm_start(warm_start_text(model, placement, plan, past)), pin_from
 
 
 def pins(model: Model, placement: Placement, plan: Plan, pin_from: UsageHistory | None) -> list[tuple[int, int]]:
@@ -149,6 +153,21 @@ def pins(model: Model, placement: Placement, plan: Plan, pin_from: UsageHistory 
         per_layer = int(min(placement.cache_per_layer, model.args.expert_count) * PIN_SHARE)
         return pin_from.hottest(per_layer * model.args.moe_block_count, per_layer=per_layer)
     return pin_from.hottest(plan.pinned_slots)
+
+
+def warm_start_text(model: Model, placement: Placement, plan: Plan, past: UsageHistory | None) -> str:
+    """What :func:`warm_keys` will stream, and why, for the plan's reader."""
+    if not placement.warm_start:
+        return "off (--no-warm-start)"
+    when = "from when the trunk is read, behind every read the model waits for, never during a prompt"
+    if plan.all_experts_fit:
+        return f"every expert ({plan.experts_total}: all fit), {when}"
+    if past is not None and past.enough:
+        return (f"the experts the usage history ({past.tokens:.0f} positions) uses most, as many as each layer's "
+                f"share of the {plan.slots} slots holds, {when}")
+    why = "--no-history" if past is None else f"its {past.tokens:.0f} positions are fewer than {MIN_TOKENS}"
+    return (f"off: the experts do not all fit and no usage history ranks them ({why}); "
+            "a run's reads and prefetch fill the pool")
 
 
 def warm_keys(model: Model, placement: Placement, cache: ExpertCache, past: UsageHistory | None) -> list[Key]:

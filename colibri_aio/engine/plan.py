@@ -57,6 +57,7 @@ class Plan:
     speed_source: str = "assumed rates"  # where compute_s_per_token's rates come from
     notes: tuple[str, ...] = ()  # where the plan differs from what was asked, said aloud
     parallel: int = 1          # sequences held at once: kv_cache is this many caches of ``context`` positions
+    warm_start: str = "off"    # what the warm start streams into the pool, and why (placement.warm_start_text)
 
     @property
     def pool(self) -> int:
@@ -65,6 +66,9 @@ class Plan:
     @property
     def all_experts_fit(self) -> bool:
         return self.slots >= self.experts_total
+
+    def with_warm_start(self, text: str) -> "Plan":
+        return replace(self, warm_start=text)
 
     def with_cache(self, slots: int, pinned_slots: int) -> "Plan":
         """The plan with the slot counts of the cache actually built (pins found may be fewer than planned)."""
