@@ -194,3 +194,14 @@ async def test_the_gateway_bounds_requests_as_a_replica_does(engines: list[SyncE
         assert foreign.status_code == 421
         ok = await client.post("/v1/completions", json={"prompt": "The list", "max_tokens": 2})
         assert ok.status_code == 200, ok.text
+
+
+async def test_the_gateway_serves_the_web_page_without_the_key(engines) -> None:
+    # (The page's telemetry stream goes to a replica through the catch-all relay, as any GET; it never ends, and
+    # httpx's ASGI transport only returns a response once it has ended, so it is not followed here.)
+    gateway, _ = _gateway(engines, api_key="k")
+    async with _client(gateway) as http:
+        page = await http.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "Content-Security-Policy" in page.headers and (await http.get("/web/app.js")).status_code == 200
+        assert (await http.get("/v1/telemetry/stream")).status_code == 401   # the API behind the page needs the key

@@ -42,6 +42,7 @@ from starlette.types import Receive, Scope, Send
 
 from colibri_aio.cluster.affinity import SESSION_HEADER, NoReplica, NoRoom, ReplicaChooser, conversation_key
 from colibri_aio.cluster.tunnel import REPLICA_HEADER, Head, HTTPRequest, Part
+from colibri_aio.serve import page
 from colibri_aio.serve.app import BearerAuth, ClientGone, CountRequests, sse_frame, until_disconnect
 from colibri_aio.serve.guard import Limits, RequestGuard
 from colibri_aio.serve.errors import APIError
@@ -121,6 +122,7 @@ def build_gateway_app(gateway: Gateway) -> Starlette:
     """The gateway's ASGI application."""
     routes = [*(Route(p, generation, methods=["POST"]) for p in GENERATION_PATHS),
               Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
+              *page.routes(),  # the web page; its telemetry stream is forwarded to a replica like any other GET
               Route("/{path:path}", forward, methods=METHODS)]
     app = Starlette(routes=routes, exception_handlers={APIError: _api_error})
     app.state.gateway = gateway
