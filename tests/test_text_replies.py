@@ -161,6 +161,13 @@ def mistral_small(calls: list) -> Turn:
     return Turn(prompt, generated, "", "", calls)
 
 
+def llama4(calls: list, content: str = CONTENT) -> Turn:
+    """Llama 4's own template wraps the content in <|python_start|>…<|python_end|>; the calls follow."""
+    assistant = {"role": "assistant", "content": content, "tool_calls": tool_calls(calls, as_text=False)}
+    prompt, generated = after_prompt("meta-llama-Llama-4-Scout-17B-16E-Instruct", assistant, ("<|eot|>",))
+    return Turn(prompt, generated, content, "", calls)
+
+
 TURNS: dict[str, tuple[str, Callable[[list], Turn]]] = {
     "qwen3": ("Qwen-Qwen3-0.6B", qwen3),
     "qwen3-no-thinking": ("Qwen-Qwen3-0.6B", lambda c: qwen3(c, thinking=False)),
@@ -174,6 +181,8 @@ TURNS: dict[str, tuple[str, Callable[[list], Turn]]] = {
     "gpt-oss-no-end-text": ("openai-gpt-oss-120b", lambda c: gpt_oss(c, end="")),
     "mistral-nemo": ("mistralai-Mistral-Nemo-Instruct-2407", mistral_nemo),
     "mistral-small-3.2": ("Mistral-Small-3.2-24B-Instruct-2506", mistral_small),
+    "llama4": ("meta-llama-Llama-4-Scout-17B-16E-Instruct", llama4),
+    "llama4-no-content": ("meta-llama-Llama-4-Scout-17B-16E-Instruct", lambda c: llama4(c, content="")),
 }
 
 
@@ -234,6 +243,7 @@ def assert_calls(got: list, expected: list) -> None:
     ("Mistral-Small-3.2-24B-Instruct-2506", "mistral", False),
     ("microsoft-Phi-3.5-mini-instruct", "plain", False),
     ("vllm-llama4-pythonic", "pythonic", False),
+    ("meta-llama-Llama-4-Scout-17B-16E-Instruct", "llama4_json", False),
 ])
 def test_chat_syntax_is_told_from_the_real_template(template: str, name: str, thinks: bool) -> None:
     syntax = syntax_of(template)
@@ -341,6 +351,10 @@ BROKEN = {
     "Mistral-Small-3.2-24B-Instruct-2506": ['[TOOL_CALLS]get_weather[ARGS]{"city": ',
                                             "[TOOL_CALLS]get_weather{}"],
     "vllm-llama4-pythonic": ['[get_weather(city="Paris", ', '[get_weather(city=Paris)]'],
+    "meta-llama-Llama-4-Scout-17B-16E-Instruct": [
+        '<|python_start|><|python_end|>{"name": "get_weather", "parameters": {"city": "Par',
+        '<|python_start|>{"name": "get_weather", "parameters": {"city": Paris}}<|python_end|>',
+        '{"name": "get_weather", "parameters": ["Paris"]}'],
 }
 
 
@@ -420,7 +434,8 @@ def test_parser_refuses_feeding_after_finish() -> None:
 SPECIAL = ["<|channel|>", "<|message|>", "<|start|>", "<|end|>", "<|constrain|>", "<|call|>",
            "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>",
            "<｜tool▁sep｜>", "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]", "<tool_call>", "</tool_call>",
-           "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<minimax:tool_call>", "</minimax:tool_call>"]
+           "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "<minimax:tool_call>", "</minimax:tool_call>",
+           "<|python_start|>", "<|python_end|>"]
 
 
 class ByteTokenizer:
@@ -462,9 +477,12 @@ def call_text(template: str, calls: list) -> str:
     case = {"Qwen-Qwen3-0.6B": qwen3, "GLM-4.6": glm46, "MiniMax-M2": minimax, "openai-gpt-oss-120b": gpt_oss,
             "deepseek-ai-DeepSeek-V3.1": deepseek_v31, "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B": deepseek_r1,
             "mistralai-Mistral-Nemo-Instruct-2407": mistral_nemo,
-            "Mistral-Small-3.2-24B-Instruct-2506": mistral_small}[template]
+            "Mistral-Small-3.2-24B-Instruct-2506": mistral_small,
+            # a turn of calls only: what the grammar writes
+            "meta-llama-Llama-4-Scout-17B-16E-Instruct": lambda c: llama4(c, content="")}[template]
     text = case(calls).generated
-    starts = ["<tool_call>", "<minimax:tool_call>", "<|start|>assistant to=", "<｜tool▁calls▁begin｜>", "[TOOL_CALLS]"]
+    starts = ["<tool_call>", "<minimax:tool_call>", "<|start|>assistant to=", "<｜tool▁calls▁begin｜>", "[TOOL_CALLS]",
+              "<|python_start|>"]
     begin = min(i for i in (text.find(s) for s in starts) if i >= 0)
     text = text[begin:]
     if template == "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B" and len(calls) == 1:
@@ -474,7 +492,8 @@ def call_text(template: str, calls: list) -> str:
 
 GRAMMAR_TEMPLATES = ["Qwen-Qwen3-0.6B", "GLM-4.6", "MiniMax-M2", "deepseek-ai-DeepSeek-V3.1",
                      "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B", "openai-gpt-oss-120b",
-                     "mistralai-Mistral-Nemo-Instruct-2407", "Mistral-Small-3.2-24B-Instruct-2506"]
+                     "mistralai-Mistral-Nemo-Instruct-2407", "Mistral-Small-3.2-24B-Instruct-2506",
+                     "meta-llama-Llama-4-Scout-17B-16E-Instruct"]
 
 
 @pytest.mark.parametrize("special", [False, True])
@@ -533,7 +552,8 @@ def test_harmony_text_without_any_header_is_content() -> None:
 
 @pytest.mark.parametrize("case, closes", [("qwen3", "</tool_call>"), ("glm-4.6", "</tool_call>"),
                                           ("deepseek-v3.1", "<｜tool▁calls▁end｜>"),
-                                          ("mistral-small-3.2", '"days": 3}'), ("mistral-nemo", 'abcd"}]')])
+                                          ("mistral-small-3.2", '"days": 3}'), ("mistral-nemo", 'abcd"}]'),
+                                          ("llama4", '"days": 3}}')])
 def test_each_call_is_returned_as_soon_as_its_markup_closes(case: str, closes: str) -> None:
     template, make = TURNS[case]
     turn = make(CALLS)

@@ -15,6 +15,7 @@ from colibri_aio.text.replies.deepseek import CALL_BEGIN, DeepSeekSyntax
 from colibri_aio.text.replies.glm45 import GlmSyntax
 from colibri_aio.text.replies.harmony import HarmonySyntax
 from colibri_aio.text.replies.hermes import HermesSyntax
+from colibri_aio.text.replies.llama4_json import PYTHON_START, Llama4JsonSyntax
 from colibri_aio.text.replies.minimax_m2 import MiniMaxSyntax
 from colibri_aio.text.replies.mistral import MistralSyntax
 from colibri_aio.text.replies.plain import PlainSyntax
@@ -25,6 +26,9 @@ __all__ = ["ChatSyntax", "Reply", "ReplyDelta", "ReplyParser", "ToolCall", "chat
 # A template that writes a past call as its name and an open parenthesis (``tool_call.name + '('``) shows the
 # model calls tools in Python syntax (Llama 4's and Llama 3.2's pythonic templates).
 _PYTHONIC_CALL = re.compile(r"""\.name\s*\+\s*(['"])\(\1""")
+# A template that writes a past call as a JSON object by pieces, ``'{"name": "' + tool_call.function.name``, with
+# its arguments under "parameters", shows the model calls tools in Llama's JSON (Llama 4's own template).
+_JSON_CALL = re.compile(r"""\{"name": "'\s*\+""")
 
 
 def _deepseek(template: str) -> ChatSyntax:
@@ -54,4 +58,6 @@ def chat_syntax(template: str | None) -> ChatSyntax:
         return HermesSyntax(thinks=thinks)
     if _PYTHONIC_CALL.search(template):
         return PythonicSyntax()
+    if _JSON_CALL.search(template) and '"parameters"' in template:
+        return Llama4JsonSyntax(tagged=PYTHON_START in template)
     return PlainSyntax(thinks=thinks)
