@@ -63,7 +63,7 @@ async def test_cache_that_holds_everything_reads_each_expert_once() -> None:
     assert stats.misses + stats.warm_reads == reads <= model.args.block_count * model.args.expert_count
     assert stats.hit_rate > 0.5 and stats.prefetch_reads == 0
     got, engine = await engine_logits(fixture("tiny_q8_0.gguf"), ids + ids, io="pread",
-                                      cache_per_layer=model.args.expert_count, prefetch="off")  # default: no warm start
+                                      cache_per_layer=model.args.expert_count, prefetch="off", warm_start=False)
     stats = engine.source.policy.cache.stats
     assert stats.warm_reads == 0 and stats.misses == engine.source.reader.stats.reads
 
@@ -72,23 +72,24 @@ async def test_a_prefill_reads_ahead_what_the_next_layer_routes_and_decode_does_
     ids = oracle_ids()[0]
     model = load(fixture("tiny_q8_0.gguf"))
     every = model.args.expert_count
+    # Without the warm start, which would read every expert of this small model before the prompt needs it.
     _, engine = await engine_logits(fixture("tiny_q8_0.gguf"), ids, split=len(ids) - 1, io="uring",
                                     cache_per_layer=every, prefetch="auto",
-                                    read_ahead=True)
+                                    read_ahead=True, warm_start=False)
     s, c = engine.source.policy.stats, engine.source.policy.cache.stats
     assert s.ahead_reads > 2 * model.args.expert_used_count and c.prefetch_hits > 0
     _, engine = await engine_logits(fixture("tiny_q8_0.gguf"), ids, split=1, io="uring", cache_per_layer=every,
-                                    prefetch="on", read_ahead=True)
+                                    prefetch="on", read_ahead=True, warm_start=False)
     s = engine.source.policy.stats
     assert s.ahead_reads == 0 and s.prefetch_reads > 0   # one position at a time: decode's top-k guesses
     _, engine = await engine_logits(fixture("tiny_q8_0.gguf"), ids, split=len(ids) - 1, io="uring",
-                                    cache_per_layer=every, prefetch="off", read_ahead=True)
+                                    cache_per_layer=every, prefetch="off", read_ahead=True, warm_start=False)
     assert engine.source.policy.stats.prefetch_reads == 0   # --prefetch off: no guesses at all
     _, engine = await engine_logits(fixture("tiny_q8_0.gguf"), ids, split=len(ids) - 1, io="uring",
-                                    cache_per_layer=every, prefetch="auto", read_ahead=False)
+                                    cache_per_layer=every, prefetch="auto", read_ahead=False, warm_start=False)
     assert engine.source.policy.stats.ahead_reads == 0       # --no-read-ahead
     _, engine = await engine_logits(fixture("tiny_q8_0.gguf"), ids, split=len(ids) - 1, io="uring",
-                                    cache_per_layer=every, prefetch="auto")
+                                    cache_per_layer=every, prefetch="auto", warm_start=False)
     assert engine.source.policy.stats.ahead_reads > 0        # on by default
 
 
