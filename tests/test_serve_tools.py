@@ -50,6 +50,8 @@ FAMILIES = {
     "mistral": ("mixtral_q8_0.gguf", "mistralai-Mistral-Nemo-Instruct-2407.jinja"),
     "minimax": ("minimaxm2_q8_0.gguf", "MiniMax-M2.jinja"),
     "llama4": ("llama4_q8_0.gguf", "vllm-llama4-pythonic.jinja"),   # pythonic calls: [get_weather(city="…")]
+    # the model's own template: <|python_start|><|python_end|>{"name": "get_weather", "parameters": {…}}
+    "llama4json": ("llama4_q8_0.gguf", "meta-llama-Llama-4-Scout-17B-16E-Instruct.jinja"),
 }
 
 
