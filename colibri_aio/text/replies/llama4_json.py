@@ -2,7 +2,7 @@
 object per call with the arguments under ``parameters``, the calls back to back after the turn's content, which
 the template wraps in ``<|python_start|>…<|python_end|>``,
 
-    <|python_start|>Let me look that up.<|python_end|>{"name": "get_weather", "parameters": {"city": "Paris"}}{"name": …}
+    <|python_start|>Let me look.<|python_end|>{"name": "get_weather", "parameters": {"city": "Paris"}}{"name": …}
 
 (a turn with calls only is ``<|python_start|><|python_end|>{…}{…}``). The template's system prompt asks for
 ``{"name": function name, "parameters": dictionary of argument name and its value}``, and Llama 4 models also
