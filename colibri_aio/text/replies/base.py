@@ -145,6 +145,47 @@ class ReplyParser:
         raise NotImplementedError
 
 
+class TrailingCallsParser(ReplyParser):
+    """A parser for syntaxes whose calls follow the content with no opening marker of their own (a JSON object,
+    a Python list): content streams, its trailing whitespace held while a call could follow (and dropped before
+    one), and the text is scanned by a small state machine, one :meth:`_step` at a time, in a buffer.
+
+    Subclasses set their states' steps: :meth:`_step` returns whether it moved on (call it again)."""
+
+    def __init__(self, *, tools: bool | Tools) -> None:
+        super().__init__()
+        self._tools = bool(tools)
+        self._buf = ""
+        self._state = "content"
+        self._ws = ""             # trailing whitespace of the content, held while a call could follow
+        self._lstrip = False      # drop the leading whitespace of the next content (it follows calls)
+
+    def _emit(self, text: str, delta: ReplyDelta) -> None:
+        """``text`` is content: its trailing whitespace is held until more content comes."""
+        if self._lstrip:
+            text = text.lstrip()
+            if not text:
+                return
+            self._lstrip = False
+        body = text.rstrip()
+        if not body:
+            self._ws += text
+            return
+        delta.content += self._ws + body
+        self._ws = text[len(body):]
+
+    def _feed(self, text: str, delta: ReplyDelta) -> None:
+        if not self._tools:
+            delta.content += text
+            return
+        self._buf += text
+        while self._step(delta):
+            pass
+
+    def _step(self, delta: ReplyDelta) -> bool:
+        raise NotImplementedError
+
+
 @dataclass(frozen=True)
 class FunctionSpec:
     """One tool a grammar may call: its name and its arguments' JSON schema."""

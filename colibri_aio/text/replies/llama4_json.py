@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 
 from colibri_aio.text.replies.base import (ChatSyntax, FunctionSpec, Lark, ReplyDelta, ReplyParser, ToolCall, Tools,
+                                           TrailingCallsParser,
                                            first_marker, make_call, repeat)
 from colibri_aio.text.sampling import longest_partial_suffix
 
@@ -96,19 +97,14 @@ def read_call(text: str) -> ToolCall | None:
     return make_call(obj.get("name"), obj[key])
 
 
-class Llama4JsonParser(ReplyParser):
+class Llama4JsonParser(TrailingCallsParser):
     """Content and calls from a reply (see the module's docstring). States: ``content``; ``span`` (inside
     ``<|python_start|>``, held until ``<|python_end|>``); ``span_end`` (a span without calls closed: held until
     the text after it shows whether calls follow); ``object`` (a call object opened, held until it closes);
     ``after`` (calls were read: a ``<|python_end|>`` after them is the markup's)."""
 
     def __init__(self, *, tools: bool | Tools) -> None:
-        super().__init__()
-        self._tools = bool(tools)
-        self._buf = ""
-        self._state = "content"
-        self._ws = ""             # trailing whitespace of the content, held while a call could follow
-        self._lstrip = False      # drop the leading whitespace of the next content (it follows calls)
+        super().__init__(tools=tools)
         self._lead = ""           # held text before the open object (whitespace, a span), given back if no call
         self._span_lead = ""      # whitespace before an open span
         self._inside = ""         # a closed span's inside: the turn's content when calls follow it
@@ -118,32 +114,11 @@ class Llama4JsonParser(ReplyParser):
         self._depth = 0
         self._in_string = False
 
-    def _emit(self, text: str, delta: ReplyDelta) -> None:
-        if self._lstrip:
-            text = text.lstrip()
-            if not text:
-                return
-            self._lstrip = False
-        body = text.rstrip()
-        if not body:
-            self._ws += text
-            return
-        delta.content += self._ws + body
-        self._ws = text[len(body):]
-
     def _give_back(self, text: str, delta: ReplyDelta) -> None:
         """Held text that was not calls: content, as written."""
         self._lstrip = False
         self._emit(text, delta)
         self._lead, self._pending, self._inside, self._state = "", None, "", "content"
-
-    def _feed(self, text: str, delta: ReplyDelta) -> None:
-        if not self._tools:
-            delta.content += text
-            return
-        self._buf += text
-        while self._step(delta):
-            pass
 
     def _step(self, delta: ReplyDelta) -> bool:
         if self._state == "object":

@@ -37,6 +37,7 @@ from typing import Any
 
 from colibri_aio.text.grammar import lark_json
 from colibri_aio.text.replies.base import (ChatSyntax, FunctionSpec, Lark, ReplyDelta, ReplyParser, ToolCall, Tools,
+                                           TrailingCallsParser,
                                            first_marker, is_string_schema, make_call, repeat, schemas_by_name)
 from colibri_aio.text.sampling import longest_partial_suffix
 
@@ -276,44 +277,18 @@ def scan_list(text: str, pos: int, stack: list[str], quote: str) -> tuple[str, i
     return "open", pos, quote
 
 
-class PythonicParser(ReplyParser):
+class PythonicParser(TrailingCallsParser):
     """Content and call lists from a reply (see the module's docstring). States: ``content``; ``list`` (a call
     list opened, held until it closes); ``after`` (a list was read: whitespace and ``<|python_end|>`` that
     follow it are the markup's)."""
 
     def __init__(self, *, tools: bool | Tools) -> None:
-        super().__init__()
-        self._tools = bool(tools)
+        super().__init__(tools=tools)
         self._schemas = schemas_by_name(tools)
-        self._buf = ""
-        self._state = "content"
-        self._ws = ""            # trailing whitespace of the content, held while a call list could follow
         self._lead = ""          # what came before the list's "[" (whitespace, <|python_start|>), held with it
         self._stack: list[str] = []   # the call list's open brackets,
         self._quote = ""              # its open string's quote,
         self._at = 0                  # and how far it has been scanned
-        self._lstrip = False
-
-    def _emit(self, text: str, delta: ReplyDelta) -> None:
-        if self._lstrip:
-            text = text.lstrip()
-            if not text:
-                return
-            self._lstrip = False
-        body = text.rstrip()
-        if not body:
-            self._ws += text
-            return
-        delta.content += self._ws + body
-        self._ws = text[len(body):]
-
-    def _feed(self, text: str, delta: ReplyDelta) -> None:
-        if not self._tools:
-            delta.content += text
-            return
-        self._buf += text
-        while self._step(delta):
-            pass
 
     def _step(self, delta: ReplyDelta) -> bool:
         if self._state == "list":
