@@ -150,7 +150,10 @@ class TrailingCallsParser(ReplyParser):
     a Python list): content streams, its trailing whitespace held while a call could follow (and dropped before
     one), and the text is scanned by a small state machine, one :meth:`_step` at a time, in a buffer.
 
-    Subclasses set their states' steps: :meth:`_step` returns whether it moved on (call it again)."""
+    Subclasses set their states' steps: :meth:`_step` returns whether it moved on (call it again).
+    ``closing``: a marker that may follow calls and is the markup's (:meth:`_step_after` drops it)."""
+
+    closing = ""
 
     def __init__(self, *, tools: bool | Tools) -> None:
         super().__init__()
@@ -184,6 +187,20 @@ class TrailingCallsParser(ReplyParser):
 
     def _step(self, delta: ReplyDelta) -> bool:
         raise NotImplementedError
+
+    def _step_after(self) -> bool:
+        """After calls: whitespace and one :attr:`closing` marker are the markup's; anything else is content."""
+        text = self._buf.lstrip()
+        if not text:
+            self._buf = ""
+            return False
+        if self.closing and text.startswith(self.closing):
+            self._buf = text[len(self.closing):]
+        elif self.closing and self.closing.startswith(text):
+            self._buf = text
+            return False
+        self._state = "content"
+        return True
 
 
 @dataclass(frozen=True)

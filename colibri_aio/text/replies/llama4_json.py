@@ -32,9 +32,9 @@ import json
 from colibri_aio.text.replies.base import (ChatSyntax, FunctionSpec, Lark, ReplyDelta, ReplyParser, ToolCall, Tools,
                                            TrailingCallsParser,
                                            first_marker, make_call, repeat)
+from colibri_aio.text.replies.pythonic import PYTHON_END, PYTHON_START
 from colibri_aio.text.sampling import longest_partial_suffix
 
-PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 _HEAD_KEY = '"name"'
 
 
@@ -102,6 +102,8 @@ class Llama4JsonParser(TrailingCallsParser):
     ``<|python_start|>``, held until ``<|python_end|>``); ``span_end`` (a span without calls closed: held until
     the text after it shows whether calls follow); ``object`` (a call object opened, held until it closes);
     ``after`` (calls were read: a ``<|python_end|>`` after them is the markup's)."""
+
+    closing = PYTHON_END
 
     def __init__(self, *, tools: bool | Tools) -> None:
         super().__init__(tools=tools)
@@ -236,19 +238,6 @@ class Llama4JsonParser(TrailingCallsParser):
                 return True
         span, self._span_lead = self._span_text(), ""
         self._give_back(span, delta)
-        return True
-
-    def _step_after(self) -> bool:
-        text = self._buf.lstrip()
-        if not text:
-            self._buf = ""
-            return False
-        if text.startswith(PYTHON_END):
-            self._buf = text[len(PYTHON_END):]
-        elif PYTHON_END.startswith(text):
-            self._buf = text
-            return False
-        self._state = "content"
         return True
 
     def _finish(self, delta: ReplyDelta) -> None:

@@ -282,6 +282,8 @@ class PythonicParser(TrailingCallsParser):
     list opened, held until it closes); ``after`` (a list was read: whitespace and ``<|python_end|>`` that
     follow it are the markup's)."""
 
+    closing = PYTHON_END
+
     def __init__(self, *, tools: bool | Tools) -> None:
         super().__init__(tools=tools)
         self._schemas = schemas_by_name(tools)
@@ -356,19 +358,6 @@ class PythonicParser(TrailingCallsParser):
         self._lstrip = False
         self._emit(text, delta)
         self._lead, self._state = "", "content"
-
-    def _step_after(self) -> bool:
-        text = self._buf.lstrip()
-        if not text:
-            self._buf = ""
-            return False
-        if text.startswith(PYTHON_END):
-            self._buf = text[len(PYTHON_END):]
-        elif PYTHON_END.startswith(text):
-            self._buf = text
-            return False
-        self._state = "content"
-        return True
 
     def _finish(self, delta: ReplyDelta) -> None:
         if not self._tools:
