@@ -235,12 +235,12 @@ def test_the_plan_says_what_the_warm_start_streams_and_why() -> None:
     fits, short = SimpleNamespace(all_experts_fit=True, experts_total=16, slots=16), \
         SimpleNamespace(all_experts_fit=False, experts_total=16, slots=6)
     past = UsageHistory("f", 2, 8)
-    assert warm_start_text(None, Placement(), fits, None).startswith("every expert (16: all fit)")
-    assert warm_start_text(None, Placement(warm_start=False), fits, None) == "off (--no-warm-start)"
-    assert "(--no-history)" in warm_start_text(None, Placement(), short, None)
-    assert f"fewer than {MIN_TOKENS}" in warm_start_text(None, Placement(), short, past)
+    assert warm_start_text(Placement(), fits, None).startswith("every expert (16: all fit)")
+    assert warm_start_text(Placement(warm_start=False), fits, None) == "off (--no-warm-start)"
+    assert "(--no-history)" in warm_start_text(Placement(), short, None)
+    assert f"fewer than {MIN_TOKENS}" in warm_start_text(Placement(), short, past)
     past.count_tokens(MIN_TOKENS)
-    assert warm_start_text(None, Placement(), short, past).startswith(f"the experts the usage history ({MIN_TOKENS} ")
+    assert warm_start_text(Placement(), short, past).startswith(f"the experts the usage history ({MIN_TOKENS} ")
 
 
 async def test_the_warm_start_waits_for_what_it_is_told_to_follow() -> None:

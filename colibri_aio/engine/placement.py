@@ -142,7 +142,7 @@ def plan_for(model: Model, placement: Placement, past: UsageHistory | None, limi
                      pin_share=PIN_SHARE if pin_from is not None else 0.0,
                      history_tokens=known.tokens if counts is not None else None,
                      speed=speed if speed is not None else cached_speed(), parallel=placement.parallel)
-    return plan.with_warm_start(warm_start_text(model, placement, plan, past)), pin_from
+    return plan.with_warm_start(warm_start_text(placement, plan, past)), pin_from
 
 
 def pins(model: Model, placement: Placement, plan: Plan, pin_from: UsageHistory | None) -> list[tuple[int, int]]:
@@ -155,7 +155,7 @@ def pins(model: Model, placement: Placement, plan: Plan, pin_from: UsageHistory 
     return pin_from.hottest(plan.pinned_slots)
 
 
-def warm_start_text(model: Model, placement: Placement, plan: Plan, past: UsageHistory | None) -> str:
+def warm_start_text(placement: Placement, plan: Plan, past: UsageHistory | None) -> str:
     """What :func:`warm_keys` will stream, and why, for the plan's reader."""
     if not placement.warm_start:
         return "off (--no-warm-start)"
