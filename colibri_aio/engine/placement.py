@@ -195,8 +195,9 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
     records this run's selections into its ``usage``; saving them is the
     caller's business. ``fill_after``: the warm start waits for this to end
     well (the engine passes its trunk read: the first token needs the whole
-    trunk, and warm reads sharing the disk with it made the trunk read 3x
-    slower, evidence/first_token_20261207T013105Z.md); None: at once.
+    trunk, and warm reads sharing the disk with it made the trunk read 2-3x
+    slower on the 8-layer cut; with this, evidence/first_token_20261207T014458Z.md);
+    None: at once.
     """
     past = history.load() if history is not None else None
     plan, pin_from = plan_for(model, placement, past)
