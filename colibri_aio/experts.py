@@ -64,9 +64,11 @@ class ResidentExperts:
     """Every expert a source holds, seen as one stack per matrix and layer, with a table of which are in.
 
     Expert ``e`` of MoE layer ``l`` whose ``ready[l, e]`` is True has its gate,
-    up and down matrices at ``bases[l][i] + slots[l, e] * stride`` (a buffer
-    pool's slots, one stride apart, each expert of a layer at the same offsets
-    in its slot), for ``slots[l, e]`` < ``depth``. The source keeps both
+    up and down matrices at ``bases[l][i] + slots[l, e] * strides[l][i]`` for
+    ``slots[l, e]`` < ``depth``: a buffer pool's slots, one stride apart, each
+    expert of a layer at the same offsets in its slot; or a mapping of the
+    file, where each matrix is one stacked tensor and the stack index is the
+    expert's id. The source keeps both
     arrays current: an entry is ready only once its bytes have landed, and
     stops being ready before its slot is given to another read. A kernel graph
     may thus pick its experts by these arrays without asking the source, as
@@ -77,7 +79,7 @@ class ResidentExperts:
     slots: np.ndarray                      # (layers, experts) int32: stack index (0 where not ready)
     ready: np.ndarray                      # (layers, experts) bool
     bases: tuple[tuple[int, int, int], ...]   # per layer: gate, up, down address of stack index 0
-    stride: int
+    strides: tuple[tuple[int, int, int], ...]  # per layer: gate, up, down bytes from one stack index to the next
     depth: int
 
 

@@ -80,6 +80,10 @@ class ExpertReader:
         """The model's (first) file."""
         return self.files[0]
 
+    def mapped_addresses(self) -> list[int] | None:
+        """With the mmap backend, the address of byte 0 of each file's mapping; else None."""
+        return self._backend.base_addresses() if isinstance(self._backend, MmapBackend) else None
+
     @property
     def direct(self) -> bool:
         """Whether reads bypass the page cache (O_DIRECT) in every file."""
@@ -99,7 +103,7 @@ class ExpertReader:
                    n_slots: int, backend: str = "auto", *,
                    ring_entries: int = DEFAULT_RING_ENTRIES, max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES,
                    threads: int = 8, direct: bool = True, register: bool = False,
-                   punt: bool = False, huge_pages: bool = True) -> "ExpertReader":
+                   punt: bool = False, huge_pages: bool = True, why: str | None = None) -> "ExpertReader":
         """Open ``paths`` for expert reads: the model's file, or its parts in order (a range's ``file`` indexes them).
 
         ``slot_nbytes_max`` is the size of the largest expert (its three ranges
@@ -116,7 +120,8 @@ class ExpertReader:
         as they fill it. ``punt=True`` has io_uring issue every read from its
         kernel workers (IOSQE_ASYNC) rather than inline in the submitting call.
         ``huge_pages=False`` keeps the pool in 4 KiB pages (see
-        :func:`~colibri_aio.io.pool.ask_huge_pages`).
+        :func:`~colibri_aio.io.pool.ask_huge_pages`). ``why``: the reason to report for ``mmap`` when the
+        caller chose it (default: it was asked for).
         """
         if backend not in BACKENDS:
             raise UserError(f"unknown I/O backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -125,7 +130,8 @@ class ExpertReader:
         files = open_files(paths, direct=direct and backend != "mmap")
         try:
             if backend == "mmap":
-                reader = cls(files, None, MmapBackend(files), "mmap requested: the page cache decides what stays",
+                reader = cls(files, None, MmapBackend(files),
+                             why or "mmap requested: the page cache decides what stays",
                              n_slots)
             else:
                 # First use on a machine: the probe's child runs off the loop, beside the rest of the open.

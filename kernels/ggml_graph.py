@@ -571,11 +571,11 @@ class GgmlBuilder:
         return G.ggml_reshape_2d(ctx, G.ggml_add(ctx, groups, mask), experts, t)
 
     def experts_in_pool(self, shape: ExpertsShape, h: Node, x2: Node, top: Node, weights: Node, table: np.ndarray,
-                        bases: Sequence[int], stride: int, biases: Sequence[np.ndarray] | None,
+                        bases: Sequence[int], strides: Sequence[int], biases: Sequence[np.ndarray] | None,
                         shared: Node | None) -> Node:
         """x2 + the chosen experts' weighted outputs in rank order (+ the shared expert's): the next residual
-        stream, each expert read from a pool of ``shape.depth`` slots ``stride`` bytes apart whose gate, up
-        and down matrices start at ``bases`` in slot 0; ``table`` (E,) int32: each expert's slot, read as
+        stream, each expert read from a stack of ``shape.depth`` entries (pool slots, or a mapped tensor's
+        experts) whose gate, up and down matrices start at ``bases`` in entry 0, ``strides`` bytes apart; ``table`` (E,) int32: each expert's slot, read as
         the graph runs; ``top``: the chosen experts in rank order."""
         ctx, used, t = self.ctx, shape.used, h.shape[0]
         table_leaf = self.graph.leaf(_I32, 1, len(table))
@@ -587,8 +587,9 @@ class GgmlBuilder:
         mats = ((shape.gate, 2), (shape.down, 1)) if shape.gate_up else ((shape.gate, 1), (shape.gate, 1),
                                                                          (shape.down, 1))
         addrs = (bases[0], bases[2]) if shape.gate_up else bases
+        steps = (strides[0], strides[2]) if shape.gate_up else strides
         stacks = []
-        for (m, rows), base in zip(mats, addrs):
+        for (m, rows), base, stride in zip(mats, addrs, steps):
             st = self.graph.stack(m.gid, m.cols, rows * m.rows, shape.depth)
             st.contents.data = base
             self.graph.set_stride(st.contents, stride)

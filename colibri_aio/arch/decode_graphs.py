@@ -230,7 +230,7 @@ class GraphDecode(MoETransformer):
             order, top, weights = self._route(f, layer, h2)
             shape = self._experts_shape(layer, depth=resident.depth, gate_up=self._pool_gate_up(resident, layer))
             x = f.experts_in_pool(shape, h2, x2, top, weights, resident.slots[layer], resident.bases[layer],
-                                  resident.stride, self._expert_biases(layer), self.shared_expert(f, layer, h2))
+                                  resident.strides[layer], self._expert_biases(layer), self.shared_expert(f, layer, h2))
             outputs += [(order, b.step_order[layer]), (weights, b.step_weights[layer])]
         logits = f.linear(model.output, f.rms_norm(x, model.output_norm))
         return [*outputs, (x, b.stream), (logits, b.logits), (f.check_total(), b.step_check)]

@@ -28,6 +28,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+
+import numpy as np
 from collections.abc import AsyncIterator, Callable, Sequence
 
 from colibri_aio.experts import ExpertBatch, ExpertLocation, ExpertWeights, ResidentExperts
@@ -37,6 +39,10 @@ from colibri_aio.logs import get_logger
 from colibri_aio.policy.scheduler import Actions, Failed, Read, Ready, SchedulerPolicy, Wait
 
 log = get_logger("colibri_aio.engine.scheduler")
+
+# A source's experts as stacks: per layer the gate/up/down bases and strides, the stack depth, and the table of
+# stack indices when it is not the cache's slot numbers (None: the cache's).
+_Stacks = tuple[tuple[tuple[int, int, int], ...], tuple[tuple[int, int, int], ...], int, "np.ndarray | None"]
 
 
 class CachedExpertSource:
@@ -110,17 +116,31 @@ class CachedExpertSource:
             self._perform(self.policy.on_end(demand, time.perf_counter()))
 
     def resident(self, layers: Sequence[int], n_experts: int) -> ResidentExperts | None:
-        """The pool's experts of ``layers`` (the MoE blocks) as one stack per matrix and layer, with the
-        cache's table of who is in (:class:`ResidentExperts`); None when the pool is not one stride (no
-        pool: mmap reads) or the experts of a layer do not sit at the same offsets in their slots (O_DIRECT
-        puts each range after its file offset's misalignment, which differs between experts whose size
-        is not a multiple of the alignment)."""
+        """The experts of ``layers`` (the MoE blocks) as one stack per matrix and layer, with the cache's table
+        of who is in (:class:`ResidentExperts`): the pool's slots, or with the mmap reader the file's stacked
+        expert tensors themselves. None when they are not such stacks: a pool whose slots are not one stride
+        apart, experts of a layer not at the same offsets in their slots (O_DIRECT puts each range after its
+        file offset's misalignment, which differs between experts whose size is not a multiple of the
+        alignment), or mapped experts of a matrix not one stride apart in their file."""
         if self._resident_checked:
             return self._resident
         self._resident_checked = True
-        pool = self.reader.pool
-        if pool is None or not layers:
+        if not layers:
             return None
+        n_blocks = max(layers) + 1
+        stacks = self._mapped_stacks(layers, n_experts) if self.reader.pool is None else self._pool_stacks(layers,
+                                                                                                       n_experts)
+        if stacks is None:
+            return None
+        bases, strides, depth, slots = stacks
+        table = self.policy.cache.track_residency(n_blocks, n_experts)
+        self._resident = ResidentExperts(table.slots if slots is None else slots, table.ready, bases, strides, depth)
+        return self._resident
+
+    def _pool_stacks(self, layers: Sequence[int], n_experts: int) -> _Stacks | None:
+        """Stacks over the pool's slots: every slot one stride apart, a layer's experts at the same offsets."""
+        pool = self.reader.pool
+        assert pool is not None
         stride, first = pool.slot_nbytes, pool.slots[0].address
         if any(s.address != first + s.index * stride for s in pool.slots):
             return None
@@ -132,9 +152,28 @@ class CachedExpertSource:
             if len(offsets) != 1:
                 return None
             bases[layer] = tuple(first + off for off in offsets.pop())  # type: ignore[assignment]
-        table = self.policy.cache.track_residency(n_blocks, n_experts)
-        self._resident = ResidentExperts(table.slots, table.ready, tuple(bases), stride, pool.n_slots)
-        return self._resident
+        return tuple(bases), ((stride,) * 3,) * n_blocks, pool.n_slots, None
+
+    def _mapped_stacks(self, layers: Sequence[int], n_experts: int) -> _Stacks | None:
+        """Stacks over the mapped file: each matrix of a layer is one tensor of ``n_experts`` experts, the stack
+        index is the expert's id (the table of slots is the identity)."""
+        addresses = self.reader.mapped_addresses()
+        if addresses is None:
+            return None
+        n_blocks = max(layers) + 1
+        bases, strides = [(0, 0, 0)] * n_blocks, [(0, 0, 0)] * n_blocks
+        for layer in layers:
+            first, second = self._locate(layer, 0), self._locate(layer, min(1, n_experts - 1))
+            steps = tuple(b.offset - a.offset for a, b in zip(first.ranges, second.ranges))
+            for e in range(n_experts):
+                loc = self._locate(layer, e)
+                if any(r.file != f.file or r.offset != f.offset + e * step
+                       for r, f, step in zip(loc.ranges, first.ranges, steps)):
+                    return None
+            bases[layer] = tuple(addresses[r.file] + r.offset for r in first.ranges)  # type: ignore[assignment]
+            strides[layer] = steps  # type: ignore[assignment]
+        identity = np.tile(np.arange(n_experts, dtype=np.int32), (n_blocks, 1))
+        return tuple(bases), tuple(strides), n_experts, identity
 
     @property
     def reading(self) -> bool:
@@ -202,9 +241,10 @@ class CachedExpertSource:
         """Landed bytes where :meth:`resident` says they are, or the table is given up (never a wrong expert)."""
         r = self._resident
         assert r is not None
-        base = r.bases[read.key[0]]
+        layer = read.key[0]
+        index = read.slot if self.reader.pool is not None else read.key[1]  # mapped: the stack index is the id
         at = [m.data.ctypes.data for m in (weights.gate, weights.up, weights.down)]
-        if at != [b + read.slot * r.stride for b in base]:
+        if at != [b + index * step for b, step in zip(r.bases[layer], r.strides[layer])]:
             log.warning("pool slots are not where the resident table expects them; one-step decode off",
                         layer=read.key[0], expert=read.key[1], slot=read.slot)
             self._resident = None
