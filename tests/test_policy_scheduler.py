@@ -221,11 +221,11 @@ def test_decode_steps_and_device_samples_reach_the_controller() -> None:
     assert p.on_hint(1, [4, 5], 2.5).reads == [] and p.prefetch_reason.startswith("device-busy")
 
 
-def make_warm(per_layer: int = 4, window: int = 3 * NBYTES, run: int = 2) -> SchedulerPolicy:
+def make_warm(per_layer: int = 4, window: int = 3 * NBYTES, run: int = 2, gives_way: bool = True) -> SchedulerPolicy:
     cache = ExpertCache(per_layer * LAYERS, policy="lru", scope="layer", n_layers=LAYERS)
     return SchedulerPolicy(cache, BackpressureController(mode="on", start=0.0), LookaheadPredictor(K, EXPERTS),
                            expert_nbytes=lambda key: NBYTES, prefetch_count=K, warm_inflight_bytes=window,
-                           warm_run=run)
+                           warm_run=run, warm_gives_way=gives_way)
 
 
 def land_all(policy: SchedulerPolicy, actions: Actions) -> list[tuple[int, int]]:
@@ -272,6 +272,36 @@ def test_warm_start_waits_out_a_prefill_and_goes_on_in_decode() -> None:
     assert [(r.kind, r.key) for r in after.reads] == [("warm", (2, 0)), ("warm", (2, 1))]
     assert consume(p, demand) == [3]
     p.on_end(demand, 0.0)
+
+
+def test_a_page_cache_warm_start_reads_whole_layers_through_prompts_and_demand() -> None:
+    # The mmap reader's warm start: whole layers in file order, during a prefill and beside demand reads,
+    # two layers' bytes out at once, refilled by halves.
+    p = make_warm(per_layer=EXPERTS, window=2 * EXPERTS * NBYTES, run=EXPERTS, gives_way=False)
+    p.on_step(32, 0.0)                                            # a prefill
+    demand, urgent = p.on_route(0, [3], 0.0)                      # and a demand read out
+    first = p.start_warm([(layer, e) for layer in range(LAYERS) for e in range(EXPERTS)], 0.0)
+    assert [r.key for r in first.reads] == [(layer, e) for layer in (1, 2) for e in range(EXPERTS)]
+    assert {r.kind for r in first.reads} == {"warm"}              # after the layer being routed, in file order
+    half = land(p, Actions(first.reads[:EXPERTS - 1]))
+    assert half.reads == []                                       # not yet half the window landed
+    rest = land(p, Actions(first.reads[EXPERTS - 1:EXPERTS]))
+    assert [r.key for r in rest.reads] == [(0, e) for e in range(EXPERTS) if e != 3]  # (0, 3) is demand's
+    land(p, urgent)
+    assert consume(p, demand) == [3]
+    p.on_end(demand, 0.0)
+    assert p.cache.stats.evictions == 0 and p.stats.warm_skipped == 1
+
+
+def test_a_demand_for_an_expert_the_warm_start_is_filling_waits_for_that_read() -> None:
+    p = make_warm(per_layer=EXPERTS, window=2 * EXPERTS * NBYTES, run=EXPERTS, gives_way=False)
+    warm_reads = p.start_warm([(0, e) for e in range(EXPERTS)], 0.0)
+    demand, actions = p.on_route(0, [5], 0.0)
+    assert actions.reads == []                                    # no second read of (0, 5)
+    slot = next(r.slot for r in warm_reads.reads if r.key == (0, 5))
+    assert p.next_event(demand) == Wait((slot,))
+    land(p, warm_reads)
+    assert consume(p, demand) == [5] and p.cache.stats.misses == 0
 
 
 def test_warm_start_skips_what_is_cached_and_never_evicts() -> None:

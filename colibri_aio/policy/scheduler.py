@@ -63,6 +63,15 @@ The rules:
   read never queues behind more than that. It goes to the layers after the
   one being computed first (the ones a prefill or a decode step reaches
   next), wrapping around.
+- Where the warm start fills the page cache instead of a pool (``warm_gives_way``
+  False: the mmap reader, chosen when every expert fits), it does not give way:
+  a page-cache fill costs the CPU nothing (no fresh pool page to fault in and
+  zero), and its file order is the order a prompt and every decode step need
+  the layers in, so it reads whole layers (``warm_run``) from the open on,
+  during prompts too, ``warm_inflight_bytes`` at a time (refilled once half
+  of it has landed, so each read stays large); a demand or
+  read-ahead read of an expert it is filling waits for that read instead of
+  reading it twice.
 """
 from __future__ import annotations
 
@@ -162,11 +171,12 @@ class SchedulerPolicy:
     def __init__(self, cache: ExpertCache, backpressure: BackpressureController, predictor: LookaheadPredictor, *,
                  expert_nbytes: Callable[[Key], int], prefetch_count: int,
                  usage: UsageHistory | None = None, warm_inflight_bytes: int = 64 << 20, warm_run: int = 8,
-                 read_ahead: bool = True) -> None:
+                 read_ahead: bool = True, warm_gives_way: bool = True) -> None:
         """``expert_nbytes(key)``: bytes of one expert's read (what the backpressure cap counts);
         ``prefetch_count``: candidates read per hint; ``usage``: a history that records every routing;
         ``warm_inflight_bytes``: the most warm-start bytes out at once; ``warm_run``: the most neighbours
-        one warm read takes; ``read_ahead``: a prefill reads the next layer's whole hint (see the rules)."""
+        one warm read takes; ``read_ahead``: a prefill reads the next layer's whole hint; ``warm_gives_way``:
+        the warm start waits while more urgent reads are out or a prompt runs (see the rules)."""
         self.cache, self.backpressure, self.predictor, self.usage = cache, backpressure, predictor, usage
         self.prefetch_count = prefetch_count
         self.read_ahead = read_ahead
@@ -174,6 +184,7 @@ class SchedulerPolicy:
         self._sequences = 1                         # ... of so many sequences (as many: a decode step)
         self._ahead: tuple[int, list[int]] | None = None  # a read-ahead hint waiting for no request to wait
         self.warm_inflight_bytes, self.warm_run = warm_inflight_bytes, warm_run
+        self.warm_gives_way = warm_gives_way
         self._warm: dict[int, list[int]] = {}       # layer -> experts still to warm, ascending
         self._warm_in_flight = 0                    # bytes
         self._urgent = 0                            # demand and prefetch reads in flight
@@ -454,11 +465,13 @@ class SchedulerPolicy:
         self._prefetched.setdefault(key[0], set()).add(key[1])
 
     def _warm_more(self, now: float, actions: Actions) -> None:
-        """Start warm reads while nothing more urgent is out and the warm window has room."""
-        if self._positions > self._sequences:
+        """Start warm reads while the warm window has room and, where it gives way, nothing more urgent is out."""
+        if self.warm_gives_way and self._positions > self._sequences:
             return  # a prefill: its read-ahead keeps the disk busy with what it needs; warm reads would queue ahead
-        while (self._warm and not self._closed and not self._urgent
-               and self._warm_in_flight < self.warm_inflight_bytes and not any(d.todo for d in self._open)):
+        if not self.warm_gives_way and self._warm_in_flight > self.warm_inflight_bytes // 2:
+            return  # refill the window by halves: a read of a whole run, not an expert each time one lands
+        while (self._warm and not self._closed and self._warm_in_flight < self.warm_inflight_bytes
+               and not (self.warm_gives_way and (self._urgent or any(d.todo for d in self._open)))):
             layer = next((l for l in sorted(self._warm) if l > self._current_layer), min(self._warm))
             pending = self._warm[layer]
             previous, run_start = None, -1
