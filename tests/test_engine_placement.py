@@ -232,8 +232,10 @@ def test_the_plan_says_what_the_warm_start_streams_and_why() -> None:
     from colibri_aio.engine.placement import warm_start_text
     from colibri_aio.policy.usage import MIN_TOKENS, UsageHistory
 
-    fits, short = SimpleNamespace(all_experts_fit=True, experts_total=16, slots=16), \
-        SimpleNamespace(all_experts_fit=False, experts_total=16, slots=6)
+    fits, short = SimpleNamespace(all_experts_fit=True, experts_total=16, slots=16, page_cache=False), \
+        SimpleNamespace(all_experts_fit=False, experts_total=16, slots=6, page_cache=False)
+    mapped = SimpleNamespace(all_experts_fit=True, experts_total=16, slots=16, page_cache=True)
+    assert warm_start_text(Placement(), mapped, None).startswith("every expert (16: all fit) into the page cache")
     past = UsageHistory("f", 2, 8)
     assert warm_start_text(Placement(), fits, None).startswith("every expert (16: all fit)")
     assert warm_start_text(Placement(warm_start=False), fits, None) == "off (--no-warm-start)"
@@ -261,3 +263,46 @@ async def test_the_warm_start_waits_for_what_it_is_told_to_follow() -> None:
         assert source.policy.stats.warm_reads == a.moe_block_count * a.expert_count
     finally:
         await source.aclose()
+
+
+async def test_auto_keeps_experts_that_all_fit_in_the_page_cache_else_reads_into_a_pool() -> None:
+    model = load(fixture("tiny_q8_0.gguf"))
+    a = model.args
+    source, plan = await open_source(model, Placement())
+    try:
+        assert plan.all_experts_fit and source.reader.backend == "mmap" and source.reader.pool is None
+        assert source.reader.backend_reason.startswith("auto: every expert fits")
+        assert not source.policy.warm_gives_way and source.policy.warm_run == a.expert_count
+    finally:
+        await source.aclose()
+    source, _ = await open_source(model, Placement(cache_per_layer=a.expert_used_count))
+    try:
+        assert source.reader.backend != "mmap" and source.reader.pool is not None and source.policy.warm_gives_way
+    finally:
+        await source.aclose()
+    source, _ = await open_source(model, Placement(io="uring"))     # asked for: kept
+    try:
+        assert source.reader.backend == "uring"
+    finally:
+        await source.aclose()
+
+
+async def test_decode_steps_run_as_one_graph_over_the_mapped_expert_tensors_with_the_pools_bits() -> None:
+    """With every expert in the page cache, a step's graph picks them from the file's stacked tensors (the
+    stack index is the expert id); its logits are those of the pool's reads, step by step."""
+    ids = oracle_ids()[0]
+
+    async def steps(io: str) -> tuple[list[np.ndarray], int]:
+        engine = await Engine.open(fixture("tiny_q8_0.gguf"), io=io, kernels="ggml", history=False)
+        try:
+            out = [await engine.prefill(ids[:8])]
+            for t in ids[8:16]:
+                out.append(await engine.net.forward([t]))
+            return out, engine.net.one_graph_steps
+        finally:
+            await engine.aclose()
+
+    mapped, one_graph = await steps("auto")
+    pooled, _ = await steps("pread")
+    assert one_graph > 0
+    assert all(np.array_equal(x, y) for x, y in zip(mapped, pooled))

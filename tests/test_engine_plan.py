@@ -100,8 +100,12 @@ def test_plan_cli(tmp_path) -> None:
     assert doc["budget"] == 512 * MiB and doc["all_experts_fit"] and doc["slots"] == 16
     r = run_cli("plan", str(fixture("tiny_q8_0.gguf")), "--ram-budget", "64M")
     assert r.returncode == 2 and "too small" in r.stderr and len(r.stderr.strip().splitlines()) == 1
-    r = run_cli("plan", str(fixture("tiny_q8_0.gguf")))
-    assert r.returncode == 0 and "expert pool" in r.stdout and "bound by" in r.stdout
+    r = run_cli("plan", str(fixture("tiny_q8_0.gguf")))       # every expert fits: auto keeps them in the page cache
+    experts_row = next(line for line in r.stdout.splitlines() if line.startswith("experts in "))
+    assert r.returncode == 0 and "the page cache: 16 experts" in experts_row and "bound by" in r.stdout
+    assert "into the page cache, whole layers" in r.stdout and "expert pool" not in r.stdout
+    r = run_cli("plan", str(fixture("tiny_q8_0.gguf")), "--cache-per-layer", "2")  # not all fit: a pool
+    assert r.returncode == 0 and "expert pool" in r.stdout and "page cache" not in r.stdout
 
 
 def test_cache_per_layer_is_what_the_plan_counts() -> None:

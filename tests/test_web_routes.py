@@ -93,6 +93,9 @@ def test_telemetry_stream_sends_the_engine_figures_at_the_interval(keyed: Server
 
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
+    deadline = time.monotonic() + 10
+    while not during and time.monotonic() < deadline:  # a first sample before the reply: the reply may be quick
+        time.sleep(0.02)
     r = httpx.post(f"{keyed.url}/v1/chat/completions", headers=auth, timeout=120,
                    json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 64})
     assert r.status_code == 200

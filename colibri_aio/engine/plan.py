@@ -58,6 +58,7 @@ class Plan:
     notes: tuple[str, ...] = ()  # where the plan differs from what was asked, said aloud
     parallel: int = 1          # sequences held at once: kv_cache is this many caches of ``context`` positions
     warm_start: str = "off"    # what the warm start streams into the pool, and why (placement.warm_start_text)
+    page_cache: bool = False   # the experts stay in the page cache (the mmap reader), not in a pool of slots
 
     @property
     def pool(self) -> int:
@@ -70,6 +71,17 @@ class Plan:
     def with_warm_start(self, text: str) -> "Plan":
         return replace(self, warm_start=text)
 
+    def with_page_cache(self, page_cache: bool) -> "Plan":
+        return replace(self, page_cache=page_cache)
+
+    def experts_text(self) -> str:
+        """Where the experts stay and what that takes: the pool's slots, or the page cache."""
+        if self.page_cache:
+            return (f"page cache {self.experts_total} experts x {gb(self.expert_nbytes)} = "
+                    f"{gb(self.experts_total * self.expert_nbytes)} (the file's own pages: no pool)")
+        return (f"pool {self.slots} slots x {gb(self.slot_nbytes)} = {gb(self.pool)} ({self.pinned_slots} pinned; "
+                f"{self.slots}/{self.experts_total} experts of {gb(self.expert_nbytes)})")
+
     def with_cache(self, slots: int, pinned_slots: int) -> "Plan":
         """The plan with the slot counts of the cache actually built (pins found may be fewer than planned)."""
         return replace(self, slots=slots, pinned_slots=pinned_slots)
@@ -81,9 +93,7 @@ class Plan:
         hit = "n/a" if self.expected_hit_rate is None else f"{self.expected_hit_rate:.0%}"
         return (f"plan: budget {gb(self.budget)} ({self.budget_source}) = trunk {gb(self.trunk)} + "
                 f"KV {gb(self.kv_cache)} {self.kv_type} ({self.context} ctx, {self.context_source}"
-                f"{f'; {self.parallel} slots' if self.parallel > 1 else ''}) + pool "
-                f"{self.slots} slots x {gb(self.slot_nbytes)} = {gb(self.pool)} ({self.pinned_slots} pinned; "
-                f"{self.slots}/{self.experts_total} experts of {gb(self.expert_nbytes)}) + working "
+                f"{f'; {self.parallel} slots' if self.parallel > 1 else ''}) + {self.experts_text()} + working "
                 f"{gb(self.working)}; expected hit {hit}; bound by {self.bottleneck}")
 
 
