@@ -13,6 +13,8 @@ an exclusive flock on PATH around each run only.
 - ours-nowarm (``--arms``): the same without the warm start (its A/B since it is on by default);
 - ours-noahead (``--arms``): the same without the prefill's read-ahead (its A/B; receipts
   from when it was off by default have ours-ahead, ours with it on);
+- ours-uring (``--arms``): the same with ``io="uring"``: the experts in a pool filled by O_DIRECT reads,
+  the A/B of ``auto``'s page cache where every expert fits;
 - llama.cpp: llama-cpp-python, ``n_threads=2``, ``n_ctx=4096`` (llama-cli's
   default), mmap, ``eval`` of the prompt.
 
@@ -41,10 +43,11 @@ from colibri_aio.bench.lock import exclusive  # noqa: E402
 from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-# ours-warm: Engine.open(warm_start=True), the warm start's A/B; ours-noahead: read_ahead=False, the read-ahead's A/B
-ARMS = ("ours", "ours-warm", "ours-nowarm", "ours-noahead", "llama.cpp")
+# ours-warm: Engine.open(warm_start=True), the warm start's A/B; ours-noahead: read_ahead=False, the read-ahead's A/B;
+# ours-uring: io="uring", the A/B of auto's page cache where every expert fits (a pool filled by O_DIRECT reads)
+ARMS = ("ours", "ours-warm", "ours-nowarm", "ours-noahead", "ours-uring", "llama.cpp")
 OURS = {"ours": {}, "ours-warm": {"warm_start": True}, "ours-nowarm": {"warm_start": False},
-        "ours-noahead": {"read_ahead": False}}
+        "ours-noahead": {"read_ahead": False}, "ours-uring": {"io": "uring"}}
 PROMPT = 32
 N_CTX = 4096
 
@@ -134,6 +137,13 @@ def one_run(engine: str, args: argparse.Namespace) -> dict:
     return result
 
 
+# (arm, reference, key of the TTFT ratio; first_/steady_ keys for the rates), compared round by round
+PAIRS = (("ours", "llama.cpp", "ttft_ratio"), ("ours-warm", "ours", "ttft_ratio_warm"),
+         ("ours", "ours-noahead", "ttft_ratio_default_vs_noahead"),
+         ("ours", "ours-nowarm", "ttft_ratio_default_vs_nowarm"),
+         ("ours", "ours-uring", "ttft_ratio_default_vs_uring"), ("ours-uring", "llama.cpp", "ttft_ratio_uring"))
+
+
 def summarise(runs: list[dict]) -> dict:
     out: dict = {}
     for e in ARMS:
@@ -143,15 +153,14 @@ def summarise(runs: list[dict]) -> dict:
         out[e] = {k: spread([r[k] for r in ok]) for k in ("ttft_s", "load_s", "prompt_s", "first_tok_s",
                                                            "steady_tok_s", "first_vs_steady") if ok}
         out[e]["failed"] = sum(1 for r in runs if r["engine"] == e and "error" in r)
-    for arm, ref, key in (("ours", "llama.cpp", "ttft_ratio"), ("ours-warm", "ours", "ttft_ratio_warm"),
-                          ("ours", "ours-noahead", "ttft_ratio_default_vs_noahead"),
-                          ("ours", "ours-nowarm", "ttft_ratio_default_vs_nowarm")):
+    for arm, ref, key in PAIRS:
         pairs = [(a, b) for a, b in zip([r for r in runs if r["engine"] == arm],
                                          [r for r in runs if r["engine"] == ref])
                  if "error" not in a and "error" not in b]
         if pairs:
             out[key] = spread([a["ttft_s"] / b["ttft_s"] for a, b in pairs])
             out[key.replace("ttft_", "first_")] = spread([a["first_tok_s"] / b["first_tok_s"] for a, b in pairs])
+            out[key.replace("ttft_", "steady_")] = spread([a["steady_tok_s"] / b["steady_tok_s"] for a, b in pairs])
     return out
 
 
@@ -179,15 +188,13 @@ def markdown(receipt: dict) -> str:
         lines.append(f"| {e} | {_cell(x.get('ttft_s'))} | {_cell(x.get('load_s'))} | {_cell(x.get('prompt_s'))} | "
                      f"{_cell(x.get('first_tok_s'))} | {_cell(x.get('steady_tok_s'))} | "
                      f"{_cell(x.get('first_vs_steady'))} |")
-    lines += ["", f"TTFT ours / llama.cpp, per round: {_cell(s.get('ttft_ratio'))}; first tokens' rate ours / "
-              f"llama.cpp: {_cell(s.get('first_ratio'))}", "",
-              f"Ours (defaults) / ours without the warm start, per round: TTFT "
-              f"{_cell(s.get('ttft_ratio_default_vs_nowarm'))}, first tokens' rate "
-              f"{_cell(s.get('first_ratio_default_vs_nowarm'))}", "",
-              f"TTFT ours with the warm start / without it, per round: {_cell(s.get('ttft_ratio_warm'))}", "",
-              f"TTFT ours (defaults, read-ahead on) / ours without read-ahead, per round: "
-              f"{_cell(s.get('ttft_ratio_default_vs_noahead'))}", "",
-              "Every sample (TTFT s; ours: open steps, warm start):", ""]
+    lines.append("")
+    for arm, ref, key in PAIRS:
+        if key in s:
+            lines += [f"{arm} / {ref}, per round: TTFT {_cell(s[key])}, first tokens' rate "
+                      f"{_cell(s.get(key.replace('ttft_', 'first_')))}, steady rate "
+                      f"{_cell(s.get(key.replace('ttft_', 'steady_')))}", ""]
+    lines += ["Every sample (TTFT s; ours: open steps, warm start):", ""]
     for r in receipt["samples"]:
         if "error" in r:
             lines.append(f"- {r['engine']}: failed: {r['error']}")
@@ -195,7 +202,7 @@ def markdown(receipt: dict) -> str:
         extra = ""
         if r["engine"].startswith("ours") and r.get("open"):
             o = r["open"]
-            extra = (f"; open {o['total_s']:.2f} s (trunk {o['trunk_s']:.2f}, tokenizer {o['tokenizer_s']:.2f} "
+            extra = (f"; io {r.get('io', '-')}; open {o['total_s']:.2f} s (trunk {o['trunk_s']:.2f}, tokenizer {o['tokenizer_s']:.2f} "
                      f"[{o['tokenizer_source']}], kernels {o['kernels_s']:.2f}, source {o['source_s']:.2f}); "
                      f"warm reads {r['warm_reads']}, left at first token {r['warm_left_at_first_token']}, "
                      f"done after token {r['warm_done_after_tokens']}; read-ahead {r.get('ahead_reads', 0)}, "
