@@ -230,10 +230,12 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
     if progress is not None:
         progress("allocate pool", 1, 1)
     a = model.args
-    # A page-cache warm start fills whole layers, two at a time, and does not give way (the policy's rules).
+    # A page-cache warm start asks for every expert at once, in file order, and does not give way (the policy's
+    # rules): the reader keeps the kernel's read-ahead a bounded distance ahead of the expert it brings in, and
+    # refilling a window from the event loop waited for compute to let the loop run (one layer in flight).
     mapped = reader.pool is None
-    layer_nbytes = model.expert_nbytes_max * a.expert_count
-    warm = {"warm_gives_way": False, "warm_run": a.expert_count, "warm_inflight_bytes": 2 * layer_nbytes} if mapped else {}
+    everything = model.expert_nbytes_max * a.expert_count * a.block_count
+    warm = {"warm_gives_way": False, "warm_run": a.expert_count, "warm_inflight_bytes": everything} if mapped else {}
     policy = SchedulerPolicy(
         cache, BackpressureController(placement.backpressure, mode=placement.prefetch,  # type: ignore[arg-type]
                                       start=time.perf_counter()),
