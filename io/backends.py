@@ -43,9 +43,9 @@ from colibri_aio.io.uring import RingRead, UringReactor
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
 OnDone = Callable[["ExpertBytes | ExpertReadError"], None]
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
-# How far past the expert being brought in the mmap reader has the kernel read ahead: a few layers of a large
-# model, enough to keep the device's queue full (a 4 GiB advice came in at 2.5-2.8 GiB/s on these disks).
-ADVICE_AHEAD = 1 << 30
+# The mmap reader advises the kernel of a batch's ranges this many bytes at a time (each call returns once
+# its read-ahead is queued, so the advice keeps pace with the device).
+ADVICE_CHUNK = 32 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +220,7 @@ class MmapBackend:
         self._maps: list[mmap.mmap | None] = [mmap.mmap(f.fd, 0, access=mmap.ACCESS_READ) if f.size else None
                                               for f in files]
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="colibri-mmap")
+        self._advisor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="colibri-advice")
         self._bases: list[np.ndarray] = []
 
     def start(self, jobs: Sequence[Job]) -> None:
@@ -249,25 +250,27 @@ class MmapBackend:
         return True
 
     def _fault_in_batch(self, jobs: Sequence[Job], loop: asyncio.AbstractEventLoop) -> None:
-        """Bring each expert of ``jobs`` in, in order, reporting each as it is in, with the kernel advised of
-        the batch's ranges (merged where they touch) up to ``ADVICE_AHEAD`` bytes past the expert at hand:
-        read-ahead queued at the device's full depth, yet the first experts are not queued behind the last."""
-        spans = _merged_pages(jobs)
-        advised, ahead = 0, 0                 # spans advised so far; bytes of them not yet passed
+        """Bring each expert of ``jobs`` in, in order, reporting each as it is in, while the advisor thread asks
+        the kernel for the batch's ranges (merged where they touch), in the same order.
+
+        The advice blocks once the device's queue is full, so it runs on a thread of its own, paced by the
+        device: the queue stays full, and the experts that come first are reported as soon as they are in
+        rather than once the advice behind them is queued."""
+        self._advisor.submit(self._advise, _merged_pages(jobs))
         for job in jobs:
-            while advised < len(spans) and ahead < ADVICE_AHEAD:
-                file, start, end = spans[advised]
-                try:
-                    os.posix_fadvise(self.files[file].fd, start, end - start, os.POSIX_FADV_WILLNEED)
-                except OSError:
-                    pass  # advice only: the populate below reads what the advice did not
-                advised, ahead = advised + 1, ahead + end - start
             try:
                 outcome: ExpertBytes | BaseException = self._fault_in(job.loc)
             except BaseException as exc:  # the waiter's to raise
                 outcome = exc
-            ahead -= job.loc.nbytes
             loop.call_soon_threadsafe(self._finish, job.on_done, job.loc, outcome)
+
+    def _advise(self, spans: Sequence[tuple[int, int, int]]) -> None:
+        for file, start, end in spans:
+            for at in range(start, end, ADVICE_CHUNK):
+                try:
+                    os.posix_fadvise(self.files[file].fd, at, min(ADVICE_CHUNK, end - at), os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    return  # advice only: the populate reads what the advice did not
 
     def _fault_in(self, loc: ExpertLocation) -> ExpertBytes:
         """Bring the expert's pages into memory now, off the event loop, and return views of them."""
@@ -302,6 +305,7 @@ class MmapBackend:
 
     async def aclose(self) -> None:
         self._pool.shutdown(wait=True)
+        self._advisor.shutdown(wait=True, cancel_futures=True)
         self._bases = []
         for i, mapped in enumerate(self._maps):
             if mapped is not None:

@@ -84,7 +84,7 @@ def context(pp: int, tg: int) -> int:
     return pp + max(tg, WARMUP_TG) + 8
 
 
-def worker_ours(model: Path, pp: int, tg: int, seed: int, warm_start: bool = False) -> dict:
+def worker_ours(model: Path, pp: int, tg: int, seed: int, warm_start: bool | None = None) -> dict:
     import asyncio
 
     from colibri_aio.engine.engine import Engine
@@ -92,7 +92,9 @@ def worker_ours(model: Path, pp: int, tg: int, seed: int, warm_start: bool = Fal
 
     async def run() -> dict:
         t_open = time.perf_counter()
-        engine = await Engine.open(model, n_ctx=context(pp, tg), warm_start=warm_start)
+        # None: the engine's default (the warm start is on by default); an earlier version passed False here
+        options = {} if warm_start is None else {"warm_start": warm_start}
+        engine = await Engine.open(model, n_ctx=context(pp, tg), **options)
         open_s = time.perf_counter() - t_open
         try:
             net, src = engine.net, engine.source
@@ -430,7 +432,7 @@ def main() -> int:
     args = p.parse_args()
     if args.worker:
         if args.worker == "ours":
-            result = worker_ours(args.model, args.pp, args.tg, args.seed, args.ours_warm_start)
+            result = worker_ours(args.model, args.pp, args.tg, args.seed, True if args.ours_warm_start else None)
         else:
             result = worker_llama(args.model, args.pp, args.tg, args.seed, args.llama_no_repack)
         print(json.dumps(result), flush=True)

@@ -249,7 +249,7 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
         await source.aclose()
         raise
     warm = warm_keys(model, placement, cache, past)
-    if fill_after is None:
+    if fill_after is None or mapped:
         source.start_warm(warm)
     elif warm:
         def start(done: asyncio.Future[Any]) -> None:
