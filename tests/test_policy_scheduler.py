@@ -274,23 +274,29 @@ def test_warm_start_waits_out_a_prefill_and_goes_on_in_decode() -> None:
     p.on_end(demand, 0.0)
 
 
-def test_a_page_cache_warm_start_reads_whole_layers_through_prompts_and_demand() -> None:
-    # The mmap reader's warm start: whole layers in file order, during a prefill and beside demand reads,
-    # two layers' bytes out at once, refilled by halves.
+def test_a_page_cache_warm_start_reads_whole_layers_beside_demand_and_waits_out_prompts() -> None:
+    # The mmap reader's warm start: whole layers in file order, beside demand reads, two layers' bytes out at
+    # once, refilled by halves; nothing new while a prompt runs.
     p = make_warm(per_layer=EXPERTS, window=2 * EXPERTS * NBYTES, run=EXPERTS, gives_way=False)
     p.on_step(32, 0.0)                                            # a prefill
-    demand, urgent = p.on_route(0, [3], 0.0)                      # and a demand read out
-    first = p.start_warm([(layer, e) for layer in range(LAYERS) for e in range(EXPERTS)], 0.0)
+    keys = [(layer, e) for layer in range(LAYERS) for e in range(EXPERTS)]
+    assert p.start_warm(keys, 0.0).reads == [] and p.warm_pending == len(keys)
+    p.on_step(1, 0.0)                                             # a decode step
+    demand, urgent = p.on_route(0, [3], 0.0)
+    first = land(p, urgent)                                       # an event: the warm start goes on
     assert [r.key for r in first.reads] == [(layer, e) for layer in (1, 2) for e in range(EXPERTS)]
     assert {r.kind for r in first.reads} == {"warm"}              # after the layer being routed, in file order
-    half = land(p, Actions(first.reads[:EXPERTS - 1]))
-    assert half.reads == []                                       # not yet half the window landed
-    rest = land(p, Actions(first.reads[EXPERTS - 1:EXPERTS]))
-    assert [r.key for r in rest.reads] == [(0, e) for e in range(EXPERTS) if e != 3]  # (0, 3) is demand's
-    land(p, urgent)
     assert consume(p, demand) == [3]
     p.on_end(demand, 0.0)
-    assert p.cache.stats.evictions == 0 and p.stats.warm_skipped == 1
+    demand, urgent = p.on_route(0, [4], 0.0)                      # a demand read out ...
+    half = land(p, Actions(first.reads[:EXPERTS - 1]))
+    assert half.reads == []                                       # not yet half the window landed
+    rest = land(p, Actions(first.reads[EXPERTS - 1:EXPERTS]))     # ... and the warm start goes on beside it
+    assert [r.key for r in rest.reads] == [(0, e) for e in range(EXPERTS) if e not in (3, 4)]
+    land(p, urgent)
+    assert consume(p, demand) == [4]
+    p.on_end(demand, 0.0)
+    assert p.cache.stats.evictions == 0 and p.stats.warm_skipped == 2
 
 
 def test_a_demand_for_an_expert_the_warm_start_is_filling_waits_for_that_read() -> None:

@@ -177,7 +177,7 @@ def warm_start_text(placement: Placement, plan: Plan, past: UsageHistory | None)
     when = "from when the trunk is read, behind every read the model waits for, never during a prompt"
     if plan.page_cache:
         return (f"every expert ({plan.experts_total}: all fit) into the page cache, whole layers in file order "
-                "from when the trunk is read, prompts included")
+                "from the open on, beside the reads the model waits for, never during a prompt")
     if plan.all_experts_fit:
         return f"every expert ({plan.experts_total}: all fit), {when}"
     if past is not None and past.enough:
@@ -230,12 +230,11 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
     if progress is not None:
         progress("allocate pool", 1, 1)
     a = model.args
-    # A page-cache warm start asks for every expert at once, in file order, and does not give way (the policy's
-    # rules): the reader keeps the kernel's read-ahead a bounded distance ahead of the expert it brings in, and
-    # refilling a window from the event loop waited for compute to let the loop run (one layer in flight).
+    # A page-cache warm start reads whole layers, two at a time, beside demand reads; it waits out prompts
+    # (the policy's rules).
     mapped = reader.pool is None
-    everything = model.expert_nbytes_max * a.expert_count * a.block_count
-    warm = {"warm_gives_way": False, "warm_run": a.expert_count, "warm_inflight_bytes": everything} if mapped else {}
+    layers_nbytes = 2 * model.expert_nbytes_max * a.expert_count
+    warm = {"warm_gives_way": False, "warm_run": a.expert_count, "warm_inflight_bytes": layers_nbytes} if mapped else {}
     policy = SchedulerPolicy(
         cache, BackpressureController(placement.backpressure, mode=placement.prefetch,  # type: ignore[arg-type]
                                       start=time.perf_counter()),
