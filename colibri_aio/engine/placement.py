@@ -248,7 +248,7 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
         await source.aclose()
         raise
     warm = warm_keys(model, placement, cache, past)
-    if fill_after is None or mapped:
+    if fill_after is None:
         source.start_warm(warm)
     elif warm:
         def start(done: asyncio.Future[Any]) -> None:
