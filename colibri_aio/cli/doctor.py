@@ -180,7 +180,8 @@ async def check_backend(model: Model) -> tuple[Check, Check]:
     reader = await ExpertReader.open(model.paths, model.expert_nbytes_max, PROBE_SLOTS, backend="auto")
     try:
         verdict: Verdict = "ok" if reader.backend == "uring" else "warn"
-        backend = Check("io backend", verdict, f"--io auto picks {reader.backend}: {reader.backend_reason}")
+        backend = Check("io backend", verdict, f"--io auto picks {reader.backend}: {reader.backend_reason} (for "
+                                               "experts that do not all fit; those that do stay in the page cache)")
         return backend, await _probe(model, reader)
     finally:
         await reader.aclose()

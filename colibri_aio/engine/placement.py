@@ -161,7 +161,13 @@ def pins(model: Model, placement: Placement, plan: Plan, pin_from: UsageHistory 
 # first time a read fills it, and on these machines that first touch cost ~1.5 s of CPU per GiB (perf:
 # clear_page_erms under the reads' get_user_pages took a third of both cores through a prompt), where a
 # page-cache fill costs the CPU almost nothing: 4 GiB of the 8-layer cut came in at 2.5-2.8 GiB/s by one
-# advice and a populate against 1.2-1.5 GiB/s by O_DIRECT reads into fresh memory.
+# advice and a populate against 1.2-1.5 GiB/s by O_DIRECT reads into fresh memory (single runs, a noisy disk).
+# A decode step also runs as one graph over the file's stacked expert tensors for every type, where the pool
+# offers that only when O_DIRECT leaves every expert at one offset in its slot (not MXFP4's). Beside the pool,
+# n = 5, 8-layer Q8_0 cut: first 64 tokens' rate x1.16 [1.02-1.33], steady x1.04, time to first token x1.18
+# [0.88-1.25] (later: both holds are disk-bound, and the page cache's prompt reads are no faster;
+# evidence/first_token_20261207T052024Z.md). On by default for the first tokens' rate and the steady one
+# graph; --io uring keeps the pool.
 def backend_for(placement: Placement, plan: Plan) -> tuple[str, str | None]:
     """The reader backend for ``placement`` and why, when ``auto`` chose it for a reason of its own."""
     if placement.io == "auto" and plan.all_experts_fit:
