@@ -339,3 +339,31 @@ async def test_a_slot_is_refused_while_its_read_is_in_flight(model_file: Path, b
         assert_exact(model_file, other, await reader.start(other, 0))  # the slot is free again
     finally:
         await reader.aclose()
+
+
+async def test_an_mmap_batch_reports_each_expert_and_a_bad_one_alone(model_file: Path) -> None:
+    """One batch of the mmap reader (one advice, then each expert in turn): every good expert byte-exact and
+    at its place in the mapping, the one past the end refused by name, the others unharmed."""
+    size = model_file.stat().st_size
+    locs = mixed_locations(FILE_NBYTES, 12)
+    past_end = ExpertLocation(3, 9, byte_range(4096, 4096), byte_range(size - 1000, 1000), byte_range(size - 500, 800))
+    items = [(loc, slot) for slot, loc in enumerate(locs)]
+    items.insert(5, (past_end, len(locs)))
+    reader = await ExpertReader.open(model_file, largest(locs), n_slots=len(items), backend="mmap")
+    try:
+        futures = reader.start_many(items)
+        async with asyncio.timeout(30):
+            await asyncio.wait(futures)
+        base, = reader.mapped_addresses()
+        for (loc, _), future in zip(items, futures):
+            if loc is past_end:
+                with pytest.raises(ExpertReadError, match="short read"):
+                    future.result()
+                continue
+            weights = future.result()
+            assert_exact(model_file, loc, weights)
+            assert [t.data.ctypes.data for t in (weights.gate, weights.up, weights.down)] == \
+                [base + r.offset for r in loc.ranges]
+        assert reader.in_flight == 0 and reader.stats.reads == len(locs)
+    finally:
+        await reader.aclose()
