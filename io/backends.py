@@ -221,13 +221,14 @@ class MmapBackend:
                                               for f in files]
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="colibri-mmap")
         self._advisor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="colibri-advice")
+        self._closing = False
         self._bases: list[np.ndarray] = []
 
     def start(self, jobs: Sequence[Job]) -> None:
-        """Check each job's ranges, then hand the batch to one worker: it asks the kernel for every range of
-        the batch at once (read-ahead queued at the device's full depth) and then waits for each expert in
-        turn, reporting each as it is in. Asked one expert at a time, as the mapping's faults would, the disk
-        saw two ranges in flight: the 8-layer cut's prompt read at a third of the rate of one advice for all."""
+        """Check each job's ranges, then hand the batch to one worker: the kernel is asked for every range of
+        the batch (read-ahead queued at the device's full depth) and the worker waits for each expert in turn,
+        reporting each as it is in. Asked one expert at a time from two workers, the disk had two experts'
+        ranges in flight."""
         loop = asyncio.get_running_loop()
         ok = [job for job in jobs if self._in_file(job, loop)]
         if ok:
@@ -267,6 +268,8 @@ class MmapBackend:
     def _advise(self, spans: Sequence[tuple[int, int, int]]) -> None:
         for file, start, end in spans:
             for at in range(start, end, ADVICE_CHUNK):
+                if self._closing:
+                    return  # closing: what is advised already is enough
                 try:
                     os.posix_fadvise(self.files[file].fd, at, min(ADVICE_CHUNK, end - at), os.POSIX_FADV_WILLNEED)
                 except OSError:
@@ -304,6 +307,7 @@ class MmapBackend:
                                 f"{type(outcome).__name__}: {outcome}"))
 
     async def aclose(self) -> None:
+        self._closing = True
         self._pool.shutdown(wait=True)
         self._advisor.shutdown(wait=True, cancel_futures=True)
         self._bases = []

@@ -28,9 +28,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import numpy as np
-from collections.abc import AsyncIterator, Callable, Sequence
 
 from colibri_aio.experts import ExpertBatch, ExpertLocation, ExpertWeights, ResidentExperts
 from colibri_aio.io.align import plan_expert
