@@ -260,6 +260,8 @@ class MmapBackend:
         self._advisor.submit(self._advise, _merged_pages(jobs))
         for job in jobs:
             try:
+                if self._closing:  # the reader is closing: what is left of the batch is not read
+                    raise ConnectionAbortedError("the expert reader closed before this expert was read")
                 outcome: ExpertBytes | BaseException = self._fault_in(job.loc)
             except BaseException as exc:  # the waiter's to raise
                 outcome = exc
@@ -305,6 +307,10 @@ class MmapBackend:
             return
         on_done(ExpertReadError(self.files[loc.gate.file].path, loc.gate.offset, loc.nbytes, loc.layer, loc.expert,
                                 f"{type(outcome).__name__}: {outcome}"))
+
+    def stop(self) -> None:
+        """Read nothing more: each expert of a batch not brought in yet ends at once, as a failed read."""
+        self._closing = True
 
     async def aclose(self) -> None:
         self._closing = True

@@ -264,6 +264,8 @@ class ExpertReader:
         if self._closed:
             return
         self._closed = True
+        if isinstance(self._backend, MmapBackend):
+            self._backend.stop()  # a batch's experts not brought in yet end now instead of being read for nobody
         await self.drained()
         assert not self._kernel, f"slots {sorted(self._kernel)} still in the kernel's hands after the drain"
         await self._backend.aclose()

@@ -367,3 +367,17 @@ async def test_an_mmap_batch_reports_each_expert_and_a_bad_one_alone(model_file:
         assert reader.in_flight == 0 and reader.stats.reads == len(locs)
     finally:
         await reader.aclose()
+
+
+async def test_closing_the_mmap_reader_ends_a_batch_without_reading_the_rest(model_file: Path) -> None:
+    locs = mixed_locations(FILE_NBYTES, 40)
+    reader = await ExpertReader.open(model_file, largest(locs), n_slots=len(locs), backend="mmap")
+    futures = reader.start_many([(loc, slot) for slot, loc in enumerate(locs)])
+    async with asyncio.timeout(30):
+        await reader.aclose()                       # at once: the batch's worker stops between experts
+    assert reader.in_flight == 0 and all(f.done() for f in futures)
+    for loc, f in zip(locs, futures):               # each expert either read whole or refused, none lost
+        if f.exception() is None:
+            assert_exact(model_file, loc, f.result())
+        else:
+            assert isinstance(f.exception(), (ExpertReadError, ReaderClosedError))
