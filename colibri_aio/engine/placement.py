@@ -160,8 +160,9 @@ def pins(model: Model, placement: Placement, plan: Plan, pin_from: UsageHistory 
 # by kernel read-ahead) instead of a pool filled by O_DIRECT reads: a pool page is zeroed by the CPU the
 # first time a read fills it, and on these machines that first touch cost ~1.5 s of CPU per GiB (perf:
 # clear_page_erms under the reads' get_user_pages took a third of both cores through a prompt), where a
-# page-cache fill costs the CPU almost nothing: 4 GiB of the 8-layer cut came in at 2.5-2.8 GiB/s by one
-# advice and a populate against 1.2-1.5 GiB/s by O_DIRECT reads into fresh memory (single runs, a noisy disk).
+# page-cache fill costs the CPU almost nothing: 4 GiB of the 8-layer cut took 0.04-0.07 s of CPU by one
+# advice and a populate against 2.9-4.1 s by O_DIRECT reads into fresh memory (their rates, 1.1-2.8 GiB/s,
+# swapped places from one minute to the next on this disk).
 # A decode step also runs as one graph over the file's stacked expert tensors for every type, where the pool
 # offers that only when O_DIRECT leaves every expert at one offset in its slot (not MXFP4's). Beside the pool,
 # n = 5, 8-layer Q8_0 cut: first 64 tokens' rate x1.16 [1.02-1.33], steady x1.04, time to first token x1.18
@@ -183,7 +184,7 @@ def warm_start_text(placement: Placement, plan: Plan, past: UsageHistory | None)
     when = "from when the trunk is read, behind every read the model waits for, never during a prompt"
     if plan.page_cache:
         return (f"every expert ({plan.experts_total}: all fit) into the page cache, whole layers in file order "
-                "from the open on, beside the reads the model waits for, never during a prompt")
+                "from when the trunk is read, beside the reads the model waits for, never during a prompt")
     if plan.all_experts_fit:
         return f"every expert ({plan.experts_total}: all fit), {when}"
     if past is not None and past.enough:

@@ -180,7 +180,7 @@ class SchedulerPolicy:
         ``prefetch_count``: candidates read per hint; ``usage``: a history that records every routing;
         ``warm_inflight_bytes``: the most warm-start bytes out at once; ``warm_run``: the most neighbours
         one warm read takes; ``read_ahead``: a prefill reads the next layer's whole hint; ``warm_gives_way``:
-        the warm start waits while more urgent reads are out or a prompt runs (see the rules)."""
+        the warm start waits while more urgent reads are out (it waits out prompts either way; see the rules)."""
         self.cache, self.backpressure, self.predictor, self.usage = cache, backpressure, predictor, usage
         self.prefetch_count = prefetch_count
         self.read_ahead = read_ahead
