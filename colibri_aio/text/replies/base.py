@@ -21,6 +21,7 @@ from typing import Any
 
 from colibri_aio.errors import UserError
 from colibri_aio.text.grammar import lark_json
+from colibri_aio.text.sampling import longest_partial_suffix
 
 Tools = Sequence[Mapping[str, Any]]   # OpenAI tool dicts: {"type": "function", "function": {...}}
 
@@ -176,6 +177,15 @@ class TrailingCallsParser(ReplyParser):
             return
         delta.content += self._ws + body
         self._ws = text[len(body):]
+
+    def _emit_to(self, end: int, delta: ReplyDelta) -> None:
+        """The buffer's first ``end`` characters are content: :meth:`_emit` them and keep the rest."""
+        self._emit(self._buf[:end], delta)
+        self._buf = self._buf[end:]
+
+    def _emit_all_but_partial(self, markers: Collection[str], delta: ReplyDelta) -> None:
+        """No marker in the buffer: all of it is content but a tail that could begin one of ``markers``."""
+        self._emit_to(len(self._buf) - longest_partial_suffix(self._buf, markers), delta)
 
     def _feed(self, text: str, delta: ReplyDelta) -> None:
         if not self._tools:

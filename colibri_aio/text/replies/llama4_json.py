@@ -33,7 +33,6 @@ from colibri_aio.text.replies.base import (ChatSyntax, FunctionSpec, Lark, Reply
                                            TrailingCallsParser,
                                            first_marker, make_call, repeat)
 from colibri_aio.text.replies.pythonic import PYTHON_END, PYTHON_START
-from colibri_aio.text.sampling import longest_partial_suffix
 
 _HEAD_KEY = '"name"'
 
@@ -136,10 +135,7 @@ class Llama4JsonParser(TrailingCallsParser):
     def _step_content(self, delta: ReplyDelta) -> bool:
         found = first_marker(self._buf, [PYTHON_START, "{"])
         if found is None:
-            keep = longest_partial_suffix(self._buf, [PYTHON_START])
-            safe, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
-            if safe:
-                self._emit(safe, delta)
+            self._emit_all_but_partial([PYTHON_START], delta)
             return False
         i, marker = found
         if marker == PYTHON_START:
@@ -150,12 +146,10 @@ class Llama4JsonParser(TrailingCallsParser):
             return True
         head = call_head(self._buf, i)
         if head is None:
-            self._emit(self._buf[:i], delta)
-            self._buf = self._buf[i:]
+            self._emit_to(i, delta)
             return False
         if head < 0:
-            self._emit(self._buf[:i + 1], delta)
-            self._buf = self._buf[i + 1:]
+            self._emit_to(i + 1, delta)
             return True
         self._emit(self._buf[:i], delta)
         self._open_object(self._ws, i)

@@ -39,7 +39,6 @@ from colibri_aio.text.grammar import lark_json
 from colibri_aio.text.replies.base import (ChatSyntax, FunctionSpec, Lark, ReplyDelta, ReplyParser, ToolCall, Tools,
                                            TrailingCallsParser,
                                            first_marker, is_string_schema, make_call, repeat, schemas_by_name)
-from colibri_aio.text.sampling import longest_partial_suffix
 
 PYTHON_START, PYTHON_END = "<|python_start|>", "<|python_end|>"
 _JSON_NAMES = {"true": True, "false": False, "null": None}
@@ -303,34 +302,27 @@ class PythonicParser(TrailingCallsParser):
         markers = ["[", PYTHON_START]
         found = first_marker(self._buf, markers)
         if found is None:
-            keep = longest_partial_suffix(self._buf, markers)
-            safe, self._buf = self._buf[:len(self._buf) - keep], self._buf[len(self._buf) - keep:]
-            if safe:
-                self._emit(safe, delta)
+            self._emit_all_but_partial(markers, delta)
             return False
         i, marker = found
         if marker == PYTHON_START:
             j = i + len(PYTHON_START)
             rest = self._buf[j:].lstrip()
             if not rest:
-                self._emit(self._buf[:i], delta)
-                self._buf = self._buf[i:]
+                self._emit_to(i, delta)
                 return False
             bracket = len(self._buf) - len(rest)
             if rest[0] != "[":
-                self._emit(self._buf[:j], delta)   # the marker, with nothing that calls after it: content
-                self._buf = self._buf[j:]
+                self._emit_to(j, delta)   # the marker, with nothing that calls after it: content
                 return True
         else:
             bracket = i
         opened = _opening(self._buf, bracket)
         if opened is None:
-            self._emit(self._buf[:i], delta)
-            self._buf = self._buf[i:]
+            self._emit_to(i, delta)
             return False
         if opened < 0:
-            self._emit(self._buf[:bracket + 1], delta)
-            self._buf = self._buf[bracket + 1:]
+            self._emit_to(bracket + 1, delta)
             return True
         self._emit(self._buf[:i], delta)
         self._lead, self._ws = self._ws + self._buf[i:bracket], ""
