@@ -261,7 +261,7 @@ class MmapBackend:
         for job in jobs:
             try:
                 if self._closing:  # the reader is closing: what is left of the batch is not read
-                    raise ConnectionAbortedError("the expert reader closed before this expert was read")
+                    raise RuntimeError("the expert reader closed before this expert was read")
                 outcome: ExpertBytes | BaseException = self._fault_in(job.loc)
             except BaseException as exc:  # the waiter's to raise
                 outcome = exc

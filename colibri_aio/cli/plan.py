@@ -89,7 +89,7 @@ def _plan_table(model, plan, limits) -> str:
                      + _sliding_note(a, plan.context)),
         ("working", gb(plan.working)),
         ("experts in", f"the page cache: {plan.experts_total} experts of {gb(plan.expert_nbytes)} = "
-                       f"{gb(plan.experts_total * plan.expert_nbytes)}, all fit (a read-only mapping of the file, "
+                       f"{gb(plan.experts_nbytes)}, all fit (a read-only mapping of the file, "
                        "filled by kernel read-ahead; no pool)") if plan.page_cache else
         ("expert pool", f"{plan.slots} slots x {gb(plan.slot_nbytes)} = {gb(plan.pool)} "
                         f"({plan.slots}/{plan.experts_total} experts{', all fit' if plan.all_experts_fit else ''}; "

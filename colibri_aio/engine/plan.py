@@ -65,6 +65,11 @@ class Plan:
         return self.slots * self.slot_nbytes
 
     @property
+    def experts_nbytes(self) -> int:
+        """Every expert at the largest one's size: what holding them all takes at most (the page cache's share)."""
+        return self.experts_total * self.expert_nbytes
+
+    @property
     def all_experts_fit(self) -> bool:
         return self.slots >= self.experts_total
 
@@ -78,7 +83,7 @@ class Plan:
         """Where the experts stay and what that takes: the pool's slots, or the page cache."""
         if self.page_cache:
             return (f"page cache {self.experts_total} experts x {gb(self.expert_nbytes)} = "
-                    f"{gb(self.experts_total * self.expert_nbytes)} (the file's own pages: no pool)")
+                    f"{gb(self.experts_nbytes)} (the file's own pages: no pool)")
         return (f"pool {self.slots} slots x {gb(self.slot_nbytes)} = {gb(self.pool)} ({self.pinned_slots} pinned; "
                 f"{self.slots}/{self.experts_total} experts of {gb(self.expert_nbytes)})")
 
