@@ -158,11 +158,10 @@ def pins(model: Model, placement: Placement, plan: Plan, pin_from: UsageHistory 
 
 # Where every expert fits, ``--io auto`` keeps them in the page cache (a read-only mapping of the file, filled
 # by kernel read-ahead) instead of a pool filled by O_DIRECT reads: a pool page is zeroed by the CPU the
-# first time a read fills it, and on these machines that first touch cost ~1.5 s of CPU per GiB (perf:
-# clear_page_erms under the reads' get_user_pages took a third of both cores through a prompt), where a
-# page-cache fill costs the CPU almost nothing: 4 GiB of the 8-layer cut took 0.04-0.07 s of CPU by one
-# advice and a populate against 2.9-4.1 s by O_DIRECT reads into fresh memory (their rates, 1.1-2.8 GiB/s,
-# swapped places from one minute to the next on this disk).
+# first time a read fills it (perf: clear_page_erms under the reads' get_user_pages took a third of both cores
+# through one prompt), where a page-cache fill costs the CPU almost nothing: bringing in 4 GiB took 2.87
+# [0.89-4.14] s of CPU by O_DIRECT into fresh memory against 0.07 [0.07-0.08] s by one advice and a populate,
+# at rates whose ranges overlap (evidence/fill_20261207T064646Z.md, n = 5).
 # A decode step also runs as one graph over the file's stacked expert tensors for every type, where the pool
 # offers that only when O_DIRECT leaves every expert at one offset in its slot (not MXFP4's). Beside the pool,
 # n = 5, 8-layer Q8_0 cut: first 64 tokens' rate x1.16 [1.02-1.33], steady x1.04, time to first token x1.18
