@@ -177,6 +177,25 @@ def test_a_closed_pipe_ends_the_run_quietly(tmp_path) -> None:
     assert _history_runs(tmp_path) == 1
 
 
+def test_ctrl_c_inside_a_dataclass_being_built_exits_130(tmp_path) -> None:
+    """Ctrl-C landing in the ``exec`` that builds a dataclass's ``__init__`` while the CLI imports: CPython notes it
+    and, unless told otherwise, kills the process by SIGINT at exit (-2) whatever status the program returned."""
+    script = tmp_path / "interrupted_import.py"
+    script.write_text(
+        "import builtins, sys\n"
+        "from colibri_aio.__main__ import entry\n"
+        "real_import = builtins.__import__\n"
+        "def interrupted(name, *args, **kwargs):\n"
+        "    if name == 'colibri_aio.cli.main':\n"
+        "        exec('raise KeyboardInterrupt')\n"
+        "    return real_import(name, *args, **kwargs)\n"
+        "builtins.__import__ = interrupted\n"
+        "sys.exit(entry())\n")
+    # As a module (``-m``, like ``python -m colibri_aio``): a script's SystemExit takes another path in CPython.
+    r = subprocess.run([sys.executable, "-m", script.stem], capture_output=True, timeout=60, cwd=tmp_path)
+    assert r.returncode == 130 and r.stdout == b"" and r.stderr == b"", r.stderr.decode()
+
+
 def test_ctrl_c_while_importing_is_quiet(tmp_path) -> None:
     """-X importtime reports each import as it ends: interrupt once NumPy is in, while the engine still loads."""
     p = _popen_run(tmp_path, "-X", "importtime", "-m", "colibri_aio", "run", "--max-tokens", "2")
