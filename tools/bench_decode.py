@@ -89,6 +89,11 @@ class Ours:
 
         return self.loop.run_until_complete(run())
 
+    def close(self) -> None:
+        """Close the engine on its loop (its tasks end instead of being destroyed pending at exit)."""
+        self.loop.run_until_complete(self.engine.aclose())
+        self.loop.close()
+
 
 class LlamaCpp:
     def __init__(self, path: Path, n_ctx: int) -> None:
@@ -120,6 +125,8 @@ def worker(arm: str, path: Path, n_ctx: int, cache_per_layer: int) -> int:
     for line in sys.stdin:
         cmd = json.loads(line)
         print(json.dumps({"seconds": getattr(engine, cmd.pop("op"))(**cmd)}), flush=True)
+    if isinstance(engine, Ours):
+        engine.close()
     return 0
 
 
