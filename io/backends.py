@@ -50,12 +50,14 @@ ADVICE_CHUNK = 32 << 20
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """One expert to read: where it is, its aligned layout, its slot (None for mmap), whom to tell."""
+    """One expert to read: where it is, its aligned layout, its slot (None for mmap), whom to tell, and whether
+    the model is waiting for it (a demand read: no read started for a guess may delay it)."""
 
     loc: ExpertLocation
     plan: ExpertPlan
     slot: Slot | None
     on_done: OnDone
+    urgent: bool = False
 
 
 class ReadBackend(Protocol):
@@ -221,6 +223,10 @@ class MmapBackend:
                                               for f in files]
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="colibri-mmap")
         self._advisor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="colibri-advice")
+        # Demand reads have a worker and an advisor of their own: behind the others' batches (a warm fill of
+        # whole layers, a prompt's read-ahead) in one queue, the expert a step waits for waited for all of them.
+        self._demand = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="colibri-mmap-demand")
+        self._demand_advisor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="colibri-advice-demand")
         self._closing = False
         self._bases: list[np.ndarray] = []
 
@@ -231,8 +237,11 @@ class MmapBackend:
         ranges in flight."""
         loop = asyncio.get_running_loop()
         ok = [job for job in jobs if self._in_file(job, loop)]
-        if ok:
-            self._pool.submit(self._fault_in_batch, ok, loop)
+        demand = [job for job in ok if job.urgent]
+        if demand:
+            self._demand.submit(self._fault_in_batch, demand, loop, self._demand_advisor)
+        if len(demand) < len(ok):
+            self._pool.submit(self._fault_in_batch, [job for job in ok if not job.urgent], loop, self._advisor)
 
     def _in_file(self, job: Job, loop: asyncio.AbstractEventLoop) -> bool:
         """Whether every range of ``job`` lies in its file (else its ``on_done`` gets the error, soon)."""
@@ -250,14 +259,15 @@ class MmapBackend:
                 return False
         return True
 
-    def _fault_in_batch(self, jobs: Sequence[Job], loop: asyncio.AbstractEventLoop) -> None:
-        """Bring each expert of ``jobs`` in, in order, reporting each as it is in, while the advisor thread asks
+    def _fault_in_batch(self, jobs: Sequence[Job], loop: asyncio.AbstractEventLoop,
+                        advisor: concurrent.futures.ThreadPoolExecutor) -> None:
+        """Bring each expert of ``jobs`` in, in order, reporting each as it is in, while ``advisor`` asks
         the kernel for the batch's ranges (merged where they touch), in the same order.
 
         The advice blocks once the device's queue is full, so it runs on a thread of its own, paced by the
         device: the queue stays full, and the experts that come first are reported as soon as they are in
         rather than once the advice behind them is queued."""
-        self._advisor.submit(self._advise, _merged_pages(jobs))
+        advisor.submit(self._advise, _merged_pages(jobs))
         for job in jobs:
             try:
                 if self._closing:  # the reader is closing: what is left of the batch is not read
@@ -315,7 +325,9 @@ class MmapBackend:
     async def aclose(self) -> None:
         self._closing = True
         self._pool.shutdown(wait=True)
-        self._advisor.shutdown(wait=True, cancel_futures=True)
+        self._demand.shutdown(wait=True)
+        for advisor in (self._advisor, self._demand_advisor):
+            advisor.shutdown(wait=True, cancel_futures=True)
         self._bases = []
         for i, mapped in enumerate(self._maps):
             if mapped is not None:

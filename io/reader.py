@@ -168,8 +168,12 @@ class ExpertReader:
         """
         return self.start_many([(loc, slot)])[0]
 
-    def start_many(self, items: Sequence[tuple[ExpertLocation, int]]) -> list[asyncio.Future[ExpertWeights]]:
+    def start_many(self, items: Sequence[tuple[ExpertLocation, int]],
+                   urgent: bool = False) -> list[asyncio.Future[ExpertWeights]]:
         """:meth:`start` for several experts at once, one future each, in the order given.
+
+        ``urgent``: the model is waiting for these (demand reads); a backend
+        that queues reads (mmap) serves them ahead of the others.
 
         Neighbouring experts of a layer are read together: one request per
         projection for the whole run (:mod:`colibri_aio.io.spans`). Every
@@ -203,7 +207,7 @@ class ExpertReader:
                 over.add(slot)
                 self._read_over(future, loc, plan, slot, outcome)
 
-            jobs.append(Job(loc, plan, self.pool.slots[slot] if self.pool is not None else None, on_done))
+            jobs.append(Job(loc, plan, self.pool.slots[slot] if self.pool is not None else None, on_done, urgent))
         try:
             self._backend.start(jobs)
         except BaseException:

@@ -27,6 +27,7 @@ class FakeRead:
     key: tuple[int, int]
     slot: int
     future: asyncio.Future
+    urgent: bool = False
 
 
 @dataclass
@@ -38,20 +39,20 @@ class FakeReader:
     kernel: dict[int, FakeRead] = field(default_factory=dict)
     closed: bool = False
 
-    def start(self, key: tuple[int, int], slot: int) -> asyncio.Future:
+    def start(self, key: tuple[int, int], slot: int, urgent: bool = False) -> asyncio.Future:
         if slot in self.kernel:
             raise RuntimeError(f"slot {slot} still has a read in flight")  # what the real reader refuses
-        read = FakeRead(key, slot, asyncio.get_running_loop().create_future())
+        read = FakeRead(key, slot, asyncio.get_running_loop().create_future(), urgent)
         self.started.append(read)
         self.kernel[slot] = read
         return read.future
 
-    def start_many(self, items: list[tuple[tuple[int, int], int]]) -> list[asyncio.Future]:
+    def start_many(self, items: list[tuple[tuple[int, int], int]], urgent: bool = False) -> list[asyncio.Future]:
         """Like the real reader: every item is checked before any read starts."""
         for _, slot in items:
             if slot in self.kernel:
                 raise RuntimeError(f"slot {slot} still has a read in flight")
-        return [self.start(key, slot) for key, slot in items]
+        return [self.start(key, slot, urgent) for key, slot in items]
 
     def in_flight(self, key: tuple[int, int]) -> FakeRead:
         return next(r for r in self.kernel.values() if r.key == key)
@@ -211,6 +212,18 @@ async def test_a_wrong_guess_is_demoted_and_evicted_before_a_useful_expert() -> 
     await miss
 
 
+async def test_demand_reads_are_started_urgent_and_prefetches_are_not() -> None:
+    """The reader hears which reads the model waits for (a backend that queues reads serves those first)."""
+    source, reader = make(per_layer=3)
+    route0 = asyncio.create_task(collect(source, 0, [1], []))
+    await settle()
+    source.hint(1, [2, 3])
+    assert {r.key: r.urgent for r in reader.started} == {(0, 1): True, (1, 2): False, (1, 3): False}
+    for key in [(0, 1), (1, 2), (1, 3)]:
+        reader.land(key)
+    await route0
+
+
 async def test_a_cancelled_consumer_leaves_its_reads_to_the_kernel() -> None:
     source, reader = make(per_layer=1)
     consumer = asyncio.create_task(collect(source, 0, [1], []))
@@ -253,7 +266,7 @@ async def test_close_waits_for_every_read_in_flight() -> None:
 async def test_a_read_the_reader_refuses_fails_the_stream_that_wanted_it() -> None:
     source, reader = make()
 
-    def refuse(key, slot):
+    def refuse(key, slot, urgent=False):
         raise ValueError("needs more slot bytes than the pool has")
 
     reader.start = refuse  # type: ignore[method-assign]

@@ -381,3 +381,37 @@ async def test_closing_the_mmap_reader_ends_a_batch_without_reading_the_rest(mod
             assert_exact(model_file, loc, f.result())
         else:
             assert isinstance(f.exception(), (ExpertReadError, ReaderClosedError))
+
+
+async def test_an_mmap_demand_read_does_not_wait_behind_other_batches(model_file: Path) -> None:
+    """Both workers of the mmap reader busy with batches nobody waits for (a warm fill, a read-ahead): a demand
+    read (``urgent``) is still brought in, by its own worker, before either batch moves on."""
+    import threading
+
+    locs = mixed_locations(FILE_NBYTES, 7)
+    reader = await ExpertReader.open(model_file, largest(locs), n_slots=len(locs), backend="mmap")
+    backend = reader._backend
+    held, real = threading.Event(), backend._fault_in
+    demand_loc = locs[-1]
+
+    def fault_in(loc: ExpertLocation):
+        if loc is not demand_loc:
+            held.wait(30)
+        return real(loc)
+
+    backend._fault_in = fault_in
+    try:
+        background = [*reader.start_many([(locs[i], i) for i in range(3)]),
+                      *reader.start_many([(locs[i], i) for i in range(3, 6)])]
+        demand, = reader.start_many([(demand_loc, 6)], urgent=True)
+        async with asyncio.timeout(20):
+            weights = await demand
+        assert_exact(model_file, demand_loc, weights)
+        assert not any(f.done() for f in background)
+        held.set()
+        async with asyncio.timeout(30):
+            for loc, f in zip(locs, background):
+                assert_exact(model_file, loc, await f)
+    finally:
+        held.set()
+        await reader.aclose()

@@ -204,13 +204,18 @@ class CachedExpertSource:
         for slot in actions.dropped:
             self._weights.pop(slot, None)
             self._errors.pop(slot, None)
-        if actions.reads:
-            self._start(sorted(actions.reads, key=lambda r: r.key))
+        reads = sorted(actions.reads, key=lambda r: r.key)
+        demand = [read for read in reads if read.kind == "demand"]
+        if demand:
+            self._start(demand, urgent=True)
+        if len(demand) < len(reads):
+            self._start([read for read in reads if read.kind != "demand"], urgent=False)
 
-    def _start(self, reads: list[Read]) -> None:
-        """Hand reads to the reader, in file order; each one's end comes back through :meth:`_over`."""
+    def _start(self, reads: list[Read], urgent: bool) -> None:
+        """Hand reads to the reader, in file order (``urgent``: demand reads, which the model waits for);
+        each one's end comes back through :meth:`_over`."""
         try:
-            futures = self.reader.start_many([(self._locate(*read.key), read.slot) for read in reads])
+            futures = self.reader.start_many([(self._locate(*read.key), read.slot) for read in reads], urgent)
         except Exception as exc:  # refused before reaching the kernel: the reads are over, failed
             for read in reads:
                 self._errors[read.slot] = exc
