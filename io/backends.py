@@ -26,8 +26,9 @@ import concurrent.futures
 import errno
 import mmap
 import os
+import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -58,6 +59,9 @@ class Job:
     slot: Slot | None
     on_done: OnDone
     urgent: bool = False
+    # Taken by the one worker that reads the job (mmap: a queued job promoted to the demand worker is read
+    # there, and its batch's worker skips it).
+    claim: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
 
 
 class ReadBackend(Protocol):
@@ -243,6 +247,12 @@ class MmapBackend:
         if len(demand) < len(ok):
             self._pool.submit(self._fault_in_batch, [job for job in ok if not job.urgent], loop, self._advisor)
 
+    def promote(self, job: Job) -> None:
+        """The model now waits for ``job``, queued in a batch nobody waited for: the demand worker reads it
+        now (unless a worker has it already); its batch's worker skips it."""
+        if not job.claim.locked():
+            self._demand.submit(self._fault_in_batch, [job], asyncio.get_running_loop(), self._demand_advisor)
+
     def _in_file(self, job: Job, loop: asyncio.AbstractEventLoop) -> bool:
         """Whether every range of ``job`` lies in its file (else its ``on_done`` gets the error, soon)."""
         loc = job.loc
@@ -255,6 +265,7 @@ class MmapBackend:
                 error = ExpertReadError(file.path, rng.offset, rng.nbytes, loc.layer, loc.expert,
                                         f"short read: the {PROJECTIONS[index]} range ends past the end of the "
                                         f"{file.size}-byte file")
+                job.claim.acquire(blocking=False)  # never to be read, promoted or not
                 loop.call_soon(job.on_done, error)
                 return False
         return True
@@ -269,6 +280,8 @@ class MmapBackend:
         rather than once the advice behind them is queued."""
         advisor.submit(self._advise, _merged_pages(jobs))
         for job in jobs:
+            if not job.claim.acquire(blocking=False):
+                continue  # promoted: the demand worker has it
             try:
                 if self._closing:  # the reader is closing: what is left of the batch is not read
                     raise RuntimeError("the expert reader closed before this expert was read")

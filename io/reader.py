@@ -59,6 +59,7 @@ class ExpertReader:
         self.pool = pool
         self.n_slots = n_slots
         self._kernel: set[int] = set()  # slots a read is still writing into
+        self._jobs: dict[int, Job] = {}  # the job of each slot in self._kernel (for promote)
         self._backend = backend
         self.backend: str = backend.name
         self.backend_reason = reason
@@ -208,6 +209,7 @@ class ExpertReader:
                 self._read_over(future, loc, plan, slot, outcome)
 
             jobs.append(Job(loc, plan, self.pool.slots[slot] if self.pool is not None else None, on_done, urgent))
+            self._jobs[slot] = jobs[-1]
         try:
             self._backend.start(jobs)
         except BaseException:
@@ -216,6 +218,14 @@ class ExpertReader:
                     self._end(slot)
             raise
         return futures
+
+    def promote(self, slot: int) -> None:
+        """The model now waits for the read into ``slot``, started as one it would not wait for (a warm
+        start's, a read-ahead's): a backend that queues reads (mmap) serves it next."""
+        job = self._jobs.get(slot)
+        promote = getattr(self._backend, "promote", None)
+        if job is not None and not job.urgent and promote is not None:
+            promote(job)
 
     def _begin(self, slot: int) -> None:
         self._kernel.add(slot)
@@ -226,6 +236,7 @@ class ExpertReader:
 
     def _end(self, slot: int) -> None:
         self._kernel.discard(slot)
+        self._jobs.pop(slot, None)
         self._in_flight -= 1
         if not self._in_flight:
             self.stats.busy_s += time.perf_counter() - self._busy_since

@@ -37,7 +37,13 @@ class FakeReader:
     n_slots: int
     started: list[FakeRead] = field(default_factory=list)
     kernel: dict[int, FakeRead] = field(default_factory=dict)
+    promoted: list[tuple[int, int]] = field(default_factory=list)
     closed: bool = False
+
+    def promote(self, slot: int) -> None:
+        read = self.kernel.get(slot)          # landed, its callback not run yet: nothing to promote
+        if read is not None and not read.urgent:
+            self.promoted.append(read.key)
 
     def start(self, key: tuple[int, int], slot: int, urgent: bool = False) -> asyncio.Future:
         if slot in self.kernel:
@@ -213,15 +219,22 @@ async def test_a_wrong_guess_is_demoted_and_evicted_before_a_useful_expert() -> 
 
 
 async def test_demand_reads_are_started_urgent_and_prefetches_are_not() -> None:
-    """The reader hears which reads the model waits for (a backend that queues reads serves those first)."""
+    """The reader hears which reads the model waits for (a backend that queues reads serves those first): demand
+    reads as they start, a prefetch once a stream waits for it."""
     source, reader = make(per_layer=3)
     route0 = asyncio.create_task(collect(source, 0, [1], []))
     await settle()
     source.hint(1, [2, 3])
     assert {r.key: r.urgent for r in reader.started} == {(0, 1): True, (1, 2): False, (1, 3): False}
-    for key in [(0, 1), (1, 2), (1, 3)]:
-        reader.land(key)
+    reader.land((0, 1))
     await route0
+    route1 = asyncio.create_task(collect(source, 1, [2], []))   # waits for the prefetch of (1, 2): promoted once
+    await settle()
+    assert reader.promoted == [(1, 2)]
+    for key in [(1, 3), (1, 2)]:
+        reader.land(key)
+    await route1
+    assert reader.promoted == [(1, 2)]
 
 
 async def test_a_cancelled_consumer_leaves_its_reads_to_the_kernel() -> None:

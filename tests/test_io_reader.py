@@ -415,3 +415,39 @@ async def test_an_mmap_demand_read_does_not_wait_behind_other_batches(model_file
     finally:
         held.set()
         await reader.aclose()
+
+
+async def test_a_queued_mmap_read_promoted_is_read_at_once_and_only_once(model_file: Path) -> None:
+    """An expert queued in a batch nobody waited for, promoted when the model comes to wait for it: the demand
+    worker reads it while the batch is held, its batch's worker skips it, and it is reported exactly once."""
+    import threading
+
+    locs = mixed_locations(FILE_NBYTES, 8)
+    reader = await ExpertReader.open(model_file, largest(locs), n_slots=len(locs), backend="mmap")
+    backend = reader._backend
+    held, real, read = threading.Event(), backend._fault_in, []
+    promoted_loc = locs[7]
+
+    def fault_in(loc: ExpertLocation):
+        read.append(loc)
+        if loc is not promoted_loc:
+            held.wait(30)
+        return real(loc)
+
+    backend._fault_in = fault_in
+    try:
+        futures = [*reader.start_many([(locs[i], i) for i in range(4)]),
+                   *reader.start_many([(locs[i], i) for i in range(4, 8)])]   # the promoted one queued last
+        reader.promote(7)
+        reader.promote(7)                                                        # twice: still one read
+        async with asyncio.timeout(20):
+            assert_exact(model_file, promoted_loc, await futures[7])
+        assert not any(f.done() for f in futures[:7])
+        held.set()
+        async with asyncio.timeout(30):
+            for loc, f in zip(locs, futures):
+                assert_exact(model_file, loc, await f)
+        assert sum(loc is promoted_loc for loc in read) == 1 and reader.stats.reads == len(locs)
+    finally:
+        held.set()
+        await reader.aclose()

@@ -57,6 +57,7 @@ class CachedExpertSource:
         self._locate = locate
         self._reads: dict[int, asyncio.Future[ExpertWeights]] = {}  # slot -> its read in flight
         self._background: set[int] = set()                          # slots of warm-start reads in flight
+        self._promoted: set[int] = set()                            # slots of reads a stream waited for
         self._weights: dict[int, ExpertWeights] = {}                # slot -> views of the bytes it holds
         self._errors: dict[int, BaseException] = {}                 # slot -> why its read failed
         self.demand_wait_s = 0.0  # time the consumer waited for demand bytes
@@ -231,6 +232,7 @@ class CachedExpertSource:
     def _over(self, read: Read, future: asyncio.Future[ExpertWeights]) -> None:
         del self._reads[read.slot]
         self._background.discard(read.slot)
+        self._promoted.discard(read.slot)
         error = asyncio.CancelledError() if future.cancelled() else future.exception()
         if error is None:
             weights = self._weights[read.slot] = future.result()
@@ -259,6 +261,10 @@ class CachedExpertSource:
         reads = [self._reads[s] for s in slots if s in self._reads] if slots else list(self._reads.values())
         if not reads:
             raise RuntimeError(f"waiting for reads into slots {slots} that are not in flight")
+        for slot in slots:  # reads started for a guess (warm start, read-ahead) that the model now waits for
+            if slot in self._reads and slot not in self._promoted:
+                self._promoted.add(slot)
+                self.reader.promote(slot)
         t0 = time.perf_counter()
         await asyncio.wait(reads, return_when=asyncio.FIRST_COMPLETED)
         self.demand_wait_s += time.perf_counter() - t0
