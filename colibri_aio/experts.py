@@ -81,6 +81,9 @@ class ResidentExperts:
     bases: tuple[tuple[int, int, int], ...]   # per layer: gate, up, down address of stack index 0
     strides: tuple[tuple[int, int, int], ...]  # per layer: gate, up, down bytes from one stack index to the next
     depth: int
+    # Every expert has its place (the file's own pages): one not ready is one not read yet, soon to be,
+    # rather than one the cache may never hold.
+    holds_all: bool = False
 
 
 ExpertBatch = list[tuple[int, ExpertWeights]]  # (expert id, views of its bytes), as a source yields them

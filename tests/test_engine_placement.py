@@ -289,20 +289,62 @@ async def test_auto_keeps_experts_that_all_fit_in_the_page_cache_else_reads_into
 
 async def test_decode_steps_run_as_one_graph_over_the_mapped_expert_tensors_with_the_pools_bits() -> None:
     """With every expert in the page cache, a step's graph picks them from the file's stacked tensors (the
-    stack index is the expert id); its logits are those of the pool's reads, step by step."""
+    stack index is the expert id); its logits are those of the pool's reads, step by step. A step while some
+    expert is still unread (the warm start waits out the prompt) runs block by block, never as a one-graph try
+    computed for nothing."""
     ids = oracle_ids()[0]
 
-    async def steps(io: str) -> tuple[list[np.ndarray], int]:
+    async def steps(io: str) -> tuple[list[np.ndarray], int, int]:
         engine = await Engine.open(fixture("tiny_q8_0.gguf"), io=io, kernels="ggml", history=False)
         try:
-            out = [await engine.prefill(ids[:8])]
-            for t in ids[8:16]:
+            out = [await engine.prefill(ids[:2])]
+            for t in ids[2:16]:
                 out.append(await engine.net.forward([t]))
-            return out, engine.net.one_graph_steps
+            return out, engine.net.one_graph_steps, engine.net.one_graph_misses
         finally:
             await engine.aclose()
 
-    mapped, one_graph = await steps("auto")
-    pooled, _ = await steps("pread")
-    assert one_graph > 0
+    mapped, one_graph, wasted = await steps("auto")
+    pooled, _, _ = await steps("pread")
+    assert one_graph > 0 and wasted == 0
     assert all(np.array_equal(x, y) for x, y in zip(mapped, pooled))
+
+
+
+async def test_while_the_page_cache_fills_a_step_runs_block_by_block_not_as_a_wasted_one_graph(monkeypatch) -> None:
+    """Experts in the page cache with the warm start held back (a slow disk): decode steps that route to experts
+    not read yet run block by block, each waiting for its own experts (a warm read it needs is promoted), never a
+    one-graph step computed for nothing; once the fill is over, steps run as one graph. Same logits throughout."""
+    import threading
+
+    from colibri_aio.io.backends import MmapBackend
+
+    ids = oracle_ids()[0]
+    held, real = threading.Event(), MmapBackend._fault_in_batch
+
+    def slow_warm(self, jobs, loop, advisor):
+        if not threading.current_thread().name.startswith("colibri-mmap-demand"):   # the warm start's workers
+            held.wait(30)
+        return real(self, jobs, loop, advisor)
+
+    monkeypatch.setattr(MmapBackend, "_fault_in_batch", slow_warm)
+    engine = await Engine.open(fixture("tiny_q8_0.gguf"), io="auto", kernels="ggml", history=False)
+    try:
+        out = [await engine.prefill(ids[:1])]
+        for t in ids[1:6]:
+            out.append(await engine.net.forward([t]))
+        assert engine.source.warming and engine.net.one_graph_misses == 0 and engine.net.one_graph_steps == 0
+        held.set()
+        await engine.source.reader.drained()
+        for t in ids[6:10]:
+            out.append(await engine.net.forward([t]))
+        assert engine.net.one_graph_steps > 0 and engine.net.one_graph_misses == 0
+    finally:
+        held.set()
+        await engine.aclose()
+    reference = await Engine.open(fixture("tiny_q8_0.gguf"), io="pread", kernels="ggml", history=False)
+    try:
+        expected = [await reference.prefill(ids[:1])] + [await reference.net.forward([t]) for t in ids[1:10]]
+    finally:
+        await reference.aclose()
+    assert all(np.array_equal(x, y) for x, y in zip(out, expected))

@@ -256,7 +256,15 @@ class GraphDecode(MoETransformer):
             return None
         layers = [layer for layer in range(a.block_count) if a.is_moe(layer)]
         resident = source.resident(layers, a.expert_count)
-        if resident is None or not self.step_path.try_one_graph():
+        if resident is None:
+            return None
+        if resident.holds_all and source.warming and not resident.ready[layers].all():
+            # Experts in the page cache while the warm start fills it (the first steps after a prompt): a step
+            # routes to one not read yet almost surely (a prompt of 32 leaves ~12% of the 8-layer cut's experts
+            # unread: 1 - 0.88^64 for 8 choices in 8 layers), and the one graph would be a step computed for
+            # nothing. Block by block waits only for its own; the one graph follows once the fill is over.
+            return None
+        if not self.step_path.try_one_graph():
             return None
         if source.reading:
             await asyncio.sleep(0)  # let reads that have landed report (their slots become ready)

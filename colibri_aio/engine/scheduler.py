@@ -135,7 +135,8 @@ class CachedExpertSource:
             return None
         bases, strides, depth, slots = stacks
         table = self.policy.cache.track_residency(n_blocks, n_experts)
-        self._resident = ResidentExperts(table.slots if slots is None else slots, table.ready, bases, strides, depth)
+        self._resident = ResidentExperts(table.slots if slots is None else slots, table.ready, bases, strides, depth,
+                                         holds_all=self.reader.pool is None)
         return self._resident
 
     def _pool_stacks(self, layers: Sequence[int], n_experts: int) -> _Stacks | None:
@@ -175,6 +176,11 @@ class CachedExpertSource:
             strides[layer] = steps  # type: ignore[assignment]
         identity = np.tile(np.arange(n_experts, dtype=np.int32), (n_blocks, 1))
         return tuple(bases), tuple(strides), n_experts, identity
+
+    @property
+    def warming(self) -> bool:
+        """Whether the warm start still has experts to read or reads in flight."""
+        return self.policy.warm_pending > 0 or bool(self._background)
 
     @property
     def reading(self) -> bool:
