@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -383,23 +384,29 @@ async def test_closing_the_mmap_reader_ends_a_batch_without_reading_the_rest(mod
             assert isinstance(f.exception(), (ExpertReadError, ReaderClosedError))
 
 
-async def test_an_mmap_demand_read_does_not_wait_behind_other_batches(model_file: Path) -> None:
-    """Both workers of the mmap reader busy with batches nobody waits for (a warm fill, a read-ahead): a demand
-    read (``urgent``) is still brought in, by its own worker, before either batch moves on."""
-    import threading
-
-    locs = mixed_locations(FILE_NBYTES, 7)
-    reader = await ExpertReader.open(model_file, largest(locs), n_slots=len(locs), backend="mmap")
-    backend = reader._backend
-    held, real = threading.Event(), backend._fault_in
-    demand_loc = locs[-1]
+def _hold_every_read_but(reader: ExpertReader, free: ExpertLocation, read: list) -> threading.Event:
+    """Make the mmap reader's workers stop before every expert but ``free`` until the returned event is set;
+    each expert a worker starts on is appended to ``read``."""
+    held, real = threading.Event(), reader._backend._fault_in
 
     def fault_in(loc: ExpertLocation):
-        if loc is not demand_loc:
+        read.append(loc)
+        if loc is not free:
             held.wait(30)
         return real(loc)
 
-    backend._fault_in = fault_in
+    reader._backend._fault_in = fault_in
+    return held
+
+
+async def test_an_mmap_demand_read_does_not_wait_behind_other_batches(model_file: Path) -> None:
+    """Both workers of the mmap reader busy with batches nobody waits for (a warm fill, a read-ahead): a demand
+    read (``urgent``) is still brought in, by its own worker, before either batch moves on."""
+
+    locs = mixed_locations(FILE_NBYTES, 7)
+    reader = await ExpertReader.open(model_file, largest(locs), n_slots=len(locs), backend="mmap")
+    demand_loc = locs[-1]
+    held = _hold_every_read_but(reader, demand_loc, [])
     try:
         background = [*reader.start_many([(locs[i], i) for i in range(3)]),
                       *reader.start_many([(locs[i], i) for i in range(3, 6)])]
@@ -420,21 +427,11 @@ async def test_an_mmap_demand_read_does_not_wait_behind_other_batches(model_file
 async def test_a_queued_mmap_read_promoted_is_read_at_once_and_only_once(model_file: Path) -> None:
     """An expert queued in a batch nobody waited for, promoted when the model comes to wait for it: the demand
     worker reads it while the batch is held, its batch's worker skips it, and it is reported exactly once."""
-    import threading
 
     locs = mixed_locations(FILE_NBYTES, 8)
     reader = await ExpertReader.open(model_file, largest(locs), n_slots=len(locs), backend="mmap")
-    backend = reader._backend
-    held, real, read = threading.Event(), backend._fault_in, []
-    promoted_loc = locs[7]
-
-    def fault_in(loc: ExpertLocation):
-        read.append(loc)
-        if loc is not promoted_loc:
-            held.wait(30)
-        return real(loc)
-
-    backend._fault_in = fault_in
+    promoted_loc, read = locs[7], []
+    held = _hold_every_read_but(reader, promoted_loc, read)
     try:
         futures = [*reader.start_many([(locs[i], i) for i in range(4)]),
                    *reader.start_many([(locs[i], i) for i in range(4, 8)])]   # the promoted one queued last
