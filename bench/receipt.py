@@ -58,6 +58,12 @@ def header(script: str) -> dict[str, Any]:
             "command": " ".join([script, *sys.argv[1:]])}
 
 
+def host_line(receipt: dict[str, Any]) -> str:
+    """The host as a receipt's Markdown names it: its name, then its CPU and vector extensions (an AVX2 CPU and an
+    AVX-512 one run different code, so a number without them cannot be read)."""
+    return f"host `{receipt['host']}` ({receipt.get('cpu') or cpu.describe()}, {receipt.get('cpus') or os.cpu_count()} CPUs)"
+
+
 def spread(xs: list[float]) -> dict[str, float]:
     """n, median, min and max of a benchmark's samples: what every receipt table quotes."""
     return {"n": len(xs), "median": statistics.median(xs), "min": min(xs), "max": max(xs)}

@@ -35,7 +35,7 @@ import numpy as np
 
 from bench_kernels import _copies, _tensor as _valid_tensor
 from colibri_aio.bench.lock import exclusive
-from colibri_aio.bench.receipt import header, spread, write
+from colibri_aio.bench.receipt import header, host_line, spread, write
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERT, ATTN, HEAD = "768x2048,2048x768", "4096x2048,512x2048,2048x4096", "151936x2048"
@@ -159,7 +159,7 @@ def markdown(receipt: dict) -> str:
     s, arms = receipt["samples"], receipt["arms"]
     ops = sorted({x["op"] for x in s}, key=lambda o: (o != "matvec", o != "matvec x8", len(o), o))
     lines = [f"# Kernel backends — {receipt['date']}", "",
-             f"host `{receipt['host']}` ({receipt['cpu']}), commit `{receipt['commit']}`, load average at start "
+             f"{host_line(receipt)}, commit `{receipt['commit']}`, load average at start "
              f"{receipt['load_average']}, at end {receipt['load_average_end']}; {receipt['threads']} threads; "
              f"{receipt['runs']} runs per arm, each a fresh process, arms alternating; every sample sweeps "
              f">= {receipt['cold_mb']:g} MiB of distinct copies of the weights", "",

@@ -71,7 +71,7 @@ from pathlib import Path
 import numpy as np
 
 from colibri_aio.bench.lock import exclusive
-from colibri_aio.bench.receipt import git_state, header as receipt_header, host_facts, spread, write as write_receipt
+from colibri_aio.bench.receipt import git_state, header as receipt_header, host_facts, host_line, spread, write as write_receipt
 from colibri_aio.bench.arms import arm_env
 from colibri_aio.bench.pagecache import drop_page_cache
 
@@ -605,7 +605,7 @@ def main() -> int:
     stamp = receipt["date"]
     where = "in RAM" if args.ram_budget is None else f"ours within --ram-budget {args.ram_budget}"
     lines = [f"# Batched decode, {where}: B = {', '.join(map(str, batches))} concurrent streams — {stamp}", "",
-             f"host `{receipt['host']}` ({receipt['cpu']}, {receipt['cpus']} CPUs), commit `{receipt['commit']}`"
+             f"{host_line(receipt)}, commit `{receipt['commit']}`"
              + (f" with uncommitted changes in {len(receipt['git']['modified'])} files" if receipt["git"]["modified"] else "")
              + f", model `{model.name}` ({receipt['model_bytes'] / 1e9:.2f} GB), load average at end "
              f"{receipt['load_average']}", "",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import httpx
 
-from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt
+from colibri_aio.bench.receipt import header as receipt_header, host_line, spread, write as write_receipt
 from colibri_aio.serve.launch import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,7 +104,7 @@ def main() -> int:
                | {"out": str(args.out)}, "summary": summary, "speedup_median": ratio, "samples": samples,
                "server_log": log}
     lines = [f"# Chat turn-2 time to first token, with and without KV-cache reuse — {receipt['date']}", "",
-             f"host `{receipt['host']}`, commit `{receipt['commit']}`, model `{receipt['model']}`, load average at "
+             f"{host_line(receipt)}, commit `{receipt['commit']}`, model `{receipt['model']}`, load average at "
              f"end {receipt['load_average']}", "", f"Command: `{receipt['command']}`", "",
              f"`serve --ctx {args.ctx}` with its default placement, one process; each sample a fresh two-turn "
              f"conversation (system + question, {args.reply}-token streamed reply, then the conversation + a new "

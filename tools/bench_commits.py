@@ -40,7 +40,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from colibri_aio.bench.receipt import ROOT, git_state, header, spread, stamp, write
+from colibri_aio.bench.receipt import git_state, header, host_line, ROOT, spread, stamp, write
 
 
 def export(commit: str, scratch: Path) -> tuple[str, Path, Path]:
@@ -139,7 +139,7 @@ def markdown(receipt: dict) -> str:
     keys, metric = receipt["keys"], receipt["metric"]
     a, b = receipt["a"], receipt["b"]
     lines = [f"# Same-run A/B of two commits — {receipt['date']}", "",
-             f"host `{receipt['host']}` ({receipt['cpus']} CPUs), tool at commit `{receipt['commit']}`; "
+             f"{host_line(receipt)}, tool at commit `{receipt['commit']}`; "
              f"A = `{a['sha'][:10]}` ({a['name']}), B = `{b['sha'][:10]}` ({b['name']}); {receipt['rounds']} rounds, "
              f"each running A and B once per condition in alternating order"
              f"{', each round under an exclusive lock' if receipt['lock'] else ''}.", "",

@@ -44,7 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from colibri_aio.bench.lock import exclusive
-from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt
+from colibri_aio.bench.receipt import header as receipt_header, host_line, spread, write as write_receipt
 from colibri_aio.bench.arms import arm_env
 from colibri_aio.bench.pagecache import drop_page_cache
 
@@ -222,7 +222,7 @@ def main() -> int:
     stamp = receipt["date"]
     where = "in RAM" if args.cache_per_layer == EVERY_EXPERT else f"{args.cache_per_layer} expert slots per layer"
     lines = [f"# Decode and prefill, {where} — {stamp}", "",
-             f"host `{receipt['host']}`, commit `{receipt['commit']}`, model `{args.model.name}` "
+             f"{host_line(receipt)}, commit `{receipt['commit']}`, model `{args.model.name}` "
              f"({receipt['model_bytes'] / 1e9:.2f} GB), load average at end {receipt['load_average']}", "",
              f"Command: `{receipt['command']}`", "",
              f"Teacher-forced decode of {args.tokens} fixed ids one at a time"

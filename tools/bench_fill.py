@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from colibri_aio.bench.lock import exclusive  # noqa: E402
 from colibri_aio.bench.pagecache import drop_page_cache  # noqa: E402
-from colibri_aio.bench.receipt import header, spread, write  # noqa: E402
+from colibri_aio.bench.receipt import header, host_line, spread, write  # noqa: E402
 
 CHUNK = 8 << 20
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
@@ -95,7 +95,7 @@ def main() -> int:
         return f"{s['median']:.2f} [{s['min']:.2f}–{s['max']:.2f}]"
 
     lines = [f"# Bringing {args.gib} GiB into memory: page cache vs O_DIRECT into fresh memory — {receipt['date']}", "",
-             f"host `{receipt['host']}` ({receipt['cpu']}), commit `{receipt['commit']}`, file {args.model}, "
+             f"{host_line(receipt)}, commit `{receipt['commit']}`, file {args.model}, "
              f"load average at end {receipt['load_average']}", "", f"Command: `{receipt['command']}`", "",
              f"n = {args.runs} per arm, interleaved (order flipped each round), page cache dropped before each sample.",
              "", "| arm | wall s | GiB/s | CPU s (user + system) |", "|---|---|---|---|"]

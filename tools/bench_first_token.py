@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_scale import describe_model, proc_read_bytes, token_ids  # noqa: E402
 from colibri_aio.bench.pagecache import drop_page_cache  # noqa: E402
 from colibri_aio.bench.lock import exclusive  # noqa: E402
-from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt  # noqa: E402
+from colibri_aio.bench.receipt import header as receipt_header, host_line, spread, write as write_receipt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 # ours-warm: Engine.open(warm_start=True), the warm start's A/B; ours-noahead: read_ahead=False, the read-ahead's A/B;
@@ -173,7 +173,7 @@ def _cell(s: dict | None, fmt: str = "{:.2f}") -> str:
 def markdown(receipt: dict) -> str:
     s = receipt["summary"]
     lines = [f"# Time to first token beside llama.cpp — {receipt['date']}", "",
-             f"host `{receipt['host']}` ({receipt.get('cpu', 'CPU not recorded')}), commit `{receipt['commit']}`, "
+             f"{host_line(receipt)}, commit `{receipt['commit']}`, "
              f"model {receipt['model']} "
              f"({receipt['model_bytes'] / 1e9:.2f} GB; {receipt['model_description']}), "
              f"load average at end {receipt['load_average']}", "",

@@ -38,7 +38,7 @@ from colibri_aio.engine.memory import peak_rss_bytes
 from colibri_aio.arch.qwen3moe import Qwen3MoE
 from colibri_aio.policy.backpressure import BackpressureConfig
 from colibri_aio.engine.placement import Placement, open_source
-from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt
+from colibri_aio.bench.receipt import header as receipt_header, host_line, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_ARMS = "off,on,auto"
@@ -158,7 +158,7 @@ def summarise(runs: list[dict], arms: list[str]) -> dict:
 
 def markdown(receipt: dict) -> str:
     lines = [f"# Prefetch off / on / auto — {receipt['date']}", "",
-             f"host `{receipt['host']}`, commit `{receipt['commit']}`, model `{receipt['model']}` "
+             f"{host_line(receipt)}, commit `{receipt['commit']}`, model `{receipt['model']}` "
              f"({receipt['model_note']}), cache {receipt['cache_per_layer']} experts per layer of "
              f"{receipt['expert_count']}, {receipt['tokens']} teacher-forced decode tokens per run, io "
              f"`{receipt['io']}`.", "", f"Command: `{receipt['command']}`", "",

@@ -29,7 +29,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from colibri_aio.bench.lock import exclusive
-from colibri_aio.bench.receipt import header, spread, write
+from colibri_aio.bench.receipt import header, host_line, spread, write
 from colibri_aio.kernels.ggml_cpu import GgmlKernels, repack_types
 from colibri_aio.kernels.qtensor import QTensor
 from colibri_aio.kernels.quant import SUPPORTED_TYPES
@@ -134,7 +134,7 @@ def main() -> int:
                "summary": {t: {a: spread(v) for a, v in s.items()} for t, s in samples.items()}}
     stamp = receipt["date"]
     lines = [f"# Matvec against the memory-bandwidth roofline — {stamp}", "",
-             f"host `{receipt['host']}`, commit `{receipt['commit']}`, {kernels.description}, {args.threads} threads, "
+             f"{host_line(receipt)}, commit `{receipt['commit']}`, {kernels.description}, {args.threads} threads, "
              f"load average at end {receipt['load_average']}", "", f"Command: `{receipt['command']}`", "",
              f"One ({rows} x {cols}) weight matrix per type, one position; the roofline is a streaming read of "
              f"the same bytes on {args.threads} threads in the same run, arms alternating; n = {args.runs} "

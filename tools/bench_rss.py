@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from colibri_aio.policy.budget import parse_size
-from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt
+from colibri_aio.bench.receipt import header as receipt_header, host_line, spread, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1.10
@@ -43,7 +43,7 @@ def one_run(model: Path, budget: str, tokens: int, prompt: str, ctx: int) -> dic
 
 def markdown(receipt: dict) -> str:
     lines = [f"# Peak RSS against the RAM budget — {receipt['date']}", "",
-             f"host `{receipt['host']}`, commit `{receipt['commit']}`, model `{receipt['model']}` "
+             f"{host_line(receipt)}, commit `{receipt['commit']}`, model `{receipt['model']}` "
              f"({receipt['model_bytes'] / 1e9:.2f} GB), {receipt['tokens']} tokens per run, context {receipt['ctx']}, "
              "budgets interleaved.",
              "", f"Command: `{receipt['command']}`", "",

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import httpx
 
-from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt
+from colibri_aio.bench.receipt import header as receipt_header, host_line, spread, write as write_receipt
 from colibri_aio.serve.launch import ServerProcess
 from load_test import percentiles, probe_health, sse_chunks
 
@@ -109,7 +109,7 @@ def eog_bias(model: str | None) -> dict[str, float]:
 def markdown(receipt: dict) -> str:
     a, runs, s = receipt["args"], receipt["runs"], receipt["summary"]
     lines = [f"# serve --parallel {a['clients']}: {a['clients']} streaming clients beside one — {receipt['date']}", "",
-             f"host `{receipt['host']}`, commit `{receipt['commit']}`, model `{a['model'] or 'shipped'}`", "",
+             f"{host_line(receipt)}, commit `{receipt['commit']}`, model `{a['model'] or 'shipped'}`", "",
              f"Command: `{receipt['command']}`", "",
              f"Per run: one client alone and {a['clients']} at once (order flipped every run), each one streamed "
              f"completion of {a['max_tokens']} tokens, greedy, EOG biased away; /health probed every "

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_scale import drop_page_cache  # noqa: E402
 from colibri_aio.bench.lock import exclusive  # noqa: E402
-from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt  # noqa: E402
+from colibri_aio.bench.receipt import header as receipt_header, host_line, write as write_receipt  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = ("numpy", "ggml")
@@ -75,7 +75,7 @@ def main() -> int:
                "page_cache_dropped": args.drop_caches, "summary": summary}
     stamp = receipt["date"]
     lines = [f"# Time to first token of `run` — {stamp}", "",
-             f"host `{receipt['host']}`, commit `{receipt['commit']}`, model {receipt['model']}, load average at end "
+             f"{host_line(receipt)}, commit `{receipt['commit']}`, model {receipt['model']}, load average at end "
              f"{receipt['load_average']}", "", f"Command: `{receipt['command']}`", "",
              "Fresh process per sample, launch to first byte of generated text; cold = empty XDG_CACHE_HOME "
              f"(tokenizer built); page cache {'dropped' if args.drop_caches else 'kept'} before each run.", "",

@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt
+from colibri_aio.bench.receipt import header as receipt_header, host_line, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,7 +26,7 @@ def main() -> int:
     receipt = {**receipt_header("tools/plan_receipt.py"), "model": str(args.model),
                "model_bytes": args.model.stat().st_size, "plan_command": " ".join(base[1:]), "plan": doc}
     md = (f"# `plan` with default options — {receipt['date']}\n\n"
-          f"host `{receipt['host']}`, commit `{receipt['commit']}`, model {args.model} "
+          f"{host_line(receipt)}, commit `{receipt['commit']}`, model {args.model} "
           f"({receipt['model_bytes'] / 1e9:.2f} GB)\n\nCommand: `{receipt['command']}` "
           f"(runs `python {receipt['plan_command']}`)\n\n"
           f"KV cache: {doc['kv_cache'] / 2**30:.3f} GiB {doc['kv_type']} for {doc['context']} positions "

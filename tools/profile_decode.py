@@ -46,7 +46,7 @@ import numpy as np
 from colibri_aio.arch import graph, layers, rope
 from colibri_aio.engine.engine import Engine
 from colibri_aio.bench.lock import exclusive
-from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt
+from colibri_aio.bench.receipt import header as receipt_header, host_line, write as write_receipt
 
 ROOT = Path(__file__).resolve().parents[1]
 # The trunk's NumPy ops, as the shared forward pass (arch/layers.py) and the NumPy runner of the families'
@@ -194,7 +194,7 @@ def main() -> int:
                "samples": samples}
     stamp = receipt["date"]
     lines = [f"# One decode step, by category — {stamp}", "",
-             f"host `{receipt['host']}`, commit `{receipt['commit']}`, model `{args.model.name}` (every expert "
+             f"{host_line(receipt)}, commit `{receipt['commit']}`, model `{args.model.name}` (every expert "
              f"cached: a model in RAM), kernels {engine.kernels.name} ({engine.kernels.reason}), load average "
              f"at end {receipt['load_average']}", "", f"Command: `{receipt['command']}`", "",
              f"ms per decoded token over {args.tokens} teacher-forced tokens"

@@ -29,7 +29,7 @@ from colibri_aio.arch.qwen3moe import Qwen3MoE  # noqa: E402
 from colibri_aio.cli.route_stats import TraceStats, compute, format_table  # noqa: E402
 from colibri_aio.text.tokenizer import Tokenizer  # noqa: E402
 from colibri_aio.cli.route_trace import TraceRecorder, read_trace  # noqa: E402
-from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt  # noqa: E402
+from colibri_aio.bench.receipt import header as receipt_header, host_line, write as write_receipt  # noqa: E402
 
 
 async def trace_model(path: Path, docs: list[str], prefill: int, decode: int, out: Path) -> int:
@@ -73,7 +73,7 @@ def summary_row(name: str, s: TraceStats) -> dict:
 
 def markdown(receipt: dict) -> str:
     lines = [f"# Routing statistics on held-out text — {receipt['date']}", "",
-             f"host `{receipt['host']}`, commit `{receipt['commit']}`; command `{receipt['command']}`", "",
+             f"{host_line(receipt)}, commit `{receipt['commit']}`; command `{receipt['command']}`", "",
              f"Each held-out document is one run: {receipt['prefill']} prefill tokens, then "
              f"{receipt['decode']} teacher-forced decode tokens.", "",
              "| model | runs | E / top-k | entropy (1 = uniform) | top-10% share | breadth per run | locality "

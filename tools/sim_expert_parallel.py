@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from colibri_aio.bench.receipt import header as receipt_header, write as write_receipt
+from colibri_aio.bench.receipt import header as receipt_header, host_line, write as write_receipt
 from colibri_aio.cli.replay import load_traces
 from colibri_aio.policy.expert_parallel import Link, balanced, expert_counts, host_loads, round_robin, traffic
 from colibri_aio.policy.replay import ReplayConfig, Trace, replay
@@ -90,7 +90,7 @@ def markdown(receipt: dict[str, Any]) -> str:
     a, t = receipt["args"], receipt["trace"]
     return "\n".join([
         f"# Expert parallelism from route traces — {receipt['date']}", "",
-        f"host `{receipt['host']}`, commit `{receipt['commit']}`", "", f"Command: `{receipt['command']}`", "",
+        f"{host_line(receipt)}, commit `{receipt['commit']}`", "", f"Command: `{receipt['command']}`", "",
         f"Traces: {', '.join(a['traces'])} ({t['block_count']} layers, {t['expert_count']} experts, top-"
         f"{t['expert_used_count']}, {t['expert_nbytes']} bytes per expert, {t['positions']} positions replayed as "
         f"decode; made by: {a['about'] or 'not said'}). Hidden size {a['hidden']}, {a['activation_bytes']} bytes per activation; per-token numbers "
