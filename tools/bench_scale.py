@@ -55,7 +55,7 @@ import numpy as np
 from bench_prefetch import make_model
 from colibri_aio.bench.iobench import measure_fio
 from colibri_aio.bench.lock import exclusive
-from colibri_aio.bench.receipt import header as receipt_header, spread, write as write_receipt
+from colibri_aio.bench.receipt import header as receipt_header, host_line, spread, write as write_receipt
 from colibri_aio.bench.pagecache import drop_page_cache
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -342,7 +342,7 @@ def _cell(entry: dict, key: str, scale: float = 1.0, fmt: str = "{:.2f}") -> str
 
 def markdown(receipt: dict) -> str:
     lines = [f"# Scale: our engine beside llama.cpp — {receipt['date']}", "",
-             f"host `{receipt['host']}` ({receipt['cpus']} CPUs, {receipt['ram_gib']:.1f} GiB RAM), commit "
+             f"{host_line(receipt)}, {receipt['ram_gib']:.1f} GiB RAM, commit "
              f"`{receipt['commit']}`, load average at end {receipt['load_average']}", "",
              f"Command: `{receipt['command']}`", "",
              f"pp = {receipt['pp']} ids as one batch, tg = {receipt['tg']} ids one at a time (teacher-forced), "
