@@ -119,20 +119,34 @@ def summarise(runs: list[dict], keys: list[str], metric: str) -> list[dict]:
     (of each round's medians, when a run prints several samples). A key is a sample's field, or the run's
     own (``condition``)."""
     groups: dict[tuple, dict[str, dict[int, list[float]]]] = {}
+    failed: dict[tuple, dict[str, int]] = {}
     for r in runs:
         group = tuple(r["sample"].get(k, r.get(k)) for k in keys)
-        groups.setdefault(group, {"a": {}, "b": {}})[r["arm"]].setdefault(r["round"], []).append(r["sample"][metric])
+        by = groups.setdefault(group, {"a": {}, "b": {}})
+        value = r["sample"].get(metric)
+        if value is None:   # a failed run (its sample carries an error instead): counted, not summarised
+            failed.setdefault(group, {"a": 0, "b": 0})[r["arm"]] += 1
+            continue
+        by[r["arm"]].setdefault(r["round"], []).append(value)
     rows = []
     for group, by in groups.items():
         a = {i: statistics.median(v) for i, v in by["a"].items()}
         b = {i: statistics.median(v) for i, v in by["b"].items()}
         every_a, every_b = [x for v in by["a"].values() for x in v], [x for v in by["b"].values() for x in v]
         ratios = [b[i] / a[i] for i in sorted(a.keys() & b.keys()) if a[i]]
-        rows.append({**dict(zip(keys, group)), "a": spread(every_a), "b": spread(every_b),
+        rows.append({**dict(zip(keys, group)), "a": _spread_or_none(every_a), "b": _spread_or_none(every_b),
                      "ratio": spread(ratios) if ratios else None, "ratios": ratios,
-                     "a_spread": max(every_a) / min(every_a) if min(every_a) else None,
-                     "b_spread": max(every_b) / min(every_b) if min(every_b) else None})
+                     "a_spread": _max_over_min(every_a), "b_spread": _max_over_min(every_b),
+                     "failed": failed.get(group, {"a": 0, "b": 0})})
     return rows
+
+
+def _spread_or_none(xs: list[float]) -> dict[str, float] | None:
+    return spread(xs) if xs else None
+
+
+def _max_over_min(xs: list[float]) -> float | None:
+    return max(xs) / min(xs) if xs and min(xs) else None
 
 
 def markdown(receipt: dict) -> str:
@@ -151,11 +165,22 @@ def markdown(receipt: dict) -> str:
              f"| {' | '.join(keys)} | A {metric} median [min–max] | B {metric} median [min–max] | "
              f"B/A per round, median [min–max] | A spread (max/min) | B spread (max/min) |",
              "|" + "---|" * (len(keys) + 5)]
+    def fmt(s: dict | None) -> str:
+        return "-" if s is None else f"{s['median']:.3f} [{s['min']:.3f}–{s['max']:.3f}]"
+
+    def ratio(x: float | None) -> str:
+        return "-" if x is None else f"{x:.3f}"
+
+    failures = []
     for row in receipt["summary"]:
-        r = row["ratio"]
-        fmt = lambda s: f"{s['median']:.3f} [{s['min']:.3f}–{s['max']:.3f}]"  # noqa: E731
         lines.append(f"| {' | '.join(str(row[k]) for k in keys)} | {fmt(row['a'])} | {fmt(row['b'])} | "
-                     f"{'-' if r is None else fmt(r)} | {row['a_spread']:.3f} | {row['b_spread']:.3f} |")
+                     f"{fmt(row['ratio'])} | {ratio(row['a_spread'])} | {ratio(row['b_spread'])} |")
+        failed = row.get("failed", {"a": 0, "b": 0})
+        if failed["a"] or failed["b"]:
+            failures.append(f"{', '.join(f'{k} {row[k]}' for k in keys)}: {failed['a']} of A's runs and "
+                            f"{failed['b']} of B's printed no {metric} (their errors are in the JSON receipt)")
+    if failures:
+        lines += ["", "Runs without a value, left out of the medians:", "", *[f"- {f}" for f in failures]]
     lines += ["", "Every sample of every run is in the JSON receipt beside this file."]
     return "\n".join(lines) + "\n"
 
