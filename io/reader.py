@@ -58,8 +58,7 @@ class ExpertReader:
         self.files = tuple(files)
         self.pool = pool
         self.n_slots = n_slots
-        self._kernel: set[int] = set()  # slots a read is still writing into
-        self._jobs: dict[int, Job] = {}  # the job of each slot in self._kernel (for promote)
+        self._kernel: dict[int, Job] = {}  # slots a read is still writing into, and that read (for promote)
         self._backend = backend
         self.backend: str = backend.name
         self.backend_reason = reason
@@ -202,14 +201,13 @@ class ExpertReader:
         for loc, plan, slot in jobs_in:
             future: asyncio.Future[ExpertWeights] = self._loop.create_future()
             futures.append(future)
-            self._begin(slot)
 
             def on_done(outcome: ExpertBytes | ExpertReadError, future=future, loc=loc, plan=plan, slot=slot) -> None:
                 over.add(slot)
                 self._read_over(future, loc, plan, slot, outcome)
 
             jobs.append(Job(loc, plan, self.pool.slots[slot] if self.pool is not None else None, on_done, urgent))
-            self._jobs[slot] = jobs[-1]
+            self._begin(slot, jobs[-1])
         try:
             self._backend.start(jobs)
         except BaseException:
@@ -222,21 +220,20 @@ class ExpertReader:
     def promote(self, slot: int) -> None:
         """The model now waits for the read into ``slot``, started as one it would not wait for (a warm
         start's, a read-ahead's): a backend that queues reads (mmap) serves it next."""
-        job = self._jobs.get(slot)
-        promote = getattr(self._backend, "promote", None)
+        job = self._kernel.get(slot)
+        promote = getattr(self._backend, "promote", None)  # only a backend that queues reads has it
         if job is not None and not job.urgent and promote is not None:
             promote(job)
 
-    def _begin(self, slot: int) -> None:
-        self._kernel.add(slot)
+    def _begin(self, slot: int, job: Job) -> None:
+        self._kernel[slot] = job
         if not self._in_flight:
             self._busy_since = time.perf_counter()
             self._idle.clear()
         self._in_flight += 1
 
     def _end(self, slot: int) -> None:
-        self._kernel.discard(slot)
-        self._jobs.pop(slot, None)
+        self._kernel.pop(slot, None)
         self._in_flight -= 1
         if not self._in_flight:
             self.stats.busy_s += time.perf_counter() - self._busy_since
