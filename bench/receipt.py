@@ -61,7 +61,8 @@ def header(script: str) -> dict[str, Any]:
 def host_line(receipt: dict[str, Any]) -> str:
     """The host as a receipt's Markdown names it: its name, then its CPU and vector extensions (an AVX2 CPU and an
     AVX-512 one run different code, so a number without them cannot be read)."""
-    return f"host `{receipt['host']}` ({receipt.get('cpu') or cpu.describe()}, {receipt.get('cpus') or os.cpu_count()} CPUs)"
+    # A receipt is rendered again later (bench_commits --summarise), maybe elsewhere: never this machine's CPU.
+    return f"host `{receipt['host']}` ({receipt.get('cpu') or 'CPU not recorded'}, {receipt.get('cpus', '?')} CPUs)"
 
 
 def spread(xs: list[float]) -> dict[str, float]:

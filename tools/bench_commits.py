@@ -165,6 +165,7 @@ def markdown(receipt: dict) -> str:
              f"| {' | '.join(keys)} | A {metric} median [min–max] | B {metric} median [min–max] | "
              f"B/A per round, median [min–max] | A spread (max/min) | B spread (max/min) |",
              "|" + "---|" * (len(keys) + 5)]
+
     def fmt(s: dict | None) -> str:
         return "-" if s is None else f"{s['median']:.3f} [{s['min']:.3f}–{s['max']:.3f}]"
 
