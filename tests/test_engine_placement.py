@@ -310,7 +310,6 @@ async def test_decode_steps_run_as_one_graph_over_the_mapped_expert_tensors_with
     assert all(np.array_equal(x, y) for x, y in zip(mapped, pooled))
 
 
-
 async def test_while_the_page_cache_fills_a_step_runs_block_by_block_not_as_a_wasted_one_graph(monkeypatch) -> None:
     """Experts in the page cache with the warm start held back (a slow disk): decode steps that route to experts
     not read yet run block by block, each waiting for its own experts (a warm read it needs is promoted), never a
