@@ -60,6 +60,9 @@ SWITCHES: dict[str, Switch] = {
                         "a resident decode step as one graph, or two graphs a block"),
     "ggml_repack": Switch("COLIBRI_GGML_REPACK", "on", ("on", "off"),
                           "resident matrices copied into ggml's CPU_REPACK layout at load"),
+    "ggml_repack_experts": Switch("COLIBRI_GGML_REPACK_EXPERTS", "off", ("off", "on", "all"),
+                                  "routed experts of a cheaply repacked type (all: of every repacked type) put in "
+                                  "ggml's CPU_REPACK layout as they land"),
 }
 
 

@@ -85,6 +85,10 @@ class Kernels(Protocol):
         """Matrices that stay in memory as long as this backend serves them (a net's trunk): the backend may
         keep a copy of them in a layout of its own; returns the bytes such copies take."""
 
+    def expert_packer(self) -> object | None:
+        """What puts routed experts into a layout of this backend's own as they land (``packs(type, rows)``,
+        ``pack(w, out=None)``), for the expert source; None: they are multiplied in the file's layout."""
+
     def close(self) -> None: ...
 
 
@@ -128,6 +132,10 @@ class NumpyKernels:
     def resident(self, ws: Iterable[QTensor | None]) -> int:
         """The reference multiplies the file's bytes: no copy."""
         return 0
+
+    def expert_packer(self) -> None:
+        """The reference multiplies the file's bytes: experts keep the file's layout."""
+        return None
 
     def close(self) -> None:
         """Nothing to free: the thread pool is shared."""

@@ -49,7 +49,11 @@ type and traits (:meth:`Graph.weight`) and every address lookup of the
 original's bytes gives the copy's (:class:`_Addresses`), so every graph reads
 the copy. Its products take vec_dot's integer dot products and sum them in
 another order (~1e-7 of a product's norm); placement still changes no bit.
-Experts (pool slots, refilled as they stream) are never repacked.
+Routed experts of the types whose repack is a plain interleave (Q4_0, IQ4_NL,
+MXFP4: :data:`PACKED_EXPERT_TYPES`) are repacked too, as they land, by the
+expert source (:class:`ExpertPacker`): every one of them, wherever it lands,
+so the layout, and the bits, never depend on the cache. Their QTensors say
+so (``packed``), and their stacks carry the repacked traits.
 
 ggml-python builds ggml from source at install with ``GGML_NATIVE`` on
 (``-march=native``): the instruction set is chosen at build time, for the
@@ -77,7 +81,7 @@ from colibri_aio.settings import Settings
 from colibri_aio.kernels.qtensor import FFNWeights, QTensor
 
 __all__ = ["GEMM_TYPES", "Graph", "GgmlKernels", "GgmlUnavailable", "Mat", "Stack", "aligned_buffer", "has_gemm", "probe",
-           "split_stacks", "supported_types", "version"]
+           "split_stacks", "supported_types", "version", "ExpertPacker", "PACKED_EXPERT_TYPES"]
 
 # Features ggml reports as compiled in (ggml_cpu_has_*) and the /proc/cpuinfo flag each needs.
 _ISA_FLAGS = {"sse3": "pni", "ssse3": "ssse3", "avx": "avx", "avx2": "avx2", "f16c": "f16c", "fma": "fma",
@@ -254,6 +258,80 @@ def repack_types() -> frozenset[GGMLQuantizationType]:
     return frozenset(t for t in supported_types() if _repack_mark(int(t), 16) is not None)
 
 
+# Expert types whose repacked layout is a plain interleave of the file's blocks: ggml repacks them at
+# ~24-27 GB/s on one core (Q4_0, MXFP4, measured on 0.9-4.4 MB matrices), well above any disk, so repacking
+# every expert as it lands costs next to nothing. Q4_K and Q2_K repack their scales too, at ~1.45 GB/s (Q4_K):
+# as slow as the disk, a cost every streamed expert would pay on the one core left beside compute. They stay
+# in the file's layout until an A/B on a larger-than-RAM condition says otherwise.
+PACKED_EXPERT_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.IQ4_NL,
+                                 GGMLQuantizationType.MXFP4})
+
+
+class ExpertPacker:
+    """Routed experts' matrices put into ggml's CPU_REPACK layout as they land, as llama.cpp loads them.
+
+    ggml multiplies a repacked matrix with GEMV kernels that read 8 interleaved rows at once
+    (``ggml_gemv_mxfp4_8x8_q8_0``...), where the file's layout takes one vec_dot per row. Its products sum in
+    another order than vec_dot's, so repacking is all or nothing for an expert type: every expert of a type
+    this packer :meth:`packs` is repacked wherever it lands (a pool slot, in place; a copy beside the page
+    cache), so logits do not depend on the cache size, the I/O backend or which experts were resident. The
+    repacked bytes have the file's size. The decision depends only on the type, the row count and this
+    CPU's repacked layouts (and ``COLIBRI_GGML_REPACK_EXPERTS``), never on timing.
+    """
+
+    def __init__(self, types: Iterable[GGMLQuantizationType] = PACKED_EXPERT_TYPES) -> None:
+        self.types = frozenset(t for t in types if _ggml_type(t) is not None)
+        self._scratch = np.empty(0, np.uint8)
+        self._headers: dict[tuple[int, int, int], ctypes.Structure] = {}
+        self._ctx: object = None
+        self._room = 0                                     # headers the current context still holds
+
+    def packs(self, ggml_type: GGMLQuantizationType, rows: int) -> bool:
+        """Whether an expert matrix of this type and row count is repacked (ggml has a layout for it here)."""
+        return ggml_type in self.types and _repack_mark(int(ggml_type), rows) is not None
+
+    def pack(self, w: QTensor, out: np.ndarray | None = None) -> QTensor:
+        """``w`` in the repacked layout, written to ``out`` (the same number of bytes; None: over ``w``'s own
+        bytes, through a scratch copy, as a pool slot is repacked in place); ``w`` itself when it is already
+        packed or of a type or row count that is not repacked."""
+        if w.packed or len(w.shape) != 2 or not self.packs(w.ggml_type, w.rows):
+            return w
+        if out is None:
+            if self._scratch.size < w.nbytes:
+                self._scratch = np.empty(w.nbytes, np.uint8)
+            src = self._scratch[:w.nbytes]
+            np.copyto(src, w.data)
+            out = w.data
+        else:
+            if out.size != w.nbytes or out.dtype != np.uint8 or not out.flags.c_contiguous:
+                raise ValueError(f"pack: {out.size} bytes for a matrix of {w.nbytes}")
+            src = w.data if w.data.flags.c_contiguous else np.ascontiguousarray(w.data)
+        header = self._header(int(w.ggml_type), w.rows, w.cols)
+        header.contents.data = out.ctypes.data
+        with _no_debug_log():
+            G.ggml_backend_tensor_set(header, src.ctypes.data, 0, w.nbytes)     # the repack buffer's set: repacks
+        return QTensor(out, w.ggml_type, w.shape, packed=True)
+
+    def _header(self, gid: int, rows: int, cols: int) -> ctypes.Structure:
+        """A tensor header of this type and shape carrying the repacked layout's buffer and traits, its data
+        pointed at each destination in turn (one header per shape, in a context of our own)."""
+        key = (gid, rows, cols)
+        t = self._headers.get(key)
+        if t is None:
+            if self._room == 0:
+                self._ctx = G.ggml_init(G.ggml_init_params(mem_size=64 * G.ggml_tensor_overhead(), mem_buffer=None,
+                                                           no_alloc=True))
+                _MARK_KEEP.append((self._ctx, None))      # alive for the process, as the probes' contexts
+                self._room = 64
+            self._room -= 1
+            mark = _repack_mark(gid, rows)
+            assert mark is not None
+            t = G.ggml_new_tensor_2d(self._ctx, gid, cols, rows)
+            t.contents.buffer, t.contents.extra = mark
+            self._headers[key] = t
+        return t
+
+
 @contextlib.contextmanager
 def _no_debug_log() -> Iterator[None]:
     """ggml's debug messages dropped (repacking logs a line per matrix), the others passed on as before."""
@@ -380,10 +458,16 @@ class Graph:
             t.contents.buffer, t.contents.extra = mark
         return t
 
-    def stack(self, gid: int, cols: int, rows: int, depth: int) -> ctypes.Structure:
+    def stack(self, gid: int, cols: int, rows: int, depth: int, packed: bool = False) -> ctypes.Structure:
         """``depth`` (rows, cols) matrices ``stride`` bytes apart: the stride as well as the data is
-        given at every call (:meth:`set_stride`)."""
+        given at every call (:meth:`set_stride`). ``packed``: the matrices are in the repacked layout
+        (:class:`ExpertPacker`), and ``ggml_mul_mat_id`` by the stack runs on its GEMV."""
         t = self.leaf(gid, cols, rows, depth)
+        if packed:
+            mark = _repack_mark(gid, rows)
+            if mark is None:
+                raise ValueError(f"ggml type {gid} has no repacked layout for {rows} rows")
+            t.contents.buffer, t.contents.extra = mark
         self.stacks.append(t.contents)
         return t
 
@@ -570,8 +654,18 @@ class GgmlKernels:
         self._scratch, _ = aligned_buffer(0)           # the intermediates of _expert_gemms' graphs
         self._lock = threading.Lock()
         self._rows_alike: dict[tuple[int, bool], bool] = {}   # rows_alike's measurements
-        self._cells_alike: dict[int, bool] = {}               # cells_alike's
+        self._cells_alike: dict[tuple[int, bool], bool] = {}  # cells_alike's
         self._probes: list[QTensor] = []                        # the repacked matrices they measured
+        # Routed experts of the PACKED_EXPERT_TYPES repacked as they land (COLIBRI_GGML_REPACK_EXPERTS); the
+        # expert source does it with this packer (expert_packer).
+        mode = self.settings.get("ggml_repack_experts")
+        types = frozenset() if mode == "off" else repack_types() & (repack_types() if mode == "all" else
+                                                                      PACKED_EXPERT_TYPES)
+        self.packer = ExpertPacker(types) if types else None
+        if self.packer is not None:
+            names = "/".join(sorted(t.name for t in types))
+            self.description += f", routed {names} experts repacked as they land"
+            self.reason = self.description
 
     # --- the interface the forward pass calls ---
 
@@ -619,6 +713,17 @@ class GgmlKernels:
             self._packs.append(_Packed(ctx, buf, originals, nbytes))
             self.address.forget()
         return nbytes
+
+    def expert_packer(self) -> ExpertPacker | None:
+        """What repacks routed experts as they land, for the expert source; None when they keep the file's
+        layout (``COLIBRI_GGML_REPACK_EXPERTS=off``, or no repacked layout on this CPU)."""
+        return self.packer
+
+    def expert_mat(self, r: object, packed: bool) -> Mat:
+        """The signature of a routed expert's matrix ``r`` (an ExpertLocation's range: ggml_type, shape) as the
+        expert source delivers it (``packed``: in the repacked layout, the source's word)."""
+        rows, cols = r.shape                                       # type: ignore[attr-defined]
+        return Mat(self._gid(r), rows, cols, packed)               # type: ignore[arg-type]
 
     @property
     def packed_nbytes(self) -> int:
@@ -726,7 +831,9 @@ class GgmlKernels:
             addrs.append((addr(e.gate.data), addr(e.up.data), addr(e.down.data)))
         if gate is None:
             return []
-        gemm = self.expert_gemm and self._type_of[gate.gid] in GEMM_TYPES
+        # Repacked experts stay on ggml_mul_mat_id (its repacked GEMV, row by row, whatever the rows: the bits
+        # of a row do not depend on how many rows share the product).
+        gemm = self.expert_gemm and not (gate.packed or down.packed) and self._type_of[gate.gid] in GEMM_TYPES
         on_gemm = [gemm and x.shape[0] >= 2 for x in inputs]
         ys: list[np.ndarray] = [inputs[0]] * len(experts)
         for path, run in ((True, self._expert_gemms), (False, self._expert_stacks)):
@@ -858,14 +965,14 @@ class GgmlKernels:
         return True
 
     def cells_alike(self, m: Mat) -> bool:
-        """Whether ``ggml_mul_mat_id`` over experts of ``m``'s type (unpacked: pool slots) gives each
+        """Whether ``ggml_mul_mat_id`` over experts of ``m``'s type and layout (file's or repacked) gives each
         (expert, row) cell the bits that cell alone gives, whatever other cells and rows share the product:
         measured once per type on two random experts and eight rows, together and one at a time. A batched
         decode step runs every row's experts in one product where this holds
         (:meth:`DecodeGraphs.expert_cells`), and row by row where it does not."""
-        known = self._cells_alike.get(m.gid)
+        known = self._cells_alike.get((m.gid, m.packed))
         if known is None:
-            known = self._cells_alike[m.gid] = self._probe_cells_alike(m)
+            known = self._cells_alike[(m.gid, m.packed)] = self._probe_cells_alike(m)
         return known
 
     def _probe_cells_alike(self, m: Mat) -> bool:
@@ -879,9 +986,14 @@ class GgmlKernels:
             return False
         pool = np.concatenate(mats)                   # expert 1 one stride (three matrices) after expert 0
         size = mats[0].size
+        if m.packed:                                  # as an expert source delivers them: repacked in place
+            if self.packer is None:
+                return False
+            for j in range(6):
+                self.packer.pack(QTensor(pool[j * size: (j + 1) * size], t, (n, n)))
         base = self.address(pool)
         addrs = [tuple(base + (3 * e + j) * size for j in range(3)) for e in range(2)]
-        mat = self.mat(QTensor(mats[0], t, (n, n)))
+        mat = Mat(m.gid, n, n, m.packed)
         x = rng.standard_normal((8, n)).astype(np.float32)
         together = self._expert_stacks(addrs, [x[:5], x[5:]], mat, mat, "swiglu")   # type: ignore[arg-type]
         for e, (rows, ys) in enumerate(((x[:5], together[0]), (x[5:], together[1]))):
@@ -919,6 +1031,8 @@ class GgmlKernels:
         """``w``'s signature in a graph (type, shape, whether its leaf reads a repacked copy); ``w`` may also be any object with a ggml_type and a shape (an expert's ranges)."""
         if len(w.shape) != 2:
             raise ValueError(f"expected a matrix, got shape {w.shape}")
+        if isinstance(w, QTensor) and w.packed:
+            return Mat(self._gid(w), w.shape[0], w.shape[1], True)
         packed = bool(self._packed_at) and isinstance(w, QTensor) and self.address(w.data) in self._packed_at
         return Mat(self._gid(w), w.shape[0], w.shape[1], packed)
 
@@ -1015,8 +1129,8 @@ class GgmlKernels:
         act = _ACTIVATIONS[activation]
         outs = []
         for n, st in zip(sizes, stacks):  # leaves in the order expert_ffns gives addresses: gate, up, down, x, ids
-            wg, wu = g.stack(gate.gid, gate.cols, gate.rows, st.depth), g.stack(gate.gid, gate.cols, gate.rows, st.depth)
-            wd = g.stack(down.gid, down.cols, down.rows, st.depth)
+            wg, wu = (g.stack(gate.gid, gate.cols, gate.rows, st.depth, gate.packed) for _ in range(2))
+            wd = g.stack(down.gid, down.cols, down.rows, st.depth, down.packed)
             x = g.leaf(G.GGML_TYPE_F32, gate.cols, 1, n)        # one row per (expert, position) cell
             ids = g.leaf(G.GGML_TYPE_I32, 1, n)                  # the cell's matrix in the stack
             h = act(g.ctx, G.ggml_mul_mat_id(g.ctx, wg, x, ids), G.ggml_mul_mat_id(g.ctx, wu, x, ids))

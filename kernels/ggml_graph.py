@@ -590,7 +590,7 @@ class GgmlBuilder:
         steps = (strides[0], strides[2]) if shape.gate_up else strides
         stacks = []
         for (m, rows), base, stride in zip(mats, addrs, steps):
-            st = self.graph.stack(m.gid, m.cols, rows * m.rows, shape.depth)
+            st = self.graph.stack(m.gid, m.cols, rows * m.rows, shape.depth, m.packed)
             st.contents.data = base
             self.graph.set_stride(st.contents, stride)
             stacks.append(st)
@@ -830,6 +830,7 @@ class DecodeGraphs:
         returned (used, D), for a caller summing experts that arrived in several batches. ``weights``: (1, used)."""
         k, used = self.kernels, len(experts)
         a = k.address
+        _check_layout(experts, shape)
         addrs = [(a(e.gate.data), a(e.up.data), a(e.down.data)) for e in experts]
         ids = self._experts_ids[:2 * used]
         ids[used:] = expert_ids
@@ -875,6 +876,7 @@ class DecodeGraphs:
         k, n = self.kernels, len(cells)
         a = k.address
         members, first_of, counts = np.unique(cells, return_inverse=True, return_counts=True)
+        _check_layout([batch[int(m)] for m in members], shape)
         addrs = [(a(e.gate.data), a(e.up.data), a(e.down.data)) for e in (batch[int(m)] for m in members)]
         stacks = split_stacks(addrs, counts.tolist())
         if len(stacks) != 1 or shape.each:
@@ -916,6 +918,14 @@ class DecodeGraphs:
         self._graphs.clear()
 
 
+def _check_layout(experts: Sequence, shape: ExpertsShape) -> None:
+    """Experts delivered in the layout the graph was built for (repacked or the file's), or an error: the other
+    layout's bytes would multiply into plausible but wrong numbers."""
+    for e in experts:
+        if (e.gate.packed, e.up.packed, e.down.packed) != (shape.gate.packed, shape.gate.packed, shape.down.packed):
+            raise RuntimeError("an expert arrived in another layout (repacked or not) than its graph expects")
+
+
 def _build_experts(g: Graph, s: ExpertsShape, terms: bool) -> list:
     """The experts graph :meth:`DecodeGraphs.experts` points: leaves h, x2, the stacks (or each rank's gate,
     up, down), the stack index of each rank, each rank's expert, the weights, the biases, the shared output.
@@ -924,12 +934,12 @@ def _build_experts(g: Graph, s: ExpertsShape, terms: bool) -> list:
     h = g.leaf(_F32, s.gate.cols, 1)
     x2 = g.leaf(_F32, s.down.rows, 1)
     if s.each:
-        stacks = [g.leaf(m.gid, m.cols, m.rows) for _ in range(used) for m in (s.gate, s.gate, s.down)]
+        stacks = [g.weight(m) for _ in range(used) for m in (s.gate, s.gate, s.down)]
     elif s.gate_up:
-        stacks = [g.stack(s.gate.gid, s.gate.cols, 2 * s.gate.rows, s.depth),
-                  g.stack(s.down.gid, s.down.cols, s.down.rows, s.depth)]
+        stacks = [g.stack(s.gate.gid, s.gate.cols, 2 * s.gate.rows, s.depth, s.gate.packed),
+                  g.stack(s.down.gid, s.down.cols, s.down.rows, s.depth, s.down.packed)]
     else:
-        stacks = [g.stack(m.gid, m.cols, m.rows, s.depth) for m in (s.gate, s.gate, s.down)]
+        stacks = [g.stack(m.gid, m.cols, m.rows, s.depth, m.packed) for m in (s.gate, s.gate, s.down)]
     slot_ids, expert_ids = g.leaf(_I32, used, 1), g.leaf(_I32, used, 1)
     w = g.leaf(_F32, used, 1)
     biases = ([g.leaf(_F32, rows, s.n_experts) for rows in (s.gate.rows, s.gate.rows, s.down.rows)]
@@ -950,10 +960,10 @@ def _build_cells(g: Graph, s: ExpertsShape, n: int) -> list:
     ctx = g.ctx
     h = g.leaf(_F32, s.gate.cols, n)
     if s.gate_up:
-        stacks = [g.stack(s.gate.gid, s.gate.cols, 2 * s.gate.rows, s.depth),
-                  g.stack(s.down.gid, s.down.cols, s.down.rows, s.depth)]
+        stacks = [g.stack(s.gate.gid, s.gate.cols, 2 * s.gate.rows, s.depth, s.gate.packed),
+                  g.stack(s.down.gid, s.down.cols, s.down.rows, s.depth, s.down.packed)]
     else:
-        stacks = [g.stack(m.gid, m.cols, m.rows, s.depth) for m in (s.gate, s.gate, s.down)]
+        stacks = [g.stack(m.gid, m.cols, m.rows, s.depth, m.packed) for m in (s.gate, s.gate, s.down)]
     slot_ids, expert_ids = g.leaf(_I32, 1, n), g.leaf(_I32, 1, n)
     w = g.leaf(_F32, 1, n)
     biases = ([g.leaf(_F32, rows, s.n_experts) for rows in (s.gate.rows, s.gate.rows, s.down.rows)]

@@ -18,11 +18,17 @@ class QTensor:
     of a weight matrix. ``data`` is a uint8 view (never a copy) of
     ``rows * cols / block_size * type_size`` bytes; it may live in an mmap of
     the file, in RAM, or in an I/O buffer-pool slot.
+
+    ``packed``: the bytes are in ggml's CPU_REPACK layout of this CPU (rows
+    interleaved in groups of 8, the same size as the file's), not the file's:
+    only a backend that made them (:class:`~colibri_aio.kernels.ggml_cpu.ExpertPacker`)
+    can multiply by them.
     """
 
     data: np.ndarray
     ggml_type: GGMLQuantizationType
     shape: tuple[int, ...]
+    packed: bool = False
 
     def __post_init__(self) -> None:
         block, type_size = GGML_QUANT_SIZES[self.ggml_type]
@@ -55,6 +61,8 @@ class QTensor:
 
     def row_block(self, start: int, stop: int) -> "QTensor":
         """The rows [start, stop) as a QTensor view (rows are contiguous byte runs)."""
+        if self.packed:
+            raise ValueError("a repacked matrix interleaves its rows: it has no row blocks")
         row_bytes = self.nbytes // self.rows
         return QTensor(self.data[start * row_bytes: stop * row_bytes], self.ggml_type, (stop - start, self.cols))
 

@@ -464,8 +464,11 @@ class GraphDecode(MoETransformer):
 
             k, first = self.kernels, self.model.experts[layer][0]
             biased = self._expert_biases(layer) is not None
+            # The source says which matrices it delivers repacked (every expert alike: LandedPacking).
+            packing = getattr(self.experts, "packing", None)
+            gate, down = ((r, packing is not None and packing.packs(r)) for r in (first.gate, first.down))
             shapes[key] = ExpertsShape(
-                k.mat(first.gate), k.mat(first.down),  # type: ignore[attr-defined]
+                k.expert_mat(*gate), k.expert_mat(*down),  # type: ignore[attr-defined]
                 used or self.args.expert_used_count, depth, gate_up, self.expert_activation, biased,
                 self.shared_expert_on(layer), each=self.settings.get("ggml_experts") == "each",
                 n_experts=self.args.expert_count if biased else 0, weights_first=self.expert_weights_first)
