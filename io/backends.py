@@ -34,8 +34,8 @@ from typing import Protocol
 import numpy as np
 
 from colibri_aio.errors import ExpertReadError
-from colibri_aio.experts import PROJECTIONS, ExpertLocation
-from colibri_aio.io.align import ExpertPlan, RangeRead, align_down
+from colibri_aio.experts import PROJECTIONS, ExpertLocation, TensorRange
+from colibri_aio.io.align import ExpertPlan, RangeRead, align_down, align_up
 from colibri_aio.io.spans import SpanRead, plan_span, runs
 from colibri_aio.io.modelfile import ModelFile
 from colibri_aio.io.pool import Slot
@@ -314,6 +314,16 @@ class MmapBackend:
                 np.frombuffer(mapped, np.uint8, rng.offset + rng.nbytes - start, start)[::mmap.PAGESIZE].max()
         g, u, d = (np.frombuffer(m, np.uint8, r.nbytes, r.offset) for r, m in zip(loc.ranges, maps))
         return g, u, d
+
+    def release(self, rng: TensorRange) -> None:
+        """Drop the whole pages inside ``rng`` from the mapping and then from the page cache (the pages it
+        shares with a neighbouring range stay: that range may still be read through the mapping)."""
+        mapped = self._maps[rng.file]
+        start, end = align_up(rng.offset, mmap.PAGESIZE), align_down(rng.offset + rng.nbytes, mmap.PAGESIZE)
+        if mapped is None or end <= start:
+            return
+        mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+        os.posix_fadvise(self.files[rng.file].fd, start, end - start, os.POSIX_FADV_DONTNEED)
 
     def base_addresses(self) -> list[int] | None:
         """The address of byte 0 of each file's mapping (a kernel graph may index a stacked tensor there);

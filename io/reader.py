@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from colibri_aio import probes
 from colibri_aio.errors import ExpertReadError, UserError
-from colibri_aio.experts import ExpertLocation, ExpertWeights
+from colibri_aio.experts import ExpertLocation, ExpertWeights, TensorRange
 from colibri_aio.io.align import ExpertPlan, plan_expert, slot_nbytes_for
 from colibri_aio.io.backends import ExpertBytes, Job, MmapBackend, PreadBackend, ReadBackend, UringBackend
 from colibri_aio.io.modelfile import ModelFile, open_files
@@ -83,6 +83,13 @@ class ExpertReader:
     def mapped_addresses(self) -> list[int] | None:
         """With the mmap backend, the address of byte 0 of each file's mapping; else None."""
         return self._backend.base_addresses() if isinstance(self._backend, MmapBackend) else None
+
+    def release(self, rng: TensorRange) -> None:
+        """With the mmap backend: the bytes of ``rng`` are no longer read through the mapping (a copy of them
+        serves instead), so its whole pages leave this process's mapping and the page cache, and memory the
+        copies need next can be those pages. Else nothing."""
+        if isinstance(self._backend, MmapBackend):
+            self._backend.release(rng)
 
     @property
     def direct(self) -> bool:

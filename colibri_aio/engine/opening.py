@@ -125,6 +125,7 @@ async def open_parts(path: str | os.PathLike[str], placement: Placement, tasks: 
         if tokenizer.vocab_size != model.args.vocab_size:
             raise UserError(f"{model.path}: tokenizer has {tokenizer.vocab_size} tokens, "
                             f"model {model.args.vocab_size}")
+        source.use_packer(opened.expert_packer(), model.args.expert_count)
     except BaseException:
         # Nothing is left running: each thread's task ends when its thread does (cancelled or not), the
         # reads in flight are drained.

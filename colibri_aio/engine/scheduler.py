@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import numpy as np
 
+from colibri_aio.engine.packing import LandedPacking
 from colibri_aio.experts import ExpertBatch, ExpertLocation, ExpertWeights, ResidentExperts
 from colibri_aio.io.align import plan_expert
 from colibri_aio.io.reader import ExpertReader
@@ -59,6 +60,8 @@ class CachedExpertSource:
         self._background: set[int] = set()                          # slots of warm-start reads in flight
         self._promoted: set[int] = set()                            # slots of reads a stream waited for
         self._weights: dict[int, ExpertWeights] = {}                # slot -> views of the bytes it holds
+        self._keys: dict[int, tuple[int, int]] = {}                 # slot -> the (layer, expert) it holds
+        self._packing: LandedPacking | None = None                  # experts put in the kernels' layout
         self._errors: dict[int, BaseException] = {}                 # slot -> why its read failed
         self.demand_wait_s = 0.0  # time the consumer waited for demand bytes
         self._resident: ResidentExperts | None = None
@@ -80,6 +83,23 @@ class CachedExpertSource:
         for future in futures:
             if future.exception() is not None:
                 raise future.exception()  # type: ignore[misc]
+
+    def use_packer(self, packer: object | None, n_experts: int) -> None:
+        """From now on every expert that lands is put into ``packer``'s layout (the kernels'
+        :meth:`expert_packer`; None: the file's), and every one that has landed already is, now: the kernels
+        are known only once the source is open, and the pinned and first warm reads may be in."""
+        if packer is None:
+            return
+        self._packing = LandedPacking(packer, self._locate, n_experts, mapped=self.reader.pool is None,
+                                      release=self.reader.release)
+        for slot, weights in self._weights.items():
+            self._weights[slot] = self._packing.land(self._keys[slot], weights)
+        self._resident, self._resident_checked = None, False   # the stacks a graph picks from may move
+
+    @property
+    def packing(self) -> LandedPacking | None:
+        """How landed experts are repacked (None: they keep the file's layout)."""
+        return self._packing
 
     def start_warm(self, keys: Sequence[tuple[int, int]]) -> None:
         """Stream ``keys`` into free slots in the background, behind every demand and prefetch read."""
@@ -174,6 +194,11 @@ class CachedExpertSource:
                     return None
             bases[layer] = tuple(addresses[r.file] + r.offset for r in first.ranges)  # type: ignore[assignment]
             strides[layer] = steps  # type: ignore[assignment]
+            if self._packing is not None:      # repacked matrices are read from their copies
+                copies = [self._packing.copy_base(layer, p) for p in range(3)]
+                bases[layer] = tuple(b if c is None else c for b, c in zip(bases[layer], copies))  # type: ignore
+                strides[layer] = tuple(s if c is None else r.nbytes  # type: ignore[assignment]
+                                       for s, c, r in zip(steps, copies, first.ranges))
         identity = np.tile(np.arange(n_experts, dtype=np.int32), (n_blocks, 1))
         return tuple(bases), tuple(strides), n_experts, identity
 
@@ -210,6 +235,7 @@ class CachedExpertSource:
     def _perform(self, actions: Actions) -> None:
         for slot in actions.dropped:
             self._weights.pop(slot, None)
+            self._keys.pop(slot, None)
             self._errors.pop(slot, None)
         reads = sorted(actions.reads, key=lambda r: r.key)
         demand = [read for read in reads if read.kind == "demand"]
@@ -241,7 +267,10 @@ class CachedExpertSource:
         self._promoted.discard(read.slot)
         error = asyncio.CancelledError() if future.cancelled() else future.exception()
         if error is None:
-            weights = self._weights[read.slot] = future.result()
+            weights = future.result()
+            if self._packing is not None:
+                weights = self._packing.land(read.key, weights)
+            self._weights[read.slot], self._keys[read.slot] = weights, read.key
             if self._resident is not None:
                 self._check_resident(read, weights)
         else:
@@ -292,5 +321,6 @@ class CachedExpertSource:
         if self._reads:
             await asyncio.wait(list(self._reads.values()))
         self._weights.clear()
+        self._keys.clear()
         self._errors.clear()
         await self.reader.aclose()
