@@ -1,0 +1,139 @@
+"""Routed experts repacked as they land (COLIBRI_GGML_REPACK_EXPERTS): the same bits wherever they land.
+
+A repacked product sums in another order than the file's (~1e-7 of its
+norm), so with repacking on every placement must still agree bit for bit
+with every other (design invariant 1 holds within a setting), and all of
+them stay within rounding of the file's layout.
+"""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType
+
+from colibri_aio.gguf.model import load
+from colibri_aio.settings import Settings
+
+from support import engine_logits, fixture, oracle_ids
+
+ggml_cpu = pytest.importorskip("colibri_aio.kernels.ggml_cpu")
+
+# (fixture, mode): its routed experts are of a type the mode repacks
+CASES = [("quant_types/tiny_mxfp4", "on"), ("gptoss_mxfp4", "on"), ("quant_types/tiny_iq4_nl", "on"),
+         ("quant_types/ktiny_q2_k", "all"), ("tiny_q4_k", "all")]
+
+
+def _expert_type(name: str) -> GGMLQuantizationType:
+    return load(fixture(f"{name}.gguf")).experts[0][0].gate.ggml_type
+
+
+@pytest.mark.parametrize(("name", "mode"), CASES)
+async def test_repacked_experts_give_the_same_bits_in_every_placement(name: str, mode: str) -> None:
+    if _expert_type(name) not in ggml_cpu.repack_types():
+        pytest.skip(f"ggml has no repacked layout for {_expert_type(name).name} on this CPU")
+    a = load(fixture(f"{name}.gguf")).args
+    ids = [t % a.vocab_size for t in oracle_ids()[2]]
+    packed = Settings.read(ggml_repack_experts=mode)
+    want, engine = await engine_logits(fixture(f"{name}.gguf"), ids, kernels="ggml", io="mmap", settings=packed,
+                                       history=False)
+    assert engine.source.packing is not None and engine.source.packing.mapped
+    assert engine.source.packing.nbytes > 0                      # the copies beside the mapping were made
+    k, e = a.expert_used_count, a.expert_count
+    for io, per_layer in itertools.product(("uring", "pread"), (1, k, e)):
+        got, engine = await engine_logits(fixture(f"{name}.gguf"), ids, kernels="ggml", io=io, settings=packed,
+                                          cache_per_layer=per_layer, history=False)
+        assert engine.source.packing is not None and not engine.source.packing.mapped
+        assert np.array_equal(got, want), (io, per_layer)
+    got, _ = await engine_logits(fixture(f"{name}.gguf"), ids, kernels="ggml", io="uring", settings=packed,
+                                 cache_per_layer=e, warm_start=True, history=False)
+    assert np.array_equal(got, want), "warm start"
+    # The file's layout: the same model within rounding, not the same bits.
+    plain, engine = await engine_logits(fixture(f"{name}.gguf"), ids, kernels="ggml", io="mmap",
+                                        settings=Settings.read(ggml_repack_experts="off"), history=False)
+    assert engine.source.packing is None
+    np.testing.assert_allclose(want, plain, rtol=0, atol=1e-4 * float(np.abs(plain).max()))
+
+
+async def test_off_and_numpy_kernels_leave_experts_in_the_files_layout() -> None:
+    ids = oracle_ids()[2]
+    _, engine = await engine_logits(fixture("quant_types/tiny_mxfp4.gguf"), ids, kernels="numpy", io="uring",
+                                    settings=Settings.read(ggml_repack_experts="on"), history=False)
+    assert engine.source.packing is None
+
+
+def _random(t: GGMLQuantizationType, rows: int, cols: int, seed: int) -> np.ndarray:
+    k = ggml_cpu.GgmlKernels(1, settings=Settings.read(ggml_repack_experts="off"))
+    raw = k._random_matrix(int(t), t, rows, cols, np.random.default_rng(seed))
+    assert raw is not None
+    return raw
+
+
+@pytest.mark.parametrize("t", sorted(ggml_cpu.repack_types(), key=lambda t: t.name))
+def test_a_repacked_expert_multiplies_as_the_files_within_rounding(t: GGMLQuantizationType) -> None:
+    from colibri_aio.kernels.qtensor import QTensor
+
+    k = ggml_cpu.GgmlKernels(2, settings=Settings.read(ggml_repack_experts="all"))
+    packer = k.expert_packer()
+    assert packer is not None and packer.packs(t, 512)
+    f, d = 512, 512
+    file_layout = [QTensor(_random(t, *shape, seed), t, shape) for seed, shape in enumerate(((f, d), (f, d), (d, f)))]
+    in_place = [QTensor(w.data.copy(), t, w.shape) for w in file_layout]
+    in_place = [packer.pack(w) for w in in_place]                                     # a pool slot's way
+    copied = [packer.pack(w, np.empty(w.nbytes, np.uint8)) for w in file_layout]      # the mapping's way
+    assert all(w.packed for w in in_place + copied) and not any(w.packed for w in file_layout)
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(in_place, copied))
+    assert not all(np.array_equal(a.data, b.data) for a, b in zip(copied, file_layout))
+
+    class Expert:
+        def __init__(self, ws: list) -> None:
+            self.gate, self.up, self.down = ws
+
+    x = np.random.default_rng(9).standard_normal((6, d)).astype(np.float32)
+    for rows in (x[:1], x):                              # a decode row, and a prefill's rows
+        plain = k.expert_ffns([Expert(file_layout)], [rows])[0]
+        packed = k.expert_ffns([Expert(copied)], [rows])[0]
+        np.testing.assert_allclose(packed, plain, rtol=0, atol=1e-5 * float(np.abs(plain).max()))
+        # each row carries the bits it has alone, however many rows share the product
+        alone = np.concatenate([k.expert_ffns([Expert(copied)], [rows[i:i + 1]])[0] for i in range(len(rows))])
+        assert np.array_equal(packed, alone)
+    assert packer.pack(copied[0]) is copied[0]                                         # never twice
+
+
+def test_types_it_does_not_repack_are_left_alone() -> None:
+    from colibri_aio.kernels.qtensor import QTensor
+
+    packer = ggml_cpu.ExpertPacker()
+    w = QTensor(_random(GGMLQuantizationType.Q8_0, 64, 256, 0), GGMLQuantizationType.Q8_0, (64, 256))
+    assert not packer.packs(GGMLQuantizationType.Q8_0, 64)
+    assert packer.pack(w) is w
+    if GGMLQuantizationType.Q4_K in ggml_cpu.repack_types():      # repacked only when asked for (``all``)
+        assert not packer.packs(GGMLQuantizationType.Q4_K, 64)
+
+
+def test_a_repacked_matrix_has_no_row_blocks() -> None:
+    from colibri_aio.kernels.qtensor import QTensor
+
+    t = GGMLQuantizationType.Q4_0
+    w = QTensor(_random(t, 16, 64, 0), t, (16, 64), packed=True)
+    with pytest.raises(ValueError, match="no row blocks"):
+        w.row_block(0, 8)
+
+
+def test_an_expert_in_the_other_layout_is_refused_not_multiplied() -> None:
+    from colibri_aio.kernels.ggml_graph import _check_layout
+    from colibri_aio.kernels.qtensor import QTensor
+
+    t = GGMLQuantizationType.Q4_0
+    k = ggml_cpu.GgmlKernels(1, settings=Settings.read(ggml_repack_experts="on"))
+    w = QTensor(_random(t, 16, 64, 0), t, (16, 64))
+
+    class Shape:
+        gate = down = k.expert_mat(w, True)
+
+    class Expert:
+        gate = up = down = w
+
+    with pytest.raises(RuntimeError, match="another layout"):
+        _check_layout([Expert()], Shape())  # type: ignore[arg-type]
