@@ -38,6 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_scale import describe_model, proc_read_bytes, token_ids  # noqa: E402
+from colibri_aio.bench.arms import arm_env  # noqa: E402
 from colibri_aio.bench.pagecache import drop_page_cache  # noqa: E402
 from colibri_aio.bench.lock import exclusive  # noqa: E402
 from colibri_aio.bench.receipt import header as receipt_header, host_line, spread, write as write_receipt  # noqa: E402
@@ -114,12 +115,15 @@ def worker_llama(model: Path, seed: int, tg: int) -> dict:
 
 
 def one_run(engine: str, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", engine, "--model", str(args.model),
+    """One fresh worker process for arm ``engine`` (``NAME`` or ``NAME@VARIABLE=VALUE``: one setting of its
+    environment changed, a one-variable A/B of a colibri_aio.settings switch)."""
+    base, env = arm_env(engine)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", base, "--model", str(args.model),
            "--seed", str(args.seed), "--tg-first", str(args.tg_first), "--tg-steady", str(args.tg_steady)]
     with exclusive(args.lock):
         dropped = drop_page_cache()
         t0 = time.time()
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     result: dict = {"engine": engine, "page_cache_dropped": dropped, "returncode": proc.returncode}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -144,16 +148,22 @@ PAIRS = (("ours", "llama.cpp", "ttft_ratio"), ("ours-warm", "ours", "ttft_ratio_
          ("ours", "ours-uring", "ttft_ratio_default_vs_uring"), ("ours-uring", "llama.cpp", "ttft_ratio_uring"))
 
 
+def _pairs(arms: list[str]) -> list[tuple[str, str, str]]:
+    """:data:`PAIRS`, and each ``NAME@VARIABLE=VALUE`` arm beside its ``NAME`` (its one-variable A/B)."""
+    return [*PAIRS, *((a, a.partition("@")[0], f"ttft_ratio_{a}") for a in arms if "@" in a)]
+
+
 def summarise(runs: list[dict]) -> dict:
     out: dict = {}
-    for e in ARMS:
+    arms = list(dict.fromkeys(r["engine"] for r in runs))
+    for e in [*ARMS, *(a for a in arms if a not in ARMS)]:
         ok = [r for r in runs if r["engine"] == e and "error" not in r]
         if not any(r["engine"] == e for r in runs):
             continue
         out[e] = {k: spread([r[k] for r in ok]) for k in ("ttft_s", "load_s", "prompt_s", "first_tok_s",
                                                            "steady_tok_s", "first_vs_steady") if ok}
         out[e]["failed"] = sum(1 for r in runs if r["engine"] == e and "error" in r)
-    for arm, ref, key in PAIRS:
+    for arm, ref, key in _pairs(arms):
         pairs = [(a, b) for a, b in zip([r for r in runs if r["engine"] == arm],
                                          [r for r in runs if r["engine"] == ref])
                  if "error" not in a and "error" not in b]
@@ -183,13 +193,13 @@ def markdown(receipt: dict) -> str:
              f"Then {receipt['tg_first']} + {receipt['tg_steady']} teacher-forced decode tokens.", "",
              "| engine | TTFT s | load s | prompt s | first tok/s | steady tok/s | first / steady |",
              "|---|---|---|---|---|---|---|"]
-    for e in [a for a in ARMS if a in s]:
+    for e in [a for a in dict.fromkeys([*ARMS, *receipt["arms"]]) if a in s]:
         x = s[e]
         lines.append(f"| {e} | {_cell(x.get('ttft_s'))} | {_cell(x.get('load_s'))} | {_cell(x.get('prompt_s'))} | "
                      f"{_cell(x.get('first_tok_s'))} | {_cell(x.get('steady_tok_s'))} | "
                      f"{_cell(x.get('first_vs_steady'))} |")
     lines.append("")
-    for arm, ref, key in PAIRS:
+    for arm, ref, key in _pairs(receipt["arms"]):
         if key in s:
             lines += [f"{arm} / {ref}, per round: TTFT {_cell(s[key])}, first tokens' rate "
                       f"{_cell(s.get(key.replace('ttft_', 'first_')))}, steady rate "
@@ -225,7 +235,8 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", type=Path, default=ROOT / "evidence")
     p.add_argument("--arms", default="ours,llama.cpp",
-                   help=f"comma-separated from {', '.join(ARMS)} (default: %(default)s)")
+                   help=f"comma-separated from {', '.join(ARMS)}, each may add @VARIABLE=VALUE (one setting of its "
+                        "environment: an A/B beside the arm without it) (default: %(default)s)")
     p.add_argument("--jsonl", action="store_true",
                    help="also print each run's result as a JSON line on stdout (for tools/bench_commits.py)")
     p.add_argument("--worker", choices=ARMS, help=argparse.SUPPRESS)
@@ -238,8 +249,8 @@ def main() -> int:
         print(json.dumps(worker_llama(args.model, args.seed, tg)))
         return 0
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    if not arms or any(a not in ARMS for a in arms):
-        p.error(f"--arms: choose from {', '.join(ARMS)}")
+    if not arms or any(a.partition("@")[0] not in ARMS or ("@" in a and "=" not in a) for a in arms):
+        p.error(f"--arms: choose from {', '.join(ARMS)} (each may add @VARIABLE=VALUE)")
     runs: list[dict] = []
     for i in range(args.runs):
         for engine in (arms if i % 2 == 0 else arms[::-1]):
