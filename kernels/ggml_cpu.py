@@ -259,10 +259,13 @@ def repack_types() -> frozenset[GGMLQuantizationType]:
 
 
 # Expert types whose repacked layout is a plain interleave of the file's blocks: ggml repacks them at
-# ~24-27 GB/s on one core (Q4_0, MXFP4, measured on 0.9-4.4 MB matrices), well above any disk, so repacking
-# every expert as it lands costs next to nothing. Q4_K and Q2_K repack their scales too, at ~1.45 GB/s (Q4_K):
-# as slow as the disk, a cost every streamed expert would pay on the one core left beside compute. They stay
-# in the file's layout until an A/B on a larger-than-RAM condition says otherwise.
+# ~24-27 GB/s on one core from memory in cache (Q4_0, MXFP4, 0.9-4.4 MB matrices); Q4_K and Q2_K repack their
+# scales too, at ~1.45 GB/s (Q4_K), so only ``COLIBRI_GGML_REPACK_EXPERTS=all`` repacks them. Repacking is off
+# by default (the switch's A/B, README "Repacked experts"): with every expert resident it pays (gpt-oss MXFP4
+# decode x1.08, prefill x1.81, evidence/decode_20261207T155411Z.md), but each expert that lands pays for it,
+# from memory that is not in cache and into fresh pages, so a cold start's first 64 tokens ran at 0.42 of
+# the file layout's rate (evidence/first_token_20261207T155853Z.md) and a decode streamed through 32 slots
+# a layer at 0.86 (evidence/decode_20261207T160214Z.md).
 PACKED_EXPERT_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.IQ4_NL,
                                  GGMLQuantizationType.MXFP4})
 
