@@ -176,7 +176,8 @@ class Engine:
                 f"{a.layers_text} x {a.expert_count} experts of "
                 f"{gb(plan.expert_nbytes)}; KV {gb(plan.kv_cache)} {plan.kv_type} for {plan.context} ctx"
                 f"{f' x {plan.parallel} sequences' if plan.parallel > 1 else ''}; "
-                + (f"experts in the page cache ({plan.experts_total} = {gb(plan.experts_nbytes)}); "
+                + (f"experts in the page cache ({plan.experts_total} = {gb(plan.experts_nbytes)}"
+                   f"{', repacked into copies that leave it' if self.source.packing is not None else ''}); "
                    if reader.pool is None else
                    f"cache {cache.n_slots} slots ({len(cache.pinned)} pinned) = {gb(cache.n_slots * plan.slot_nbytes)}; ")
                 + f"io {reader.backend}; prefetch {self.placement.prefetch}; kernels {self.kernels.name}")
