@@ -25,8 +25,6 @@ import numpy as np
 
 from colibri_aio.experts import ExpertLocation, ExpertWeights, TensorRange
 
-_ALIGN = 64    # the copies' byte alignment (a cache line: ggml's repacked GEMV loads 8 rows' blocks at once)
-
 
 class LandedPacking:
     """Repacks each expert whose read has landed, for one expert source.
@@ -58,8 +56,8 @@ class LandedPacking:
             if w.packed or not self.packs(r):
                 mats.append(w)
             elif self.mapped:
-                mats.append(self.packer.pack(w, self._copy(key[0], p, r)[key[1] * r.nbytes:  # type: ignore[attr-defined]
-                                                                         (key[1] + 1) * r.nbytes]))
+                place = self._copy(key[0], p, r)[key[1] * r.nbytes: (key[1] + 1) * r.nbytes]
+                mats.append(self.packer.pack(w, place))  # type: ignore[attr-defined]
                 if self._release is not None:
                     self._release(r)
             else:
@@ -83,7 +81,8 @@ class LandedPacking:
             # An anonymous mapping of base pages (page aligned), not NumPy's allocator, which asks for huge
             # pages: a huge page must be a free 2 MiB block, where a base page can be one the page cache
             # just gave back (LandedPacking's release), so the copies reuse the memory the file's pages left.
-            copy = self._copies[key] = np.frombuffer(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), np.uint8)
+            pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            copy = self._copies[key] = np.frombuffer(pages, np.uint8)
             self.nbytes += size
         return copy
 
