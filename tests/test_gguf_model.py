@@ -196,6 +196,10 @@ FAMILY_REFUSALS = {
     "odd_rotation": ("mixtral_f32", dict(keys={"llama.rope.dimension_count": 15}),
                      "rope.dimension_count 15 must be even"),
     "wide_rotation": ("mixtral_f32", dict(keys={"llama.rope.dimension_count": 32}), "at most key_length 16"),
+    # a block count no file of this size can hold: refused before per-block tables of billions are made
+    "huge_block_count": ("gptoss_f32", dict(keys={"gpt-oss.block_count": 3212836864}),
+                         "block_count 3212836864 is not a count of blocks"),
+    "no_blocks": ("deepseek2_f32", dict(keys={"deepseek2.block_count": 0}), "block_count 0 is not a count"),
     "qk_norm_width": ("olmoe_f32", dict(tensors=lambda n, a: [(n, a[:16] if n == "blk.0.attn_q_norm.weight" else a)]),
                       "tensor blk.0.attn_q_norm.weight has shape"),
 }

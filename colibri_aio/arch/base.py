@@ -64,6 +64,16 @@ class Metadata:
                                    f"this engine runs one value for all blocks")
         return values[0]
 
+    def block_count(self) -> int:
+        """``<arch>.block_count``, refused when it cannot describe this file: every block holds at least one
+        tensor, so a count above the file's tensors is a broken header (and would size per-block tables of
+        billions of entries before any tensor is looked at)."""
+        blocks = self.need("block_count")
+        if isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= len(self.tensor_names):
+            raise ModelFormatError(f"{self.path}: {self.architecture}.block_count {blocks!r} is not a count of "
+                                   f"blocks among the file's {len(self.tensor_names)} tensors")
+        return blocks
+
     def need(self, key: str) -> Any:
         """``<arch>.<key>``; a file without it is refused."""
         value = self.get(key)
@@ -159,7 +169,7 @@ class BaseArgs:
         put("vocab_size", meta.vocab_size)
         put("context_length", lambda: int(meta.need("context_length")))
         put("embedding_length", lambda: int(meta.need("embedding_length")))
-        put("block_count", lambda: int(meta.need("block_count")))
+        put("block_count", meta.block_count)
         put("head_count", lambda: int(meta.need("attention.head_count")))
         put("head_count_kv", lambda: int(meta.get("attention.head_count_kv", values["head_count"])))
         put("key_length", lambda: int(meta.get("attention.key_length",

@@ -54,7 +54,7 @@ class ModelArgs(BaseArgs):
 
     @classmethod
     def from_gguf(cls, meta: Metadata) -> Self:
-        blocks, vocab = int(meta.need("block_count")), meta.vocab_size()
+        blocks, vocab = meta.block_count(), meta.vocab_size()
         # llama.cpp tells lite variants (DeepSeek-V2-Lite & co: one attn_q, no q LoRA) by their block count
         # and reads no q_lora_rank for them; other files without the key have no q LoRA either.
         lite = blocks in (26, 27) or (blocks == 48 and vocab == 128256)

@@ -47,7 +47,7 @@ class ModelArgs(BaseArgs):
                           scale=float(meta.get("expert_weights_scale", 0.0)),
                           group_count=max(int(meta.get("expert_group_count", 0)), 1),
                           group_used=int(meta.get("expert_group_used_count", 0)) or 1)
-        blocks, nextn = int(meta.need("block_count")), int(meta.get("nextn_predict_layers", 0))
+        blocks, nextn = meta.block_count(), int(meta.get("nextn_predict_layers", 0))
         if not 0 <= nextn < blocks:
             raise ModelFormatError(f"{meta.path}: nextn_predict_layers {nextn} leaves no trunk block "
                                    f"among block_count {blocks}")

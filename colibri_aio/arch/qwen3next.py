@@ -59,7 +59,7 @@ class ModelArgs(BaseArgs):
 
     @classmethod
     def from_gguf(cls, meta: Metadata) -> Self:
-        blocks, nextn = int(meta.need("block_count")), int(meta.get("nextn_predict_layers", 0))
+        blocks, nextn = meta.block_count(), int(meta.get("nextn_predict_layers", 0))
         if not 0 <= nextn < blocks:
             raise ModelFormatError(f"{meta.path}: nextn_predict_layers {nextn} leaves no trunk block "
                                    f"among block_count {blocks}")
