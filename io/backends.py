@@ -233,8 +233,6 @@ class MmapBackend:
         self._demand_advisor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="colibri-advice-demand")
         self._closing = False
         self._bases: list[np.ndarray] = []
-        # Run on the worker thread as each expert is in, before it is reported (ExpertReader.on_landing).
-        self.landed: Callable[[ExpertLocation, ExpertBytes], object] | None = None
 
     def start(self, jobs: Sequence[Job]) -> None:
         """Check each job's ranges, then hand the batch to one worker: the kernel is asked for every range of
@@ -288,8 +286,6 @@ class MmapBackend:
                 if self._closing:  # the reader is closing: what is left of the batch is not read
                     raise RuntimeError("the expert reader closed before this expert was read")
                 outcome: ExpertBytes | BaseException = self._fault_in(job.loc)
-                if self.landed is not None:
-                    outcome = self.landed(job.loc, outcome)  # type: ignore[assignment]
             except BaseException as exc:  # the waiter's to raise
                 outcome = exc
             loop.call_soon_threadsafe(self._finish, job.on_done, job.loc, outcome)

@@ -16,7 +16,7 @@ import errno
 import os
 import resource
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from colibri_aio import probes
@@ -83,13 +83,6 @@ class ExpertReader:
     def mapped_addresses(self) -> list[int] | None:
         """With the mmap backend, the address of byte 0 of each file's mapping; else None."""
         return self._backend.base_addresses() if isinstance(self._backend, MmapBackend) else None
-
-    def on_landing(self, landed: Callable[[ExpertLocation, ExpertBytes], ExpertWeights]) -> None:
-        """With the mmap backend: ``landed`` turns each expert's bytes into the weights its read delivers, on
-        the worker thread that brought them in (off the event loop), before the read is reported. Else
-        nothing (a pool's reads are reported by the event loop, where the source's own turn comes)."""
-        if isinstance(self._backend, MmapBackend):
-            self._backend.landed = landed
 
     def release(self, rng: TensorRange) -> None:
         """With the mmap backend: the bytes of ``rng`` are no longer read through the mapping (a copy of them
@@ -276,10 +269,10 @@ class ExpertReader:
         self.stats.reads += 1
         self.stats.bytes += loc.nbytes
         self.stats.io_bytes += plan.read_nbytes if self.pool is not None else loc.nbytes
-        if isinstance(outcome, ExpertWeights):       # already made by on_landing's function
-            future.set_result(outcome)
-            return
-        future.set_result(weights_of(loc, outcome))
+        gate, up, down = outcome
+        future.set_result(ExpertWeights(QTensor(gate, loc.gate.ggml_type, loc.gate.shape),
+                                        QTensor(up, loc.up.ggml_type, loc.up.shape),
+                                        QTensor(down, loc.down.ggml_type, loc.down.shape)))
 
     async def drained(self) -> None:
         """Wait until no read is in flight."""
@@ -342,14 +335,6 @@ def _pool_backend(kind: str, found: probes.Verdict | None, files: Sequence[Model
                                              f"RLIMIT_MEMLOCK {limit})")
     return UringBackend(reactor, files), (f"io_uring, {len(pool.arenas)} registered buffer(s) "
                                          f"of {pool.nbytes} bytes in all")
-
-
-def weights_of(loc: ExpertLocation, views: ExpertBytes) -> ExpertWeights:
-    """An expert's three matrices over ``views``, its bytes as read (the file's layout)."""
-    gate, up, down = views
-    return ExpertWeights(QTensor(gate, loc.gate.ggml_type, loc.gate.shape),
-                         QTensor(up, loc.up.ggml_type, loc.up.shape),
-                         QTensor(down, loc.down.ggml_type, loc.down.shape))
 
 
 def _describe(exc: BaseException) -> str:

@@ -11,9 +11,7 @@ says which types and does it):
   are the file's and are shared, so the repacked bytes go to anonymous memory
   laid out as the file's stacked tensors are (expert ``e`` of a matrix at
   ``e x`` its size), and the stacks a decode graph picks experts from are
-  the copies. The reader's worker threads do it as each expert is in
-  (:meth:`LandedPacking.land_bytes`), beside compute rather than on the
-  event loop; a pool's reads end on the event loop, which repacks them there.
+  the copies.
 
 Every expert of a repacked type is repacked wherever it lands, so which reader,
 cache size or prefetch setting served it never changes a bit.
@@ -21,13 +19,11 @@ cache size or prefetch setting served it never changes a bit.
 from __future__ import annotations
 
 import mmap
-import threading
 from collections.abc import Callable
 
 import numpy as np
 
 from colibri_aio.experts import ExpertLocation, ExpertWeights, TensorRange
-from colibri_aio.io.reader import weights_of
 
 
 class LandedPacking:
@@ -47,7 +43,6 @@ class LandedPacking:
         self.mapped = mapped
         self._copies: dict[tuple[int, int], np.ndarray] = {}   # (layer, projection) -> the copy of its tensor
         self.nbytes = 0                                         # bytes of copies made (mapped only)
-        self._lock = threading.Lock()   # the mmap reader's workers land experts side by side (land_bytes)
 
     def packs(self, r: TensorRange) -> bool:
         """Whether the matrix ``r`` is repacked when it lands."""
@@ -69,11 +64,6 @@ class LandedPacking:
                 mats.append(self.packer.pack(w))  # type: ignore[attr-defined]
         return ExpertWeights(*mats)
 
-    def land_bytes(self, loc: ExpertLocation, views: tuple[np.ndarray, np.ndarray, np.ndarray]) -> ExpertWeights:
-        """:meth:`land` for the bytes a reader has just brought in (``views`` in the file's layout), on the
-        reader's worker thread: repacking there runs beside compute instead of holding the event loop."""
-        return self.land((loc.layer, loc.expert), weights_of(loc, views))
-
     def copy_base(self, layer: int, projection: int) -> int | None:
         """The address of expert 0's matrix ``projection`` (0 gate, 1 up, 2 down) of ``layer`` in the copies,
         the others one matrix's size apart; None when that matrix keeps the file's layout (and bytes)."""
@@ -85,14 +75,14 @@ class LandedPacking:
     def _copy(self, layer: int, projection: int, r: TensorRange) -> np.ndarray:
         """The copy of one stacked tensor, made on first use; its pages are only backed once written."""
         key = (layer, projection)
-        with self._lock:
-            copy = self._copies.get(key)
-            if copy is None:
-                size = self._n_experts * r.nbytes
-                # An anonymous mapping of base pages (page aligned), not NumPy's allocator, which asks for huge
-                # pages: a huge page must be a free 2 MiB block, where a base page can be one the page cache
-                # just gave back (LandedPacking's release), so the copies reuse the memory the file's pages left.
-                pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-                copy = self._copies[key] = np.frombuffer(pages, np.uint8)
-                self.nbytes += size
+        copy = self._copies.get(key)
+        if copy is None:
+            size = self._n_experts * r.nbytes
+            # An anonymous mapping of base pages (page aligned), not NumPy's allocator, which asks for huge
+            # pages: a huge page must be a free 2 MiB block, where a base page can be one the page cache
+            # just gave back (LandedPacking's release), so the copies reuse the memory the file's pages left.
+            pages = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            copy = self._copies[key] = np.frombuffer(pages, np.uint8)
+            self.nbytes += size
         return copy
+

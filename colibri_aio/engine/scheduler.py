@@ -92,8 +92,6 @@ class CachedExpertSource:
             return
         self._packing = LandedPacking(packer, self._locate, n_experts, mapped=self.reader.pool is None,
                                       release=self.reader.release)
-        if self._packing.mapped:   # the mmap reader's workers repack each expert as it is in, off the loop
-            self.reader.on_landing(self._packing.land_bytes)
         for slot, weights in self._weights.items():
             self._weights[slot] = self._packing.land(self._keys[slot], weights)
         self._resident, self._resident_checked = None, False   # the stacks a graph picks from may move
