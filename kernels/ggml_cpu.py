@@ -62,13 +62,12 @@ this CPU lacks, instead of letting it die on an illegal instruction.
 """
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import math
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -288,6 +287,7 @@ class ExpertPacker:
         self._headers: dict[tuple[int, int, int], ctypes.Structure] = {}
         self._ctx: object = None
         self._room = 0                                     # headers the current context still holds
+        self._lock = threading.Lock()
 
     def packs(self, ggml_type: GGMLQuantizationType, rows: int) -> bool:
         """Whether an expert matrix of this type and row count is repacked (ggml has a layout for it here)."""
@@ -299,6 +299,10 @@ class ExpertPacker:
         packed or of a type or row count that is not repacked."""
         if w.packed or len(w.shape) != 2 or not self.packs(w.ggml_type, w.rows):
             return w
+        with self._lock:      # one header per shape and one scratch buffer: callers on other threads wait
+            return self._pack(w, out)
+
+    def _pack(self, w: QTensor, out: np.ndarray | None) -> QTensor:
         if out is None:
             if self._scratch.size < w.nbytes:
                 self._scratch = np.empty(w.nbytes, np.uint8)
@@ -311,8 +315,8 @@ class ExpertPacker:
             src = w.data if w.data.flags.c_contiguous else np.ascontiguousarray(w.data)
         header = self._header(int(w.ggml_type), w.rows, w.cols)
         header.contents.data = out.ctypes.data
-        with _no_debug_log():
-            G.ggml_backend_tensor_set(header, src.ctypes.data, 0, w.nbytes)     # the repack buffer's set: repacks
+        _drop_debug_logs()
+        G.ggml_backend_tensor_set(header, src.ctypes.data, 0, w.nbytes)         # the repack buffer's set: repacks
         return QTensor(out, w.ggml_type, w.shape, packed=True)
 
     def _header(self, gid: int, rows: int, cols: int) -> ctypes.Structure:
@@ -335,22 +339,28 @@ class ExpertPacker:
         return t
 
 
-@contextlib.contextmanager
-def _no_debug_log() -> Iterator[None]:
-    """ggml's debug messages dropped (repacking logs a line per matrix), the others passed on as before."""
-    prev, user = G.ggml_log_callback(), ctypes.c_void_p()
-    G.ggml_log_get(ctypes.byref(prev), ctypes.byref(user))
+_LOG_FILTER: list[tuple[object, object, object]] = []   # the installed filter and the logger it passes to
+_LOG_LOCK = threading.Lock()
 
-    def keep(level: int, text: bytes, _: object) -> None:
-        if level not in (G.GGML_LOG_LEVEL_DEBUG, G.GGML_LOG_LEVEL_CONT) and prev:
-            prev(level, text, user)
 
-    quiet = G.ggml_log_callback(keep)
-    G.ggml_log_set(quiet, None)
-    try:
-        yield
-    finally:
-        G.ggml_log_set(prev, user)
+def _drop_debug_logs() -> None:
+    """From now on ggml's debug messages are dropped (repacking logs a line per matrix) and the others are
+    passed on to the logger set before. Installed once for the process and never swapped back: a filter
+    swapped in and out by two threads at once (two engines' kernels loading, a packer beside them) could
+    leave ggml calling one that is already freed."""
+    with _LOG_LOCK:
+        if _LOG_FILTER:
+            return
+        prev, user = G.ggml_log_callback(), ctypes.c_void_p()
+        G.ggml_log_get(ctypes.byref(prev), ctypes.byref(user))
+
+        def keep(level: int, text: bytes, _: object) -> None:
+            if level not in (G.GGML_LOG_LEVEL_DEBUG, G.GGML_LOG_LEVEL_CONT) and prev:
+                prev(level, text, user)
+
+        quiet = G.ggml_log_callback(keep)
+        _LOG_FILTER.append((quiet, prev, user))
+        G.ggml_log_set(quiet, None)
 
 
 @dataclass(slots=True)
@@ -705,7 +715,8 @@ class GgmlKernels:
             G.ggml_free(ctx)
             raise MemoryError(f"no memory for {len(todo)} repacked matrices")
         originals, nbytes = [], 0
-        with self._lock, _no_debug_log():
+        _drop_debug_logs()
+        with self._lock:
             for (key, (w, _)), t in zip(todo.items(), tensors):
                 data = w.data if w.data.flags.c_contiguous else np.ascontiguousarray(w.data)
                 G.ggml_backend_tensor_set(t, data.ctypes.data, 0, w.nbytes)     # repacks into the copy

@@ -137,3 +137,36 @@ def test_an_expert_in_the_other_layout_is_refused_not_multiplied() -> None:
 
     with pytest.raises(RuntimeError, match="another layout"):
         _check_layout([Expert()], Shape())  # type: ignore[arg-type]
+
+
+def test_workers_packing_side_by_side_give_the_bytes_one_thread_gives() -> None:
+    """Several threads repacking side by side while the kernels repack trunk matrices: every copy is the one a
+    single thread makes, and ggml's log filter is never swapped under another thread."""
+    import threading
+
+    from colibri_aio.kernels.qtensor import QTensor
+
+    t = GGMLQuantizationType.Q4_0
+    k = ggml_cpu.GgmlKernels(1, settings=Settings.read(ggml_repack_experts="on"))
+    packer = k.expert_packer()
+    assert packer is not None
+    mats = [QTensor(_random(t, 64, 256, seed), t, (64, 256)) for seed in range(6)]
+    want = [packer.pack(w, np.empty(w.nbytes, np.uint8)).data.copy() for w in mats]
+    got: list[list[np.ndarray]] = [[] for _ in range(3)]
+
+    def work(i: int) -> None:
+        for _ in range(20):
+            got[i].extend(packer.pack(w, np.empty(w.nbytes, np.uint8)).data for w in mats)
+
+    def trunk() -> None:
+        for seed in range(20):
+            k.resident([QTensor(_random(t, 64, 256, 100 + seed), t, (64, 256))])
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(3)] + [threading.Thread(target=trunk)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for copies in got:
+        assert len(copies) == 20 * len(mats)
+        assert all(np.array_equal(c, want[j % len(mats)]) for j, c in enumerate(copies))
