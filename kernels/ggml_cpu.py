@@ -339,6 +339,15 @@ class ExpertPacker:
         return t
 
 
+def expert_packer_for(mode: str | None) -> ExpertPacker | None:
+    """The packer of ``COLIBRI_GGML_REPACK_EXPERTS=mode`` on this CPU (on: :data:`PACKED_EXPERT_TYPES`; all: every
+    type ggml repacks here); None when it is off or nothing would be repacked."""
+    if mode in (None, "off"):
+        return None
+    types = repack_types() & (repack_types() if mode == "all" else PACKED_EXPERT_TYPES)
+    return ExpertPacker(types) if types else None
+
+
 _LOG_FILTER: list[tuple[object, object, object]] = []   # the installed filter and the logger it passes to
 _LOG_LOCK = threading.Lock()
 
@@ -671,12 +680,9 @@ class GgmlKernels:
         self._probes: list[QTensor] = []                        # the repacked matrices they measured
         # Routed experts of the PACKED_EXPERT_TYPES repacked as they land (COLIBRI_GGML_REPACK_EXPERTS); the
         # expert source does it with this packer (expert_packer).
-        mode = self.settings.get("ggml_repack_experts")
-        types = frozenset() if mode == "off" else repack_types() & (repack_types() if mode == "all" else
-                                                                      PACKED_EXPERT_TYPES)
-        self.packer = ExpertPacker(types) if types else None
+        self.packer = expert_packer_for(self.settings.get("ggml_repack_experts"))
         if self.packer is not None:
-            names = "/".join(sorted(t.name for t in types))
+            names = "/".join(sorted(t.name for t in self.packer.types))
             self.description += f", routed {names} experts repacked as they land"
             self.reason = self.description
 

@@ -170,3 +170,77 @@ def test_workers_packing_side_by_side_give_the_bytes_one_thread_gives() -> None:
     for copies in got:
         assert len(copies) == 20 * len(mats)
         assert all(np.array_equal(c, want[j % len(mats)]) for j, c in enumerate(copies))
+
+
+@pytest.mark.parametrize(("name", "mode"), CASES)
+async def test_a_repacked_experts_file_gives_the_bits_of_repacking_as_they_land(name: str, mode: str, tmp_path,
+                                                                                 monkeypatch) -> None:
+    """``repack`` writes the experts once; an engine that finds the file reads them from it, repacked already,
+    with the logits of repacking each one as it lands, in every placement."""
+    from support import run_cli
+
+    if _expert_type(name) not in ggml_cpu.repack_types():
+        pytest.skip(f"ggml has no repacked layout for {_expert_type(name).name} on this CPU")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    a = load(fixture(f"{name}.gguf")).args
+    ids = [t % a.vocab_size for t in oracle_ids()[2]]
+    packed = Settings.read(ggml_repack_experts=mode)
+    want, engine = await engine_logits(fixture(f"{name}.gguf"), ids, kernels="ggml", io="mmap", settings=packed,
+                                       history=False)
+    assert engine.source.packing is not None and not engine.source.packing.prepacked
+    r = run_cli("repack", str(fixture(f"{name}.gguf")), *(["--all"] if mode == "all" else []))
+    assert r.returncode == 0 and "repacked to" in r.stderr, r.stderr
+    for io, per_layer in (("mmap", None), ("uring", 1), ("uring", a.expert_count), ("pread", a.expert_used_count)):
+        got, engine = await engine_logits(fixture(f"{name}.gguf"), ids, kernels="ggml", io=io, settings=packed,
+                                          cache_per_layer=per_layer, history=False)
+        assert engine.source.packing is not None and engine.source.packing.prepacked, io
+        assert np.array_equal(got, want), (io, per_layer)
+    # The file layout's run never reads it.
+    _, engine = await engine_logits(fixture(f"{name}.gguf"), ids, kernels="ggml", io="mmap",
+                                    settings=Settings.read(ggml_repack_experts="off"), history=False)
+    assert engine.source.packing is None
+    assert "already" in run_cli("repack", str(fixture(f"{name}.gguf")),
+                                *(["--all"] if mode == "all" else [])).stderr
+
+
+def test_a_repacked_experts_file_is_for_one_model_file_and_one_layout(tmp_path, monkeypatch) -> None:
+    import os
+    import shutil
+
+    from colibri_aio.engine import repacked_file
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    model_file = tmp_path / "m.gguf"
+    shutil.copyfile(fixture("quant_types/tiny_mxfp4.gguf"), model_file)
+    packer = ggml_cpu.expert_packer_for("on")
+    assert packer is not None
+    model = load(model_file, resident=False)
+    assert repacked_file.find(model, packer) is None
+    paths = repacked_file.write(model, packer)
+    assert repacked_file.find(model, packer) == paths and paths[0].stat().st_size == model_file.stat().st_size
+    os.utime(model_file, ns=(1, 1))                        # the model file changed: its old file is not taken
+    assert repacked_file.find(load(model_file, resident=False), packer) is None
+
+
+def test_an_interrupted_repack_leaves_nothing_to_read(tmp_path, monkeypatch) -> None:
+    from colibri_aio.engine import repacked_file
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    packer = ggml_cpu.expert_packer_for("on")
+    model = load(fixture("quant_types/tiny_mxfp4.gguf"), resident=False)
+
+    def stop(done: int, total: int) -> None:
+        if done == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        repacked_file.write(model, packer, stop)
+    assert repacked_file.find(model, packer) is None
+    assert list((tmp_path / "colibri_aio" / "repacked").iterdir()) == []
+
+
+def test_repack_refuses_a_model_whose_experts_it_would_not_repack() -> None:
+    from support import run_cli
+
+    r = run_cli("repack", str(fixture("tiny_q8_0.gguf")))
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no routed expert" in r.stderr

@@ -33,7 +33,7 @@ from typing import IO, NoReturn
 
 from colibri_aio import __version__
 from colibri_aio.errors import ExpertReadError, UserError, one_line
-from colibri_aio.cli import chat, doctor, iobench, logits, plan, plot, replay, run, serve, trace, trace_stats
+from colibri_aio.cli import chat, doctor, iobench, logits, plan, plot, repack, replay, run, serve, trace, trace_stats
 from colibri_aio.cli.logs import configure as configure_logs
 from colibri_aio.cli.loop import Terminated
 
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-json", action="store_true", help="write logs to stderr as JSON lines")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # The order of `--help`'s list of commands.
-    for module in (run, chat, serve, logits, trace, trace_stats, replay, plot, plan, doctor, iobench):
+    for module in (run, chat, serve, logits, trace, trace_stats, replay, plot, plan, doctor, iobench, repack):
         module.add_parser(sub)
     return parser
 

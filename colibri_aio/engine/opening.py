@@ -24,6 +24,7 @@ from typing import Any, TypeVar
 from colibri_aio.engine.history import HistoryFile
 from colibri_aio.engine.placement import Placement, open_source
 from colibri_aio.engine.plan import Plan, gb
+from colibri_aio.engine.repacked_file import find as find_repacked
 from colibri_aio.engine.scheduler import CachedExpertSource
 from colibri_aio.engine.tasks import EngineTasks
 from colibri_aio.settings import Settings
@@ -119,13 +120,20 @@ async def open_parts(path: str | os.PathLike[str], placement: Placement, tasks: 
     source: CachedExpertSource | None = None
     try:
         t1 = time.perf_counter()
-        source, plan = await open_source(described, placement, progress, store, fill_after=threads[0])
+        prepacked = None
+        if settings.get("ggml_repack_experts") not in (None, "off") and backend != "numpy":
+            # The kernels first: which repacked experts file fits (engine/repacked_file.py) is their packer's to
+            # say, and ggml is loaded only behind its probe. Costs the start the overlap of the kernels' load.
+            packer = (await threads[1])[0].expert_packer()
+            prepacked = find_repacked(described, packer) if packer is not None else None
+        source, plan = await open_source(described, placement, progress, store, fill_after=threads[0],
+                                         expert_paths=prepacked)
         source_s = time.perf_counter() - t1
         (model, trunk_s), (opened, kernels_s), ((tokenizer, how), tokenizer_s) = await asyncio.gather(*threads)
         if tokenizer.vocab_size != model.args.vocab_size:
             raise UserError(f"{model.path}: tokenizer has {tokenizer.vocab_size} tokens, "
                             f"model {model.args.vocab_size}")
-        source.use_packer(opened.expert_packer(), model.args.expert_count)
+        source.use_packer(opened.expert_packer(), model.args.expert_count, prepacked=prepacked is not None)
     except BaseException:
         # Nothing is left running: each thread's task ends when its thread does (cancelled or not), the
         # reads in flight are drained.

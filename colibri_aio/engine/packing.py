@@ -24,6 +24,7 @@ from collections.abc import Callable
 import numpy as np
 
 from colibri_aio.experts import ExpertLocation, ExpertWeights, TensorRange
+from colibri_aio.kernels.qtensor import QTensor
 
 
 class LandedPacking:
@@ -35,8 +36,11 @@ class LandedPacking:
     """
 
     def __init__(self, packer: object, locate: Callable[[int, int], ExpertLocation], n_experts: int,
-                 mapped: bool, release: Callable[[TensorRange], None] | None = None) -> None:
+                 mapped: bool, release: Callable[[TensorRange], None] | None = None, prepacked: bool = False) -> None:
+        """``prepacked``: the reader reads a repacked experts file (:mod:`~colibri_aio.engine.repacked_file`):
+        its bytes are repacked already, and are only marked so."""
         self.packer = packer
+        self.prepacked = prepacked
         self._locate = locate
         self._release = release
         self._n_experts = n_experts
@@ -55,6 +59,8 @@ class LandedPacking:
         for p, (r, w) in enumerate(zip(loc.ranges, (weights.gate, weights.up, weights.down))):
             if w.packed or not self.packs(r):
                 mats.append(w)
+            elif self.prepacked:
+                mats.append(QTensor(w.data, w.ggml_type, w.shape, packed=True))
             elif self.mapped:
                 place = self._copy(key[0], p, r)[key[1] * r.nbytes: (key[1] + 1) * r.nbytes]
                 mats.append(self.packer.pack(w, place))  # type: ignore[attr-defined]
@@ -68,7 +74,7 @@ class LandedPacking:
         """The address of expert 0's matrix ``projection`` (0 gate, 1 up, 2 down) of ``layer`` in the copies,
         the others one matrix's size apart; None when that matrix keeps the file's layout (and bytes)."""
         r = self._locate(layer, 0).ranges[projection]
-        if not self.mapped or not self.packs(r):
+        if not self.mapped or self.prepacked or not self.packs(r):
             return None
         return int(self._copy(layer, projection, r).ctypes.data)
 

@@ -10,6 +10,7 @@ import asyncio
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, check_kv_type
@@ -211,8 +212,8 @@ def warm_keys(model: Model, placement: Placement, cache: ExpertCache, past: Usag
 
 
 async def open_source(model: Model, placement: Placement, progress: Progress | None = None,
-                      history: HistoryFile | None = None, fill_after: asyncio.Future[Any] | None = None
-                      ) -> tuple[CachedExpertSource, Plan]:
+                      history: HistoryFile | None = None, fill_after: asyncio.Future[Any] | None = None,
+                      expert_paths: Sequence[Path] | None = None) -> tuple[CachedExpertSource, Plan]:
     """Open the reader, size the cache from the plan, fill pinned experts, start the warm start.
 
     ``history``: this model's usage history file (None: off). The source
@@ -221,7 +222,8 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
     well (the engine passes its trunk read: the first token needs the whole
     trunk, and warm reads sharing the disk with it made the trunk read 2-3x
     slower on the 8-layer cut; with this, evidence/first_token_20261207T014458Z.md);
-    None: at once.
+    None: at once. ``expert_paths``: where the experts are read instead of the model's files (a repacked
+    experts file for each, at the same offsets: :mod:`colibri_aio.engine.repacked_file`).
     """
     past = history.load() if history is not None else None
     plan, pin_from = plan_for(model, placement, past)
@@ -231,7 +233,8 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
     if progress is not None:
         progress("allocate pool", 0, 1)
     backend, why = backend_for(placement, plan)
-    reader = await ExpertReader.open(model.paths, model.expert_nbytes_max, cache.n_slots, backend=backend,
+    reader = await ExpertReader.open(expert_paths or model.paths, model.expert_nbytes_max, cache.n_slots,
+                                     backend=backend,
                                      punt=placement.read_ahead, why=why)
     if progress is not None:
         progress("allocate pool", 1, 1)

@@ -84,14 +84,15 @@ class CachedExpertSource:
             if future.exception() is not None:
                 raise future.exception()  # type: ignore[misc]
 
-    def use_packer(self, packer: object | None, n_experts: int) -> None:
+    def use_packer(self, packer: object | None, n_experts: int, prepacked: bool = False) -> None:
         """From now on every expert that lands is put into ``packer``'s layout (the kernels'
         :meth:`expert_packer`; None: the file's), and every one that has landed already is, now: the kernels
-        are known only once the source is open, and the pinned and first warm reads may be in."""
+        are known only once the source is open, and the pinned and first warm reads may be in.
+        ``prepacked``: the reader reads a repacked experts file, whose bytes are in that layout already."""
         if packer is None:
             return
         self._packing = LandedPacking(packer, self._locate, n_experts, mapped=self.reader.pool is None,
-                                      release=self.reader.release)
+                                      release=self.reader.release, prepacked=prepacked)
         for slot, weights in self._weights.items():
             self._weights[slot] = self._packing.land(self._keys[slot], weights)
         self._resident, self._resident_checked = None, False   # the stacks a graph picks from may move
