@@ -60,9 +60,10 @@ SWITCHES: dict[str, Switch] = {
                         "a resident decode step as one graph, or two graphs a block"),
     "ggml_repack": Switch("COLIBRI_GGML_REPACK", "on", ("on", "off"),
                           "resident matrices copied into ggml's CPU_REPACK layout at load"),
-    "ggml_repack_experts": Switch("COLIBRI_GGML_REPACK_EXPERTS", "off", ("off", "on", "all"),
-                                  "routed experts of a cheaply repacked type (all: of every repacked type) put in "
-                                  "ggml's CPU_REPACK layout as they land"),
+    "ggml_repack_experts": Switch("COLIBRI_GGML_REPACK_EXPERTS", "auto", ("auto", "off", "on", "all"),
+                                  "routed experts in ggml's CPU_REPACK layout: read from a repack file when one "
+                                  "exists (auto), never, or also repacked as they land (on: Q4_0/IQ4_NL/MXFP4; all: "
+                                  "Q4_K/Q2_K too)"),
 }
 
 

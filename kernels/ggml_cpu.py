@@ -259,8 +259,10 @@ def repack_types() -> frozenset[GGMLQuantizationType]:
 
 # Expert types whose repacked layout is a plain interleave of the file's blocks: ggml repacks them at
 # ~24-27 GB/s on one core from memory in cache (Q4_0, MXFP4, 0.9-4.4 MB matrices); Q4_K and Q2_K repack their
-# scales too, at ~1.45 GB/s (Q4_K), so only ``COLIBRI_GGML_REPACK_EXPERTS=all`` repacks them. Repacking is off
-# by default (the switch's A/B, README "Repacked experts"): with every expert resident it pays (gpt-oss MXFP4
+# scales too, at ~1.45 GB/s (Q4_K), so only ``COLIBRI_GGML_REPACK_EXPERTS=all`` repacks them. Repacking as
+# experts land is off by default (``auto`` reads them repacked only from a ``repack`` file, which costs
+# nothing at a cold start: evidence/first_token_20261207T170216Z.md; README "Repacked experts"): with every
+# expert resident it pays (gpt-oss MXFP4
 # decode x1.08, prefill x1.81, evidence/decode_20261207T155411Z.md), but each expert that lands pays for it,
 # from memory that is not in cache and into fresh pages, so a cold start's first 64 tokens ran at 0.42 of
 # the file layout's rate (evidence/first_token_20261207T155853Z.md) and a decode streamed through 32 slots
@@ -342,7 +344,7 @@ class ExpertPacker:
 def expert_packer_for(mode: str | None) -> ExpertPacker | None:
     """The packer of ``COLIBRI_GGML_REPACK_EXPERTS=mode`` on this CPU (on: :data:`PACKED_EXPERT_TYPES`; all: every
     type ggml repacks here); None when it is off or nothing would be repacked."""
-    if mode in (None, "off"):
+    if mode not in ("on", "all"):      # off; auto repacks nothing as it lands (engine/repacked_file.py)
         return None
     types = repack_types() & (repack_types() if mode == "all" else PACKED_EXPERT_TYPES)
     return ExpertPacker(types) if types else None

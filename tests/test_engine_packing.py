@@ -244,3 +244,32 @@ def test_repack_refuses_a_model_whose_experts_it_would_not_repack() -> None:
 
     r = run_cli("repack", str(fixture("tiny_q8_0.gguf")))
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1 and "no routed expert" in r.stderr
+
+
+async def test_by_default_experts_are_read_repacked_only_from_a_repack_file(tmp_path, monkeypatch) -> None:
+    """``auto`` (the default) repacks nothing as it lands: the file's layout, until ``repack`` has written a file
+    for the model; then the experts are read from it, with the logits of ``on``."""
+    from support import run_cli
+
+    name = "quant_types/tiny_mxfp4"
+    if _expert_type(name) not in ggml_cpu.repack_types():
+        pytest.skip("ggml has no repacked layout for MXFP4 on this CPU")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    a = load(fixture(f"{name}.gguf")).args
+    ids = [t % a.vocab_size for t in oracle_ids()[2]]
+    default = Settings.read(environ={})
+    assert default.get("ggml_repack_experts") == "auto"
+    plain, engine = await engine_logits(fixture(f"{name}.gguf"), ids, kernels="ggml", io="uring", settings=default,
+                                        history=False)
+    assert engine.source.packing is None
+    assert run_cli("repack", str(fixture(f"{name}.gguf"))).returncode == 0
+    got, engine = await engine_logits(fixture(f"{name}.gguf"), ids, kernels="ggml", io="uring", settings=default,
+                                      history=False)
+    assert engine.source.packing is not None and engine.source.packing.prepacked
+    assert "read repacked" in engine.describe()
+    want, _ = await engine_logits(fixture(f"{name}.gguf"), ids, kernels="ggml", io="mmap",
+                                  settings=Settings.read(ggml_repack_experts="on"), history=False)
+    assert np.array_equal(got, want)
+    off, engine = await engine_logits(fixture(f"{name}.gguf"), ids, kernels="ggml", io="uring",
+                                      settings=Settings.read(ggml_repack_experts="off"), history=False)
+    assert engine.source.packing is None and np.array_equal(off, plain)

@@ -19,8 +19,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("repack", help="write the routed experts once in ggml's repacked layout",
                        description="Write a copy of the model's routed experts in ggml's repacked (CPU_REPACK) "
                                    "layout to the cache folder, at the GGUF's offsets (a sparse file as large as "
-                                   "the model that holds only the experts). Runs with "
-                                   "COLIBRI_GGML_REPACK_EXPERTS=on (or all) read their experts from it.")
+                                   "the model that holds only the experts). Runs read their experts from it, "
+                                   "repacked, unless COLIBRI_GGML_REPACK_EXPERTS=off.")
     add_model(p)
     p.add_argument("--all", action="store_true",
                    help="repack Q4_K and Q2_K experts too (for COLIBRI_GGML_REPACK_EXPERTS=all)")

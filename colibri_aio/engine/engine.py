@@ -171,15 +171,18 @@ class Engine:
         kernels were chosen (a few hundred characters).
         """
         a, plan, reader, cache = self.model.args, self.plan, self.source.reader, self.source.policy.cache
+        packing = self.source.packing
+        copies = packing is not None and packing.mapped and not packing.prepacked
         parts = len(self.model.paths)
         line = (f"{self.model.path.name}{f' (+{parts - 1} parts)' if parts > 1 else ''}: "
                 f"{a.layers_text} x {a.expert_count} experts of "
                 f"{gb(plan.expert_nbytes)}; KV {gb(plan.kv_cache)} {plan.kv_type} for {plan.context} ctx"
                 f"{f' x {plan.parallel} sequences' if plan.parallel > 1 else ''}; "
                 + (f"experts in the page cache ({plan.experts_total} = {gb(plan.experts_nbytes)}"
-                   f"{', repacked into copies that leave it' if self.source.packing is not None else ''}); "
+                   f"{', repacked into copies that leave it' if copies else ''}); "
                    if reader.pool is None else
                    f"cache {cache.n_slots} slots ({len(cache.pinned)} pinned) = {gb(cache.n_slots * plan.slot_nbytes)}; ")
+                + ("experts read repacked from the repack file; " if packing is not None and packing.prepacked else "")
                 + f"io {reader.backend}; prefetch {self.placement.prefetch}; kernels {self.kernels.name}")
         if not full:
             return line

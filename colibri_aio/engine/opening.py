@@ -19,12 +19,13 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 from colibri_aio.engine.history import HistoryFile
 from colibri_aio.engine.placement import Placement, open_source
 from colibri_aio.engine.plan import Plan, gb
-from colibri_aio.engine.repacked_file import find as find_repacked
+from colibri_aio.engine.repacked_file import any_for as any_repacked, find as find_repacked
 from colibri_aio.engine.scheduler import CachedExpertSource
 from colibri_aio.engine.tasks import EngineTasks
 from colibri_aio.settings import Settings
@@ -101,6 +102,31 @@ def engine_kernels(name: str, settings: Settings, progress: Progress | None = No
     return kernels
 
 
+async def _repacked_experts(model: Model, settings: Settings, backend: str, kernels: asyncio.Future[Any]
+                            ) -> tuple[object | None, list[Path] | None]:
+    """How this engine's experts are repacked: (the packer, or None for the file's layout; the repacked
+    experts file the reader reads instead of the model's, or None).
+
+    ``COLIBRI_GGML_REPACK_EXPERTS=on|all``: the kernels' packer, and its file when ``repack`` wrote one (else
+    every expert is repacked as it lands). ``auto``: a file's packer when ``repack`` wrote one for this model
+    (with on's types, or all's), else nothing is repacked. The kernels are waited for first only when a file
+    may be read (which one fits is their packer's to say, and ggml is loaded only behind its probe)."""
+    mode = settings.get("ggml_repack_experts")
+    if mode == "off" or backend == "numpy" or (mode == "auto" and not any_repacked(model)):
+        return None, None
+    opened = (await kernels)[0]
+    if opened.name != "ggml":
+        return None, None
+    from colibri_aio.kernels.ggml_cpu import expert_packer_for
+
+    ours = opened.expert_packer()
+    for packer in [ours] if mode in ("on", "all") else [expert_packer_for("on"), expert_packer_for("all")]:
+        found = find_repacked(model, packer) if packer is not None else None
+        if found is not None:
+            return packer, found
+    return ours, None
+
+
 async def open_parts(path: str | os.PathLike[str], placement: Placement, tasks: EngineTasks, *,
                      settings: Settings, kernels: str | None = None, progress: Progress | None = None,
                      history: bool = True, tokenizer_cache: bool = True
@@ -120,12 +146,7 @@ async def open_parts(path: str | os.PathLike[str], placement: Placement, tasks: 
     source: CachedExpertSource | None = None
     try:
         t1 = time.perf_counter()
-        prepacked = None
-        if settings.get("ggml_repack_experts") not in (None, "off") and backend != "numpy":
-            # The kernels first: which repacked experts file fits (engine/repacked_file.py) is their packer's to
-            # say, and ggml is loaded only behind its probe. Costs the start the overlap of the kernels' load.
-            packer = (await threads[1])[0].expert_packer()
-            prepacked = find_repacked(described, packer) if packer is not None else None
+        packer, prepacked = await _repacked_experts(described, settings, backend, threads[1])
         source, plan = await open_source(described, placement, progress, store, fill_after=threads[0],
                                          expert_paths=prepacked)
         source_s = time.perf_counter() - t1
@@ -133,7 +154,7 @@ async def open_parts(path: str | os.PathLike[str], placement: Placement, tasks: 
         if tokenizer.vocab_size != model.args.vocab_size:
             raise UserError(f"{model.path}: tokenizer has {tokenizer.vocab_size} tokens, "
                             f"model {model.args.vocab_size}")
-        source.use_packer(opened.expert_packer(), model.args.expert_count, prepacked=prepacked is not None)
+        source.use_packer(packer, model.args.expert_count, prepacked=prepacked is not None)
     except BaseException:
         # Nothing is left running: each thread's task ends when its thread does (cancelled or not), the
         # reads in flight are drained.

@@ -53,6 +53,13 @@ def paths_for(model: Model, key: str) -> list[Path]:
     return [cache_dir("repacked", f"{name}-{key}.{part}.experts") for part in range(len(model.paths))]
 
 
+def any_for(model: Model) -> bool:
+    """Whether some repacked experts file of ``model`` (whatever its layout) exists: asked before the kernels
+    are loaded, so that a model without one never waits for them."""
+    first = paths_for(model, "*")[0]
+    return any(first.parent.glob(first.name))
+
+
 def find(model: Model, packer: object) -> list[Path] | None:
     """The repacked experts file(s) of ``model`` for ``packer``'s layout, or None when there are none whole."""
     paths = paths_for(model, layout_key(packer))
