@@ -50,9 +50,11 @@ original's bytes gives the copy's (:class:`_Addresses`), so every graph reads
 the copy. Its products take vec_dot's integer dot products and sum them in
 another order (~1e-7 of a product's norm); placement still changes no bit.
 Routed experts of the types whose repack is a plain interleave (Q4_0, IQ4_NL,
-MXFP4: :data:`PACKED_EXPERT_TYPES`) are repacked too, as they land, by the
-expert source (:class:`ExpertPacker`): every one of them, wherever it lands,
-so the layout, and the bits, never depend on the cache. Their QTensors say
+MXFP4: :data:`PACKED_EXPERT_TYPES`) can be repacked too
+(``COLIBRI_GGML_REPACK_EXPERTS``): as they land, by the expert source
+(:class:`ExpertPacker`), or once, into a file the reader then reads
+(``repack``): every one of them, wherever it lands, so the layout, and the
+bits, never depend on the cache. Their QTensors say
 so (``packed``), and their stacks carry the repacked traits.
 
 ggml-python builds ggml from source at install with ``GGML_NATIVE`` on
@@ -252,6 +254,15 @@ def _repack_probe(gid: int, residue: int) -> tuple[int, int] | None:
     return None
 
 
+def _mark_repacked(t: "ctypes._Pointer[ctypes.Structure]", gid: int, rows: int) -> None:
+    """Give the header ``t`` (``rows`` rows of type ``gid``) what makes ggml read its bytes as repacked
+    (:func:`_repack_mark`); ValueError when ggml has no repacked layout for it here."""
+    mark = _repack_mark(gid, rows)
+    if mark is None:
+        raise ValueError(f"ggml type {gid} has no repacked layout for {rows} rows")
+    t.contents.buffer, t.contents.extra = mark
+
+
 def repack_types() -> frozenset[GGMLQuantizationType]:
     """The types whose matrices (of a row count that is a multiple of 16) ggml repacks on this CPU."""
     return frozenset(t for t in supported_types() if _repack_mark(int(t), 16) is not None)
@@ -259,14 +270,14 @@ def repack_types() -> frozenset[GGMLQuantizationType]:
 
 # Expert types whose repacked layout is a plain interleave of the file's blocks: ggml repacks them at
 # ~24-27 GB/s on one core from memory in cache (Q4_0, MXFP4, 0.9-4.4 MB matrices); Q4_K and Q2_K repack their
-# scales too, at ~1.45 GB/s (Q4_K), so only ``COLIBRI_GGML_REPACK_EXPERTS=all`` repacks them. Repacking as
-# experts land is off by default (``auto`` reads them repacked only from a ``repack`` file, which costs
-# nothing at a cold start: evidence/first_token_20261207T170216Z.md; README "Repacked experts"): with every
-# expert resident it pays (gpt-oss MXFP4
-# decode x1.08, prefill x1.81, evidence/decode_20261207T155411Z.md), but each expert that lands pays for it,
-# from memory that is not in cache and into fresh pages, so a cold start's first 64 tokens ran at 0.42 of
-# the file layout's rate (evidence/first_token_20261207T155853Z.md) and a decode streamed through 32 slots
-# a layer at 0.86 (evidence/decode_20261207T160214Z.md).
+# scales too, at ~1.45 GB/s (Q4_K) (both one-off measurements on one matrix shape each, not receipts), so
+# only ``COLIBRI_GGML_REPACK_EXPERTS=all`` repacks them. Repacking as experts land is off by default (``auto``
+# reads them repacked only from a ``repack`` file, which costs nothing at a cold start:
+# evidence/first_token_20261207T170216Z.md; README "Repacked experts"): with every expert resident it pays
+# (gpt-oss MXFP4 decode x1.08, prefill x1.81, evidence/decode_20261207T155411Z.md), but each expert that
+# lands pays for it, from memory that is not in cache and into fresh pages, so a cold start's first 64 tokens
+# ran at 0.42 of the file layout's rate (evidence/first_token_20261207T155853Z.md) and a decode streamed
+# through 32 slots a layer at 0.86 (evidence/decode_20261207T160214Z.md).
 PACKED_EXPERT_TYPES = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.IQ4_NL,
                                  GGMLQuantizationType.MXFP4})
 
@@ -333,10 +344,8 @@ class ExpertPacker:
                 _MARK_KEEP.append((self._ctx, None))      # alive for the process, as the probes' contexts
                 self._room = 64
             self._room -= 1
-            mark = _repack_mark(gid, rows)
-            assert mark is not None
             t = G.ggml_new_tensor_2d(self._ctx, gid, cols, rows)
-            t.contents.buffer, t.contents.extra = mark
+            _mark_repacked(t, gid, rows)
             self._headers[key] = t
         return t
 
@@ -476,10 +485,7 @@ class Graph:
         the repacked kernels (:func:`_repack_mark`), and must be pointed at the repacked copy."""
         t = self.leaf(m.gid, m.cols, m.rows)
         if m.packed:
-            mark = _repack_mark(m.gid, m.rows)
-            if mark is None:
-                raise ValueError(f"ggml type {m.gid} has no repacked layout for {m.rows} rows")
-            t.contents.buffer, t.contents.extra = mark
+            _mark_repacked(t, m.gid, m.rows)
         return t
 
     def stack(self, gid: int, cols: int, rows: int, depth: int, packed: bool = False) -> ctypes.Structure:
@@ -488,10 +494,7 @@ class Graph:
         (:class:`ExpertPacker`), and ``ggml_mul_mat_id`` by the stack runs on its GEMV."""
         t = self.leaf(gid, cols, rows, depth)
         if packed:
-            mark = _repack_mark(gid, rows)
-            if mark is None:
-                raise ValueError(f"ggml type {gid} has no repacked layout for {rows} rows")
-            t.contents.buffer, t.contents.extra = mark
+            _mark_repacked(t, gid, rows)
         self.stacks.append(t.contents)
         return t
 

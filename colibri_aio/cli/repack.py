@@ -1,8 +1,8 @@
 """``repack``: write a model's routed experts once in ggml's repacked layout, for ``COLIBRI_GGML_REPACK_EXPERTS``.
 
-With the switch on (or ``all``), an engine that finds the file this writes reads
-its experts from it, already repacked, instead of repacking each one as it
-lands (:mod:`colibri_aio.engine.repacked_file` says where it lives and what its
+An engine that finds the file this writes reads its experts from it, already
+repacked (unless ``COLIBRI_GGML_REPACK_EXPERTS=off``), instead of the model's
+own layout or repacking each one as it lands (:mod:`colibri_aio.engine.repacked_file` says where it lives and what its
 name depends on).
 """
 from __future__ import annotations

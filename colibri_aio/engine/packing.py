@@ -91,4 +91,3 @@ class LandedPacking:
             copy = self._copies[key] = np.frombuffer(pages, np.uint8)
             self.nbytes += size
         return copy
-

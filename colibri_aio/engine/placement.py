@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 from colibri_aio.arch.kvcache import DEFAULT_KV_TYPE, check_kv_type
@@ -234,8 +234,7 @@ async def open_source(model: Model, placement: Placement, progress: Progress | N
         progress("allocate pool", 0, 1)
     backend, why = backend_for(placement, plan)
     reader = await ExpertReader.open(expert_paths or model.paths, model.expert_nbytes_max, cache.n_slots,
-                                     backend=backend,
-                                     punt=placement.read_ahead, why=why)
+                                     backend=backend, punt=placement.read_ahead, why=why)
     if progress is not None:
         progress("allocate pool", 1, 1)
     a = model.args

@@ -6,9 +6,9 @@ cold start the repacking and the fresh memory of every expert that lands.
 model's files again as a sparse file in the cache folder, holding only the
 routed experts, at the GGUF's own offsets, repacked where
 :class:`~colibri_aio.kernels.ggml_cpu.ExpertPacker` repacks them (the others
-copied as they are). An engine with ``COLIBRI_GGML_REPACK_EXPERTS`` on reads
-its experts from that file when one matches (:func:`find`): through the page
-cache or into the pool like the GGUF's, already in the kernels' layout.
+copied as they are). An engine reads its experts from that file when one
+matches (:func:`find`) unless ``COLIBRI_GGML_REPACK_EXPERTS=off``: through the
+page cache or into the pool like the GGUF's, already in the kernels' layout.
 
 The file's name carries what its bytes depend on: the model (its header
 fingerprint, and each part's size and modification time) and the layout
