@@ -15,6 +15,8 @@ pass with :func:`build_net`. Modules are imported only when a file needs them.
     minimax-m2     minimax_m2.py  MiniMaxM2ForCausalLM
     llama4         llama4.py      Llama4ForCausalLM (the text model)
     qwen3next      qwen3next.py   Qwen3NextForCausalLM
+    dots1          dots1.py       Dots1ForCausalLM
+    ernie4_5-moe   ernie4_5_moe.py Ernie4_5_MoeForCausalLM
 
 How to add a family (fixtures/families.md has each one's keys, tensors and
 math as llama.cpp computes them):
@@ -105,6 +107,8 @@ _MODULES = {
     "minimax-m2": "minimax_m2",
     "llama4": "llama4",
     "qwen3next": "qwen3next",
+    "dots1": "dots1",
+    "ernie4_5-moe": "ernie4_5_moe",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODULES)
 

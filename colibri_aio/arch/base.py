@@ -91,6 +91,17 @@ class Metadata:
         ff = self.get("feed_forward_length")
         return None if ff is None else int(ff) // max(int(self.need("expert_used_count")), 1)
 
+    def routing(self, gating: str, *, normalize: bool | None = None, scale: float | None = None) -> Routing:
+        """The routing llama.cpp's ``build_moe_ffn`` runs for this file: ``gating`` as the family decides it;
+        renormalisation and weight scale from ``expert_weights_norm`` / ``expert_weights_scale`` unless the
+        family's graph fixes them (``normalize``, ``scale``); expert groups from ``expert_group_count`` /
+        ``expert_group_used_count``, which llama.cpp's loader reads for every architecture."""
+        return Routing(gating,  # type: ignore[arg-type]
+                       normalize=bool(self.get("expert_weights_norm", False)) if normalize is None else normalize,
+                       scale=float(self.get("expert_weights_scale", 0.0)) if scale is None else scale,
+                       group_count=max(int(self.get("expert_group_count", 0)), 1),
+                       group_used=int(self.get("expert_group_used_count", 0)) or 1)
+
     def vocab_size(self) -> int:
         """Tokens in the tokenizer, else rows of ``token_embd``."""
         tokens = self.reader.fields.get("tokenizer.ggml.tokens")

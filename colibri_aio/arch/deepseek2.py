@@ -27,7 +27,6 @@ from colibri_aio.arch.graph import Builder, Tensor, Value
 from colibri_aio.arch.decode_graphs import GraphDecode
 from colibri_aio.arch.rope import RopeScaling
 from colibri_aio.errors import ModelFormatError
-from colibri_aio.kernels.ops import Routing
 
 # deepseek2.expert_gating_func as llama.cpp numbers it (0: unset, softmax for older DeepSeek-V2 files).
 _GATING = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
@@ -68,10 +67,7 @@ class ModelArgs(BaseArgs):
         if gating not in _GATING:
             raise ModelFormatError(f"{meta.path}: expert_gating_func {gating} is not supported (1 softmax, "
                                    f"2 sigmoid, 3 softmax over the chosen)")
-        groups = int(meta.get("expert_group_count", 0))
-        routing = Routing(_GATING[gating], normalize=bool(meta.get("expert_weights_norm", False)),
-                          scale=float(meta.get("expert_weights_scale", 0.0)),
-                          group_count=max(groups, 1), group_used=int(meta.get("expert_group_used_count", 0)) or 1)
+        routing = meta.routing(_GATING[gating])
         # llama.cpp's deepseek2 alone reads rope.scaling.yarn_log_multiplier (mscale_all_dim)
         common = cls.common(meta, routing=routing, rope_scaling=RopeScaling.from_gguf(meta, log_multiplier=True))
         k_mla, v_mla = meta.get("attention.key_length_mla"), meta.get("attention.value_length_mla")

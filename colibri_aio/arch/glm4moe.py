@@ -20,7 +20,6 @@ from colibri_aio.arch.base import (BaseArgs, Family, Metadata, TensorSpec, atten
 from colibri_aio.arch.graph import Builder, Value
 from colibri_aio.arch.decode_graphs import GraphDecode
 from colibri_aio.errors import ModelFormatError
-from colibri_aio.kernels.ops import Routing
 
 # glm4moe.expert_gating_func as llama.cpp numbers it; 0 (unset) is sigmoid for this family.
 _GATING = {0: "sigmoid", 1: "softmax", 2: "sigmoid"}
@@ -43,10 +42,7 @@ class ModelArgs(BaseArgs):
         if meta.get("rope.dimension_sections") is not None:
             raise ModelFormatError(f"{meta.path}: glm4moe with multimodal RoPE sections (rope.dimension_sections) "
                                    f"is a vision model; this engine runs the text models")
-        routing = Routing(_GATING[gating], normalize=bool(meta.get("expert_weights_norm", False)),
-                          scale=float(meta.get("expert_weights_scale", 0.0)),
-                          group_count=max(int(meta.get("expert_group_count", 0)), 1),
-                          group_used=int(meta.get("expert_group_used_count", 0)) or 1)
+        routing = meta.routing(_GATING[gating])
         blocks, nextn = meta.block_count(), int(meta.get("nextn_predict_layers", 0))
         if not 0 <= nextn < blocks:
             raise ModelFormatError(f"{meta.path}: nextn_predict_layers {nextn} leaves no trunk block "
