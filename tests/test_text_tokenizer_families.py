@@ -74,3 +74,32 @@ def test_sentencepiece_prefixes_every_fragment_and_falls_back_to_bytes() -> None
     pieces = [tok.spec.tokens[i] for i in tok.encode(emoji)]
     assert pieces[-4:] == [f"<0x{b:02X}>" for b in emoji.encode("utf-8")]
     assert tok.decode(tok.encode(emoji)) == " " + emoji
+
+
+PRE = json.loads((ORACLE / "pre_tokenizers_llamacpp.json").read_text(encoding="utf-8"))
+
+
+@pytest.mark.parametrize("pre", sorted(PRE["pre"]))
+def test_every_pre_tokenizer_name_llamacpp_splits_alike_gives_its_ids(pre: str, tmp_path) -> None:
+    """One vocabulary under other tokenizer.ggml.pre names (fixtures/make_family_tokenizer_oracle.py pre):
+    llama.cpp's ids for each name's split, merge rule and, for a file naming none ("None"), its default."""
+    from support import rewrite_gguf
+
+    src = FIXTURES / PRE["fixture"]
+    assert hashlib.sha256(src.read_bytes()).hexdigest() == PRE["fixture_sha256"], "re-run the oracle script"
+    path = rewrite_gguf(src, tmp_path / "pre.gguf", drop_keys=("tokenizer.ggml.pre",),
+                        keys={} if pre == "None" else {"tokenizer.ggml.pre": pre})
+    tok, want = Tokenizer.from_path(path), PRE["pre"][pre]
+    for text, special, plain in zip(PRE["texts"], want["ids_special"], want["ids_plain"], strict=True):
+        assert tok.encode(text) == special, (pre, text)
+        assert tok.encode(text, parse_special=False) == plain, (pre, text)
+
+
+def test_a_pre_tokenizer_llamacpp_does_not_know_is_refused_in_one_line(tmp_path) -> None:
+    """llama.cpp throws "unknown pre-tokenizer type" for a name it does not know; the engine refuses it too."""
+    from colibri_aio.errors import ModelFormatError
+    from support import rewrite_gguf
+
+    path = rewrite_gguf(FIXTURES / PRE["fixture"], tmp_path / "bad_pre.gguf", keys={"tokenizer.ggml.pre": "no-such-pre"})
+    with pytest.raises(ModelFormatError, match="unsupported pre-tokenizer 'no-such-pre'"):
+        Tokenizer.from_path(path)

@@ -6,7 +6,8 @@ its pipeline and mirrors llama.cpp (``llama-vocab.cpp``) where it matters for id
 
 * ``gpt2``: byte-level BPE (vocab + merges from the file, GPT-2 byte mapping)
   after the split regexes llama.cpp uses for the file's ``tokenizer.ggml.pre``
-  (:data:`PRE_TOKENIZERS`: ``qwen2``, ``olmo``);
+  (:data:`PRE_TOKENIZERS`: the names llama.cpp gives the splits of qwen2, qwen35, gpt-2, llama3/glm4,
+  deepseek-v3, gpt-4o, bailingmoe and its default; none named: the default, with a warning);
 * ``llama``: sentencepiece-style BPE (Mixtral, Llama 2): pieces merge by the
   score of the piece they make (``tokenizer.ggml.scores``), a character with
   no piece becomes its UTF-8 bytes' ``<0xNN>`` tokens, spaces are ``▁``, and
@@ -70,6 +71,21 @@ GLM4_SPLIT_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
     r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# Qwen3.5's pattern: Qwen2's with combining marks (\p{M}) counted with the letters they follow.
+QWEN35_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}|"
+    r" ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Ling/Ring (bailingmoe, bailingmoe2): Qwen2's pattern with one newline per run of line breaks.
+BAILINGMOE_SPLIT_REGEX = (
+    r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
+    r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
+)
+# llama.cpp's "default" split (a file that names none, or names "default"): punctuation runs, GPT-2's
+# pattern, digit runs, then digits in threes.
+DEFAULT_SPLIT_REGEXES = (
+    r"[\p{P}\$\+<=>\^~\|]+", GPT2_SPLIT_REGEX, r"\p{N}+", r"[0-9][0-9][0-9]",
+)
 # o200k (GPT-4o, gpt-oss): case-aware word runs with their contractions, digits in runs of up to 3.
 O200K_SPLIT_REGEX = (
     r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
@@ -91,17 +107,33 @@ class PreTokenizer:
     ignore_merges: bool = False
 
 
-# tokenizer.ggml.pre -> its split. Adding one is an entry here with the regexes from
-# llama-vocab.cpp and a llama.cpp tokenizer oracle to check it against
-# (fixtures/make_family_tokenizer_oracle.py, tests/test_text_tokenizer_families.py).
+# The splits this engine runs, each as llama-vocab.cpp gives it to a group of tokenizer.ggml.pre names.
+_QWEN2 = PreTokenizer((QWEN2_SPLIT_REGEX,))
+_GPT2 = PreTokenizer((GPT2_SPLIT_REGEX,))
+_DEEPSEEK_V3 = PreTokenizer(DEEPSEEK_V3_SPLIT_REGEXES)
+_LLAMA3 = PreTokenizer((GLM4_SPLIT_REGEX,), ignore_merges=True)   # llama3's pattern is GLM-4's
+_O200K = PreTokenizer((O200K_SPLIT_REGEX,))
+
+# tokenizer.ggml.pre -> its split: every name llama.cpp (llama-vocab.cpp) maps to a split above, with the
+# merge rule it sets beside it. A name llama.cpp splits otherwise (kimi-k2's custom Han handler, poro,
+# tekken ...) is refused: tokenizing it with another split would give other ids. Adding one is an entry
+# here with the regexes from llama-vocab.cpp and a llama.cpp tokenizer oracle to check it against
+# (fixtures/make_family_tokenizer_oracle.py: the family fixtures and the ``pre`` names of one vocabulary;
+# tests/test_text_tokenizer_families.py).
 PRE_TOKENIZERS: dict[str, PreTokenizer] = {
-    "qwen2": PreTokenizer((QWEN2_SPLIT_REGEX,)),
-    "olmo": PreTokenizer((GPT2_SPLIT_REGEX,)),
-    "deepseek-v3": PreTokenizer(DEEPSEEK_V3_SPLIT_REGEXES),
-    "glm4": PreTokenizer((GLM4_SPLIT_REGEX,), ignore_merges=True),
-    "gpt-4o": PreTokenizer((O200K_SPLIT_REGEX,)),
-    "minimax-m2": PreTokenizer((O200K_SPLIT_REGEX,)),   # llama-vocab.cpp splits it as gpt-4o (one case)
-    "llama4": PreTokenizer((O200K_SPLIT_REGEX,)),       # so does it llama4 (one case with gpt-4o)
+    **dict.fromkeys(("qwen2", "deepseek-r1-qwen", "kormo", "f2llmv2", "megrez", "stablelm2", "hunyuan",
+                     "solar-open"), _QWEN2),
+    "qwen35": PreTokenizer((QWEN35_SPLIT_REGEX,)),
+    **dict.fromkeys(("olmo", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de",
+                     "a.x-4.0", "mellum", "modern-bert", "exaone4"), _GPT2),
+    **dict.fromkeys(("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), _DEEPSEEK_V3),
+    **dict.fromkeys(("glm4", "glm5", "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
+                     "midm-2.0", "lfm2", "jina-v5-nano"), _LLAMA3),
+    # the same pattern without llama.cpp's ignore_merges
+    **dict.fromkeys(("chatglm-bpe", "dbrx", "smaug-bpe"), PreTokenizer((GLM4_SPLIT_REGEX,))),
+    **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2", "kanana2", "talkie"), _O200K),
+    **dict.fromkeys(("bailingmoe", "bailingmoe2", "llada-moe"), PreTokenizer((BAILINGMOE_SPLIT_REGEX,))),
+    "default": PreTokenizer(DEFAULT_SPLIT_REGEXES),
 }
 
 SUPPORTED_MODELS = ("gpt2", "llama")
@@ -162,6 +194,11 @@ def read_spec(reader: gguf.GGUFReader | GGUFHeader | ModelHeader) -> TokenizerSp
         raise ModelFormatError(
             f"unsupported tokenizer model {model!r} (tokenizer.ggml.model); supported: {', '.join(SUPPORTED_MODELS)}")
     pre = _field(reader, "tokenizer.ggml.pre")
+    if model == "gpt2" and not pre:
+        # llama.cpp: "missing pre-tokenizer type, using: 'default'" (older conversions), and it runs the file
+        warn_once("tokenizer.ggml.pre is missing: the text is split as llama.cpp's 'default' pre-tokenizer "
+                  "splits it, as llama.cpp does (generation quality may suffer; a newer conversion names it)")
+        pre = "default"
     if model == "gpt2" and pre not in PRE_TOKENIZERS:
         raise ModelFormatError(
             f"unsupported pre-tokenizer {pre!r} (tokenizer.ggml.pre); supported: {', '.join(PRE_TOKENIZERS)}")
