@@ -73,9 +73,11 @@ F32_WEIGHTS_VS_LLAMACPP_BY_NAME = {"qwen3next_f32": 5e-5}
 # On the family oracle's sequences every path gives llama.cpp's logits bit for bit.
 # qwen3moeyarn_q8_0 with a float32 cache: as minimaxm2_q8_0, 0 up to position 20, then 1.51e-2 from position 21
 # (not the YaRN tables: NumPy's equal ggml's float32 ones there to the same logits; f16 cache within 3e-3).
+# hunyuanmoe_q8_0 with a float32 cache: one such bit moves one Q8_0 code of attn_output's input at position 6
+# alone (past the cache, so nothing carries on): measured 8.2e-3 there, 0 at every other position.
 ATTENTION_FLIP_VS_PER_OPERATION = {("minimaxm2_q8_0", "f32"): 2e-2, ("deepseek2_q8_0", "f32"): 2e-2,
                                    ("deepseek2lite_q8_0", "f32"): 8e-2, ("deepseek2lite_q8_0", "f16"): 5e-2,
-                                   ("qwen3moeyarn_q8_0", "f32"): 2e-2}
+                                   ("qwen3moeyarn_q8_0", "f32"): 2e-2, ("hunyuanmoe_q8_0", "f32"): 2e-2}
 # Without AVX-512 (AMD EPYC, AVX2): minimaxm2_q8_0's moved code sends a near-tie of its sigmoid routing the other
 # way, and the rest of the sequence follows another expert: measured 0.54 x max|logit| (argmax still held where
 # clear of that margin).
@@ -83,7 +85,7 @@ OTHER_CPU_FLIP_VS_PER_OPERATION = {("minimaxm2_q8_0", "f32"): 0.6}
 # Every family fixture beyond qwen3moe's tiny_*, each of whose decode steps runs on graphs traced from its
 # description: F32 and a quantised fixture each.
 FAMILY_NAMES = ("olmoe", "qwen2moe", "mixtral", "deepseek2", "deepseek2lite", "glm4moe", "gptoss", "minimaxm2",
-                "llama4", "qwen3next", "dots1", "ernie45moe", "qwen3moeyarn", "mixtrallinear")   # the last two: YaRN and linear RoPE scaling
+                "llama4", "qwen3next", "dots1", "ernie45moe", "hunyuanmoe", "qwen3moeyarn", "mixtrallinear")   # the last two: YaRN and linear RoPE scaling
 FAMILIES = [f"{family}_{kind}" for family in FAMILY_NAMES
             for kind in ("f32", "mxfp4" if family == "gptoss" else "q8_0")]
 

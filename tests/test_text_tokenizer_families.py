@@ -21,7 +21,7 @@ from colibri_aio.text.tokenizer import Tokenizer
 from support import FIXTURES, ORACLE
 
 FAMILIES = ["mixtral", "qwen2moe", "olmoe", "deepseek2", "glm4moe", "gptoss", "minimaxm2", "llama4", "dots1",
-            "ernie45moe"]
+            "ernie45moe", "hunyuanmoe"]
 
 
 def _oracle(family: str) -> dict:

@@ -17,6 +17,7 @@ pass with :func:`build_net`. Modules are imported only when a file needs them.
     qwen3next      qwen3next.py   Qwen3NextForCausalLM
     dots1          dots1.py       Dots1ForCausalLM
     ernie4_5-moe   ernie4_5_moe.py Ernie4_5_MoeForCausalLM
+    hunyuan-moe    hunyuan_moe.py HunYuanMoEV1ForCausalLM
 
 How to add a family (fixtures/families.md has each one's keys, tensors and
 math as llama.cpp computes them):
@@ -109,6 +110,7 @@ _MODULES = {
     "qwen3next": "qwen3next",
     "dots1": "dots1",
     "ernie4_5-moe": "ernie4_5_moe",
+    "hunyuan-moe": "hunyuan_moe",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODULES)
 
