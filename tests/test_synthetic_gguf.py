@@ -188,6 +188,9 @@ FAMILY_TENSORS = {
                                 "post_attention_norm"}),
     "tiny-qwen3next": ("qwen3next", {"attn_qkv", "attn_gate", "ssm_conv1d", "ssm_dt.bias", "ssm_a", "ssm_ba",
                                      "ssm_norm", "ssm_out", "post_attention_norm", "ffn_gate_inp_shexp"}),
+    "tiny-dots1": ("dots1", {"attn_q_norm", "attn_k_norm", "ffn_norm", "exp_probs_b.bias", "ffn_gate_shexp"}),
+    "tiny-ernie4_5-moe": ("ernie4_5-moe", {"attn_q", "ffn_norm", "ffn_gate_inp", "ffn_up_shexp"}),
+    "tiny-hunyuan-moe": ("hunyuan-moe", {"attn_q_norm", "attn_k_norm", "ffn_norm", "ffn_down_shexp"}),
 }
 
 

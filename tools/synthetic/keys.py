@@ -55,6 +55,8 @@ def _add_family(w: gguf.GGUFWriter, shape: Shape) -> None:
             w.add_rope_scaling_yarn_log_mul(shape.yarn_log_mul)
     if shape.dense_lead or shape.family in ("deepseek2", "glm4moe"):
         w.add_leading_dense_block_count(shape.dense_lead)
+    if shape.family == "ernie4_5-moe":   # required by llama.cpp; every published ERNIE-4.5 MoE has 1
+        w.add_interleave_moe_layer_step(1)
     if shape.shared_ff:
         w.add_expert_shared_feed_forward_length(shape.shared_ff)
     if shape.shared_count:

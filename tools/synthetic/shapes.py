@@ -102,6 +102,9 @@ _GLM4MOE = dict(family="glm4moe", attn_bias=True, gating="sigmoid", weights_norm
                 group_count=1, group_used=1, nextn=1)
 _MINIMAX_M2 = dict(family="minimax-m2", qk_norm="whole", gating="sigmoid", rope_freq_base=5e6)
 _QWEN3NEXT = dict(family="qwen3next", gating="softmax", rope_freq_base=1e7, full_attention_interval=4, conv_kernel=4)
+_DOTS1 = dict(family="dots1", gating="sigmoid", weights_norm=True, weights_scale=2.5, group_count=1, group_used=1)
+_ERNIE = dict(family="ernie4_5-moe", qk_norm="none", rms_eps=1e-5, rope_freq_base=500000.0)
+_HUNYUAN = dict(family="hunyuan-moe", rms_eps=1e-5)
 _GPTOSS = dict(family="gpt-oss", qk_norm="none", attn_bias=True, rms_eps=1e-5, rope_freq_base=150000.0,
                yarn_factor=32.0, yarn_orig_ctx=4096)
 
@@ -148,6 +151,27 @@ SHAPES: dict[str, Shape] = {
                                 head_count_kv=2, head_dim=256, vocab_size=151936, context_length=262144,
                                 shared_ff=512, rope_dim=64, linear_key_heads=16, linear_value_heads=32,
                                 linear_head_dim=128, **_QWEN3NEXT),
+    # dots.llm1 (base, inst): DeepSeek-V3's MoE (sigmoid, one group, 2 shared experts) on qwen3moe's attention.
+    "dots.llm1": Shape("dots.llm1", block_count=62, expert_count=128, expert_used_count=6, embedding_length=4096,
+                       expert_feed_forward_length=1408, head_count=32, head_count_kv=32, head_dim=128,
+                       vocab_size=152064, context_length=32768, dense_lead=1, dense_ff=10944, shared_count=2,
+                       **_DOTS1),
+    # ERNIE-4.5-21B-A3B: one dense block, 2 shared experts written as one 3072-wide shared FFN.
+    "ernie-4.5-21b-a3b": Shape("ernie-4.5-21b-a3b", block_count=28, expert_count=64, expert_used_count=6,
+                               embedding_length=2560, expert_feed_forward_length=1536, head_count=20,
+                               head_count_kv=4, head_dim=128, vocab_size=103424, context_length=131072,
+                               dense_lead=1, dense_ff=12288, shared_ff=3072, shared_count=2, **_ERNIE),
+    # ERNIE-4.5-300B-A47B: three dense blocks, no shared expert.
+    "ernie-4.5-300b-a47b": Shape("ernie-4.5-300b-a47b", block_count=54, expert_count=64, expert_used_count=8,
+                                 embedding_length=8192, expert_feed_forward_length=3584, head_count=64,
+                                 head_count_kv=8, head_dim=128, vocab_size=103424, context_length=131072,
+                                 dense_lead=3, dense_ff=28672, **_ERNIE),
+    # Hunyuan-A13B: experts and the shared expert 3072 wide; freq_base as the converter computes it from the
+    # NTK alpha (10000 x 1000^(128/126)).
+    "hunyuan-a13b": Shape("hunyuan-a13b", block_count=32, expert_count=64, expert_used_count=8, embedding_length=4096,
+                          expert_feed_forward_length=3072, head_count=32, head_count_kv=8, head_dim=128,
+                          vocab_size=128167, context_length=262144, rope_freq_base=11158839.9251,
+                          shared_ff=3072, shared_count=1, **_HUNYUAN),
     # For tests: every quantised row length (256) is one K-quant super-block, and the
     # vocabulary is the shared 2048 tokens plus 2048 placeholders, so padding is exercised.
     "tiny": Shape("tiny", block_count=2, expert_count=16, expert_used_count=4, embedding_length=256,
@@ -170,6 +194,11 @@ SHAPES |= {s.name: s for s in (
     Shape("tiny-minimax-m2", **_TINY, rope_dim=32, **_MINIMAX_M2),
     Shape("tiny-qwen3next", **dict(_TINY, block_count=4), shared_ff=256, rope_dim=16, linear_key_heads=2,
           linear_value_heads=4, linear_head_dim=64, **_QWEN3NEXT),
+    Shape("tiny-dots1", **dict(_TINY, block_count=3, head_count_kv=4), dense_lead=1, dense_ff=512, shared_count=2,
+          **_DOTS1),
+    Shape("tiny-ernie4_5-moe", **dict(_TINY, block_count=3), dense_lead=1, dense_ff=512, shared_ff=512, shared_count=2,
+          **_ERNIE),
+    Shape("tiny-hunyuan-moe", **_TINY, shared_ff=256, shared_count=1, **_HUNYUAN),
 )}
 # For the codebook types (IQ1_S, IQ2_XXS, IQ3_XXS: 256-weight blocks with no zero code), whose experts can be
 # blind to the code channels only by a whole zero block: the embedding spans two blocks.

@@ -217,7 +217,7 @@ def _ffn(shape: Shape, i: int, p: str, matrix: T, expert: T, router: np.ndarray,
                   _bias(seed, p + "ffn_down_exps.bias", (e, d), 0.1, zero_code=True)]
     fs = shape.shared_ff or shape.shared_count * f
     if fs:
-        if shape.shared_ff:  # qwen2moe's sigmoid-gated shared expert
+        if shape.shared_ff and shape.family in ("qwen2moe", "qwen3next"):  # their sigmoid-gated shared expert
             plans.append(_bias(seed, p + "ffn_gate_inp_shexp.weight", (d,), 1 / math.sqrt(d), zero_code=True))
         plans += [
             _matrix(p + "ffn_gate_shexp.weight", (fs, d), matrix, s_in, reads_residual=True),
