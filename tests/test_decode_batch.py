@@ -25,7 +25,7 @@ from test_arch_qwen3moe import ggml  # noqa: F401 (the module's ggml kernels, a 
 
 FAMILIES = ["tiny_q8_0", "tiny_q4_k", "tiny_f32", "gptoss_mxfp4", "deepseek2_q8_0", "llama4_q8_0",
             "qwen2moe_q8_0", "glm4moe_q8_0", "minimaxm2_q8_0", "qwen3next_q8_0", "dots1_q8_0", "ernie45moe_q8_0",
-            "hunyuanmoe_q8_0"]
+            "hunyuanmoe_q8_0", "bailingmoe2_q8_0"]
 PROMPTS = (7, 19, 3)      # each sequence's prompt length: different positions and context buckets
 STEPS = 5
 

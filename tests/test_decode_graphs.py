@@ -85,7 +85,7 @@ OTHER_CPU_FLIP_VS_PER_OPERATION = {("minimaxm2_q8_0", "f32"): 0.6}
 # Every family fixture beyond qwen3moe's tiny_*, each of whose decode steps runs on graphs traced from its
 # description: F32 and a quantised fixture each.
 FAMILY_NAMES = ("olmoe", "qwen2moe", "mixtral", "deepseek2", "deepseek2lite", "glm4moe", "gptoss", "minimaxm2",
-                "llama4", "qwen3next", "dots1", "ernie45moe", "hunyuanmoe", "qwen3moeyarn", "mixtrallinear")   # the last two: YaRN and linear RoPE scaling
+                "llama4", "qwen3next", "dots1", "ernie45moe", "hunyuanmoe", "bailingmoe2", "qwen3moeyarn", "mixtrallinear")   # the last two: YaRN and linear RoPE scaling
 FAMILIES = [f"{family}_{kind}" for family in FAMILY_NAMES
             for kind in ("f32", "mxfp4" if family == "gptoss" else "q8_0")]
 

@@ -18,6 +18,7 @@ pass with :func:`build_net`. Modules are imported only when a file needs them.
     dots1          dots1.py       Dots1ForCausalLM
     ernie4_5-moe   ernie4_5_moe.py Ernie4_5_MoeForCausalLM
     hunyuan-moe    hunyuan_moe.py HunYuanMoEV1ForCausalLM
+    bailingmoe2    bailingmoe2.py llama.cpp only (transformers has no class for it)
 
 How to add a family (fixtures/families.md has each one's keys, tensors and
 math as llama.cpp computes them):
@@ -111,6 +112,7 @@ _MODULES = {
     "dots1": "dots1",
     "ernie4_5-moe": "ernie4_5_moe",
     "hunyuan-moe": "hunyuan_moe",
+    "bailingmoe2": "bailingmoe2",
 }
 SUPPORTED_ARCHITECTURES = tuple(_MODULES)
 
