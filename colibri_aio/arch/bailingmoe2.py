@@ -43,32 +43,25 @@ class ModelArgs(BaseArgs):
 
     @classmethod
     def from_gguf(cls, meta: Metadata) -> Self:
-        gating = int(meta.need("expert_gating_func"))
-        if gating not in _GATING:
-            raise ModelFormatError(f"{meta.path}: bailingmoe2.expert_gating_func {gating} is not supported "
-                                   f"(1 softmax, 2 sigmoid)")
+        gating = meta.gating(_GATING)   # required by llama.cpp's loader
         blocks, nextn = meta.block_count(), int(meta.get("nextn_predict_layers", 0))
         if not 0 <= nextn < blocks:
             raise ModelFormatError(f"{meta.path}: nextn_predict_layers {nextn} leaves no trunk block "
                                    f"among block_count {blocks}")
         common = cls.common(meta, block_count=blocks - nextn, skipped_blocks=nextn,
-                            routing=meta.routing(_GATING[gating]))
+                            routing=meta.routing(gating))
         width = int(meta.get("expert_shared_feed_forward_length", 0)) or common["expert_feed_forward_length"]
         return cls(**common, feed_forward_length=int(meta.get("feed_forward_length", 0)),
                    expert_shared_feed_forward_length=width * int(meta.need("expert_shared_count")))
 
     def check(self, path: Path) -> None:
         BaseArgs.check(self, path)
-        if self.value_length != self.key_length:
-            raise ModelFormatError(f"{path}: bailingmoe2 heads have equal key and value widths (key_length "
-                                   f"{self.key_length}, value_length {self.value_length})")
+        self.check_equal_head_widths(path)
         if self.head_count * self.key_length != self.embedding_length:
             raise ModelFormatError(f"{path}: bailingmoe2's attn_qkv holds queries as wide as the embedding "
                                    f"({self.embedding_length}), not head_count x key_length "
                                    f"({self.head_count} x {self.key_length})")
-        if self.leading_dense_block_count and self.feed_forward_length < 1:
-            raise ModelFormatError(f"{path}: missing metadata key bailingmoe2.feed_forward_length "
-                                   f"(the width of the leading dense blocks)")
+        self.check_dense_width(path, self.feed_forward_length)
 
 
 def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:

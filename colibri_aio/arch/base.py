@@ -102,6 +102,17 @@ class Metadata:
                        group_count=max(int(self.get("expert_group_count", 0)), 1),
                        group_used=int(self.get("expert_group_used_count", 0)) or 1)
 
+    def gating(self, known: dict[int, str]) -> str:
+        """``expert_gating_func`` as llama.cpp numbers it, for a family whose graph takes it from the file: a
+        file without it leaves llama.cpp's gating NONE (its MoE graph aborts), so it is refused, as is a
+        function the family does not run."""
+        value = self.get("expert_gating_func")
+        if value is None or int(value) not in known:
+            names = " or ".join(f"{k} ({v})" for k, v in known.items())
+            raise ModelFormatError(f"{self.path}: {self.architecture} needs expert_gating_func {names}; "
+                                   f"the file says {value}")
+        return known[int(value)]
+
     def vocab_size(self) -> int:
         """Tokens in the tokenizer, else rows of ``token_embd``."""
         tokens = self.reader.fields.get("tokenizer.ggml.tokens")
@@ -229,6 +240,18 @@ class BaseArgs:
         if r.group_count > 1 and (self.expert_count % r.group_count or not 1 <= r.group_used <= r.group_count):
             raise ModelFormatError(f"{path}: {self.expert_count} experts do not split into "
                                    f"{r.group_count} groups of which {r.group_used} are used")
+
+    def check_equal_head_widths(self, path: Path) -> None:
+        """Refuse value heads of another width than key heads (the families whose attention assumes them equal)."""
+        if self.value_length != self.key_length:
+            raise ModelFormatError(f"{path}: {self.architecture} heads have equal key and value widths (key_length "
+                                   f"{self.key_length}, value_length {self.value_length})")
+
+    def check_dense_width(self, path: Path, feed_forward_length: int) -> None:
+        """Refuse leading dense blocks without ``feed_forward_length``, their FFN's width."""
+        if self.leading_dense_block_count and feed_forward_length < 1:
+            raise ModelFormatError(f"{path}: missing metadata key {self.architecture}.feed_forward_length "
+                                   f"(the width of the leading dense blocks)")
 
     def kv_layout(self) -> KVLayout:
         """What the KV cache holds per position and block: head_count_kv keys and values

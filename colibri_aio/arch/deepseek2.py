@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
-import numpy as np
-
 from colibri_aio.arch.base import (BaseArgs, Family, KVLayout, Metadata, TensorSpec, ffn_tensors, matrix,
                                    router_tensors, vector)
 from colibri_aio.arch.graph import Builder, Tensor, Value
@@ -97,9 +95,7 @@ class ModelArgs(BaseArgs):
                 f"head kv_lora_rank + rope dims = {self.kv_lora_rank + self.n_rot} / {self.kv_lora_rank}")
         if self.expert_shared_count < 1:
             raise ModelFormatError(f"{path}: expert_shared_count must be positive for deepseek2")
-        if self.leading_dense_block_count and self.feed_forward_length < 1:
-            raise ModelFormatError(f"{path}: missing metadata key deepseek2.feed_forward_length "
-                                   f"(the width of the leading dense blocks)")
+        self.check_dense_width(path, self.feed_forward_length)
         s = self.rope_scaling
         if s.kind == "yarn" and (s.factor <= 1.0 or s.original_context < 1):
             raise ModelFormatError(f"{path}: YaRN needs rope.scaling.factor > 1 and an original context "

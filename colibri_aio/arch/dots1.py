@@ -33,19 +33,13 @@ class ModelArgs(BaseArgs):
 
     @classmethod
     def from_gguf(cls, meta: Metadata) -> Self:
-        gating = meta.get("expert_gating_func")
-        if gating is None or int(gating) not in _GATING:
-            raise ModelFormatError(f"{meta.path}: dots1 needs expert_gating_func 1 (softmax) or 2 (sigmoid); "
-                                   f"the file says {gating}")
-        return cls(**cls.common(meta, routing=meta.routing(_GATING[int(gating)])),
+        return cls(**cls.common(meta, routing=meta.routing(meta.gating(_GATING))),
                    feed_forward_length=int(meta.get("feed_forward_length", 0)),
                    expert_shared_count=int(meta.need("expert_shared_count")))
 
     def check(self, path: Path) -> None:
         BaseArgs.check(self, path)
-        if self.value_length != self.key_length:
-            raise ModelFormatError(f"{path}: dots1 heads have equal key and value widths (key_length "
-                                   f"{self.key_length}, value_length {self.value_length})")
+        self.check_equal_head_widths(path)
         if self.head_count_kv != self.head_count:
             raise ModelFormatError(f"{path}: dots1 with head_count_kv {self.head_count_kv} != head_count "
                                    f"{self.head_count}: llama.cpp's dots1 loader sizes keys and values for "
@@ -53,9 +47,7 @@ class ModelArgs(BaseArgs):
         if self.expert_shared_count < 1:
             raise ModelFormatError(f"{path}: dots1.expert_shared_count {self.expert_shared_count}: every dots1 "
                                    f"MoE block has a shared expert")
-        if self.leading_dense_block_count and self.feed_forward_length < 1:
-            raise ModelFormatError(f"{path}: missing metadata key dots1.feed_forward_length "
-                                   f"(the width of the leading dense blocks)")
+        self.check_dense_width(path, self.feed_forward_length)
 
 
 def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:

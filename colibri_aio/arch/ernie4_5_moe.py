@@ -47,12 +47,8 @@ class ModelArgs(BaseArgs):
 
     def check(self, path: Path) -> None:
         BaseArgs.check(self, path)
-        if self.value_length != self.key_length:
-            raise ModelFormatError(f"{path}: ernie4_5-moe heads have equal key and value widths (key_length "
-                                   f"{self.key_length}, value_length {self.value_length})")
-        if self.leading_dense_block_count and self.feed_forward_length < 1:
-            raise ModelFormatError(f"{path}: missing metadata key ernie4_5-moe.feed_forward_length "
-                                   f"(the width of the leading dense blocks)")
+        self.check_equal_head_widths(path)
+        self.check_dense_width(path, self.feed_forward_length)
 
 
 def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:

@@ -17,7 +17,6 @@ from typing import Self
 
 from colibri_aio.arch.base import BaseArgs, Family, Metadata, TensorSpec, attention_tensors, router_tensors, vector
 from colibri_aio.arch.olmoe import OLMoE
-from colibri_aio.errors import ModelFormatError
 from colibri_aio.kernels.ops import Routing
 
 # minimax-m2.expert_gating_func as llama.cpp numbers it.
@@ -30,12 +29,8 @@ class ModelArgs(BaseArgs):
 
     @classmethod
     def from_gguf(cls, meta: Metadata) -> Self:
-        gating = meta.get("expert_gating_func")
-        if gating is None or int(gating) not in _GATING:
-            raise ModelFormatError(f"{meta.path}: minimax-m2 needs expert_gating_func 1 (softmax) or 2 (sigmoid); "
-                                   f"the file says {gating}")
         ff = meta.get("expert_feed_forward_length")   # one per block: Metadata.get reads it as one width
-        routing = Routing(_GATING[int(gating)], normalize=True, scale=0.0)   # expert_weights_scale: not read
+        routing = Routing(meta.gating(_GATING), normalize=True, scale=0.0)   # expert_weights_scale: not read
         overrides = {"routing": routing}
         if ff is not None:
             overrides["expert_feed_forward_length"] = int(ff)

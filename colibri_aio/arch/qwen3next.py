@@ -33,8 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
-from colibri_aio.arch.base import (BaseArgs, Family, Metadata, TensorSpec, ffn_tensors, matrix, router_tensors,
-                                   vector)
+from colibri_aio.arch.base import BaseArgs, Family, Metadata, TensorSpec, ffn_tensors, matrix, vector
 from colibri_aio.arch.decode_graphs import GraphDecode
 from colibri_aio.arch.graph import Builder, Value
 from colibri_aio.arch.kvcache import RecurrentShape
@@ -104,9 +103,7 @@ class ModelArgs(BaseArgs):
             raise ModelFormatError(f"{path}: qwen3next.ssm.inner_size {self.inner_size} is not time_step_rank "
                                    f"{self.value_heads} x state_size {self.state_size}; this engine runs value "
                                    f"heads as wide as key heads")
-        if self.key_length != self.value_length:
-            raise ModelFormatError(f"{path}: qwen3next heads have equal key and value widths (key_length "
-                                   f"{self.key_length}, value_length {self.value_length})")
+        self.check_equal_head_widths(path)
         if self.expert_shared_feed_forward_length < 1:
             raise ModelFormatError(f"{path}: qwen3next needs the shared expert's width "
                                    f"(expert_shared_feed_forward_length or feed_forward_length)")
@@ -122,7 +119,7 @@ class ModelArgs(BaseArgs):
 
 
 def block_tensors(a: ModelArgs, layer: int) -> list[TensorSpec]:
-    d, dk, nk, nv, inner = a.embedding_length, a.state_size, a.key_heads, a.value_heads, a.inner_size
+    d, dk, nv, inner = a.embedding_length, a.state_size, a.value_heads, a.inner_size
     common = [vector("attn_norm", d), vector("post_attention_norm", d), vector("ffn_gate_inp", a.expert_count, d),
               vector("ffn_gate_inp_shexp", d), *ffn_tensors(d, a.expert_shared_feed_forward_length, "_shexp")]
     if not a.recurrent[layer]:
