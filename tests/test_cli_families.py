@@ -11,7 +11,8 @@ from colibri_aio.text.tokenizer import Tokenizer
 
 from support import ORACLE, fixture, run_cli
 
-STEMS = ["qwen2moe_f32", "olmoe_f32", "mixtral_f32", "deepseek2_f32", "minimaxm2_f32", "llama4_f32", "qwen3next_f32"]
+STEMS = ["qwen2moe_f32", "olmoe_f32", "mixtral_f32", "deepseek2_f32", "minimaxm2_f32", "llama4_f32", "qwen3next_f32",
+         "dots1_f32", "ernie45moe_f32", "hunyuanmoe_f32"]
 IDS = json.loads((ORACLE / "family_ids.json").read_text())["sequences"][0]
 
 
