@@ -191,6 +191,7 @@ FAMILY_TENSORS = {
     "tiny-dots1": ("dots1", {"attn_q_norm", "attn_k_norm", "ffn_norm", "exp_probs_b.bias", "ffn_gate_shexp"}),
     "tiny-ernie4_5-moe": ("ernie4_5-moe", {"attn_q", "ffn_norm", "ffn_gate_inp", "ffn_up_shexp"}),
     "tiny-hunyuan-moe": ("hunyuan-moe", {"attn_q_norm", "attn_k_norm", "ffn_norm", "ffn_down_shexp"}),
+    "tiny-bailingmoe2": ("bailingmoe2", {"attn_qkv", "attn_q_norm", "attn_k_norm", "exp_probs_b.bias", "ffn_up_shexp"}),
 }
 
 

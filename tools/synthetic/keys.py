@@ -53,7 +53,7 @@ def _add_family(w: gguf.GGUFWriter, shape: Shape) -> None:
         w.add_rope_scaling_yarn_beta_slow(1.0)
         if shape.yarn_log_mul:
             w.add_rope_scaling_yarn_log_mul(shape.yarn_log_mul)
-    if shape.dense_lead or shape.family in ("deepseek2", "glm4moe"):
+    if shape.dense_lead or shape.family in ("deepseek2", "glm4moe", "bailingmoe2"):
         w.add_leading_dense_block_count(shape.dense_lead)
     if shape.family == "ernie4_5-moe":   # required by llama.cpp; every published ERNIE-4.5 MoE has 1
         w.add_interleave_moe_layer_step(1)

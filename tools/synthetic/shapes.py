@@ -105,6 +105,8 @@ _QWEN3NEXT = dict(family="qwen3next", gating="softmax", rope_freq_base=1e7, full
 _DOTS1 = dict(family="dots1", gating="sigmoid", weights_norm=True, weights_scale=2.5, group_count=1, group_used=1)
 _ERNIE = dict(family="ernie4_5-moe", qk_norm="none", rms_eps=1e-5, rope_freq_base=500000.0)
 _HUNYUAN = dict(family="hunyuan-moe", rms_eps=1e-5)
+_LING2 = dict(family="bailingmoe2", gating="sigmoid", weights_norm=True, weights_scale=2.5, rope_freq_base=600000.0,
+              group_count=8, group_used=4)
 _GPTOSS = dict(family="gpt-oss", qk_norm="none", attn_bias=True, rms_eps=1e-5, rope_freq_base=150000.0,
                yarn_factor=32.0, yarn_orig_ctx=4096)
 
@@ -172,6 +174,12 @@ SHAPES: dict[str, Shape] = {
                           expert_feed_forward_length=3072, head_count=32, head_count_kv=8, head_dim=128,
                           vocab_size=128167, context_length=262144, rope_freq_base=11158839.9251,
                           shared_ff=3072, shared_count=1, **_HUNYUAN),
+    # Ling-flash-2.0 (bailingmoe2; Ring-flash-2.0 the same shape): fused q/k/v, RoPE on half of each head, 256
+    # experts in 8 groups (4 used), one shared expert; the MTP block is not written.
+    "ling-flash-2.0": Shape("ling-flash-2.0", block_count=32, expert_count=256, expert_used_count=8,
+                            embedding_length=4096, expert_feed_forward_length=1024, head_count=32, head_count_kv=4,
+                            head_dim=128, vocab_size=157184, context_length=32768, dense_lead=1, dense_ff=9216,
+                            shared_count=1, rope_dim=64, **_LING2),
     # For tests: every quantised row length (256) is one K-quant super-block, and the
     # vocabulary is the shared 2048 tokens plus 2048 placeholders, so padding is exercised.
     "tiny": Shape("tiny", block_count=2, expert_count=16, expert_used_count=4, embedding_length=256,
@@ -199,6 +207,8 @@ SHAPES |= {s.name: s for s in (
     Shape("tiny-ernie4_5-moe", **dict(_TINY, block_count=3), dense_lead=1, dense_ff=512, shared_ff=512, shared_count=2,
           **_ERNIE),
     Shape("tiny-hunyuan-moe", **_TINY, shared_ff=256, shared_count=1, **_HUNYUAN),
+    Shape("tiny-bailingmoe2", **dict(_TINY, block_count=3, expert_count=16, expert_used_count=4), dense_lead=1,
+          dense_ff=512, shared_count=1, rope_dim=32, **dict(_LING2, group_count=4, group_used=2)),
 )}
 # For the codebook types (IQ1_S, IQ2_XXS, IQ3_XXS: 256-weight blocks with no zero code), whose experts can be
 # blind to the code channels only by a whole zero block: the embedding spans two blocks.

@@ -145,11 +145,14 @@ def _attention(shape: Shape, p: str, matrix: T, seed: int, scales: Scales) -> li
         ]
     qw, kvw = shape.q_width, shape.kv_width
     gate = 2 if shape.full_attention_interval else 1   # qwen3next: each head's query and its output gate
-    plans = [
-        _matrix(p + "attn_q.weight", (gate * qw, d), matrix, s_in, reads_residual=True),
-        _matrix(p + "attn_k.weight", (kvw, d), matrix, s_in, reads_residual=True),
-        _matrix(p + "attn_v.weight", (kvw, d), matrix, s_in, reads_residual=True),
-    ]
+    if shape.family == "bailingmoe2":   # one fused q/k/v matrix
+        plans = [_matrix(p + "attn_qkv.weight", (qw + 2 * kvw, d), matrix, s_in, reads_residual=True)]
+    else:
+        plans = [
+            _matrix(p + "attn_q.weight", (gate * qw, d), matrix, s_in, reads_residual=True),
+            _matrix(p + "attn_k.weight", (kvw, d), matrix, s_in, reads_residual=True),
+            _matrix(p + "attn_v.weight", (kvw, d), matrix, s_in, reads_residual=True),
+        ]
     if shape.attn_bias:
         plans += [_bias(seed, p + f"attn_{x}.bias", (n,), 0.1) for x, n in (("q", qw), ("k", kvw), ("v", kvw))]
     if shape.qk_norm != "none":
