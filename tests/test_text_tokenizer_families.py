@@ -90,9 +90,11 @@ def test_every_pre_tokenizer_name_llamacpp_splits_alike_gives_its_ids(pre: str, 
     path = rewrite_gguf(src, tmp_path / "pre.gguf", drop_keys=("tokenizer.ggml.pre",),
                         keys={} if pre == "None" else {"tokenizer.ggml.pre": pre})
     tok, want = Tokenizer.from_path(path), PRE["pre"][pre]
-    for text, special, plain in zip(PRE["texts"], want["ids_special"], want["ids_plain"], strict=True):
+    for text, special, plain, bos in zip(PRE["texts"], want["ids_special"], want["ids_plain"],
+                                         want["ids_bos_special"], strict=True):
         assert tok.encode(text) == special, (pre, text)
         assert tok.encode(text, parse_special=False) == plain, (pre, text)
+        assert tok.encode(text, add_special=True) == bos, (pre, text)   # llama3's names add BOS by default
 
 
 def test_a_pre_tokenizer_llamacpp_does_not_know_is_refused_in_one_line(tmp_path) -> None:

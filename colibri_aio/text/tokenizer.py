@@ -105,13 +105,14 @@ class PreTokenizer:
 
     regexes: tuple[str, ...]
     ignore_merges: bool = False
+    add_bos: bool = False   # llama.cpp's BOS default for the name when the file has no add_bos_token (llama3's)
 
 
 # The splits this engine runs, each as llama-vocab.cpp gives it to a group of tokenizer.ggml.pre names.
 _QWEN2 = PreTokenizer((QWEN2_SPLIT_REGEX,))
 _GPT2 = PreTokenizer((GPT2_SPLIT_REGEX,))
 _DEEPSEEK_V3 = PreTokenizer(DEEPSEEK_V3_SPLIT_REGEXES)
-_LLAMA3 = PreTokenizer((GLM4_SPLIT_REGEX,), ignore_merges=True)   # llama3's pattern is GLM-4's
+_LLAMA3 = PreTokenizer((GLM4_SPLIT_REGEX,), ignore_merges=True, add_bos=True)   # llama3's pattern is GLM-4's
 _O200K = PreTokenizer((O200K_SPLIT_REGEX,))
 
 # tokenizer.ggml.pre -> its split: every name llama.cpp (llama-vocab.cpp) maps to a split above, with the
@@ -127,8 +128,9 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **dict.fromkeys(("olmo", "gpt-2", "phi-2", "jina-es", "jina-de", "gigachat", "jina-v2-es", "jina-v2-de",
                      "a.x-4.0", "mellum", "modern-bert", "exaone4"), _GPT2),
     **dict.fromkeys(("deepseek-v3", "hunyuan-dense", "joyai-llm", "hy_v4"), _DEEPSEEK_V3),
-    **dict.fromkeys(("glm4", "glm5", "llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral",
-                     "midm-2.0", "lfm2", "jina-v5-nano"), _LLAMA3),
+    **dict.fromkeys(("glm4", "glm5"), PreTokenizer((GLM4_SPLIT_REGEX,), ignore_merges=True)),
+    **dict.fromkeys(("llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2",
+                     "jina-v5-nano"), _LLAMA3),
     # the same pattern without llama.cpp's ignore_merges
     **dict.fromkeys(("chatglm-bpe", "dbrx", "smaug-bpe"), PreTokenizer((GLM4_SPLIT_REGEX,))),
     **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2", "kanana2", "talkie"), _O200K),
@@ -249,7 +251,8 @@ def read_spec(reader: gguf.GGUFReader | GGUFHeader | ModelHeader) -> TokenizerSp
         bos_id=token_id("bos_token_id"), eos_id=token_id("eos_token_id"),
         eot_id=token_id("eot_token_id"), eom_id=token_id("eom_token_id"),
         pad_id=token_id("padding_token_id"),
-        add_bos=bool(add_bos) if add_bos is not None else model == "llama",
+        add_bos=bool(add_bos) if add_bos is not None else (model == "llama" or (
+            model == "gpt2" and PRE_TOKENIZERS[pre].add_bos)),
         chat_template=_field(reader, "tokenizer.chat_template"),
         model=model, pre=pre, scores=None if scores is None else [float(x) for x in scores],
         add_space_prefix=bool(space_prefix) if space_prefix is not None else True,
