@@ -226,14 +226,14 @@ def test_refuses_sentencepiece_tokenizer_without_scores(tmp_path: Path) -> None:
 
 
 def test_refuses_other_pre_tokenizer(tmp_path: Path) -> None:
-    """kimi-k2: llama.cpp splits it with a custom Han-aware handler this engine does not carry."""
+    """poro-chat: llama.cpp splits it with a pattern this engine does not carry."""
     def other_pre(w: gguf.GGUFWriter) -> None:
         w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("kimi-k2")
+        w.add_tokenizer_pre("poro-chat")
         w.add_token_list(["a", "b", "ab"])
         w.add_token_merges(["a b"])
 
-    _one_line_refusal(write_gguf(tmp_path / "pre.gguf", other_pre), "unsupported pre-tokenizer 'kimi-k2'")
+    _one_line_refusal(write_gguf(tmp_path / "pre.gguf", other_pre), "unsupported pre-tokenizer 'poro-chat'")
 
 
 def test_an_out_of_range_special_id_is_read_as_absent(tmp_path: Path) -> None:

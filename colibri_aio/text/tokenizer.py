@@ -7,7 +7,7 @@ its pipeline and mirrors llama.cpp (``llama-vocab.cpp``) where it matters for id
 * ``gpt2``: byte-level BPE (vocab + merges from the file, GPT-2 byte mapping)
   after the split regexes llama.cpp uses for the file's ``tokenizer.ggml.pre``
   (:data:`PRE_TOKENIZERS`: the names llama.cpp gives the splits of qwen2, qwen35, gpt-2, llama3/glm4,
-  deepseek-v3, gpt-4o, bailingmoe and its default; none named: the default, with a warning);
+  deepseek-v3, gpt-4o, bailingmoe, kimi-k2 and its default; none named: the default, with a warning);
 * ``llama``: sentencepiece-style BPE (Mixtral, Llama 2): pieces merge by the
   score of the piece they make (``tokenizer.ggml.scores``), a character with
   no piece becomes its UTF-8 bytes' ``<0xNN>`` tokens, spaces are ``▁``, and
@@ -81,6 +81,16 @@ BAILINGMOE_SPLIT_REGEX = (
     r"'(?:[sSdDmMtT]|[lL][lL]|[vV][eE]|[rR][eE])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"
     r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+"
 )
+# Kimi K2 (tokenization_kimi.py; llama.cpp splits it with a hand-written handler of the same pattern): Han runs
+# apart, then o200k's word runs over letters that are not Han (class intersection), digits in runs of up to 3.
+_NOT_HAN_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_NOT_HAN_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+KIMI_K2_SPLIT_REGEX = (
+    r"[\p{Han}]+|"
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}*{_NOT_HAN_LOWER}+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    rf"[^\r\n\p{{L}}\p{{N}}]?{_NOT_HAN_UPPER}+{_NOT_HAN_LOWER}*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"
+    r"\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # llama.cpp's "default" split (a file that names none, or names "default"): punctuation runs, GPT-2's
 # pattern, digit runs, then digits in threes.
 DEFAULT_SPLIT_REGEXES = (
@@ -116,8 +126,8 @@ _LLAMA3 = PreTokenizer((GLM4_SPLIT_REGEX,), ignore_merges=True, add_bos=True)   
 _O200K = PreTokenizer((O200K_SPLIT_REGEX,))
 
 # tokenizer.ggml.pre -> its split: every name llama.cpp (llama-vocab.cpp) maps to a split above, with the
-# merge rule it sets beside it. A name llama.cpp splits otherwise (kimi-k2's custom Han handler, poro,
-# tekken ...) is refused: tokenizing it with another split would give other ids. Adding one is an entry
+# merge rule it sets beside it. A name llama.cpp splits otherwise (poro-chat, tekken, viking ...) is
+# refused: tokenizing it with another split would give other ids. Adding one is an entry
 # here with the regexes from llama-vocab.cpp and a llama.cpp tokenizer oracle to check it against
 # (fixtures/make_family_tokenizer_oracle.py: the family fixtures and the ``pre`` names of one vocabulary;
 # tests/test_text_tokenizer_families.py).
@@ -135,6 +145,7 @@ PRE_TOKENIZERS: dict[str, PreTokenizer] = {
     **dict.fromkeys(("chatglm-bpe", "dbrx", "smaug-bpe"), PreTokenizer((GLM4_SPLIT_REGEX,))),
     **dict.fromkeys(("gpt-4o", "llama4", "minimax-m2", "kanana2", "talkie"), _O200K),
     **dict.fromkeys(("bailingmoe", "bailingmoe2", "llada-moe"), PreTokenizer((BAILINGMOE_SPLIT_REGEX,))),
+    "kimi-k2": PreTokenizer((KIMI_K2_SPLIT_REGEX,)),
     "default": PreTokenizer(DEFAULT_SPLIT_REGEXES),
 }
 
