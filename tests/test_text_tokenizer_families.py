@@ -105,3 +105,20 @@ def test_a_pre_tokenizer_llamacpp_does_not_know_is_refused_in_one_line(tmp_path)
     path = rewrite_gguf(FIXTURES / PRE["fixture"], tmp_path / "bad_pre.gguf", keys={"tokenizer.ggml.pre": "no-such-pre"})
     with pytest.raises(ModelFormatError, match="unsupported pre-tokenizer 'no-such-pre'"):
         Tokenizer.from_path(path)
+
+
+def test_kimi_k2_splits_han_as_llamacpp_does(tmp_path) -> None:
+    """kimi-k2 on a vocabulary trained with no split (fixtures/make_family_tokenizer_oracle.py han), whose merges
+    cross every Latin/Han/kana boundary: llama.cpp's ids; the same vocabulary under gpt-4o's split (kimi-k2's
+    without the Han exclusion) gives other ids, so the comparison sees the Han split."""
+    from support import rewrite_gguf
+
+    data = json.loads((ORACLE / "kimi_k2_tokenizer_llamacpp.json").read_text(encoding="utf-8"))
+    path = FIXTURES / data["fixture"]
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == data["fixture_sha256"], "re-run the oracle script"
+    tok = Tokenizer.from_path(path)
+    for case in data["cases"]:
+        assert tok.encode(case["text"]) == case["ids_special"], case["text"]
+        assert tok.encode(case["text"], parse_special=False) == case["ids_plain"], case["text"]
+    other = Tokenizer.from_path(rewrite_gguf(path, tmp_path / "o200k.gguf", keys={"tokenizer.ggml.pre": "gpt-4o"}))
+    assert sum(other.encode(c["text"]) != c["ids_special"] for c in data["cases"]) >= 3   # measured: 3 of 54
