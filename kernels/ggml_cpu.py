@@ -355,7 +355,7 @@ def expert_packer_for(mode: str | None) -> ExpertPacker | None:
     type ggml repacks here); None when it is off or nothing would be repacked."""
     if mode not in ("on", "all"):      # off; auto repacks nothing as it lands (engine/repacked_file.py)
         return None
-    types = repack_types() & (repack_types() if mode == "all" else PACKED_EXPERT_TYPES)
+    types = repack_types() if mode == "all" else repack_types() & PACKED_EXPERT_TYPES
     return ExpertPacker(types) if types else None
 
 

@@ -933,17 +933,10 @@ def _build_experts(g: Graph, s: ExpertsShape, terms: bool) -> list:
     ctx, used = g.ctx, s.used
     h = g.leaf(_F32, s.gate.cols, 1)
     x2 = g.leaf(_F32, s.down.rows, 1)
-    if s.each:
-        stacks = [g.weight(m) for _ in range(used) for m in (s.gate, s.gate, s.down)]
-    elif s.gate_up:
-        stacks = [g.stack(s.gate.gid, s.gate.cols, 2 * s.gate.rows, s.depth, s.gate.packed),
-                  g.stack(s.down.gid, s.down.cols, s.down.rows, s.depth, s.down.packed)]
-    else:
-        stacks = [g.stack(m.gid, m.cols, m.rows, s.depth, m.packed) for m in (s.gate, s.gate, s.down)]
+    stacks = [g.weight(m) for _ in range(used) for m in (s.gate, s.gate, s.down)] if s.each else _stacks(g, s)
     slot_ids, expert_ids = g.leaf(_I32, used, 1), g.leaf(_I32, used, 1)
     w = g.leaf(_F32, used, 1)
-    biases = ([g.leaf(_F32, rows, s.n_experts) for rows in (s.gate.rows, s.gate.rows, s.down.rows)]
-              if s.biased else None)
+    biases = _bias_leaves(g, s)
     shared = g.leaf(_F32, s.down.rows, 1) if s.shared else None
     ys = expert_terms(ctx, s, h, slot_ids, expert_ids, w, stacks, biases)
     if not terms:
@@ -959,14 +952,24 @@ def _build_cells(g: Graph, s: ExpertsShape, n: int) -> list:
     index and expert, its weight, the biases; its output each cell's weighted expert output (D, n)."""
     ctx = g.ctx
     h = g.leaf(_F32, s.gate.cols, n)
-    if s.gate_up:
-        stacks = [g.stack(s.gate.gid, s.gate.cols, 2 * s.gate.rows, s.depth, s.gate.packed),
-                  g.stack(s.down.gid, s.down.cols, s.down.rows, s.depth, s.down.packed)]
-    else:
-        stacks = [g.stack(m.gid, m.cols, m.rows, s.depth, m.packed) for m in (s.gate, s.gate, s.down)]
+    stacks = _stacks(g, s)
     slot_ids, expert_ids = g.leaf(_I32, 1, n), g.leaf(_I32, 1, n)
     w = g.leaf(_F32, 1, n)
-    biases = ([g.leaf(_F32, rows, s.n_experts) for rows in (s.gate.rows, s.gate.rows, s.down.rows)]
-              if s.biased else None)
-    (y,) = expert_terms(ctx, s, h, slot_ids, expert_ids, w, stacks, biases, n)
+    (y,) = expert_terms(ctx, s, h, slot_ids, expert_ids, w, stacks, _bias_leaves(g, s), n)
     return [G.ggml_cont(ctx, y)]
+
+
+def _stacks(g: Graph, s: ExpertsShape) -> list:
+    """The experts' stacks a layer's graph indexes (gate and up fused into one where they lie so), in the
+    layout the source delivers them (repacked or the file's)."""
+    if s.gate_up:
+        return [g.stack(s.gate.gid, s.gate.cols, 2 * s.gate.rows, s.depth, s.gate.packed),
+                g.stack(s.down.gid, s.down.cols, s.down.rows, s.depth, s.down.packed)]
+    return [g.stack(m.gid, m.cols, m.rows, s.depth, m.packed) for m in (s.gate, s.gate, s.down)]
+
+
+def _bias_leaves(g: Graph, s: ExpertsShape) -> list | None:
+    """Every expert's gate, up and down biases (gpt-oss), one leaf each; None when the experts have none."""
+    if not s.biased:
+        return None
+    return [g.leaf(_F32, rows, s.n_experts) for rows in (s.gate.rows, s.gate.rows, s.down.rows)]
