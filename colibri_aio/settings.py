@@ -56,6 +56,8 @@ SWITCHES: dict[str, Switch] = {
                                "experts of several rows on llamafile's GEMM"),
     "ggml_expert_cells": Switch("COLIBRI_GGML_EXPERT_CELLS", "batch", ("batch", "rows"),
                                 "a batched step's experts over all its rows in one product, or row by row"),
+    "ggml_prefill": Switch("COLIBRI_GGML_PREFILL", "graphs", ("graphs", "ops"),
+                           "a prompt's positions together on graphs block by block, or per operation"),
     "ggml_step": Switch("COLIBRI_GGML_STEP", "graph", ("graph", "layers"),
                         "a resident decode step as one graph, or two graphs a block"),
     "ggml_repack": Switch("COLIBRI_GGML_REPACK", "on", ("on", "off"),

@@ -101,6 +101,8 @@ PARALLEL_BYTES = 1 << 18         # graphs with fewer weight bytes run on one thr
 # threads per graph, and the threadpool arm is gone.)
 # step: "graph" runs a decode step whose experts are all resident as one graph (arch/decode_graphs.py),
 # "layers" as two graphs per block and one for the head.
+# prefill: "graphs" runs a prompt's positions together on the decode graphs, block by block (spans,
+# arch/decode_graphs.py); "ops" one kernel call per operation with NumPy's trunk ops between them.
 # repack: resident matrices of a type ggml can repack on this CPU are copied once, at load, into ggml's
 # CPU_REPACK layout (several rows interleaved, as llama.cpp loads them) and multiplied by its GEMV/GEMM
 # there (:meth:`GgmlKernels.resident`); "off" multiplies the file's bytes with vec_dot (prefill x1.12 on,
@@ -858,7 +860,7 @@ class GgmlKernels:
             return []
         # Repacked experts stay on ggml_mul_mat_id (its repacked GEMV, row by row, whatever the rows: the bits
         # of a row do not depend on how many rows share the product).
-        gemm = self.expert_gemm and not (gate.packed or down.packed) and self._type_of[gate.gid] in GEMM_TYPES
+        gemm = self.on_gemm(gate, down)
         on_gemm = [gemm and x.shape[0] >= 2 for x in inputs]
         ys: list[np.ndarray] = [inputs[0]] * len(experts)
         for path, run in ((True, self._expert_gemms), (False, self._expert_stacks)):
@@ -868,6 +870,12 @@ class GgmlKernels:
                 for m, y in zip(members, outs):
                     ys[m] = y
         return ys
+
+    def on_gemm(self, gate: Mat, down: Mat) -> bool:
+        """Whether experts of these matrices run their rows on llamafile's GEMM when they have several
+        (:meth:`expert_ffns`): a :data:`GEMM_TYPES` type in the file's layout, ggml built with it, and
+        ``COLIBRI_GGML_EXPERT_GEMM`` on."""
+        return self.expert_gemm and not (gate.packed or down.packed) and self._type_of.get(gate.gid) in GEMM_TYPES
 
     def _expert_stacks(self, addrs: list[tuple[int, int, int]], inputs: list[np.ndarray], gate: Mat, down: Mat,
                        activation: str) -> list[np.ndarray]:

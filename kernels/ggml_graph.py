@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from colibri_aio.arch.kvcache import KVCache
 
 __all__ = ["CONTEXT_BUCKET", "STEP_SCRATCH", "BatchInputs", "DecodeGraphs", "ExpertsShape", "GgmlBuilder", "Node", "Row",
-           "StepInputs"]
+           "SpanInputs", "StepInputs"]
 
 CONTEXT_BUCKET = 256        # attention graphs are built for the context rounded up to this many keys
 # The most bytes a one-graph step's intermediates may take (every block keeps its float32 copy of the KV cache in
@@ -141,13 +141,56 @@ class StepInputs(BatchInputs):
             mask[0, p + 1:] = -np.inf
 
 
+class SpanInputs(BatchInputs):
+    """What the graphs of a span read: ``n`` consecutive positions of one sequence run together (a prompt's
+    chunk). Each position is its row's (RoPE) and its cache slot (the span never wraps a ring: the caller
+    checks :meth:`fits`), and each row's query sees the keys up to its own position (causal)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.start = 0
+        self._slots = np.zeros(n, np.int64)
+        self._masks: dict[int, np.ndarray] = {}        # keys -> (rows padded, keys) f16
+
+    @staticmethod
+    def fits(start: int, n: int, ring: int) -> bool:
+        """Whether positions start .. start + n - 1 go to their own slots of a ring of ``ring`` positions
+        without wrapping (so each slot holds its position, and every key a query sees is still there)."""
+        return start + n <= ring
+
+    def begin(self, start: int) -> None:  # type: ignore[override]
+        self.start = start
+        super().begin(range(start, start + len(self.pos32)))
+        self._slots[:] = self.pos32
+        for n_kv, mask in self._masks.items():
+            self._fill(n_kv, mask)
+
+    def slot(self, ring: int) -> np.ndarray:
+        """The slots the span's keys go to: their positions, in a whole-context cache or a ring they fit."""
+        return self._slots
+
+    def mask(self, ring: int, n_kv: int, chunked: bool = False) -> np.ndarray:
+        """The causal mask over ``n_kv`` keys, one row per position (padded to what flash attention wants):
+        in a ring the span fits, slot j holds position j, so a ring's window and a chunk's start (both at
+        least the ring's size back) hide nothing a whole-context cache shows."""
+        if n_kv not in self._masks:
+            rows = -(-len(self.pos32) // _MASK_ROWS) * _MASK_ROWS
+            self._masks[n_kv] = np.zeros((rows, n_kv), np.float16)
+            self._fill(n_kv, self._masks[n_kv])
+        return self._masks[n_kv]
+
+    def _fill(self, n_kv: int, mask: np.ndarray) -> None:
+        n = len(self.pos32)
+        mask[:n] = np.where(np.arange(n_kv)[None, :] <= self.pos32[:, None], 0.0, -np.inf)
+
+
 @dataclass(slots=True, eq=False)
 class Row:
-    """One sequence of a decode step: its KV cache, its step inputs and the keys a whole-context cache's
-    attention reads (its context bucket)."""
+    """One sequence of a decode step (or a span of one: :class:`SpanInputs`): its KV cache, its step inputs
+    and the keys a whole-context cache's attention reads (its context bucket)."""
 
     cache: KVCache
-    inputs: StepInputs
+    inputs: StepInputs | SpanInputs
     n_kv: int
 
 
@@ -172,14 +215,16 @@ class GgmlBuilder:
 
     def __init__(self, kernels: GgmlKernels, graph: Graph, rows: Sequence[Row], rope: RopeParams,
                  eps: float, f16_attention: bool = False, batch: BatchInputs | None = None,
-                 n_rows: int | None = None) -> None:
+                 n_rows: int | None = None, rows_together: bool = False) -> None:
         """``n_rows`` without ``rows``: a graph of that many rows that reads no sequence's cache or position
-        (an FFN, the head)."""
+        (an FFN, the head); ``rows_together``: its products take all rows at once whatever their type (the
+        positions of one span, which owe no row the bits it has alone)."""
         if len(rows) > 1 and batch is None:
             raise ValueError("a graph of several rows needs their positions (batch)")
         self.kernels, self.graph, self.ctx = kernels, graph, graph.ctx
         self.rows, self.batch = list(rows), batch
         self.n_rows = len(self.rows) if n_rows is None else n_rows
+        self.rows_together = rows_together
         if self.rows:
             self.inputs, self.cache, self.n_kv = rows[0].inputs, rows[0].cache, rows[0].n_kv
         self.rope_params, self.eps = rope, eps
@@ -293,7 +338,7 @@ class GgmlBuilder:
         """``ggml_mul_mat(wt, x)`` of x's t rows (ggml's axis 1); of several rows of a step, one product per row
         where a product over all of them would not give each row its bits alone (``m``: None for a float
         matrix)."""
-        if self.n_rows == 1 or t == 1 or (m is not None and self.kernels.rows_alike(m)):
+        if self.n_rows == 1 or t == 1 or self.rows_together or (m is not None and self.kernels.rows_alike(m)):
             return G.ggml_mul_mat(self.ctx, wt, x)
         return self._stack_rows([G.ggml_mul_mat(self.ctx, wt, self._contiguous(row))
                                  for row in self._row_views(x, t, 1)], 1)
@@ -726,12 +771,18 @@ class DecodeGraphs:
     # graphs kept (least recently used dropped): a batch of new rows traces its own, and each costs a
     # context of tensor headers
     MAX_GRAPHS = 512
+    # span sizes whose graphs are kept (the least recent dropped): a prompt runs in chunks of one size and a
+    # remainder, so a few sizes serve prompt after prompt
+    SPAN_SIZES = 4
 
     def __init__(self, kernels: GgmlKernels, rope: RopeParams, eps: float, f16_attention: bool = False) -> None:
         self.kernels, self.rope, self.eps = kernels, rope, eps
         self.f16_attention = f16_attention
         self.rows: dict[int, Row] = {}         # a sequence's number (its slot) -> its cache, inputs, bucket
         self.current: tuple[int, ...] = ()     # the sequences of this step
+        self.span: Row | None = None           # the span this step runs instead (begin_span), if any
+        self._span_rows: OrderedDict[int, Row] = OrderedDict()   # span size -> its cache, inputs, bucket
+        self.spans = 0                      # spans (prompt chunks) run on these graphs
         self._batches: dict[tuple[int, ...], BatchInputs] = {}
         self.steps = 0                      # decode steps run on these graphs
         self.fused_products = 0             # products over adjacent matrices in the graphs built so far
@@ -740,10 +791,6 @@ class DecodeGraphs:
         self._experts_ids = np.zeros(64, np.int32)
         self._experts_terms: dict[int, np.ndarray] = {}
 
-    @property
-    def inputs(self) -> StepInputs:
-        """The first row's step inputs (its position)."""
-        return self.rows[self.current[0]].inputs
 
     def begin(self, rows: Sequence[tuple[int, KVCache, int]]) -> None:
         """The next step decodes, for each (sequence number, its cache, position), that position: point
@@ -757,12 +804,47 @@ class DecodeGraphs:
                     self._drop(index)
                 row = self.rows[index] = Row(cache, StepInputs() if row is None else row.inputs, n_kv)
             row.inputs.begin(position)
+        self.span = None
         self.current = tuple(index for index, _, _ in rows)
         if len(rows) > 1:
             batch = self._batches.get(self.current)
             if batch is None:
                 batch = self._batches[self.current] = BatchInputs(len(rows))
             batch.begin([position for _, _, position in rows])
+
+    def begin_span(self, index: int, cache: KVCache, start: int, n: int) -> None:
+        """The next graphs run positions start .. start + n - 1 of sequence ``index`` together, each row one
+        position (a prompt's chunk; every ring of the cache must fit it, :meth:`SpanInputs.fits`). Its graphs
+        are traced once per span size, cache and context bucket."""
+        n_kv = min(cache.n_ctx, -(-(start + n) // CONTEXT_BUCKET) * CONTEXT_BUCKET)
+        row = self._span_rows.get(n)
+        if row is None or row.cache is not cache or row.n_kv != n_kv:
+            self._drop_span(n)
+            row = self._span_rows[n] = Row(cache, SpanInputs(n), n_kv)
+        self._span_rows.move_to_end(n)
+        while len(self._span_rows) > self.SPAN_SIZES:
+            self._drop_span(next(iter(self._span_rows)))
+        row.inputs.begin(start)                                  # type: ignore[call-arg]
+        self.span, self.current = row, (index,)
+
+    def _drop_span(self, n: int) -> None:
+        """Free the graphs of spans of ``n`` positions (their cache, bucket or turn changed)."""
+        self._span_rows.pop(n, None)
+        for key in [key for key in self._graphs if key[1] == ("span",) and key[2] == n]:
+            graph = self._graphs.pop(key)
+            if graph is not None:
+                graph.free()
+
+    def wrote(self, layer: int) -> None:
+        """Each sequence of the step (or the span's) has its positions' keys and values of block ``layer`` in
+        its cache."""
+        if self.span is not None:
+            inputs = self.span.inputs
+            self.span.cache.wrote(layer, int(inputs.pos32[-1]) + 1)
+            return
+        for index in self.current:
+            row = self.rows[index]
+            row.cache.wrote(layer, row.inputs.position + 1)       # type: ignore[union-attr]
 
     def _drop(self, index: int) -> None:
         """Free the graphs of sequence ``index`` (its bucket or cache changed)."""
@@ -779,18 +861,25 @@ class DecodeGraphs:
         outputs written into the buffers it pairs them with. None when its intermediates would take more than
         ``max_arena`` bytes. ``rows``: a graph of so many rows that reads no sequence's cache or position (an
         FFN, the head), which every step of as many rows shares, begun or not."""
-        full = (key, self.current, len(self.current)) if rows is None else (key, (), rows)
+        span = self.span
+        if span is not None:    # a span's graphs: its rows' products together, whatever their type
+            full = (key, ("span",), len(span.inputs.pos32), rows is None)
+        else:
+            full = (key, self.current, len(self.current)) if rows is None else (key, (), rows)
         if full in self._graphs:
             self._graphs.move_to_end(full)
             return self._graphs[full]
         k = self.kernels
         graph = Graph(n_nodes, n_nodes)
-        if rows is None:
+        if rows is None and span is not None:
+            f = GgmlBuilder(k, graph, [span], self.rope, self.eps, self.f16_attention)
+        elif rows is None:
             seqs = [self.rows[i] for i in self.current]
             f = GgmlBuilder(k, graph, seqs, self.rope, self.eps, self.f16_attention,
                             self._batches.get(self.current) if len(seqs) > 1 else None)
         else:
-            f = GgmlBuilder(k, graph, [], self.rope, self.eps, self.f16_attention, n_rows=rows)
+            f = GgmlBuilder(k, graph, [], self.rope, self.eps, self.f16_attention, n_rows=rows,
+                            rows_together=span is not None)
         outputs = list(trace(f))
         k.finish_graph(graph, [node.t for node, _ in outputs], f.weight_bytes, own_arena=False)
         graph.key = full                                                # type: ignore[attr-defined]
@@ -802,14 +891,19 @@ class DecodeGraphs:
             self._keep_graph(full, None)
             return None
         self.fused_products += f.fused_products
+        self._place(graph)
+        self._keep_graph(full, graph)
+        return graph
+
+    def _place(self, graph: Graph) -> None:
+        """Put ``graph``'s intermediates in the arena every graph here shares, grown (and the others moved)
+        when it needs more."""
         if graph.arena_size > self._scratch.size:
             self._scratch, self._scratch_addr = aligned_buffer(graph.arena_size)
             for other in self._graphs.values():
                 if other is not None:
                     other.place(self._scratch_addr)
         graph.place(self._scratch_addr)
-        self._keep_graph(full, graph)
-        return graph
 
     def _keep_graph(self, key: tuple, graph: Graph | None) -> None:
         self._graphs[key] = graph
@@ -864,6 +958,50 @@ class DecodeGraphs:
             k.run(graph)
         return target
 
+    def experts_over_rows(self, shape: ExpertsShape, h: np.ndarray, x2: np.ndarray, out: np.ndarray,
+                          batch: Mapping[int, Any], routed: np.ndarray, weights: np.ndarray,
+                          biases: Sequence[np.ndarray] | None = None, shared: np.ndarray | None = None) -> bool:
+        """Block experts for t rows at once, as llama.cpp runs a batch's: ``out`` = x2 + each row's weighted
+        expert outputs in rank order (+ ``shared``), (t, D). ``routed`` (t, used) int32: each row's experts
+        in rank order, every one in ``batch`` (their FFNWeights); ``weights`` (t, used). One
+        ``ggml_mul_mat_id`` per matrix over the (used, t) cells, each row's input rounded once: every expert's
+        cells are one product, in the order :meth:`expert_cells` gives them, so each cell has the bits it has
+        there and the sum the bits of the rank-ordered sum of those. False (nothing written) when the experts
+        are not one stack."""
+        if shape.each:
+            return False
+        k, a = self.kernels, self.kernels.address
+        t, used = routed.shape
+        members, member_of = np.unique(routed, return_inverse=True)
+        _check_layout([batch[int(m)] for m in members], shape)
+        addrs = [(a(e.gate.data), a(e.up.data), a(e.down.data)) for e in (batch[int(m)] for m in members)]
+        stacks = split_stacks(addrs, np.bincount(member_of.ravel(), minlength=len(members)).tolist())
+        if len(stacks) != 1:
+            return False
+        (stack,) = stacks
+        index = np.empty(len(members), np.int32)
+        index[list(stack.members)] = stack.index
+        ids = np.concatenate([index[member_of.reshape(-1)], routed.reshape(-1)]).astype(np.int32)
+        gate_up = (shape.activation == "swiglu" and not shape.biased
+                   and stack.base[1] - stack.base[0] == shape.gate.nbytes)
+        shape = replace(shape, depth=stack.depth, gate_up=gate_up)
+        bases = (stack.base[0], stack.base[2]) if gate_up else stack.base
+        with k.lock:
+            graph = k.graph(("experts", shape, False, t), 16 + 16, lambda g: _build_experts(g, shape, False, t),
+                            sum(m.nbytes for m in (shape.gate, shape.gate, shape.down)) * len(members),
+                            own_arena=False)
+            self._place(graph)
+            addrs_in = [h.ctypes.data, x2.ctypes.data, *bases, ids.ctypes.data, ids.ctypes.data + 4 * t * used,
+                        weights.ctypes.data, *(b.ctypes.data for b in biases or ()),
+                        *(() if shared is None else (shared.ctypes.data,))]
+            for leaf, addr in zip(graph.inputs, addrs_in):
+                leaf.data = addr
+            for st in graph.stacks:
+                graph.set_stride(st, stack.stride)
+            graph.outputs[0].data = out.ctypes.data
+            k.run(graph)
+        return True
+
     def expert_cells(self, shape: ExpertsShape, h: np.ndarray, batch: Mapping[int, Any], cells: np.ndarray,
                      weights: np.ndarray, biases: Sequence[np.ndarray] | None = None) -> np.ndarray | None:
         """Each (row, rank) cell's weighted expert output, (N, D), for N cells of a batched step at once: cell
@@ -872,29 +1010,54 @@ class DecodeGraphs:
         over all cells, each expert's weights loaded once for every cell routed to it; each cell is its own
         dot products, so it carries the bits :meth:`experts` gives its row alone (the kernels'
         :meth:`~GgmlKernels.cells_alike` measures this per type: the caller asks it first). None when the
-        experts are not one stack of matrices one stride apart (the caller runs its rows one by one)."""
-        k, n = self.kernels, len(cells)
+        experts are run one by one (``COLIBRI_GGML_EXPERTS=each``: the caller runs its rows one by one).
+
+        Experts that are not one stack of matrices one stride apart (some in the pool, some mapped) run as one
+        product per stack, each over all the cells of its experts: a cell's bits never depend on the stack it
+        is in, and an expert's cells are always together, in the order given."""
+        if shape.each:
+            return None
+        k = self.kernels
         a = k.address
         members, first_of, counts = np.unique(cells, return_inverse=True, return_counts=True)
         _check_layout([batch[int(m)] for m in members], shape)
         addrs = [(a(e.gate.data), a(e.up.data), a(e.down.data)) for e in (batch[int(m)] for m in members)]
         stacks = split_stacks(addrs, counts.tolist())
-        if len(stacks) != 1 or shape.each:
-            return None
-        (stack,) = stacks
-        index = np.empty(len(members), np.int32)
+        out = np.empty((len(cells), shape.down.rows), np.float32)
+        if len(stacks) == 1:
+            self._stack_cells(shape, stacks[0], h, cells, first_of, weights, biases, out)
+            return out
+        stack_of = np.empty(len(members), np.intp)
+        for i, stack in enumerate(stacks):
+            stack_of[list(stack.members)] = i
+        for i, stack in enumerate(stacks):
+            picked = np.flatnonzero(stack_of[first_of] == i)
+            out[picked] = self._stack_cells(shape, stack, np.ascontiguousarray(h[picked]), cells[picked],
+                                            first_of[picked], np.ascontiguousarray(weights[picked]), biases,
+                                            np.empty((len(picked), shape.down.rows), np.float32))
+        return out
+
+    def _stack_cells(self, shape: ExpertsShape, stack: Any, h: np.ndarray, cells: np.ndarray, member_of: np.ndarray,
+                     weights: np.ndarray, biases: Sequence[np.ndarray] | None, out: np.ndarray) -> np.ndarray:
+        """:meth:`expert_cells` of the cells whose experts are one stack: cell j is expert ``cells[j]``, the
+        batch's member ``member_of[j]``; its weighted output into ``out[j]``."""
+        k, n = self.kernels, len(cells)
+        index = np.zeros(int(member_of.max()) + 1, np.int32)
         index[list(stack.members)] = stack.index
         ids = np.empty(2 * n, np.int32)
-        ids[:n] = index[first_of]
+        ids[:n] = index[member_of]
         ids[n:] = cells
         gate_up = (shape.activation == "swiglu" and not shape.biased
                    and stack.base[1] - stack.base[0] == shape.gate.nbytes)
         shape = replace(shape, used=1, depth=stack.depth, gate_up=gate_up)
         bases = (stack.base[0], stack.base[2]) if gate_up else stack.base
-        out = np.empty((n, shape.down.rows), np.float32)
         with k.lock:
+            # the intermediates in the arena the step's graphs share: one template per number of cells, and a
+            # prompt's chunks give many
             graph = k.graph(("cells", shape, n), 16 + 16, lambda g: _build_cells(g, shape, n),
-                            sum(m.nbytes for m in (shape.gate, shape.gate, shape.down)) * len(members))
+                            sum(m.nbytes for m in (shape.gate, shape.gate, shape.down)) * len(stack.members),
+                            own_arena=False)
+            self._place(graph)
             addrs_in = [h.ctypes.data, *bases, ids.ctypes.data, ids.ctypes.data + 4 * n, weights.ctypes.data,
                         *(b.ctypes.data for b in biases or ())]
             for leaf, addr in zip(graph.inputs, addrs_in):
@@ -926,19 +1089,20 @@ def _check_layout(experts: Sequence, shape: ExpertsShape) -> None:
             raise RuntimeError("an expert arrived in another layout (repacked or not) than its graph expects")
 
 
-def _build_experts(g: Graph, s: ExpertsShape, terms: bool) -> list:
-    """The experts graph :meth:`DecodeGraphs.experts` points: leaves h, x2, the stacks (or each rank's gate,
-    up, down), the stack index of each rank, each rank's expert, the weights, the biases, the shared output.
-    ``terms``: its output is each rank's weighted output (used, D) instead of their sum with x2."""
+def _build_experts(g: Graph, s: ExpertsShape, terms: bool, t: int = 1) -> list:
+    """The experts graph :meth:`DecodeGraphs.experts` (or :meth:`~DecodeGraphs.experts_over_rows`, ``t`` rows)
+    points: leaves h, x2, the stacks (or each rank's gate, up, down), the stack index of each rank, each rank's
+    expert, the weights, the biases, the shared output. ``terms``: its output is each rank's weighted output
+    (used, D) instead of their sum with x2."""
     ctx, used = g.ctx, s.used
-    h = g.leaf(_F32, s.gate.cols, 1)
-    x2 = g.leaf(_F32, s.down.rows, 1)
+    h = g.leaf(_F32, s.gate.cols, t)
+    x2 = g.leaf(_F32, s.down.rows, t)
     stacks = [g.weight(m) for _ in range(used) for m in (s.gate, s.gate, s.down)] if s.each else _stacks(g, s)
-    slot_ids, expert_ids = g.leaf(_I32, used, 1), g.leaf(_I32, used, 1)
-    w = g.leaf(_F32, used, 1)
+    slot_ids, expert_ids = g.leaf(_I32, used, t), g.leaf(_I32, used, t)
+    w = g.leaf(_F32, used, t)
     biases = _bias_leaves(g, s)
-    shared = g.leaf(_F32, s.down.rows, 1) if s.shared else None
-    ys = expert_terms(ctx, s, h, slot_ids, expert_ids, w, stacks, biases)
+    shared = g.leaf(_F32, s.down.rows, t) if s.shared else None
+    ys = expert_terms(ctx, s, h, slot_ids, expert_ids, w, stacks, biases, t)
     if not terms:
         return [rank_sum(ctx, ys, x2, shared)]
     acc = ys[0]

@@ -141,6 +141,7 @@ def test_ggml_with_llamacpps_attention_outputs_gives_its_logits_bit_for_bit(monk
     on Q8_0 activations, the clamped SwiGLU, the expert biases, the head) is llama.cpp's to the bit: given
     llama.cpp's attention output of each layer (fixtures/make_family_oracles.py attention), the ggml
     backend's prefill logits are llama.cpp's exactly (without it: ATTENTION_ROUNDING_FLIP)."""
+    monkeypatch.setenv("COLIBRI_GGML_PREFILL", "ops")   # the per-operation prefill, whose attention is NumPy's
     net = _net(stem, ggml)
     ids, want = _oracle(stem, "llamacpp")[0]
     with np.load(ORACLE / f"{stem}.llamacpp_attention.npz") as ref:
@@ -156,6 +157,7 @@ def test_ggml_with_llamacpps_attention_outputs_gives_its_logits_bit_for_bit(monk
     monkeypatch.setattr(NumpyBuilder, "attend", llamacpps)
     got = teacher_forced(net, ids, decode=False)
     assert np.array_equal(got, want)
+    assert sorted(mine) == sorted(theirs)
     for layer, o in mine.items():  # the attention itself agrees to float32 rounding
         np.testing.assert_allclose(o, theirs[layer], rtol=0, atol=1e-6 * float(np.abs(theirs[layer]).max()))
 

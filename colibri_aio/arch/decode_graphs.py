@@ -14,9 +14,18 @@ the per-operation pass runs:
   stream of the chosen experts, the shared expert's graph once the reads are
   out, and one experts graph (or a dense block's FFN graph); one head graph.
 
-Anything else (prefill, tracing, the NumPy backend, ``COLIBRI_GGML_GRAPHS=off``)
-takes the per-operation pass, which also names the place of a non-finite
-value: a step whose graphs produce one is run again that way.
+A prompt (several positions of one sequence, no observer) runs in spans of at
+most PREFILL_CHUNK positions (:meth:`GraphDecode._spans_on_graphs`): per block
+the same attention-and-router graph, traced for the span's positions together
+(every product over all of them, attention causal over the cache), then its
+experts, each read once: when all are resident, one graph over every row, as
+llama.cpp runs a batch; else each arriving batch as one product over its cells.
+
+Anything else (tracing, the NumPy backend, ``COLIBRI_GGML_GRAPHS=off``,
+``COLIBRI_GGML_PREFILL=ops``, a recurrent family's prompt, a span that would
+wrap a sliding-window ring) takes the per-operation pass, which also names the
+place of a non-finite value: a step whose graphs produce one is run again that
+way.
 """
 from __future__ import annotations
 
@@ -28,7 +37,7 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
-from colibri_aio.arch.layers import MoETransformer, RouteObserver
+from colibri_aio.arch.layers import PREFILL_CHUNK, MoETransformer, RouteObserver
 from colibri_aio.policy.step_path import StepPathGuess
 
 if TYPE_CHECKING:
@@ -57,6 +66,14 @@ class StepBuffers:
     step_check: np.ndarray
     terms: np.ndarray       # (B, k, D) each row's weighted expert outputs in rank order, before their sum
 
+    def first(self, rows: int) -> StepBuffers:
+        """The same buffers' first ``rows`` rows (views at the same addresses, so graphs traced for any
+        number of rows point into one set)."""
+        return StepBuffers(self.stream[:rows], self.residual[:rows], self.moe_input[:rows], self.order[:rows],
+                           self.weights[:rows], self.check, self.shared[:rows], self.shared_check,
+                           self.logits[:rows], self.step_order[:, :rows], self.step_weights[:, :rows],
+                           self.step_check, self.terms[:rows])
+
     @classmethod
     def make(cls, blocks: int, dim: int, experts: int, used: int, vocab: int, rows: int = 1) -> StepBuffers:
         z = np.zeros
@@ -76,7 +93,8 @@ class GraphDecode(MoETransformer):
     one_graph_steps = 0                      # steps run as one graph
     one_graph_misses = 0                     # one-graph steps discarded: an expert was not resident
     batch_steps = 0                          # decode_batch steps of several sequences run together
-    expert_cell_products = 0                 # arriving batches of experts run over all their rows at once
+    expert_cell_products = 0                 # arriving batches of a batched step run over all its rows at once
+    span_expert_graphs = 0                   # a span's blocks whose experts, all resident, ran as one graph
 
     def decode_graphs(self) -> DecodeGraphs | None:
         """The net's decode graphs, or None when this net's steps take the per-operation pass."""
@@ -93,7 +111,7 @@ class GraphDecode(MoETransformer):
             return None
         from colibri_aio.kernels import ggml_graph
 
-        self._buffer_sets: dict[int, StepBuffers] = {}
+        self._buffer_sets: dict[int | str, StepBuffers] = {}   # rows -> buffers; "span": the spans'
         self._buffers = self._buffers_for(1)
         self.step_path = StepPathGuess()
         return ggml_graph.DecodeGraphs(k, self.rope_params(), a.rms_eps,  # type: ignore[arg-type]
@@ -115,13 +133,69 @@ class GraphDecode(MoETransformer):
 
     async def _logits(self, tok: np.ndarray, positions: np.ndarray, observer: RouteObserver | None,
                       logits: Literal["last", "all"]) -> np.ndarray:
-        graphs = self.decode_graphs() if tok.size == 1 and observer is None else None
-        if graphs is not None:
+        graphs = self.decode_graphs() if observer is None else None
+        if graphs is not None and tok.size == 1:
             graphs.begin([(self.slots.index(self.slot), self.cache, int(positions[0]))])
             out = await self._step_on_graphs(graphs, tok)
             if out is not None:
                 return out
+        elif graphs is not None and self._spans_fit(int(positions[0]), tok.size):
+            out = await self._spans_on_graphs(graphs, tok, int(positions[0]), logits)
+            if out is not None:
+                return out
         return await super()._logits(tok, positions, observer, logits)
+
+    def _spans_fit(self, start: int, n: int) -> bool:
+        """Whether positions start .. start + n - 1 run as spans on the graphs (:meth:`_spans_on_graphs`):
+        ``COLIBRI_GGML_PREFILL=graphs``, experts as stacks, no recurrent layer (its state steps one position
+        at a time) and no ring the positions would wrap (a query would find a key it needs overwritten)."""
+        a, cache = self.args, self.cache
+        if self.settings.get("ggml_prefill") != "graphs" or self.settings.get("ggml_experts") == "each":
+            return False
+        if any(r is not None for r in a.recurrent_states()):
+            return False
+        from colibri_aio.kernels.ggml_graph import SpanInputs
+
+        return all(SpanInputs.fits(start, n, len(cache.k[layer]))
+                   for layer in range(a.block_count) if cache.is_ring(layer))
+
+    async def _spans_on_graphs(self, graphs: DecodeGraphs, tok: np.ndarray, start: int,
+                               logits: Literal["last", "all"]) -> np.ndarray | None:
+        """The logits of a prompt's positions ``tok`` from ``start`` on, as ``forward`` gives them (the last
+        position's (1, V), or every position's (T, V) by the per-operation head), in spans of at most
+        PREFILL_CHUNK positions, each run together block by block (:meth:`DecodeGraphs.begin_span`): every
+        product over all its positions at once, attention causal over the cache, each expert read once for
+        the span and multiplied over all the (position, rank) cells routed to it in one product. None when a
+        non-finite value appeared (the per-operation pass, run over all of ``tok`` again, names the place).
+
+        A span's logits are llama.cpp's arithmetic (its products over all positions, llama.cpp's kernels), not
+        bit for bit those of its positions decoded one by one; within this backend they depend only on the
+        ids, whatever the cache, its size or the order experts arrive in (an expert's cells are always one
+        product)."""
+        streams = []
+        for s in range(0, len(tok), PREFILL_CHUNK):
+            span = tok[s: s + PREFILL_CHUNK]
+            graphs.begin_span(self.slots.index(self.slot), self.cache, start + s, len(span))
+            self._buffers = self._span_buffers().first(len(span))
+            self.step_unions = []
+            if not await self._blocks_on_graphs(graphs, span):
+                return None
+            graphs.spans += 1
+            if logits == "all":
+                streams.append(self._buffers.stream.copy())
+        if logits == "all":
+            graphs.span = None
+            return MoETransformer.output_logits(self, np.concatenate(streams))
+        return self._head(graphs)
+
+    def _span_buffers(self) -> StepBuffers:
+        """The buffers of spans: PREFILL_CHUNK rows, made at the first span (no logits rows: a span's head runs
+        on its last row alone, in the one-row buffers)."""
+        if "span" not in self._buffer_sets:
+            a = self.args
+            self._buffer_sets["span"] = StepBuffers.make(0, a.embedding_length, a.expert_count, a.expert_used_count,
+                                                         0, PREFILL_CHUNK)
+        return self._buffer_sets["span"]
 
     async def _step_on_graphs(self, graphs: DecodeGraphs, tok: np.ndarray) -> np.ndarray | None:
         """The logits (B, V) of the step :meth:`DecodeGraphs.begin` began, for its tokens ``tok`` (B,): on one
@@ -193,12 +267,6 @@ class GraphDecode(MoETransformer):
         if blk.get("ffn_gate_inp.bias") is not None:
             logits = f.add(logits, blk["ffn_gate_inp.bias"])
         return f.route(logits, a.expert_used_count, a.routing, blk.get("exp_probs_b.bias"))
-
-    def _wrote(self, graphs: DecodeGraphs, layer: int) -> None:
-        """Each sequence of the step has its position's keys and values of block ``layer`` in its cache."""
-        for index in graphs.current:
-            row = graphs.rows[index]
-            row.cache.wrote(layer, row.inputs.position + 1)
 
     def _dense_graph(self, f: GgmlBuilder, layer: int) -> list[tuple[Node, np.ndarray]]:
         b = self._buffers
@@ -281,7 +349,7 @@ class GraphDecode(MoETransformer):
         np.copyto(b.stream, self.embed(tok))
         graphs.run(graph)
         for layer in range(a.block_count):
-            self._wrote(graphs, layer)
+            graphs.wrote(layer)
         chosen = b.step_order[layers, :, :a.expert_used_count]                        # (blocks, B, k)
         if not resident.ready[np.asarray(layers)[:, None, None], chosen].all():
             self.one_graph_misses += 1
@@ -296,34 +364,42 @@ class GraphDecode(MoETransformer):
 
     async def _step_on_block_graphs(self, graphs: DecodeGraphs, tok: np.ndarray) -> np.ndarray | None:
         """The logits (B, V) of this step, block by block, or None when a non-finite value appeared."""
+        return self._head(graphs) if await self._blocks_on_graphs(graphs, tok) else None
+
+    async def _blocks_on_graphs(self, graphs: DecodeGraphs, tok: np.ndarray) -> bool:
+        """The residual stream after every block into the stream buffer, block by block; False when a
+        non-finite value appeared."""
         a, b, n = self.args, self._buffers, len(tok)
         x = self.embed(tok)
         if not np.isfinite(x).all():
-            return None
+            return False
         np.copyto(b.stream, x)
         used = a.expert_used_count
         for layer in range(a.block_count):
             graphs.run(graphs.traced(("attention", layer), lambda f: self._attention_graph(f, layer)))
-            self._wrote(graphs, layer)
+            graphs.wrote(layer)
             if not np.isfinite(b.check[0]):
-                return None
+                return False
             predicted = self._lookahead(layer, b.stream, b.residual, b.moe_input)
             if not a.is_moe(layer):
                 if predicted is not None:
                     self.experts.hint(layer + 1, predicted)
                 graphs.run(graphs.traced(("dense", layer), lambda f: self._dense_graph(f, layer), rows=n))
                 if not np.isfinite(b.check[0]):
-                    return None
+                    return False
                 continue
             if not await self._experts_on_graphs(graphs, layer, b.order[:, :used].tolist(), predicted):
-                return None
-        if not np.isfinite(b.stream).all():
-            return None
-        return self._head(graphs)
+                return False
+        return bool(np.isfinite(b.stream).all())
 
     def _head(self, graphs: DecodeGraphs) -> np.ndarray:
-        """Logits (B, V) of the rows in the stream buffer; NaN when the head's input is not finite (as the
-        per-operation backend gives)."""
+        """Logits (B, V) of the rows in the stream buffer (of a span: its last row's, (1, V)); NaN when the
+        head's input is not finite (as the per-operation backend gives)."""
+        if graphs.span is not None:
+            last = self._buffers.stream[-1:]
+            self._buffers = self._buffers_for(1)
+            np.copyto(self._buffers.stream, last)
+            graphs.span = None          # the head of one row: the decode step's graph
         b = self._buffers
         graphs.run(graphs.traced(("head",), self._head_graph, rows=len(b.stream)))
         logits = b.logits.copy()
@@ -349,7 +425,7 @@ class GraphDecode(MoETransformer):
         """
         b = self._buffers
         shared_on = self.shared_expert_on(layer)
-        together = self._cells_together(layer, len(ids))
+        together = self._cells_together(layer, len(ids), span=graphs.span is not None)
         terms = b.terms
         summed = [False] * len(ids)           # rows whose one graph gave their whole sum
         first = True
@@ -366,20 +442,63 @@ class GraphDecode(MoETransformer):
                                                  rows=len(ids)))
                         if not np.isfinite(b.shared_check[0]):
                             return False
+                if graphs.span is not None and self._span_on_gemm(layer):
+                    self._gemm_cells(layer, ids, by_id)
+                    first = False
+                    continue
+                if first and graphs.span is not None and len(by_id) == len(union) \
+                        and self._span_on_graphs(graphs, layer, ids, by_id):
+                    return True
                 if not (together and self._cells_on_graphs(graphs, layer, ids, by_id)):
                     self._rows_on_graphs(graphs, layer, ids, by_id, first, summed)
                 first = False
         self._rank_sums([i for i, done in enumerate(summed) if not done], terms, shared_on)
         return True
 
-    def _cells_together(self, layer: int, rows: int) -> bool:
+    def _cells_together(self, layer: int, rows: int, span: bool = False) -> bool:
         """Whether a step of ``rows`` rows runs block ``layer``'s experts over all its rows at once: several
         rows, ``COLIBRI_GGML_EXPERT_CELLS=batch``, and a product over several cells gives each cell its
-        own bits for the experts' types on this build (:meth:`GgmlKernels.cells_alike`)."""
+        own bits for the experts' types on this build (:meth:`GgmlKernels.cells_alike`). A span's rows always
+        do (they owe no position the bits it has alone), unless experts run one by one."""
+        shape = self._experts_shape(layer)
+        if span:
+            return not shape.each
         if rows < 2 or self.settings.get("ggml_expert_cells") != "batch":
             return False
-        shape = self._experts_shape(layer)
         return not shape.each and self.kernels.cells_alike(shape.gate) and self.kernels.cells_alike(shape.down)  # type: ignore[attr-defined]
+
+    def _span_on_gemm(self, layer: int) -> bool:
+        """Whether a span's experts of block ``layer`` run as each expert's rows on llamafile's GEMM (one
+        product per expert, each weight block loaded once for all its rows, where ``ggml_mul_mat_id`` loads
+        it per cell): SwiGLU experts without biases, of a type the kernels run there
+        (:meth:`GgmlKernels.on_gemm`). Its products carry vec_dot's bits, row for row: a cell's bits are the
+        ones it has in any other path."""
+        shape = self._experts_shape(layer)
+        return (shape.activation == "swiglu" and not shape.biased and not shape.weights_first
+                and self.kernels.on_gemm(shape.gate, shape.down))  # type: ignore[attr-defined]
+
+    def _gemm_cells(self, layer: int, ids: list[list[int]], by_id: dict) -> None:
+        """Each cell of an arriving batch's experts into the terms buffer: every expert on all its rows
+        (:meth:`Kernels.expert_ffns`), weighted by the cells' router weights."""
+        b = self._buffers
+        routed = np.asarray(ids)
+        cells = [np.nonzero(routed == expert) for expert in by_id]
+        ys = self.kernels.expert_ffns(list(by_id.values()), [b.moe_input[rows] for rows, _ in cells])
+        for (rows, ranks), y in zip(cells, ys):
+            b.terms[rows, ranks] = y * b.weights[rows, ranks][:, None]
+
+    def _span_on_graphs(self, graphs: DecodeGraphs, layer: int, ids: list[list[int]], by_id: dict) -> bool:
+        """A span's experts, every one in the first batch (resident), in one graph over all its rows that also
+        sums them into the stream: the bits the cells and the rank-ordered sum give (:meth:`DecodeGraphs.
+        experts_over_rows`); False when they are not one stack (the caller runs them as cells)."""
+        b = self._buffers
+        shared_on = self.shared_expert_on(layer)
+        if not graphs.experts_over_rows(self._experts_shape(layer), b.moe_input, b.residual, b.stream, by_id,
+                                        np.asarray(ids, np.int32), b.weights, self._expert_biases(layer),
+                                        b.shared if shared_on else None):
+            return False
+        self.span_expert_graphs += 1
+        return True
 
     def _cells_on_graphs(self, graphs: DecodeGraphs, layer: int, ids: list[list[int]], by_id: dict) -> bool:
         """Each (row, rank) cell whose expert is in ``by_id`` (one arriving batch) into the terms buffer, all
@@ -395,7 +514,8 @@ class GraphDecode(MoETransformer):
         if out is None:
             return False
         b.terms[rows, ranks] = out
-        self.expert_cell_products += 1
+        if graphs.span is None:
+            self.expert_cell_products += 1
         return True
 
     def _rows_on_graphs(self, graphs: DecodeGraphs, layer: int, ids: list[list[int]], by_id: dict, first: bool,

@@ -1,0 +1,165 @@
+"""A prompt's positions run together on ggml graphs, block by block (arch/decode_graphs.py: spans).
+
+On the ggml backend a prompt runs in spans of at most PREFILL_CHUNK positions: per block one attention-and-
+router graph over all the span's positions (products over every row at once, attention causal over the
+cache), then its experts, each read once and multiplied over every (position, rank) cell routed to it in one
+product, then one head graph for the last position. What these tests hold it to:
+
+- llama.cpp's logits: bit for bit on every quantised family fixture, as the per-operation prefill is;
+- the same bits whatever the cache holds (experts in one batch or arriving one by one: one graph over the
+  rows, or cells by batch);
+- a prompt in spans of any length, or in several calls, continues one cache (within rounding of one span);
+- what cannot run as a span runs per operation: a recurrent family, a ring the span would wrap, a switch set
+  to ``ops``, a broken weight (whose place the per-operation pass names).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+
+import numpy as np
+import pytest
+
+from colibri_aio import Engine, NonFiniteError
+from colibri_aio.arch import build_net, decode_graphs
+from colibri_aio.engine.mapped_source import MappedExpertSource
+from colibri_aio.gguf.model import load
+from colibri_aio.kernels.backend import Kernels, KernelsUnavailable, open_kernels
+from colibri_aio.kernels.ggml_cpu import has_gemm
+from colibri_aio.settings import Settings
+
+from support import FIXTURES, ORACLE, family_stems, fixture, oracle_ids, rewrite_gguf
+
+IDS = json.loads((ORACLE / "family_ids.json").read_text())["sequences"]
+QUANTISED = sorted(s for s in family_stems() if not s.endswith("_f32") and (FIXTURES / f"{s}.gguf").exists()
+                   and (ORACLE / f"{s}.llamacpp.npz").exists())
+
+
+@pytest.fixture(scope="module")
+def ggml() -> Kernels:
+    try:
+        kernels = open_kernels("ggml")
+    except KernelsUnavailable as e:
+        pytest.skip(str(e))
+    yield kernels
+    kernels.close()
+
+
+def _net(stem: str, kernels: Kernels, **settings: str):
+    model = load(FIXTURES / f"{stem}.gguf")
+    return build_net(model, MappedExpertSource(model), kernels=kernels, kv_type="f32",
+                     settings=Settings.read(**settings))
+
+
+def _spans(net) -> int:
+    graphs = net.decode_graphs()
+    return 0 if graphs is None else graphs.spans
+
+
+def _prefill(net, ids: list[int], logits: str = "last") -> np.ndarray:
+    net.reset()
+    return asyncio.run(net.forward(ids, logits=logits))
+
+
+@pytest.mark.parametrize("stem", QUANTISED)
+def test_a_prompt_as_spans_gives_llamacpps_logits_bit_for_bit(stem: str, ggml: Kernels) -> None:
+    net = _net(stem, ggml)
+    with np.load(ORACLE / f"{stem}.llamacpp.npz") as ref:
+        want = ref[sorted(ref.files)[0]]
+    ids = IDS[0][: want.shape[0]]
+    got_all = _prefill(net, ids, "all")
+    last = _prefill(net, ids)
+    recurrent = any(r is not None for r in net.args.recurrent_states())
+    wraps = any(w is not None and w < len(ids) for w in net.args.kv_windows())
+    assert _spans(net) == (0 if recurrent or wraps else 2), stem
+    if stem == "gptoss_mxfp4":   # per operation: its NumPy attention flips one code (test_arch_families.py)
+        np.testing.assert_allclose(got_all, want, rtol=0, atol=0.02 * float(np.abs(want).max()))
+    else:
+        assert np.array_equal(got_all, want), stem
+    assert np.array_equal(last, got_all[-1]), stem          # the head of the last row alone: the same bits
+
+
+@pytest.mark.parametrize("name", ["tiny_q8_0", "tiny_q4_k", "qwen2moe_q8_0", "deepseek2_q8_0", "gptoss_mxfp4"])
+async def test_spans_give_the_same_bits_whether_experts_are_resident_or_arrive_one_by_one(monkeypatch,
+                                                                                          name: str) -> None:
+    """Every path a span's experts take gives the same bits: one graph over the rows (all resident), a product
+    over each arriving batch's cells, and (Q8_0 experts) each expert's rows on llamafile's GEMM."""
+    a = load(fixture(f"{name}.gguf")).args
+    ids = [t % a.vocab_size for t in oracle_ids()[2]][:8]   # within gpt-oss's window of 8: spans
+    moe_blocks = a.moe_block_count
+    runs = {}
+    for gemm, io, per_layer in (("0", "uring", 1), ("0", "uring", a.expert_used_count), ("0", "pread", a.expert_count),
+                                ("0", "mmap", a.expert_count), ("1", "uring", 1), ("1", "mmap", a.expert_count)):
+        monkeypatch.setenv("COLIBRI_GGML_EXPERT_GEMM", gemm)
+        async with await Engine.open(fixture(f"{name}.gguf"), kernels="ggml", io=io, cache_per_layer=per_layer,
+                                     prefetch="off", history=False) as engine:
+            net = engine.net
+            for attempt in ("cold", "again"):      # cold: experts arrive as read; again: resident if they fit
+                net.reset()
+                runs[gemm, io, per_layer, attempt] = await net.forward(ids, logits="all")
+                assert net.decode_graphs().spans == (1 if attempt == "cold" else 2)
+            on_gemm = any(net._span_on_gemm(layer) for layer in range(a.block_count) if a.is_moe(layer))
+            assert on_gemm == (gemm == "1" and name.endswith("q8_0") and has_gemm()), (gemm, name)
+            if io == "mmap" and not on_gemm:   # every expert mapped the second time: one graph over the rows
+                assert net.span_expert_graphs >= moe_blocks
+            elif per_layer == 1 or on_gemm:    # experts arriving one by one, each batch as cells; or on the GEMM
+                assert net.span_expert_graphs == 0
+    want = runs["0", "mmap", a.expert_count, "cold"]
+    for key, got in runs.items():
+        assert np.array_equal(got, want), key
+
+
+def test_spans_of_any_length_and_a_prompt_in_pieces_continue_one_cache(monkeypatch, ggml: Kernels) -> None:
+    stem = "qwen2moe_f32"
+    net = _net(stem, ggml)
+    ids = IDS[0]
+    whole = _prefill(net, ids, "all")
+    assert _spans(net) == 1
+    scale = float(np.abs(whole).max())
+    monkeypatch.setattr(decode_graphs, "PREFILL_CHUNK", 5)     # 24 positions: spans of 5, 5, 5, 5 and 4
+    pieces = _prefill(net, ids, "all")
+    assert _spans(net) == 1 + 5
+    np.testing.assert_allclose(pieces, whole, rtol=0, atol=1e-5 * scale)
+
+    async def two_calls() -> np.ndarray:
+        net.reset()
+        first = await net.forward(ids[:7], logits="all")
+        return np.concatenate([first, await net.forward(ids[7:], logits="all")])
+
+    np.testing.assert_allclose(asyncio.run(two_calls()), whole, rtol=0, atol=1e-5 * scale)
+    # more span sizes than the graphs keep: the oldest are dropped and traced again when they come back
+    for n in range(2, 9):
+        monkeypatch.setattr(decode_graphs, "PREFILL_CHUNK", n)
+        np.testing.assert_allclose(_prefill(net, ids, "all"), whole, rtol=0, atol=1e-5 * scale)
+    graphs = net.decode_graphs()
+    assert len(graphs._span_rows) <= graphs.SPAN_SIZES
+    assert {key[2] for key in graphs._graphs if key[1] == ("span",)} <= set(graphs._span_rows)
+
+
+def test_what_cannot_run_as_a_span_runs_per_operation(ggml: Kernels) -> None:
+    ids = IDS[0]
+    for stem, settings in (("qwen3next_q8_0", {}), ("gptoss_mxfp4", {}), ("qwen2moe_q8_0", {"ggml_prefill": "ops"}),
+                           ("qwen2moe_q8_0", {"ggml_experts": "each"})):
+        net = _net(stem, ggml, **settings)
+        _prefill(net, ids)
+        assert _spans(net) == 0, (stem, settings)
+    net = _net("gptoss_mxfp4", ggml)      # a ring of 8: a prompt of 8 fits it, the next position wraps it
+    _prefill(net, ids[:8])
+    assert _spans(net) == 1
+    asyncio.run(net.forward(ids[8:10]))
+    assert _spans(net) == 1
+
+
+def test_a_broken_weight_in_a_span_is_named_by_the_per_operation_pass(tmp_path, ggml: Kernels) -> None:
+    def poison(name: str, array: np.ndarray) -> list:
+        if name == "blk.1.ffn_up_exps.weight":
+            array = array.copy()
+            array[3] = np.nan
+        return [(name, array)]
+
+    path = rewrite_gguf(FIXTURES / "qwen2moe_f32.gguf", tmp_path / "broken.gguf", tensors=poison)
+    model = load(path)
+    net = build_net(model, MappedExpertSource(model), kernels=ggml, kv_type="f32")
+    with pytest.raises(NonFiniteError, match="layer 1 expert"):
+        asyncio.run(net.forward(IDS[0]))
+    assert _spans(net) == 0
