@@ -5,7 +5,8 @@ router graph over all the span's positions (products over every row at once, att
 cache), then its experts, each read once and multiplied over every (position, rank) cell routed to it in one
 product, then one head graph for the last position. What these tests hold it to:
 
-- llama.cpp's logits: bit for bit on every quantised family fixture, as the per-operation prefill is;
+- llama.cpp's logits: bit for bit on every quantised family fixture (on a CPU of the oracle's class), as the
+  per-operation prefill is;
 - the same bits whatever the cache holds (experts in one batch or arriving one by one: one graph over the
   rows, or cells by batch);
 - a prompt in spans of any length, or in several calls, continues one cache (within rounding of one span);
@@ -28,7 +29,7 @@ from colibri_aio.kernels.backend import Kernels, KernelsUnavailable, open_kernel
 from colibri_aio.kernels.ggml_cpu import has_gemm
 from colibri_aio.settings import Settings
 
-from support import FIXTURES, ORACLE, family_stems, fixture, oracle_ids, rewrite_gguf
+from support import FIXTURES, ORACLE, family_stems, fixture, oracle_ids, oracle_tolerance, rewrite_gguf
 
 IDS = json.loads((ORACLE / "family_ids.json").read_text())["sequences"]
 QUANTISED = sorted(s for s in family_stems() if not s.endswith("_f32") and (FIXTURES / f"{s}.gguf").exists()
@@ -72,8 +73,12 @@ def test_a_prompt_as_spans_gives_llamacpps_logits_bit_for_bit(stem: str, ggml: K
     recurrent = any(r is not None for r in net.args.recurrent_states())
     wraps = any(w is not None and w < len(ids) for w in net.args.kv_windows())
     assert _spans(net) == (0 if recurrent or wraps else 2), stem
-    if stem == "gptoss_mxfp4":   # per operation: its NumPy attention flips one code (test_arch_families.py)
-        np.testing.assert_allclose(got_all, want, rtol=0, atol=0.02 * float(np.abs(want).max()))
+    # gpt-oss runs per operation here, where its NumPy attention flips one code (test_arch_families.py); the
+    # oracle was made on an AVX-512 CPU, whose Q8_0 products other CPUs' kernels sum otherwise (deepseek2lite's
+    # 26 blocks carry a moved code on: 6.5e-3 measured without AVX-512).
+    rel = 0.02 if stem == "gptoss_mxfp4" else oracle_tolerance(0.0, 1e-2)
+    if rel:
+        np.testing.assert_allclose(got_all, want, rtol=0, atol=rel * float(np.abs(want).max()))
     else:
         assert np.array_equal(got_all, want), stem
     assert np.array_equal(last, got_all[-1]), stem          # the head of the last row alone: the same bits
