@@ -143,20 +143,18 @@ class StepInputs(BatchInputs):
 
 class SpanInputs(BatchInputs):
     """What the graphs of a span read: ``n`` consecutive positions of one sequence run together (a prompt's
-    chunk). Each position is its row's (RoPE) and its cache slot (the span never wraps a ring: the caller
-    checks :meth:`fits`), and each row's query sees the keys up to its own position (causal)."""
+    chunk). Each position is its row's (RoPE); in a whole-context cache its slot is its position and each
+    row's query sees the keys up to its own (causal). A sliding-window (or chunked) ring is attended as the
+    keys it held before the span followed by the span's own, then given the span's last keys
+    (:meth:`ring_slots`, :meth:`ring_mask`), so a span may run past the window."""
 
     def __init__(self, n: int) -> None:
         super().__init__(n)
         self.start = 0
         self._slots = np.zeros(n, np.int64)
         self._masks: dict[int, np.ndarray] = {}        # keys -> (rows padded, keys) f16
-
-    @staticmethod
-    def fits(start: int, n: int, ring: int) -> bool:
-        """Whether positions start .. start + n - 1 go to their own slots of a ring of ``ring`` positions
-        without wrapping (so each slot holds its position, and every key a query sees is still there)."""
-        return start + n <= ring
+        self._ring_slots: dict[int, np.ndarray] = {}   # ring size -> (min(n, ring),) int64
+        self._ring_masks: dict[tuple[int, bool], np.ndarray] = {}  # (ring size, chunked) -> (rows, ring + n) f16
 
     def begin(self, start: int) -> None:  # type: ignore[override]
         self.start = start
@@ -164,24 +162,57 @@ class SpanInputs(BatchInputs):
         self._slots[:] = self.pos32
         for n_kv, mask in self._masks.items():
             self._fill(n_kv, mask)
+        for ring, slots in self._ring_slots.items():
+            slots[:] = self.pos32[len(self.pos32) - len(slots):] % ring
+        for (ring, chunked), mask in self._ring_masks.items():
+            self._fill_ring(ring, chunked, mask)
+
+    def _rows(self) -> int:
+        return -(-len(self.pos32) // _MASK_ROWS) * _MASK_ROWS   # queries padded to what flash attention wants
 
     def slot(self, ring: int) -> np.ndarray:
-        """The slots the span's keys go to: their positions, in a whole-context cache or a ring they fit."""
+        """The slots the span's keys go to in a whole-context cache: their positions."""
         return self._slots
 
     def mask(self, ring: int, n_kv: int, chunked: bool = False) -> np.ndarray:
-        """The causal mask over ``n_kv`` keys, one row per position (padded to what flash attention wants):
-        in a ring the span fits, slot j holds position j, so a ring's window and a chunk's start (both at
-        least the ring's size back) hide nothing a whole-context cache shows."""
+        """The causal mask over the first ``n_kv`` keys of a whole-context cache, one row per position."""
         if n_kv not in self._masks:
-            rows = -(-len(self.pos32) // _MASK_ROWS) * _MASK_ROWS
-            self._masks[n_kv] = np.zeros((rows, n_kv), np.float16)
+            self._masks[n_kv] = np.zeros((self._rows(), n_kv), np.float16)
             self._fill(n_kv, self._masks[n_kv])
         return self._masks[n_kv]
 
     def _fill(self, n_kv: int, mask: np.ndarray) -> None:
         n = len(self.pos32)
         mask[:n] = np.where(np.arange(n_kv)[None, :] <= self.pos32[:, None], 0.0, -np.inf)
+
+    def ring_slots(self, ring: int) -> np.ndarray:
+        """The ring slots the span's last min(n, ring) positions go to, after the span has read the ring
+        (the earlier ones of a longer span no later position of the window needs)."""
+        if ring not in self._ring_slots:
+            n = len(self.pos32)
+            self._ring_slots[ring] = (self.pos32[n - min(n, ring):] % ring).astype(np.int64)
+        return self._ring_slots[ring]
+
+    def ring_mask(self, ring: int, chunked: bool) -> np.ndarray:
+        """The mask over the ring's ``ring`` slots as they were before the span, then the span's n keys:
+        slot j held the last position before the span that it stores, (start - 1) - ((start - 1 - j) mod ring),
+        none when that is negative; a query at p sees a key at p' when p - ring < p' <= p (a window of
+        ``ring`` positions), and with ``chunked`` when p' is in p's chunk of ``ring`` positions."""
+        key = (ring, chunked)
+        if key not in self._ring_masks:
+            self._ring_masks[key] = np.zeros((self._rows(), ring + len(self.pos32)), np.float16)
+            self._fill_ring(ring, chunked, self._ring_masks[key])
+        return self._ring_masks[key]
+
+    def _fill_ring(self, ring: int, chunked: bool, mask: np.ndarray) -> None:
+        last = self.start - 1
+        held = last - (last - np.arange(ring)) % ring                         # (ring,) -1.. when never written
+        keys = np.concatenate([np.where(held >= 0, held, np.iinfo(np.int64).min // 2), self.pos32])
+        p = self.pos32[:, None].astype(np.int64)
+        seen = (keys[None, :] <= p) & (keys[None, :] > p - ring)
+        if chunked:
+            seen &= keys[None, :] >= p // ring * ring
+        mask[:len(self.pos32)] = np.where(seen, 0.0, -np.inf)
 
 
 @dataclass(slots=True, eq=False)
@@ -444,6 +475,8 @@ class GgmlBuilder:
         dv = values.shape[2]
         t, heads = qn.shape[0], qn.shape[1]
         ring = held if cache.is_ring(layer) else 0
+        if ring and isinstance(row.inputs, SpanInputs) and vn is not None:
+            return self._attend_span_ring(row, layer, qn, kn, vn, scale, sinks)
         n_kv = held if ring else row.n_kv
         gid, item = _GID[keys.dtype], keys.dtype.itemsize
         slot = self.over(row.inputs.slot(ring))
@@ -477,6 +510,49 @@ class GgmlBuilder:
             G.ggml_flash_attn_ext_add_sinks(att, self.leaf(sinks))
         out = G.ggml_reshape_2d(ctx, att, dv * heads, t)
         for c in (*checked, out):
+            self._check(c)
+        return Node(out, (t, heads * dv))
+
+    def _attend_span_ring(self, row: Row, layer: int, qn: Node, kn: Node, vn: Node, scale: float | None,
+                          sinks: Any | None) -> Node:
+        """A span's attention in a sliding-window (or chunked) ring of block ``layer``: its queries over the
+        keys and values the ring held before the span followed by the span's own (float32, the ring widened),
+        masked by position (:meth:`SpanInputs.ring_mask`); then its last keys and values into the ring, after
+        the attention has read it, so no key a query of the span needs is overwritten first."""
+        cache, ctx, inputs = row.cache, self.ctx, row.inputs
+        keys, values = cache.k[layer], cache.v[layer]
+        ring, heads_kv, dk = keys.shape
+        dv = values.shape[2]
+        t, heads = qn.shape[0], qn.shape[1]
+        gid, item = _GID[keys.dtype], keys.dtype.itemsize
+
+        def with_span(array: np.ndarray, width: int, fresh: Node) -> Any:     # (width, ring + t, heads) f32
+            old = self._strided(gid, width, ring, heads_kv, heads_kv * width * item, array.ctypes.data)
+            old = self._widened(old, ring, heads_kv) if gid != _F32 else G.ggml_cont(ctx, old)
+            new = G.ggml_cont(ctx, G.ggml_permute(ctx, self._contiguous(fresh.t), 0, 2, 1, 3))
+            if gid != _F32:   # the span's own keys as the cache stores them, as every other read sees them
+                new = G.ggml_cast(ctx, G.ggml_cast(ctx, new, gid), _F32)
+            return G.ggml_concat(ctx, old, new, 1)
+
+        mask = self.over(inputs.ring_mask(ring, cache.chunked[layer]))  # type: ignore[union-attr]
+        att = G.ggml_flash_attn_ext(ctx, G.ggml_permute(ctx, qn.t, 0, 2, 1, 3), with_span(keys, dk, kn),
+                                    with_span(values, dv, vn), mask, 1.0 / math.sqrt(dk) if scale is None else scale,
+                                    0.0, 0.0)
+        G.ggml_flash_attn_ext_set_prec(att, G.GGML_PREC_F32)
+        if sinks is not None:
+            G.ggml_flash_attn_ext_add_sinks(att, self.leaf(sinks))
+        out = G.ggml_reshape_2d(ctx, att, dv * heads, t)
+        self._effect(out)                 # the ring read before the span writes into it (graph order)
+        slots = self.over(inputs.ring_slots(ring))  # type: ignore[union-attr]
+        kept = len(inputs.ring_slots(ring))  # type: ignore[union-attr]
+        for array, width, fresh in ((keys, dk, kn), (values, dv, vn)):
+            rows = self.graph.leaf(gid, heads_kv * width, ring)
+            rows.contents.data = array.ctypes.data
+            flat = G.ggml_reshape_2d(ctx, self._contiguous(fresh.t), heads_kv * width, t)
+            last = G.ggml_view_2d(ctx, flat, heads_kv * width, kept, flat.contents.nb[1],
+                                  (t - kept) * flat.contents.nb[1])
+            self._effect(G.ggml_set_rows(ctx, rows, last, slots))
+        for c in (qn.t, kn.t, vn.t, out):
             self._check(c)
         return Node(out, (t, heads * dv))
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from colibri_aio import Engine, NonFiniteError
-from colibri_aio.arch import build_net, decode_graphs
+from colibri_aio.arch import build_net, decode_graphs, llama4
 from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.gguf.model import load
 from colibri_aio.kernels.backend import Kernels, KernelsUnavailable, open_kernels
@@ -71,12 +71,10 @@ def test_a_prompt_as_spans_gives_llamacpps_logits_bit_for_bit(stem: str, ggml: K
     got_all = _prefill(net, ids, "all")
     last = _prefill(net, ids)
     recurrent = any(r is not None for r in net.args.recurrent_states())
-    wraps = any(w is not None and w < len(ids) for w in net.args.kv_windows())
-    assert _spans(net) == (0 if recurrent or wraps else 2), stem
-    # gpt-oss runs per operation here, where its NumPy attention flips one code (test_arch_families.py); the
-    # oracle was made on an AVX-512 CPU, whose Q8_0 products other CPUs' kernels sum otherwise (deepseek2lite's
-    # 26 blocks carry a moved code on: 6.5e-3 measured without AVX-512).
-    rel = 0.02 if stem == "gptoss_mxfp4" else oracle_tolerance(0.0, 1e-2)
+    assert _spans(net) == (0 if recurrent else 2), stem
+    # The oracle was made on an AVX-512 CPU, whose Q8_0 products other CPUs' kernels sum otherwise
+    # (deepseek2lite's 26 blocks carry a moved code on: 6.5e-3 measured without AVX-512).
+    rel = oracle_tolerance(0.0, 1e-2)
     if rel:
         np.testing.assert_allclose(got_all, want, rtol=0, atol=rel * float(np.abs(want).max()))
     else:
@@ -143,16 +141,50 @@ def test_spans_of_any_length_and_a_prompt_in_pieces_continue_one_cache(monkeypat
 
 def test_what_cannot_run_as_a_span_runs_per_operation(ggml: Kernels) -> None:
     ids = IDS[0]
-    for stem, settings in (("qwen3next_q8_0", {}), ("gptoss_mxfp4", {}), ("qwen2moe_q8_0", {"ggml_prefill": "ops"}),
+    for stem, settings in (("qwen3next_q8_0", {}), ("qwen2moe_q8_0", {"ggml_prefill": "ops"}),
                            ("qwen2moe_q8_0", {"ggml_experts": "each"})):
         net = _net(stem, ggml, **settings)
         _prefill(net, ids)
         assert _spans(net) == 0, (stem, settings)
-    net = _net("gptoss_mxfp4", ggml)      # a ring of 8: a prompt of 8 fits it, the next position wraps it
-    _prefill(net, ids[:8])
-    assert _spans(net) == 1
-    asyncio.run(net.forward(ids[8:10]))
-    assert _spans(net) == 1
+
+
+@pytest.mark.parametrize("stem", ["gptoss_mxfp4", "llama4_q8_0"])
+@pytest.mark.parametrize("kv_type", ["f32", "f16"])
+def test_spans_run_past_a_sliding_window_ring_as_its_positions_one_by_one_would(monkeypatch, stem: str, kv_type: str,
+                                                                                ggml: Kernels) -> None:
+    """gpt-oss's sliding-window blocks keep a ring of 8 positions: a span attends over what the ring held
+    before it and its own keys, then leaves its last 8 in the ring, however many positions it has and
+    wherever it starts. The same bits in spans of any length and in any pieces (measured: equal), and with
+    the decoded positions after them; held to the per-operation pass (which writes and reads one position's
+    window at a time) within its NumPy attention's one flipped code (measured 1.6e-2 of max|logit| with an
+    f32 cache, 0 with f16; test_arch_families.py's ATTENTION_ROUNDING_FLIP). llama4's chunked blocks, made
+    chunks of 8 positions, likewise: a query sees the keys of its own chunk only."""
+    monkeypatch.setattr(llama4, "CHUNK", 8)
+
+    def run(settings: dict, chunk: int, pieces: tuple[int, ...]) -> np.ndarray:
+        monkeypatch.setattr(decode_graphs, "PREFILL_CHUNK", chunk)
+        model = load(FIXTURES / f"{stem}.gguf")
+        net = build_net(model, MappedExpertSource(model), kernels=ggml, kv_type=kv_type,
+                        settings=Settings.read(**settings))
+        assert net.args.kv_windows()[0] == 8
+
+        async def go() -> np.ndarray:
+            out, start = [], 0
+            for end in (*pieces, len(IDS[0])):
+                out.append(await net.forward(IDS[0][start:end], logits="all"))
+                start = end
+            out += [(await net.forward([t]))[None] for t in IDS[0][:4]]      # decode on after the prompt
+            return np.concatenate(out)
+
+        got = asyncio.run(go())
+        assert (_spans(net) > 0) == (settings.get("ggml_prefill") != "ops")
+        return got
+
+    per_operation = run({"ggml_prefill": "ops"}, 256, ())
+    want = run({}, 256, ())
+    np.testing.assert_allclose(want, per_operation, rtol=0, atol=0.02 * float(np.abs(per_operation).max()))
+    for chunk, pieces in ((5, ()), (256, (3,)), (256, (7, 16)), (3, (10,))):
+        assert np.array_equal(run({}, chunk, pieces), want), (chunk, pieces)
 
 
 def test_a_broken_weight_in_a_span_is_named_by_the_per_operation_pass(tmp_path, ggml: Kernels) -> None:

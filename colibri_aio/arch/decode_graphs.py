@@ -22,10 +22,9 @@ experts, each read once: when all are resident, one graph over every row, as
 llama.cpp runs a batch; else each arriving batch as one product over its cells.
 
 Anything else (tracing, the NumPy backend, ``COLIBRI_GGML_GRAPHS=off``,
-``COLIBRI_GGML_PREFILL=ops``, a recurrent family's prompt, a span that would
-wrap a sliding-window ring) takes the per-operation pass, which also names the
-place of a non-finite value: a step whose graphs produce one is run again that
-way.
+``COLIBRI_GGML_PREFILL=ops``, a recurrent family's prompt) takes the
+per-operation pass, which also names the place of a non-finite value: a step
+whose graphs produce one is run again that way.
 """
 from __future__ import annotations
 
@@ -139,25 +138,18 @@ class GraphDecode(MoETransformer):
             out = await self._step_on_graphs(graphs, tok)
             if out is not None:
                 return out
-        elif graphs is not None and self._spans_fit(int(positions[0]), tok.size):
+        elif graphs is not None and self._spans_fit():
             out = await self._spans_on_graphs(graphs, tok, int(positions[0]), logits)
             if out is not None:
                 return out
         return await super()._logits(tok, positions, observer, logits)
 
-    def _spans_fit(self, start: int, n: int) -> bool:
-        """Whether positions start .. start + n - 1 run as spans on the graphs (:meth:`_spans_on_graphs`):
-        ``COLIBRI_GGML_PREFILL=graphs``, experts as stacks, no recurrent layer (its state steps one position
-        at a time) and no ring the positions would wrap (a query would find a key it needs overwritten)."""
-        a, cache = self.args, self.cache
+    def _spans_fit(self) -> bool:
+        """Whether a prompt runs as spans on the graphs (:meth:`_spans_on_graphs`): ``COLIBRI_GGML_PREFILL=
+        graphs``, experts as stacks, and no recurrent layer (its state steps one position at a time)."""
         if self.settings.get("ggml_prefill") != "graphs" or self.settings.get("ggml_experts") == "each":
             return False
-        if any(r is not None for r in a.recurrent_states()):
-            return False
-        from colibri_aio.kernels.ggml_graph import SpanInputs
-
-        return all(SpanInputs.fits(start, n, len(cache.k[layer]))
-                   for layer in range(a.block_count) if cache.is_ring(layer))
+        return not any(r is not None for r in self.args.recurrent_states())
 
     async def _spans_on_graphs(self, graphs: DecodeGraphs, tok: np.ndarray, start: int,
                                logits: Literal["last", "all"]) -> np.ndarray | None:
