@@ -1009,10 +1009,7 @@ class DecodeGraphs:
             (stack,) = stacks
             for member, index in zip(stack.members, stack.index):
                 ids[member] = index
-            gate_up = (shape.activation == "swiglu" and not shape.biased
-                       and stack.base[1] - stack.base[0] == shape.gate.nbytes)
-            shape = replace(shape, depth=stack.depth, gate_up=gate_up)
-            bases = (stack.base[0], stack.base[2]) if gate_up else stack.base
+            shape, bases = _on_stack(shape, stack)
             strides = (stack.stride,) * len(bases)
         else:                      # one product per expert
             shape = replace(shape, depth=0, gate_up=False, each=True)
@@ -1046,7 +1043,7 @@ class DecodeGraphs:
         are not one stack."""
         if shape.each:
             return False
-        k, a = self.kernels, self.kernels.address
+        a = self.kernels.address
         t, used = routed.shape
         members, member_of = np.unique(routed, return_inverse=True)
         _check_layout([batch[int(m)] for m in members], shape)
@@ -1058,25 +1055,30 @@ class DecodeGraphs:
         index = np.empty(len(members), np.int32)
         index[list(stack.members)] = stack.index
         ids = np.concatenate([index[member_of.reshape(-1)], routed.reshape(-1)]).astype(np.int32)
-        gate_up = (shape.activation == "swiglu" and not shape.biased
-                   and stack.base[1] - stack.base[0] == shape.gate.nbytes)
-        shape = replace(shape, depth=stack.depth, gate_up=gate_up)
-        bases = (stack.base[0], stack.base[2]) if gate_up else stack.base
+        shape, bases = _on_stack(shape, stack)
+        self._run_on_stack(("experts", shape, False, t), lambda g: _build_experts(g, shape, False, t), shape, stack,
+                           len(members), [h.ctypes.data, x2.ctypes.data, *bases, ids.ctypes.data,
+                                          ids.ctypes.data + 4 * t * used, weights.ctypes.data,
+                                          *(b.ctypes.data for b in biases or ()),
+                                          *(() if shared is None else (shared.ctypes.data,))], out)
+        return True
+
+    def _run_on_stack(self, key: tuple, build: Callable[[Graph], list], shape: ExpertsShape, stack: Any, members: int,
+                      addrs: Sequence[int], out: np.ndarray) -> None:
+        """Run the kernels' template graph ``key`` (built by ``build`` on first use) over one stack of
+        ``members`` experts: its intermediates in the arena this object's graphs share (one template per
+        number of rows, and a prompt's chunks give many), its leaves at ``addrs``, its output into ``out``."""
+        k = self.kernels
         with k.lock:
-            graph = k.graph(("experts", shape, False, t), 16 + 16, lambda g: _build_experts(g, shape, False, t),
-                            sum(m.nbytes for m in (shape.gate, shape.gate, shape.down)) * len(members),
-                            own_arena=False)
+            graph = k.graph(key, 16 + 16, build,
+                            sum(m.nbytes for m in (shape.gate, shape.gate, shape.down)) * members, own_arena=False)
             self._place(graph)
-            addrs_in = [h.ctypes.data, x2.ctypes.data, *bases, ids.ctypes.data, ids.ctypes.data + 4 * t * used,
-                        weights.ctypes.data, *(b.ctypes.data for b in biases or ()),
-                        *(() if shared is None else (shared.ctypes.data,))]
-            for leaf, addr in zip(graph.inputs, addrs_in):
+            for leaf, addr in zip(graph.inputs, addrs):
                 leaf.data = addr
             for st in graph.stacks:
                 graph.set_stride(st, stack.stride)
             graph.outputs[0].data = out.ctypes.data
             k.run(graph)
-        return True
 
     def expert_cells(self, shape: ExpertsShape, h: np.ndarray, batch: Mapping[int, Any], cells: np.ndarray,
                      weights: np.ndarray, biases: Sequence[np.ndarray] | None = None) -> np.ndarray | None:
@@ -1117,31 +1119,16 @@ class DecodeGraphs:
                      weights: np.ndarray, biases: Sequence[np.ndarray] | None, out: np.ndarray) -> np.ndarray:
         """:meth:`expert_cells` of the cells whose experts are one stack: cell j is expert ``cells[j]``, the
         batch's member ``member_of[j]``; its weighted output into ``out[j]``."""
-        k, n = self.kernels, len(cells)
+        n = len(cells)
         index = np.zeros(int(member_of.max()) + 1, np.int32)
         index[list(stack.members)] = stack.index
         ids = np.empty(2 * n, np.int32)
         ids[:n] = index[member_of]
         ids[n:] = cells
-        gate_up = (shape.activation == "swiglu" and not shape.biased
-                   and stack.base[1] - stack.base[0] == shape.gate.nbytes)
-        shape = replace(shape, used=1, depth=stack.depth, gate_up=gate_up)
-        bases = (stack.base[0], stack.base[2]) if gate_up else stack.base
-        with k.lock:
-            # the intermediates in the arena the step's graphs share: one template per number of cells, and a
-            # prompt's chunks give many
-            graph = k.graph(("cells", shape, n), 16 + 16, lambda g: _build_cells(g, shape, n),
-                            sum(m.nbytes for m in (shape.gate, shape.gate, shape.down)) * len(stack.members),
-                            own_arena=False)
-            self._place(graph)
-            addrs_in = [h.ctypes.data, *bases, ids.ctypes.data, ids.ctypes.data + 4 * n, weights.ctypes.data,
-                        *(b.ctypes.data for b in biases or ())]
-            for leaf, addr in zip(graph.inputs, addrs_in):
-                leaf.data = addr
-            for st in graph.stacks:
-                graph.set_stride(st, stack.stride)
-            graph.outputs[0].data = out.ctypes.data
-            k.run(graph)
+        shape, bases = _on_stack(shape, stack, used=1)
+        self._run_on_stack(("cells", shape, n), lambda g: _build_cells(g, shape, n), shape, stack, len(stack.members),
+                           [h.ctypes.data, *bases, ids.ctypes.data, ids.ctypes.data + 4 * n, weights.ctypes.data,
+                            *(b.ctypes.data for b in biases or ())], out)
         return out
 
     def _terms(self, shape: ExpertsShape, used: int) -> np.ndarray:
@@ -1155,6 +1142,15 @@ class DecodeGraphs:
             if graph is not None:
                 graph.free()
         self._graphs.clear()
+
+
+def _on_stack(shape: ExpertsShape, stack: Any, **changes: Any) -> tuple[ExpertsShape, tuple[int, ...]]:
+    """The experts graph's shape for a stack of experts (its depth; gate and up as one product of 2F rows where
+    each expert's up follows its gate) and the addresses of its stacks' first entries."""
+    gate_up = (shape.activation == "swiglu" and not shape.biased
+               and stack.base[1] - stack.base[0] == shape.gate.nbytes)
+    shape = replace(shape, depth=stack.depth, gate_up=gate_up, **changes)
+    return shape, ((stack.base[0], stack.base[2]) if gate_up else stack.base)
 
 
 def _check_layout(experts: Sequence, shape: ExpertsShape) -> None:

@@ -25,25 +25,16 @@ from colibri_aio import Engine, NonFiniteError
 from colibri_aio.arch import build_net, decode_graphs, llama4
 from colibri_aio.engine.mapped_source import MappedExpertSource
 from colibri_aio.gguf.model import load
-from colibri_aio.kernels.backend import Kernels, KernelsUnavailable, open_kernels
+from colibri_aio.kernels.backend import Kernels
 from colibri_aio.kernels.ggml_cpu import has_gemm
 from colibri_aio.settings import Settings
 
+from test_arch_families import ggml  # noqa: F401 (the module's kernels, a fixture)
 from support import FIXTURES, ORACLE, family_stems, fixture, oracle_ids, oracle_tolerance, rewrite_gguf
 
 IDS = json.loads((ORACLE / "family_ids.json").read_text())["sequences"]
 QUANTISED = sorted(s for s in family_stems() if not s.endswith("_f32") and (FIXTURES / f"{s}.gguf").exists()
                    and (ORACLE / f"{s}.llamacpp.npz").exists())
-
-
-@pytest.fixture(scope="module")
-def ggml() -> Kernels:
-    try:
-        kernels = open_kernels("ggml")
-    except KernelsUnavailable as e:
-        pytest.skip(str(e))
-    yield kernels
-    kernels.close()
 
 
 def _net(stem: str, kernels: Kernels, **settings: str):
@@ -63,7 +54,7 @@ def _prefill(net, ids: list[int], logits: str = "last") -> np.ndarray:
 
 
 @pytest.mark.parametrize("stem", QUANTISED)
-def test_a_prompt_as_spans_gives_llamacpps_logits_bit_for_bit(stem: str, ggml: Kernels) -> None:
+def test_a_prompt_as_spans_gives_llamacpps_logits_bit_for_bit(stem: str, ggml: Kernels) -> None:  # noqa: F811
     net = _net(stem, ggml)
     with np.load(ORACLE / f"{stem}.llamacpp.npz") as ref:
         want = ref[sorted(ref.files)[0]]
@@ -101,7 +92,7 @@ async def test_spans_give_the_same_bits_whether_experts_are_resident_or_arrive_o
                 net.reset()
                 runs[gemm, io, per_layer, attempt] = await net.forward(ids, logits="all")
                 assert net.decode_graphs().spans == (1 if attempt == "cold" else 2)
-            on_gemm = any(net._span_on_gemm(layer) for layer in range(a.block_count) if a.is_moe(layer))
+            on_gemm = any(net._span_per_expert(layer) for layer in range(a.block_count) if a.is_moe(layer))
             assert on_gemm == (gemm == "1" and name.endswith("q8_0") and has_gemm()), (gemm, name)
             if io == "mmap" and not on_gemm:   # every expert mapped the second time: one graph over the rows
                 assert net.span_expert_graphs >= moe_blocks
@@ -112,7 +103,7 @@ async def test_spans_give_the_same_bits_whether_experts_are_resident_or_arrive_o
         assert np.array_equal(got, want), key
 
 
-def test_spans_of_any_length_and_a_prompt_in_pieces_continue_one_cache(monkeypatch, ggml: Kernels) -> None:
+def test_spans_of_any_length_and_a_prompt_in_pieces_continue_one_cache(monkeypatch, ggml: Kernels) -> None:  # noqa: F811
     stem = "qwen2moe_f32"
     net = _net(stem, ggml)
     ids = IDS[0]
@@ -139,7 +130,7 @@ def test_spans_of_any_length_and_a_prompt_in_pieces_continue_one_cache(monkeypat
     assert {key[2] for key in graphs._graphs if key[1] == ("span",)} <= set(graphs._span_rows)
 
 
-def test_what_cannot_run_as_a_span_runs_per_operation(ggml: Kernels) -> None:
+def test_what_cannot_run_as_a_span_runs_per_operation(ggml: Kernels) -> None:  # noqa: F811
     ids = IDS[0]
     for stem, settings in (("qwen3next_q8_0", {}), ("qwen2moe_q8_0", {"ggml_prefill": "ops"}),
                            ("qwen2moe_q8_0", {"ggml_experts": "each"})):
@@ -151,7 +142,7 @@ def test_what_cannot_run_as_a_span_runs_per_operation(ggml: Kernels) -> None:
 @pytest.mark.parametrize("stem", ["gptoss_mxfp4", "llama4_q8_0"])
 @pytest.mark.parametrize("kv_type", ["f32", "f16"])
 def test_spans_run_past_a_sliding_window_ring_as_its_positions_one_by_one_would(monkeypatch, stem: str, kv_type: str,
-                                                                                ggml: Kernels) -> None:
+                                                                                ggml: Kernels) -> None:  # noqa: F811
     """gpt-oss's sliding-window blocks keep a ring of 8 positions: a span attends over what the ring held
     before it and its own keys, then leaves its last 8 in the ring, however many positions it has and
     wherever it starts. The same bits in spans of any length and in any pieces (measured: equal), and with
@@ -187,7 +178,7 @@ def test_spans_run_past_a_sliding_window_ring_as_its_positions_one_by_one_would(
         assert np.array_equal(run({}, chunk, pieces), want), (chunk, pieces)
 
 
-def test_a_broken_weight_in_a_span_is_named_by_the_per_operation_pass(tmp_path, ggml: Kernels) -> None:
+def test_a_broken_weight_in_a_span_is_named_by_the_per_operation_pass(tmp_path, ggml: Kernels) -> None:  # noqa: F811
     def poison(name: str, array: np.ndarray) -> list:
         if name == "blk.1.ffn_up_exps.weight":
             array = array.copy()

@@ -434,8 +434,8 @@ class GraphDecode(MoETransformer):
                                                  rows=len(ids)))
                         if not np.isfinite(b.shared_check[0]):
                             return False
-                if graphs.span is not None and self._span_on_gemm(layer):
-                    self._gemm_cells(layer, ids, by_id)
+                if graphs.span is not None and self._span_per_expert(layer):
+                    self.weighted_terms(layer, batch, b.moe_input, np.asarray(ids), b.weights, terms)
                     first = False
                     continue
                 if first and graphs.span is not None and len(by_id) == len(union) \
@@ -459,25 +459,18 @@ class GraphDecode(MoETransformer):
             return False
         return not shape.each and self.kernels.cells_alike(shape.gate) and self.kernels.cells_alike(shape.down)  # type: ignore[attr-defined]
 
-    def _span_on_gemm(self, layer: int) -> bool:
-        """Whether a span's experts of block ``layer`` run as each expert's rows on llamafile's GEMM (one
-        product per expert, each weight block loaded once for all its rows, where ``ggml_mul_mat_id`` loads
-        it per cell): SwiGLU experts without biases, of a type the kernels run there
-        (:meth:`GgmlKernels.on_gemm`). Its products carry vec_dot's bits, row for row: a cell's bits are the
-        ones it has in any other path."""
+    def _span_per_expert(self, layer: int) -> bool:
+        """Whether a span's experts of block ``layer`` run one product per expert over all its rows
+        (:meth:`weighted_terms`, as the per-operation prefill runs them) rather than ``ggml_mul_mat_id`` over
+        the cells, which loads an expert's weights for every cell: SwiGLU experts without biases of a type
+        llamafile's GEMM multiplies (:meth:`GgmlKernels.on_gemm`; its products carry vec_dot's bits, row for
+        row, so a cell's bits are the ones it has in any other path), and repacked experts with biases or
+        another activation (gpt-oss's MXFP4: each expert's products on the repacked GEMM). Decided by the
+        block's experts alone, never by how they arrive, so a span's bits do not depend on the cache."""
         shape = self._experts_shape(layer)
-        return (shape.activation == "swiglu" and not shape.biased and not shape.weights_first
-                and self.kernels.on_gemm(shape.gate, shape.down))  # type: ignore[attr-defined]
-
-    def _gemm_cells(self, layer: int, ids: list[list[int]], by_id: dict) -> None:
-        """Each cell of an arriving batch's experts into the terms buffer: every expert on all its rows
-        (:meth:`Kernels.expert_ffns`), weighted by the cells' router weights."""
-        b = self._buffers
-        routed = np.asarray(ids)
-        cells = [np.nonzero(routed == expert) for expert in by_id]
-        ys = self.kernels.expert_ffns(list(by_id.values()), [b.moe_input[rows] for rows, _ in cells])
-        for (rows, ranks), y in zip(cells, ys):
-            b.terms[rows, ranks] = y * b.weights[rows, ranks][:, None]
+        if shape.activation == "swiglu" and not shape.biased:
+            return not shape.weights_first and self.kernels.on_gemm(shape.gate, shape.down)  # type: ignore[attr-defined]
+        return shape.gate.packed and shape.down.packed
 
     def _span_on_graphs(self, graphs: DecodeGraphs, layer: int, ids: list[list[int]], by_id: dict) -> bool:
         """A span's experts, every one in the first batch (resident), in one graph over all its rows that also

@@ -178,6 +178,18 @@ class MoETransformer:
             outs.append(y if b_down is None else y + b_down[e])
         return outs
 
+    def weighted_terms(self, layer: int, batch: Sequence[tuple[int, ExpertWeights]], h: np.ndarray, ids: np.ndarray,
+                       weights: np.ndarray, terms: np.ndarray) -> None:
+        """Each (position, rank) cell routed to an expert of ``batch`` gets that expert's weighted output in
+        ``terms`` (T, k, D): every expert on all its positions at once (:meth:`expert_outputs`); ``ids`` and
+        ``weights`` (T, k) are the routing of the positions ``h`` (T, D)."""
+        cells = [np.nonzero(ids == expert) for expert, _ in batch]               # (rows, ranks) each
+        first_w = self.expert_weights_first
+        ys = self.expert_outputs(layer, batch, [h[rows] * weights[rows, ranks][:, None] if first_w else h[rows]
+                                                for rows, ranks in cells])
+        for (rows, ranks), y in zip(cells, ys):
+            terms[rows, ranks] = y if first_w else y * weights[rows, ranks][:, None]
+
     # --- shared pieces the families' blocks are written with (f: the backend's Builder) ------------
 
     def qkv(self, f: Builder, blk: BlockWeights, h: Value) -> tuple[Value, Value, Value]:
@@ -426,12 +438,7 @@ class MoETransformer:
                     if predicted is not None:
                         self.experts.hint(layer + 1, predicted)
                     shared = self.shared_expert(f, layer, h)
-                cells = [np.nonzero(ids == expert) for expert, _ in batch]       # (rows, ranks) each
-                first_w = self.expert_weights_first
-                ys = self.expert_outputs(layer, batch, [h[rows] * weights[rows, ranks][:, None] if first_w
-                                                        else h[rows] for rows, ranks in cells])
-                for (rows, ranks), y in zip(cells, ys):
-                    contrib[rows, ranks] = y if first_w else y * weights[rows, ranks][:, None]
+                self.weighted_terms(layer, batch, h, ids, weights, contrib)
         out = contrib.sum(axis=1)
         if not np.isfinite(out).all():
             bad = np.unique(ids[~np.isfinite(contrib).all(axis=2)]).tolist()
