@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -223,6 +223,8 @@ class Row:
     cache: KVCache
     inputs: StepInputs | SpanInputs
     n_kv: int
+    # a span's keys and values for its rings, per (block, "k" or "v"), until it has run whole (commit_span)
+    staged: dict[tuple[int, str], np.ndarray] = field(default_factory=dict)
 
 
 def _ne(shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -517,8 +519,10 @@ class GgmlBuilder:
                           sinks: Any | None) -> Node:
         """A span's attention in a sliding-window (or chunked) ring of block ``layer``: its queries over the
         keys and values the ring held before the span followed by the span's own (float32, the ring widened),
-        masked by position (:meth:`SpanInputs.ring_mask`); then its last keys and values into the ring, after
-        the attention has read it, so no key a query of the span needs is overwritten first."""
+        masked by position (:meth:`SpanInputs.ring_mask`). Its last keys and values are staged, rounded as
+        the ring stores them, and go into the ring once the whole span has run (:meth:`DecodeGraphs.
+        commit_span`): a span given up (a non-finite value) leaves the ring as it was, so the per-operation
+        pass that runs it again finds the keys before it."""
         cache, ctx, inputs = row.cache, self.ctx, row.inputs
         keys, values = cache.k[layer], cache.v[layer]
         ring, heads_kv, dk = keys.shape
@@ -542,16 +546,16 @@ class GgmlBuilder:
         if sinks is not None:
             G.ggml_flash_attn_ext_add_sinks(att, self.leaf(sinks))
         out = G.ggml_reshape_2d(ctx, att, dv * heads, t)
-        self._effect(out)                 # the ring read before the span writes into it (graph order)
-        slots = self.over(inputs.ring_slots(ring))  # type: ignore[union-attr]
         kept = len(inputs.ring_slots(ring))  # type: ignore[union-attr]
-        for array, width, fresh in ((keys, dk, kn), (values, dv, vn)):
-            rows = self.graph.leaf(gid, heads_kv * width, ring)
-            rows.contents.data = array.ctypes.data
+        order = np.arange(kept, dtype=np.int64)
+        self._keep.append(order)
+        for name, width, fresh in (("k", dk, kn), ("v", dv, vn)):
+            staged = row.staged[(layer, name)] = np.empty((kept, heads_kv * width), keys.dtype)
+            self._keep.append(staged)
             flat = G.ggml_reshape_2d(ctx, self._contiguous(fresh.t), heads_kv * width, t)
             last = G.ggml_view_2d(ctx, flat, heads_kv * width, kept, flat.contents.nb[1],
                                   (t - kept) * flat.contents.nb[1])
-            self._effect(G.ggml_set_rows(ctx, rows, last, slots))
+            self._effect(G.ggml_set_rows(ctx, self.over(staged), last, self.over(order)))
         for c in (qn.t, kn.t, vn.t, out):
             self._check(c)
         return Node(out, (t, heads * dv))
@@ -910,6 +914,16 @@ class DecodeGraphs:
             graph = self._graphs.pop(key)
             if graph is not None:
                 graph.free()
+
+    def commit_span(self) -> None:
+        """The span ran whole: the keys and values it staged for its rings go into them, each position to its
+        slot (:meth:`SpanInputs.ring_slots`)."""
+        row = self.span
+        if row is None:
+            return
+        for (layer, name), staged in row.staged.items():
+            ring = (row.cache.k if name == "k" else row.cache.v)[layer]
+            ring.reshape(len(ring), -1)[row.inputs.ring_slots(len(ring))] = staged  # type: ignore[union-attr]
 
     def wrote(self, layer: int) -> None:
         """Each sequence of the step (or the span's) has its positions' keys and values of block ``layer`` in

@@ -191,3 +191,31 @@ def test_a_broken_weight_in_a_span_is_named_by_the_per_operation_pass(tmp_path, 
     with pytest.raises(NonFiniteError, match="layer 1 expert"):
         asyncio.run(net.forward(IDS[0]))
     assert _spans(net) == 0
+
+
+def test_a_span_given_up_leaves_its_rings_for_the_per_operation_pass(monkeypatch, ggml: Kernels) -> None:  # noqa: F811
+    """A span whose graphs show a non-finite value is run again per operation from its first position; the
+    keys it would have left in gpt-oss's rings of 8 must not be there yet, or that pass would attend over them
+    in place of the earlier positions' keys. Here the span is given up after it has run whole."""
+    ids = IDS[0]
+
+    def run(second: str) -> np.ndarray:
+        model = load(FIXTURES / "gptoss_mxfp4.gguf")
+        net = build_net(model, MappedExpertSource(model), kernels=ggml, kv_type="f16")
+        net.reset()
+        first = asyncio.run(net.forward(ids[:10], logits="all"))            # as spans: the rings hold 2..9
+        if second == "per operation":
+            monkeypatch.setattr(net, "_spans_fit", lambda: False)
+        else:
+            blocks = net._blocks_on_graphs
+
+            async def given_up(graphs, tok):
+                await blocks(graphs, tok)
+                return False
+
+            monkeypatch.setattr(net, "_blocks_on_graphs", given_up)
+        rest = asyncio.run(net.forward(ids[10:], logits="all"))
+        assert _spans(net) == 1
+        return np.concatenate([first, rest])
+
+    assert np.array_equal(run("given up"), run("per operation"))

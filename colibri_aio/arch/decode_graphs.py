@@ -172,6 +172,7 @@ class GraphDecode(MoETransformer):
             self.step_unions = []
             if not await self._blocks_on_graphs(graphs, span):
                 return None
+            graphs.commit_span()
             graphs.spans += 1
             if logits == "all":
                 streams.append(self._buffers.stream.copy())
