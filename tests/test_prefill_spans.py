@@ -193,29 +193,42 @@ def test_a_broken_weight_in_a_span_is_named_by_the_per_operation_pass(tmp_path, 
     assert _spans(net) == 0
 
 
-def test_a_span_given_up_leaves_its_rings_for_the_per_operation_pass(monkeypatch, ggml: Kernels) -> None:  # noqa: F811
-    """A span whose graphs show a non-finite value is run again per operation from its first position; the
-    keys it would have left in gpt-oss's rings of 8 must not be there yet, or that pass would attend over them
-    in place of the earlier positions' keys. Here the span is given up after it has run whole."""
+@pytest.mark.parametrize("logits", ["all", "last"])
+def test_a_span_given_up_leaves_its_rings_for_the_per_operation_pass(monkeypatch, logits: str,
+                                                                     ggml: Kernels) -> None:  # noqa: F811
+    """A span whose graphs show a non-finite value is run again per operation, with the rest of the prompt;
+    the keys it would have left in gpt-oss's rings of 8 must not be there yet, or that pass would attend over
+    them in place of the earlier positions' keys. After a context of 4, the third span of 5 of a prompt is given
+    up after it has run whole: the first two stay, the rest is the per-operation pass's, as if it had run
+    them from there."""
     ids = IDS[0]
+    monkeypatch.setattr(decode_graphs, "PREFILL_CHUNK", 5)
 
-    def run(second: str) -> np.ndarray:
+    async def prompt_then_decode(net, given_up: bool) -> list[np.ndarray]:
+        out = [await net.forward(ids[:4], logits=logits)]        # a context before: the rings hold 0..3
+        if given_up:
+            out.append(await net.forward(ids[4:], logits=logits))
+        else:                           # positions 4..13 as spans, the rest per operation
+            out.append(await net.forward(ids[4:14], logits=logits))
+            monkeypatch.setattr(net, "_spans_fit", lambda: False)
+            out.append(await net.forward(ids[14:], logits=logits))
+            if logits == "last":
+                del out[1]
+        return [*out, *[(await net.forward([t]))[None] for t in ids[:3]]]
+
+    def run(given_up: bool) -> list[np.ndarray]:
         model = load(FIXTURES / "gptoss_mxfp4.gguf")
         net = build_net(model, MappedExpertSource(model), kernels=ggml, kv_type="f16")
-        net.reset()
-        first = asyncio.run(net.forward(ids[:10], logits="all"))            # as spans: the rings hold 2..9
-        if second == "per operation":
-            monkeypatch.setattr(net, "_spans_fit", lambda: False)
-        else:
-            blocks = net._blocks_on_graphs
+        blocks, calls = net._blocks_on_graphs, []
 
-            async def given_up(graphs, tok):
-                await blocks(graphs, tok)
-                return False
+        async def third_given_up(graphs, tok):
+            calls.append(len(tok))
+            return await blocks(graphs, tok) and not (given_up and len(calls) == 4)
 
-            monkeypatch.setattr(net, "_blocks_on_graphs", given_up)
-        rest = asyncio.run(net.forward(ids[10:], logits="all"))
-        assert _spans(net) == 1
-        return np.concatenate([first, rest])
+        monkeypatch.setattr(net, "_blocks_on_graphs", third_given_up)
+        out = asyncio.run(prompt_then_decode(net, given_up))
+        assert _spans(net) == 3
+        return out
 
-    assert np.array_equal(run("given up"), run("per operation"))
+    got, want = run(given_up=True), run(given_up=False)
+    assert np.array_equal(np.concatenate([g.reshape(-1) for g in got]), np.concatenate([w.reshape(-1) for w in want]))

@@ -139,9 +139,7 @@ class GraphDecode(MoETransformer):
             if out is not None:
                 return out
         elif graphs is not None and self._spans_fit():
-            out = await self._spans_on_graphs(graphs, tok, int(positions[0]), logits)
-            if out is not None:
-                return out
+            return await self._spans_on_graphs(graphs, tok, positions, logits)
         return await super()._logits(tok, positions, observer, logits)
 
     def _spans_fit(self) -> bool:
@@ -151,27 +149,32 @@ class GraphDecode(MoETransformer):
             return False
         return not any(r is not None for r in self.args.recurrent_states())
 
-    async def _spans_on_graphs(self, graphs: DecodeGraphs, tok: np.ndarray, start: int,
-                               logits: Literal["last", "all"]) -> np.ndarray | None:
-        """The logits of a prompt's positions ``tok`` from ``start`` on, as ``forward`` gives them (the last
+    async def _spans_on_graphs(self, graphs: DecodeGraphs, tok: np.ndarray, positions: np.ndarray,
+                               logits: Literal["last", "all"]) -> np.ndarray:
+        """The logits of a prompt's ids ``tok`` at ``positions``, as ``forward`` gives them (the last
         position's (1, V), or every position's (T, V) by the per-operation head), in spans of at most
         PREFILL_CHUNK positions, each run together block by block (:meth:`DecodeGraphs.begin_span`): every
         product over all its positions at once, attention causal over the cache, each expert read once for
-        the span and multiplied over all the (position, rank) cells routed to it in one product. None when a
-        non-finite value appeared (the per-operation pass, run over all of ``tok`` again, names the place).
+        the span and multiplied over all the (position, rank) cells routed to it in one product. From a span
+        whose graphs show a non-finite value on, the per-operation pass runs the rest (and names the place);
+        the spans before it stay, their keys in the cache.
 
         A span's logits are llama.cpp's arithmetic (its products over all positions, llama.cpp's kernels), not
         bit for bit those of its positions decoded one by one; within this backend they depend only on the
         ids, whatever the cache, its size or the order experts arrive in (an expert's cells are always one
         product)."""
-        streams = []
+        streams: list[np.ndarray] = []
         for s in range(0, len(tok), PREFILL_CHUNK):
             span = tok[s: s + PREFILL_CHUNK]
-            graphs.begin_span(self.slots.index(self.slot), self.cache, start + s, len(span))
+            graphs.begin_span(self.slots.index(self.slot), self.cache, int(positions[s]), len(span))
             self._buffers = self._span_buffers().first(len(span))
             self.step_unions = []
             if not await self._blocks_on_graphs(graphs, span):
-                return None
+                graphs.span = None
+                rest = await MoETransformer._logits(self, tok[s:], positions[s:], None, logits)
+                if logits == "last" or not streams:
+                    return rest
+                return np.concatenate([MoETransformer.output_logits(self, np.concatenate(streams)), rest])
             graphs.commit_span()
             graphs.spans += 1
             if logits == "all":
