@@ -894,8 +894,8 @@ class DecodeGraphs:
 
     def begin_span(self, index: int, cache: KVCache, start: int, n: int) -> None:
         """The next graphs run positions start .. start + n - 1 of sequence ``index`` together, each row one
-        position (a prompt's chunk; every ring of the cache must fit it, :meth:`SpanInputs.fits`). Its graphs
-        are traced once per span size, cache and context bucket."""
+        position (a prompt's chunk; a ring's keys go in at :meth:`commit_span`). Its graphs are traced once per
+        span size, cache and context bucket."""
         n_kv = min(cache.n_ctx, -(-(start + n) // CONTEXT_BUCKET) * CONTEXT_BUCKET)
         row = self._span_rows.get(n)
         if row is None or row.cache is not cache or row.n_kv != n_kv:
