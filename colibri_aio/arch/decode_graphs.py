@@ -169,19 +169,25 @@ class GraphDecode(MoETransformer):
             graphs.begin_span(self.slots.index(self.slot), self.cache, int(positions[s]), len(span))
             self._buffers = self._span_buffers().first(len(span))
             self.step_unions = []
-            if not await self._blocks_on_graphs(graphs, span):
+            try:
+                ran = await self._blocks_on_graphs(graphs, span)
+                if ran:
+                    graphs.commit_span()
+            finally:
                 graphs.span = None
+            if not ran:
                 rest = await MoETransformer._logits(self, tok[s:], positions[s:], None, logits)
                 if logits == "last" or not streams:
                     return rest
                 return np.concatenate([MoETransformer.output_logits(self, np.concatenate(streams)), rest])
-            graphs.commit_span()
             graphs.spans += 1
             if logits == "all":
                 streams.append(self._buffers.stream.copy())
         if logits == "all":
-            graphs.span = None
             return MoETransformer.output_logits(self, np.concatenate(streams))
+        last = self._buffers.stream[-1:]  # the head of the last position alone: the decode step's graph
+        self._buffers = self._buffers_for(1)
+        np.copyto(self._buffers.stream, last)
         return self._head(graphs)
 
     def _span_buffers(self) -> StepBuffers:
@@ -389,13 +395,8 @@ class GraphDecode(MoETransformer):
         return bool(np.isfinite(b.stream).all())
 
     def _head(self, graphs: DecodeGraphs) -> np.ndarray:
-        """Logits (B, V) of the rows in the stream buffer (of a span: its last row's, (1, V)); NaN when the
-        head's input is not finite (as the per-operation backend gives)."""
-        if graphs.span is not None:
-            last = self._buffers.stream[-1:]
-            self._buffers = self._buffers_for(1)
-            np.copyto(self._buffers.stream, last)
-            graphs.span = None          # the head of one row: the decode step's graph
+        """Logits (B, V) of the rows in the stream buffer; NaN when the head's input is not finite (as the
+        per-operation backend gives)."""
         b = self._buffers
         graphs.run(graphs.traced(("head",), self._head_graph, rows=len(b.stream)))
         logits = b.logits.copy()
