@@ -871,7 +871,6 @@ class DecodeGraphs:
         self._experts_ids = np.zeros(64, np.int32)
         self._experts_terms: dict[int, np.ndarray] = {}
 
-
     def begin(self, rows: Sequence[tuple[int, KVCache, int]]) -> None:
         """The next step decodes, for each (sequence number, its cache, position), that position: point
         every step buffer at it. A sequence entering a new context bucket (or given another cache) drops the
