@@ -44,13 +44,9 @@ from colibri_aio.io.uring import RingRead, UringReactor
 ExpertBytes = tuple[np.ndarray, np.ndarray, np.ndarray]
 OnDone = Callable[["ExpertBytes | ExpertReadError"], None]
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
-# The mmap reader advises the kernel of a batch's ranges at most this many bytes at a time (each call returns
-# once its read-ahead is queued, so the advice keeps pace with the device), and never more than one call
-# reads: Linux reads at most max(read_ahead_kb, max_sectors_kb) of a POSIX_FADV_WILLNEED and drops the rest
-# (with read_ahead_kb = 8192, advice of 32 MiB read its first 8 MiB only).
+# The mmap reader advises the kernel of a batch's ranges this many bytes at a time (each call returns once
+# its read-ahead is queued, so the advice keeps pace with the device).
 ADVICE_CHUNK = 32 << 20
-# What one advice reads where the device's limits cannot be read (Linux's default read_ahead_kb).
-ADVICE_FLOOR = 128 << 10
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +233,6 @@ class MmapBackend:
         self._demand_advisor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="colibri-advice-demand")
         self._closing = False
         self._bases: list[np.ndarray] = []
-        self._advice_chunks = [min(ADVICE_CHUNK, advice_reach(f.fd)) for f in files]
 
     def start(self, jobs: Sequence[Job]) -> None:
         """Check each job's ranges, then hand the batch to one worker: the kernel is asked for every range of
@@ -297,12 +292,11 @@ class MmapBackend:
 
     def _advise(self, spans: Sequence[tuple[int, int, int]]) -> None:
         for file, start, end in spans:
-            chunk = self._advice_chunks[file]
-            for at in range(start, end, chunk):
+            for at in range(start, end, ADVICE_CHUNK):
                 if self._closing:
                     return  # closing: what is advised already is enough
                 try:
-                    os.posix_fadvise(self.files[file].fd, at, min(chunk, end - at), os.POSIX_FADV_WILLNEED)
+                    os.posix_fadvise(self.files[file].fd, at, min(ADVICE_CHUNK, end - at), os.POSIX_FADV_WILLNEED)
                 except OSError:
                     return  # advice only: the populate reads what the advice did not
 
@@ -365,21 +359,6 @@ class MmapBackend:
                 except BufferError:
                     pass  # a lease's views still use the mapping; it goes with the last of them
                 self._maps[i] = None
-
-
-def advice_reach(fd: int) -> int:
-    """The most bytes one POSIX_FADV_WILLNEED on ``fd`` reads: the larger of its block device's read-ahead
-    and largest request (``ADVICE_FLOOR`` where sysfs does not say, e.g. a file system without a block
-    device)."""
-    st = os.fstat(fd)
-    device = f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-    for queue in (f"{device}/queue", f"{device}/../queue"):  # a partition's limits are its disk's
-        try:
-            kib = [int(open(f"{queue}/{name}").read()) for name in ("read_ahead_kb", "max_sectors_kb")]
-        except (OSError, ValueError):
-            continue
-        return max(max(kib) << 10, mmap.PAGESIZE)
-    return ADVICE_FLOOR
 
 
 def _merged_pages(jobs: Sequence[Job]) -> list[tuple[int, int, int]]:

@@ -448,27 +448,3 @@ async def test_a_queued_mmap_read_promoted_is_read_at_once_and_only_once(model_f
     finally:
         held.set()
         await reader.aclose()
-
-
-def test_mmap_advice_is_cut_to_what_one_advice_reads(model_file: Path, tmp_path: Path) -> None:
-    """Linux reads at most max(read_ahead_kb, max_sectors_kb) of one POSIX_FADV_WILLNEED and drops the rest:
-    the mmap reader's advice comes in pieces no larger than that, read from the file's block device (its
-    disk's, for a partition), and in pieces of Linux's default read-ahead where no block device says."""
-    from colibri_aio.io.backends import ADVICE_FLOOR, advice_reach
-
-    fd = os.open(model_file, os.O_RDONLY)
-    try:
-        st = os.fstat(fd)
-        device = Path(f"/sys/dev/block/{os.major(st.st_dev)}:{os.minor(st.st_dev)}")
-        queue = next((q for q in (device / "queue", device / ".." / "queue") if (q / "read_ahead_kb").exists()),
-                     None)
-        expected = (ADVICE_FLOOR if queue is None else
-                    max(int((queue / name).read_text()) for name in ("read_ahead_kb", "max_sectors_kb")) << 10)
-        assert advice_reach(fd) == expected
-    finally:
-        os.close(fd)
-    fd = os.open("/proc/self/status", os.O_RDONLY)  # no block device behind it
-    try:
-        assert advice_reach(fd) == ADVICE_FLOOR
-    finally:
-        os.close(fd)
