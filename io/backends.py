@@ -37,6 +37,7 @@ from colibri_aio.errors import ExpertReadError
 from colibri_aio.experts import PROJECTIONS, ExpertLocation, TensorRange
 from colibri_aio.io.align import ExpertPlan, RangeRead, align_down, align_up
 from colibri_aio.io.spans import SpanRead, plan_span, runs
+from colibri_aio.io.madvise import address_of, madvise
 from colibri_aio.io.modelfile import ModelFile
 from colibri_aio.io.pool import Slot
 from colibri_aio.io.uring import RingRead, UringReactor
@@ -225,6 +226,8 @@ class MmapBackend:
         self.files = files
         self._maps: list[mmap.mmap | None] = [mmap.mmap(f.fd, 0, access=mmap.ACCESS_READ) if f.size else None
                                               for f in files]
+        # Where each mapping starts, for madvise without the GIL (the workers are done before a mapping closes).
+        self._addresses = [address_of(m) if m is not None else 0 for m in self._maps]
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="colibri-mmap")
         self._advisor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="colibri-advice")
         # Demand reads have a worker and an advisor of their own: behind the others' batches (a warm fill of
@@ -307,7 +310,7 @@ class MmapBackend:
             assert mapped is not None
             start = align_down(rng.offset, mmap.PAGESIZE)
             try:
-                mapped.madvise(MADV_POPULATE_READ, start, rng.offset + rng.nbytes - start)
+                madvise(self._addresses[rng.file] + start, rng.offset + rng.nbytes - start, MADV_POPULATE_READ)
             except OSError as exc:
                 if exc.errno != errno.EINVAL:  # EINVAL: a kernel older than 5.14; touch instead
                     raise

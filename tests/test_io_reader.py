@@ -448,3 +448,20 @@ async def test_a_queued_mmap_read_promoted_is_read_at_once_and_only_once(model_f
     finally:
         held.set()
         await reader.aclose()
+
+
+def test_madvise_without_the_gil_populates_and_names_a_refusal(model_file: Path) -> None:
+    """io.madvise: MADV_POPULATE_READ through libc brings a mapping's pages in (the bytes read through the
+    mapping are the file's), and a refused call (an address that is not page-aligned) is an OSError with
+    the call's errno, as mmap.madvise's would be."""
+    import mmap as mmap_module
+
+    from colibri_aio.io.madvise import address_of, madvise
+
+    with open(model_file, "rb") as f, mmap_module.mmap(f.fileno(), 0, access=mmap_module.ACCESS_READ) as mapped:
+        base = address_of(mapped)
+        madvise(base, 1 << 20, 22)  # MADV_POPULATE_READ
+        assert mapped[:1 << 20] == model_file.read_bytes()[:1 << 20]
+        with pytest.raises(OSError) as refused:
+            madvise(base + 1, 4096, 22)
+        assert refused.value.errno == errno.EINVAL
