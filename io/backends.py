@@ -48,6 +48,8 @@ MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 # The mmap reader advises the kernel of a batch's ranges this many bytes at a time (each call returns once
 # its read-ahead is queued, so the advice keeps pace with the device).
 ADVICE_CHUNK = 32 << 20
+# A warm start's batch is advised at most about this many bytes ahead of the expert its worker brings in.
+BACKGROUND_LEAD = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,9 @@ class Job:
     slot: Slot | None
     on_done: OnDone
     urgent: bool = False
+    # A warm start's read, which nobody waits for soon: the mmap reader keeps only a little of such a batch
+    # queued at the device, so that a demand read never queues behind all of it.
+    background: bool = False
     # Taken by the one worker that reads the job (mmap: a queued job promoted to the demand worker is read
     # there, and its batch's worker skips it).
     claim: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
@@ -247,8 +252,10 @@ class MmapBackend:
         demand = [job for job in ok if job.urgent]
         if demand:
             self._demand.submit(self._fault_in_batch, demand, loop, self._demand_advisor)
-        if len(demand) < len(ok):
-            self._pool.submit(self._fault_in_batch, [job for job in ok if not job.urgent], loop, self._advisor)
+        if ahead := [job for job in ok if not job.urgent and not job.background]:
+            self._pool.submit(self._fault_in_batch, ahead, loop, self._advisor)
+        if background := [job for job in ok if job.background and not job.urgent]:
+            self._pool.submit(self._fault_in_batch, background, loop, self._advisor, BACKGROUND_LEAD)
 
     def promote(self, job: Job) -> None:
         """The model now waits for ``job``, queued in a batch nobody waited for: the demand worker reads it
@@ -274,15 +281,30 @@ class MmapBackend:
         return True
 
     def _fault_in_batch(self, jobs: Sequence[Job], loop: asyncio.AbstractEventLoop,
-                        advisor: concurrent.futures.ThreadPoolExecutor) -> None:
+                        advisor: concurrent.futures.ThreadPoolExecutor, lead: int | None = None) -> None:
         """Bring each expert of ``jobs`` in, in order, reporting each as it is in, while ``advisor`` asks
         the kernel for the batch's ranges (merged where they touch), in the same order.
 
         The advice blocks once the device's queue is full, so it runs on a thread of its own, paced by the
         device: the queue stays full, and the experts that come first are reported as soon as they are in
-        rather than once the advice behind them is queued."""
-        advisor.submit(self._advise, _merged_pages(jobs))
+        rather than once the advice behind them is queued. With ``lead`` (a warm start's batch) the advice
+        runs at most about that many bytes ahead of the expert being brought in: advised whole, a batch of
+        two layers queued a gigabyte at the device, and a demand read that came after waited for all of it."""
+        pace = _Pace(lead) if lead else None
+        if pace is None:
+            advisor.submit(self._advise, _merged_pages(jobs))
+        else:
+            advisor.submit(self._advise_paced, jobs, pace)
+        try:
+            self._fault_in_each(jobs, loop, pace)
+        finally:
+            if pace is not None:
+                pace.over()
+
+    def _fault_in_each(self, jobs: Sequence[Job], loop: asyncio.AbstractEventLoop, pace: "_Pace | None") -> None:
         for job in jobs:
+            if pace is not None:
+                pace.begin(job.loc.nbytes)
             if not job.claim.acquire(blocking=False):
                 continue  # promoted: the demand worker has it
             try:
@@ -302,6 +324,18 @@ class MmapBackend:
                     os.posix_fadvise(self.files[file].fd, at, min(ADVICE_CHUNK, end - at), os.POSIX_FADV_WILLNEED)
                 except OSError:
                     return  # advice only: the populate reads what the advice did not
+
+    def _advise_paced(self, jobs: Sequence[Job], pace: "_Pace") -> None:
+        """Advise ``jobs`` in their order, a window of ``pace.lead / 2`` bytes (at least one expert) at a
+        time, each window once the worker has begun the one before it."""
+        begun_before = -1
+        for start, window in _windows(jobs, pace.lead // 2):
+            if begun_before >= 0 and not pace.wait_begun(begun_before):
+                return  # the batch is over
+            if self._closing:
+                return
+            self._advise(_merged_pages(window))
+            begun_before = start
 
     def _fault_in(self, loc: ExpertLocation) -> ExpertBytes:
         """Bring the expert's pages into memory now, off the event loop, and return views of them."""
@@ -362,6 +396,48 @@ class MmapBackend:
                 except BufferError:
                     pass  # a lease's views still use the mapping; it goes with the last of them
                 self._maps[i] = None
+
+
+class _Pace:
+    """How far a paced batch's worker has got: the bytes of the experts it has begun, in the batch's order."""
+
+    def __init__(self, lead: int) -> None:
+        self.lead = lead
+        self._begun = 0
+        self._over = False
+        self._changed = threading.Condition()
+
+    def wait_begun(self, offset: int) -> bool:
+        """Wait until the worker has begun the expert at byte ``offset`` of the batch; False if it ended."""
+        with self._changed:
+            while self._begun <= offset and not self._over:
+                self._changed.wait()
+            return not self._over
+
+    def begin(self, nbytes: int) -> None:
+        with self._changed:
+            self._begun += nbytes
+            self._changed.notify_all()
+
+    def over(self) -> None:
+        with self._changed:
+            self._over = True
+            self._changed.notify_all()
+
+
+def _windows(jobs: Sequence[Job], nbytes: int) -> list[tuple[int, list[Job]]]:
+    """``jobs`` cut in order into windows of at most ``nbytes`` (at least one expert each), each with its
+    byte offset in the batch."""
+    out: list[tuple[int, list[Job]]] = []
+    at = size = 0
+    for job in jobs:
+        if not out or size + job.loc.nbytes > nbytes:
+            out.append((at, []))
+            size = 0
+        out[-1][1].append(job)
+        size += job.loc.nbytes
+        at += job.loc.nbytes
+    return out
 
 
 def _merged_pages(jobs: Sequence[Job]) -> list[tuple[int, int, int]]:

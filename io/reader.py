@@ -176,11 +176,13 @@ class ExpertReader:
         return self.start_many([(loc, slot)])[0]
 
     def start_many(self, items: Sequence[tuple[ExpertLocation, int]],
-                   urgent: bool = False) -> list[asyncio.Future[ExpertWeights]]:
+                   urgent: bool = False, background: bool = False) -> list[asyncio.Future[ExpertWeights]]:
         """:meth:`start` for several experts at once, one future each, in the order given.
 
         ``urgent``: the model is waiting for these (demand reads); a backend
-        that queues reads (mmap) serves them ahead of the others.
+        that queues reads (mmap) serves them ahead of the others. ``background``:
+        a warm start's, which nobody waits for soon; such a backend keeps only a
+        little of them queued at the device at a time.
 
         Neighbouring experts of a layer are read together: one request per
         projection for the whole run (:mod:`colibri_aio.io.spans`). Every
@@ -213,7 +215,8 @@ class ExpertReader:
                 over.add(slot)
                 self._read_over(future, loc, plan, slot, outcome)
 
-            jobs.append(Job(loc, plan, self.pool.slots[slot] if self.pool is not None else None, on_done, urgent))
+            jobs.append(Job(loc, plan, self.pool.slots[slot] if self.pool is not None else None, on_done, urgent,
+                            background))
             self._begin(slot, jobs[-1])
         try:
             self._backend.start(jobs)

@@ -146,8 +146,8 @@ async def test_read_error_names_the_expert(monkeypatch) -> None:
     reader = engine.source.reader
     real = reader.start_many
 
-    def failing(items, urgent=False):
-        futures = real(items, urgent)
+    def failing(items, urgent=False, background=False):
+        futures = real(items, urgent, background)
         for i, ((loc, _), future) in enumerate(zip(items, futures)):
             if (loc.layer, loc.expert) == (1, 3):
                 error = ExpertReadError(reader.file.path, loc.gate.offset, loc.nbytes, loc.layer, loc.expert,

@@ -28,6 +28,7 @@ class FakeRead:
     slot: int
     future: asyncio.Future
     urgent: bool = False
+    background: bool = False
 
 
 @dataclass
@@ -45,20 +46,21 @@ class FakeReader:
         if read is not None and not read.urgent:
             self.promoted.append(read.key)
 
-    def start(self, key: tuple[int, int], slot: int, urgent: bool = False) -> asyncio.Future:
+    def start(self, key: tuple[int, int], slot: int, urgent: bool = False, background: bool = False) -> asyncio.Future:
         if slot in self.kernel:
             raise RuntimeError(f"slot {slot} still has a read in flight")  # what the real reader refuses
-        read = FakeRead(key, slot, asyncio.get_running_loop().create_future(), urgent)
+        read = FakeRead(key, slot, asyncio.get_running_loop().create_future(), urgent, background)
         self.started.append(read)
         self.kernel[slot] = read
         return read.future
 
-    def start_many(self, items: list[tuple[tuple[int, int], int]], urgent: bool = False) -> list[asyncio.Future]:
+    def start_many(self, items: list[tuple[tuple[int, int], int]], urgent: bool = False,
+                   background: bool = False) -> list[asyncio.Future]:
         """Like the real reader: every item is checked before any read starts."""
         for _, slot in items:
             if slot in self.kernel:
                 raise RuntimeError(f"slot {slot} still has a read in flight")
-        return [self.start(key, slot, urgent) for key, slot in items]
+        return [self.start(key, slot, urgent, background) for key, slot in items]
 
     def in_flight(self, key: tuple[int, int]) -> FakeRead:
         return next(r for r in self.kernel.values() if r.key == key)
@@ -279,7 +281,7 @@ async def test_close_waits_for_every_read_in_flight() -> None:
 async def test_a_read_the_reader_refuses_fails_the_stream_that_wanted_it() -> None:
     source, reader = make()
 
-    def refuse(key, slot, urgent=False):
+    def refuse(key, slot, urgent=False, background=False):
         raise ValueError("needs more slot bytes than the pool has")
 
     reader.start = refuse  # type: ignore[method-assign]
@@ -288,3 +290,18 @@ async def test_a_read_the_reader_refuses_fails_the_stream_that_wanted_it() -> No
             async for _ in stream:
                 pass
     assert (0, 1) not in source.policy.cache and source.policy.reads_in_flight == 0
+
+
+async def test_warm_reads_are_started_in_the_background_and_demand_reads_are_not() -> None:
+    """The reader hears which reads are the warm start's (a backend that queues reads keeps little of those
+    queued at the device at a time): warm reads as they start, never a demand read."""
+    source, reader = make(per_layer=3)
+    source.start_warm([(1, 5), (1, 6)])
+    await settle()
+    route0 = asyncio.create_task(collect(source, 0, [1], []))
+    await settle()
+    assert {r.key: (r.urgent, r.background) for r in reader.started} == {
+        (1, 5): (False, True), (1, 6): (False, True), (0, 1): (True, False)}
+    for key in [(1, 5), (1, 6), (0, 1)]:
+        reader.land(key)
+    await route0

@@ -465,3 +465,37 @@ def test_madvise_without_the_gil_populates_and_names_a_refusal(model_file: Path)
         with pytest.raises(OSError) as refused:
             madvise(base + 1, 4096, 22)
         assert refused.value.errno == errno.EINVAL
+
+
+async def test_a_warm_batch_is_advised_one_window_ahead_of_its_worker(model_file: Path, monkeypatch) -> None:
+    """A batch nobody waits for soon (``background``: the warm start's) is advised a window at a time, each
+    window once the worker has begun the one before: while the worker is held on its first expert, only the
+    first two windows are queued at the device, not the whole batch; every expert still arrives exact."""
+    from colibri_aio.io import backends
+
+    locs = random_locations(FILE_NBYTES, 10, np.random.default_rng(3), GGMLQuantizationType.Q8_0, (64, 256))
+    monkeypatch.setattr(backends, "BACKGROUND_LEAD", 2 * locs[0].nbytes)  # windows of one expert
+    reader = await ExpertReader.open(model_file, largest(locs), n_slots=len(locs), backend="mmap")
+    advised: list[int] = []
+    real_advise = reader._backend._advise
+
+    def advise(spans):
+        advised.append(len(spans))
+        real_advise(spans)
+
+    reader._backend._advise = advise
+    held = _hold_every_read_but(reader, None, [])
+    try:
+        futures = reader.start_many([(loc, slot) for slot, loc in enumerate(locs)], background=True)
+        async with asyncio.timeout(20):
+            while len(advised) < 2:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.3)  # the advisor had time to run ahead, were it not paced
+        assert len(advised) == 2
+        held.set()
+        async with asyncio.timeout(30):
+            for loc, f in zip(locs, futures):
+                assert_exact(model_file, loc, await f)
+    finally:
+        held.set()
+        await reader.aclose()

@@ -239,17 +239,17 @@ class CachedExpertSource:
             self._keys.pop(slot, None)
             self._errors.pop(slot, None)
         reads = sorted(actions.reads, key=lambda r: r.key)
-        demand = [read for read in reads if read.kind == "demand"]
-        if demand:
-            self._start(demand, urgent=True)
-        if len(demand) < len(reads):
-            self._start([read for read in reads if read.kind != "demand"], urgent=False)
+        for kind in ("demand", "prefetch", "warm"):
+            if of_kind := [read for read in reads if read.kind == kind]:
+                self._start(of_kind, urgent=kind == "demand", background=kind == "warm")
 
-    def _start(self, reads: list[Read], urgent: bool) -> None:
-        """Hand reads to the reader, in file order (``urgent``: demand reads, which the model waits for);
-        each one's end comes back through :meth:`_over`."""
+    def _start(self, reads: list[Read], urgent: bool, background: bool) -> None:
+        """Hand reads to the reader, in file order (``urgent``: demand reads, which the model waits for;
+        ``background``: the warm start's, which it may never wait for); each one's end comes back through
+        :meth:`_over`."""
         try:
-            futures = self.reader.start_many([(self._locate(*read.key), read.slot) for read in reads], urgent)
+            futures = self.reader.start_many([(self._locate(*read.key), read.slot) for read in reads], urgent,
+                                             background)
         except Exception as exc:  # refused before reaching the kernel: the reads are over, failed
             for read in reads:
                 self._errors[read.slot] = exc
