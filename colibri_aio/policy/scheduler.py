@@ -70,7 +70,10 @@ The rules:
   (``warm_run``) beside them, ``warm_inflight_bytes`` at a time (refilled once
   half of it has landed, so each read stays large); a demand or read-ahead
   read of an expert it is filling waits for that read instead of reading it
-  twice. It still waits out prompts: what a prompt routes to comes first (its
+  twice. Its reads are started as ``warm`` (the driver tells the reader they
+  are background reads): the mmap reader queues only a window of such a
+  batch at the device at a time, so a demand read waits behind that window,
+  not behind the whole batch. It still waits out prompts: what a prompt routes to comes first (its
   read-ahead), the rest after: against filling every layer during the prompt
   too, this rule's first token came at 0.92 [0.84-0.98] of its time (n = 5,
   per round) for 0.91 [0.82-0.96] of its first 64 tokens' rate, and at
