@@ -76,8 +76,8 @@ The rules:
   not behind the whole batch. It still waits out prompts: what a prompt
   routes to comes first (its read-ahead), the rest after: against filling
   every layer during the prompt too, this rule's first token came at 0.92
-  [0.84-0.98] of its time (n = 5,
-  per round) for 0.91 [0.82-0.96] of its first 64 tokens' rate, and at
+  [0.84-0.98] of its time (n = 5, per round) for 0.91 [0.82-0.96] of its
+  first 64 tokens' rate, and at
   1.06 [0.94-1.48] of the pool's time to first token for 1.11 [0.95-1.22] of
   its first tokens' rate (evidence/first_token_20261207T051144Z.md: arm ours-pa).
 """
