@@ -321,10 +321,10 @@ async def test_while_the_page_cache_fills_a_step_runs_block_by_block_not_as_a_wa
     ids = oracle_ids()[0]
     held, real = threading.Event(), MmapBackend._fault_in_batch
 
-    def slow_warm(self, jobs, loop, advisor):
+    def slow_warm(self, jobs, loop, advisor, *pacing):
         if not threading.current_thread().name.startswith("colibri-mmap-demand"):   # the warm start's workers
             held.wait(30)
-        return real(self, jobs, loop, advisor)
+        return real(self, jobs, loop, advisor, *pacing)
 
     monkeypatch.setattr(MmapBackend, "_fault_in_batch", slow_warm)
     engine = await Engine.open(fixture("tiny_q8_0.gguf"), io="auto", kernels="ggml", history=False)
