@@ -251,17 +251,17 @@ class MmapBackend:
         ok = [job for job in jobs if self._in_file(job, loop)]
         demand = [job for job in ok if job.urgent]
         if demand:
-            self._demand.submit(self._fault_in_batch, demand, loop, self._demand_advisor)
+            self._demand.submit(self._batch, demand, loop, self._demand_advisor)
         if ahead := [job for job in ok if not job.urgent and not job.background]:
-            self._pool.submit(self._fault_in_batch, ahead, loop, self._advisor)
+            self._pool.submit(self._batch, ahead, loop, self._advisor)
         if background := [job for job in ok if job.background and not job.urgent]:
-            self._pool.submit(self._fault_in_batch, background, loop, self._advisor, BACKGROUND_LEAD)
+            self._pool.submit(self._batch, background, loop, self._advisor, BACKGROUND_LEAD)
 
     def promote(self, job: Job) -> None:
         """The model now waits for ``job``, queued in a batch nobody waited for: the demand worker reads it
         now (unless a worker has it already); its batch's worker skips it."""
         if not job.claim.locked():
-            self._demand.submit(self._fault_in_batch, [job], asyncio.get_running_loop(), self._demand_advisor)
+            self._demand.submit(self._batch, [job], asyncio.get_running_loop(), self._demand_advisor)
 
     def _in_file(self, job: Job, loop: asyncio.AbstractEventLoop) -> bool:
         """Whether every range of ``job`` lies in its file (else its ``on_done`` gets the error, soon)."""
@@ -279,6 +279,19 @@ class MmapBackend:
                 loop.call_soon(job.on_done, error)
                 return False
         return True
+
+    def _batch(self, jobs: Sequence[Job], loop: asyncio.AbstractEventLoop,
+               advisor: concurrent.futures.ThreadPoolExecutor, lead: int | None = None) -> None:
+        """:meth:`_fault_in_batch` on a worker; should it fail before every expert of the batch is reported
+        (a fault of this code, not of the disk: the executor would keep the exception), each expert nobody
+        took ends as a failed read that names it, so that no waiter waits forever."""
+        try:
+            self._fault_in_batch(jobs, loop, advisor, lead)
+        except BaseException as exc:
+            for job in jobs:
+                if job.claim.acquire(blocking=False):  # a job taken is always reported by whoever took it
+                    loop.call_soon_threadsafe(self._finish, job.on_done, job.loc, exc)
+            raise
 
     def _fault_in_batch(self, jobs: Sequence[Job], loop: asyncio.AbstractEventLoop,
                         advisor: concurrent.futures.ThreadPoolExecutor, lead: int | None = None) -> None:

@@ -506,3 +506,26 @@ async def test_a_warm_batch_is_advised_one_window_ahead_of_its_worker(model_file
     finally:
         held.set()
         await reader.aclose()
+
+
+async def test_an_mmap_batch_whose_worker_fails_ends_every_read_it_left(model_file: Path, monkeypatch) -> None:
+    """A fault in the mmap reader's own batch code (not the disk's) ends each expert of the batch as a failed
+    read naming it, instead of leaving its waiters waiting forever."""
+    from colibri_aio.io.backends import MmapBackend
+
+    def broken(self, jobs, loop, pace) -> None:
+        raise RuntimeError("a fault of the batch code")
+
+    monkeypatch.setattr(MmapBackend, "_fault_in_each", broken)
+    locs = mixed_locations(FILE_NBYTES, 6)
+    reader = await ExpertReader.open(model_file, largest(locs), n_slots=len(locs), backend="mmap")
+    try:
+        for urgent, background in ((True, False), (False, False), (False, True)):
+            futures = reader.start_many([(loc, slot) for slot, loc in enumerate(locs)], urgent, background)
+            async with asyncio.timeout(20):
+                for loc, future in zip(locs, futures):
+                    with pytest.raises(ExpertReadError, match=f"expert {loc.expert}.*a fault of the batch code"):
+                        await future
+        assert reader.in_flight == 0
+    finally:
+        await reader.aclose()
