@@ -382,7 +382,7 @@ class MmapBackend:
             return None
         if not self._bases:
             self._bases = [np.frombuffer(m, np.uint8, 1) for m in self._maps]  # type: ignore[arg-type]
-        return [int(b.ctypes.data) for b in self._bases]
+        return list(self._addresses)
 
     def _finish(self, on_done: OnDone, loc: ExpertLocation, outcome: ExpertBytes | BaseException) -> None:
         if not isinstance(outcome, BaseException):

@@ -461,19 +461,20 @@ def test_madvise_without_the_gil_populates_and_names_a_refusal(model_file: Path)
     the call's errno, as mmap.madvise's would be."""
     import mmap as mmap_module
 
+    from colibri_aio.io.backends import MADV_POPULATE_READ
     from colibri_aio.io.madvise import address_of, madvise
 
     with open(model_file, "rb") as f, mmap_module.mmap(f.fileno(), 0, access=mmap_module.ACCESS_READ) as mapped:
         base = address_of(mapped)
         try:
-            madvise(base, 1 << 20, 22)  # MADV_POPULATE_READ
+            madvise(base, 1 << 20, MADV_POPULATE_READ)
         except OSError as exc:
             if exc.errno == errno.EINVAL:
                 pytest.skip("a kernel older than 5.14: no MADV_POPULATE_READ (the reader touches pages instead)")
             raise
         assert mapped[:1 << 20] == model_file.read_bytes()[:1 << 20]
         with pytest.raises(OSError) as refused:
-            madvise(base + 1, 4096, 22)
+            madvise(base + 1, 4096, MADV_POPULATE_READ)
         assert refused.value.errno == errno.EINVAL
 
 

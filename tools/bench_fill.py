@@ -28,18 +28,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from colibri_aio.bench.lock import exclusive  # noqa: E402
 from colibri_aio.bench.pagecache import drop_page_cache  # noqa: E402
 from colibri_aio.bench.receipt import header, host_line, spread, write  # noqa: E402
+from colibri_aio.io.madvise import address_of, madvise  # noqa: E402
 
 CHUNK = 8 << 20
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 
 
-def fill_page_cache(path: Path, offset: int, nbytes: int) -> None:
+def fill_page_cache(path: Path, offset: int, nbytes: int, through_libc: bool = False) -> None:
+    """The bytes into the page cache, populated into a mapping by ``mmap.madvise`` (which holds the GIL for the
+    whole call) or, ``through_libc``, by io.madvise (which releases it)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         mapped = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ, offset=offset)
         os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
-        mapped.madvise(MADV_POPULATE_READ, 0, nbytes)
+        if through_libc:
+            madvise(address_of(mapped), nbytes, MADV_POPULATE_READ)
+        else:
+            mapped.madvise(MADV_POPULATE_READ, 0, nbytes)
         mapped.close()
     finally:
         os.close(fd)

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import mmap
-import os
 import subprocess
 import sys
 import threading
@@ -33,28 +31,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_fill import MADV_POPULATE_READ, fill_o_direct, fill_page_cache  # noqa: E402
+from bench_fill import fill_page_cache  # noqa: E402
 from bench_scale import token_ids  # noqa: E402
 from colibri_aio.bench.lock import exclusive  # noqa: E402
 from colibri_aio.bench.pagecache import drop_page_cache  # noqa: E402
 from colibri_aio.bench.receipt import header, host_line, spread, write  # noqa: E402
-from colibri_aio.io.madvise import address_of, madvise  # noqa: E402
 
 ARMS = ("none", "thread", "thread-gil", "child", "o-direct")
 CHILD = ("import sys; sys.path.insert(0, sys.argv[1]); from bench_fill import {fn}; "
          "from pathlib import Path; {fn}(Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))")
-
-
-def fill_page_cache_without_gil(path: Path, offset: int, nbytes: int) -> None:
-    """:func:`bench_fill.fill_page_cache` with the populate through libc (the GIL released)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        mapped = mmap.mmap(fd, nbytes, prot=mmap.PROT_READ, offset=offset)
-        os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
-        madvise(address_of(mapped), nbytes, MADV_POPULATE_READ)
-        mapped.close()
-    finally:
-        os.close(fd)
 
 
 class Fill:
@@ -64,8 +49,7 @@ class Fill:
         self._thread: threading.Thread | None = None
         self._child: subprocess.Popen[bytes] | None = None
         if arm in ("thread", "thread-gil"):
-            fill = fill_page_cache_without_gil if arm == "thread" else fill_page_cache
-            self._thread = threading.Thread(target=fill, args=(path, offset, nbytes))
+            self._thread = threading.Thread(target=fill_page_cache, args=(path, offset, nbytes, arm == "thread"))
             self._thread.start()
         elif arm in ("child", "o-direct"):
             fn = "fill_page_cache" if arm == "child" else "fill_o_direct"
