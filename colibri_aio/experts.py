@@ -114,6 +114,11 @@ class ExpertSource(Protocol):
         each: a decode step); lets a scheduler time decode steps (may be ignored)."""
         ...
 
+    def near_misses(self, layer: int, experts: Sequence[int]) -> None:
+        """A prompt's router ranked ``experts`` of ``layer`` just past the ones it chose, one per position and
+        rank: a warm start may read the most often named first (may be ignored)."""
+        ...
+
     def resident(self, layers: Sequence[int], n_experts: int) -> ResidentExperts | None:
         """Every expert of ``layers`` this source holds, as one stack per matrix and layer with the table of
         which are in (:class:`ResidentExperts`), for a kernel graph to pick its experts from; None when its

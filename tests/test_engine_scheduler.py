@@ -305,3 +305,19 @@ async def test_warm_reads_are_started_in_the_background_and_demand_reads_are_not
     for key in [(1, 5), (1, 6), (0, 1)]:
         reader.land(key)
     await route0
+
+
+async def test_warm_reads_reach_the_reader_in_the_policys_order_the_likeliest_first() -> None:
+    """Demand reads go in file order, but the warm start's keep the policy's: what a prompt nearly chose
+    first (most named first), then the rest in file order."""
+    source, reader = make(per_layer=3)
+    source.near_misses(1, [6, 6])
+    source.near_misses(0, [2])
+    source.start_warm([(0, 1), (0, 2), (1, 5), (1, 6)])
+    await settle()
+    assert [(r.key, r.background) for r in reader.started] == [
+        ((1, 6), True), ((0, 2), True), ((0, 1), True), ((1, 5), True)]
+    for key in [(1, 6), (0, 2), (0, 1), (1, 5)]:
+        reader.land(key)
+    await settle()
+    assert source.policy.warm_pending == 0 and source.policy.reads_in_flight == 0

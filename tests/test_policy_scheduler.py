@@ -310,6 +310,37 @@ def test_a_demand_for_an_expert_the_warm_start_is_filling_waits_for_that_read() 
     assert consume(p, demand) == [5] and p.cache.stats.misses == 0
 
 
+def test_the_warm_start_reads_what_prompts_nearly_chose_first_most_named_first() -> None:
+    # A prompt's router ranked (2, 9) just past its choice three times, (0, 4) twice, (1, 7) once: after the
+    # prompt those go first, most named first, then the runs in file order without them.
+    p = make_warm(per_layer=EXPERTS, window=LAYERS * EXPERTS * NBYTES, run=EXPERTS, gives_way=False)
+    p.on_step(32, 0.0)                                            # a prefill
+    keys = [(layer, e) for layer in range(LAYERS) for e in range(EXPERTS)]
+    assert p.start_warm(keys, 0.0).reads == []
+    p.on_near_misses(0, [4, 4])
+    p.on_near_misses(1, [7])
+    p.on_near_misses(2, [9, 9, 9])
+    p.on_step(1, 0.0)                                             # the first decoded token
+    demand, urgent = p.on_route(0, [3], 0.0)
+    after = land(p, urgent)
+    named = [(2, 9), (0, 4), (1, 7)]
+    assert [r.key for r in after.reads[:3]] == named and {r.kind for r in after.reads} == {"warm"}
+    rest = [r.key for r in after.reads[3:]]
+    assert rest == [(layer, e) for layer in (1, 2, 0) for e in range(EXPERTS) if (layer, e) not in [*named, (0, 3)]]
+    assert consume(p, demand) == [3]
+    p.on_end(demand, 0.0)
+
+
+def test_a_near_miss_already_read_or_not_in_the_warm_list_is_not_read_again() -> None:
+    p = make_warm(per_layer=EXPERTS, window=LAYERS * EXPERTS * NBYTES, run=EXPERTS, gives_way=False)
+    warm(p, 0, [4])                                               # cached
+    p.on_near_misses(0, [4, 4, 5])
+    p.on_near_misses(2, [1])                                      # layer 2 is not in the warm list
+    got = land_all(p, p.start_warm([(0, e) for e in range(6)], 0.0))
+    assert got[0] == (0, 5) and sorted(got) == [(0, e) for e in (0, 1, 2, 3, 5)]
+    assert p.stats.warm_skipped == 1 and p.cache.stats.evictions == 0
+
+
 def test_warm_start_skips_what_is_cached_and_never_evicts() -> None:
     p = make_warm(per_layer=2)
     warm(p, 0, [1])

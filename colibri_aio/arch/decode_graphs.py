@@ -428,6 +428,9 @@ class GraphDecode(MoETransformer):
         first = True
         union = sorted(set().union(*ids))
         self.step_unions.append(len(union))
+        if graphs.span is not None:   # a prompt's: what its router nearly chose is what a warm start reads first
+            used = len(ids[0])
+            self.experts.near_misses(layer, b.order[:, used:2 * used].ravel().tolist())
         async with aclosing(self.experts.stream(layer, union)) as stream:
             async for batch in stream:
                 by_id = dict(batch)

@@ -45,6 +45,9 @@ class MappedExpertSource:
     def step(self, positions: int, sequences: int = 1) -> None:
         """Nothing here is steered by step times."""
 
+    def near_misses(self, layer: int, experts: Sequence[int]) -> None:
+        """Nothing is warmed here: every expert is mapped."""
+
     def resident(self, layers: Sequence[int], n_experts: int) -> None:
         """Mapped experts are not one pool of slots: a graph asks :meth:`stream` for them."""
         return None

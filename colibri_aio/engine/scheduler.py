@@ -12,10 +12,12 @@ calls and actions into reads. Following one layer's experts::
     hint(layer, ranked) -> policy.on_hint       -> start prefetch reads
     step(positions)     -> policy.on_step
     start_warm(keys)    -> policy.start_warm    -> start warm-start reads (more as reads end)
+    near_misses(layer, ids) -> policy.on_near_misses   (a prompt's experts ranked just past its choice)
 
-The reads of one action go to the reader together, in file order, so that
-neighbouring experts of a layer (a prefill's union, a warm-start run) are
-read with one request per projection.
+The reads of one action go to the reader together, in file order (warm
+reads in the policy's order: the likeliest first, then runs in file order),
+so that neighbouring experts of a layer (a prefill's union, a warm-start run)
+are read with one request per projection.
 
 Slot ownership (design invariant 2): a slot's read belongs to the reader
 until it is over, whatever the stream that wanted it does; the policy frees
@@ -231,6 +233,11 @@ class CachedExpertSource:
         """A forward pass over ``positions`` positions of ``sequences`` sequences begins."""
         self.policy.on_step(positions, time.perf_counter(), sequences)
 
+    def near_misses(self, layer: int, experts: Sequence[int]) -> None:
+        """A prompt's router ranked ``experts`` of ``layer`` just past its choice (one per position and rank):
+        the warm start reads the most often named first."""
+        self.policy.on_near_misses(layer, experts)
+
     # --- actions ---------------------------------------------------------------------------
 
     def _perform(self, actions: Actions) -> None:
@@ -238,9 +245,12 @@ class CachedExpertSource:
             self._weights.pop(slot, None)
             self._keys.pop(slot, None)
             self._errors.pop(slot, None)
-        reads = sorted(actions.reads, key=lambda r: r.key)
         for kind in ("demand", "prefetch", "warm"):
-            if of_kind := [read for read in reads if read.kind == kind]:
+            # Warm reads in the policy's order: the likeliest first, then runs in file order.
+            of_kind = [read for read in actions.reads if read.kind == kind]
+            if kind != "warm":
+                of_kind.sort(key=lambda r: r.key)
+            if of_kind:
                 self._start(of_kind, urgent=kind == "demand", background=kind == "warm")
 
     def _start(self, reads: list[Read], urgent: bool, background: bool) -> None:
