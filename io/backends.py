@@ -50,23 +50,6 @@ MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 ADVICE_CHUNK = 32 << 20
 # A warm start's batch is advised at most about this many bytes ahead of the expert its worker brings in.
 BACKGROUND_LEAD = 64 << 20
-# What one POSIX_FADV_WILLNEED reads at most where the device's limits are unknown: the kernel reads
-# max(read_ahead_kb, max_sectors_kb) of one call (mm/readahead.c, force_page_cache_ra), 128 KiB by default.
-DEFAULT_ADVICE_REACH = 128 << 10
-
-
-def advice_reach(fd: int) -> int:
-    """Bytes one POSIX_FADV_WILLNEED on ``fd`` reads at most: max(read_ahead_kb, max_sectors_kb) of the
-    block device under its file (the queue of a partition's disk), else :data:`DEFAULT_ADVICE_REACH`."""
-    dev = os.fstat(fd).st_dev
-    base = f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}"
-    for queue in (f"{base}/queue", f"{base}/../queue"):
-        try:
-            kb = [int(open(f"{queue}/{name}").read()) for name in ("read_ahead_kb", "max_sectors_kb")]
-        except (OSError, ValueError):
-            continue
-        return max(max(kb) << 10, mmap.PAGESIZE)
-    return DEFAULT_ADVICE_REACH
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,7 +233,6 @@ class MmapBackend:
                                               for f in files]
         # Where each mapping starts, for madvise without the GIL (the workers are done before a mapping closes).
         self._addresses = [address_of(m) if m is not None else 0 for m in self._maps]
-        self._reach = [advice_reach(f.fd) for f in files]
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="colibri-mmap")
         self._advisor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="colibri-advice")
         # Demand reads have a worker and an advisor of their own: behind the others' batches (a warm fill of
@@ -333,7 +315,6 @@ class MmapBackend:
                 pace.over()
 
     def _fault_in_each(self, jobs: Sequence[Job], loop: asyncio.AbstractEventLoop, pace: "_Pace | None") -> None:
-        bring_in = self._fault_in if pace is None else self._cache_in
         for job in jobs:
             if pace is not None:
                 pace.begin(job.loc.nbytes)
@@ -342,21 +323,18 @@ class MmapBackend:
             try:
                 if self._closing:  # the reader is closing: what is left of the batch is not read
                     raise RuntimeError("the expert reader closed before this expert was read")
-                outcome: ExpertBytes | BaseException = bring_in(job.loc)
+                outcome: ExpertBytes | BaseException = self._fault_in(job.loc)
             except BaseException as exc:  # the waiter's to raise
                 outcome = exc
             loop.call_soon_threadsafe(self._finish, job.on_done, job.loc, outcome)
 
-    def _advise(self, spans: Sequence[tuple[int, int, int]], within_reach: bool = False) -> None:
-        """Ask the kernel to read ``spans`` ahead: :data:`ADVICE_CHUNK` a call (each call returns once its read-ahead
-        is queued), or (``within_reach``) no more a call than one call reads, where nothing populates the rest."""
+    def _advise(self, spans: Sequence[tuple[int, int, int]]) -> None:
         for file, start, end in spans:
-            chunk = min(ADVICE_CHUNK, self._reach[file]) if within_reach else ADVICE_CHUNK
-            for at in range(start, end, chunk):
+            for at in range(start, end, ADVICE_CHUNK):
                 if self._closing:
                     return  # closing: what is advised already is enough
                 try:
-                    os.posix_fadvise(self.files[file].fd, at, min(chunk, end - at), os.POSIX_FADV_WILLNEED)
+                    os.posix_fadvise(self.files[file].fd, at, min(ADVICE_CHUNK, end - at), os.POSIX_FADV_WILLNEED)
                 except OSError:
                     return  # advice only: the populate reads what the advice did not
 
@@ -369,7 +347,7 @@ class MmapBackend:
                 return  # the batch is over
             if self._closing:
                 return
-            self._advise(_merged_pages(window), within_reach=True)
+            self._advise(_merged_pages(window))
             begun_before = start
 
     def _fault_in(self, loc: ExpertLocation) -> ExpertBytes:
@@ -385,28 +363,6 @@ class MmapBackend:
                     raise
                 np.frombuffer(mapped, np.uint8, rng.offset + rng.nbytes - start, start)[::mmap.PAGESIZE].max()
         g, u, d = (np.frombuffer(m, np.uint8, r.nbytes, r.offset) for r, m in zip(loc.ranges, maps))
-        return g, u, d
-
-    def _cache_in(self, loc: ExpertLocation) -> ExpertBytes:
-        """Bring the expert's pages into the page cache, not into this process's page tables, and return views
-        of them (a warm start's expert: the model may never use it).
-
-        Mapping is what costs the CPU here: populating the 8-layer Qwen3-30B-A3B-shaped cut's 5 GB of
-        experts took ~0.35 s of system time in page faults, on a thread beside a decode whose two ggml
-        threads wait for each other, so its first tokens ran at half speed while it lasted. The decode maps
-        what it touches (fault-around, 64 KiB a fault). Each piece within one advice's reach is asked for
-        (a no-op where the paced advice came first) and its last page read: that returns once the piece's
-        read-ahead is in."""
-        for rng in loc.ranges:
-            fd, reach = self.files[rng.file].fd, self._reach[rng.file]
-            start, end = align_down(rng.offset, mmap.PAGESIZE), rng.offset + rng.nbytes
-            for at in range(start, end, reach):
-                os.posix_fadvise(fd, at, min(reach, end - at), os.POSIX_FADV_WILLNEED)
-            for at in range(start, end, reach):
-                if len(os.pread(fd, 1, min(at + reach, end) - 1)) != 1:
-                    raise OSError(errno.EIO, f"short read at byte {min(at + reach, end) - 1}")
-        g, u, d = (np.frombuffer(self._maps[r.file], np.uint8, r.nbytes, r.offset)  # type: ignore[arg-type]
-                   for r in loc.ranges)
         return g, u, d
 
     def release(self, rng: TensorRange) -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import mmap
 import os
 import shutil
 import subprocess
@@ -388,18 +387,15 @@ async def test_closing_the_mmap_reader_ends_a_batch_without_reading_the_rest(mod
 def _hold_every_read_but(reader: ExpertReader, free: ExpertLocation, read: list) -> threading.Event:
     """Make the mmap reader's workers stop before every expert but ``free`` until the returned event is set;
     each expert a worker starts on is appended to ``read``."""
-    held = threading.Event()
+    held, real = threading.Event(), reader._backend._fault_in
 
-    def holding(real):
-        def bring_in(loc: ExpertLocation):
-            read.append(loc)
-            if loc is not free:
-                held.wait(30)
-            return real(loc)
-        return bring_in
+    def fault_in(loc: ExpertLocation):
+        read.append(loc)
+        if loc is not free:
+            held.wait(30)
+        return real(loc)
 
-    backend = reader._backend
-    backend._fault_in, backend._cache_in = holding(backend._fault_in), holding(backend._cache_in)
+    reader._backend._fault_in = fault_in
     return held
 
 
@@ -494,9 +490,9 @@ async def test_a_warm_batch_is_advised_one_window_ahead_of_its_worker(model_file
     advised: list[int] = []
     real_advise = reader._backend._advise
 
-    def advise(spans, **how):
+    def advise(spans):
         advised.append(len(spans))
-        real_advise(spans, **how)
+        real_advise(spans)
 
     reader._backend._advise = advise
     held = _hold_every_read_but(reader, None, [])
@@ -532,37 +528,5 @@ async def test_an_mmap_batch_whose_worker_fails_ends_every_read_it_left(model_fi
                     with pytest.raises(ExpertReadError, match=f"expert {loc.expert}.*a fault of the batch code"):
                         await future
         assert reader.in_flight == 0
-    finally:
-        await reader.aclose()
-
-
-def _mapped_bytes(address: int) -> int:
-    """Bytes of the mapping that starts at ``address`` in this process's page tables (smaps' Rss)."""
-    lines = open("/proc/self/smaps").read().splitlines()
-    for i, line in enumerate(lines):
-        if line.split("-")[0] == f"{address:x}":
-            rss = next(entry for entry in lines[i + 1:] if entry.startswith("Rss:"))
-            return int(rss.split()[1]) << 10
-    raise AssertionError(f"no mapping at {address:#x}")
-
-
-@pytest.mark.parametrize("background", [False, True])
-async def test_a_warm_batch_fills_the_page_cache_without_mapping_it(model_file: Path, background: bool) -> None:
-    """The mmap reader maps a demand or read-ahead expert into the process (the model uses it now), but only
-    brings a warm start's into the page cache: mapping costs the CPU a decode needs, and the decode maps what
-    it touches. Either way every expert's bytes are exact."""
-    locs = random_locations(FILE_NBYTES, 8, np.random.default_rng(5), GGMLQuantizationType.Q8_0, (64, 256))
-    reader = await ExpertReader.open(model_file, largest(locs), n_slots=len(locs), backend="mmap")
-    try:
-        futures = reader.start_many([(loc, slot) for slot, loc in enumerate(locs)], background=background)
-        async with asyncio.timeout(30):
-            views = [await f for f in futures]
-        mapped = _mapped_bytes(reader._backend._addresses[0])
-        if background:
-            assert mapped < min(loc.nbytes for loc in locs)
-        else:
-            assert mapped >= sum(loc.nbytes for loc in locs) - 8 * mmap.PAGESIZE
-        for loc, got in zip(locs, views):
-            assert_exact(model_file, loc, got)
     finally:
         await reader.aclose()
