@@ -523,7 +523,8 @@ class SchedulerPolicy:
     def _warm_named(self, now: float, actions: Actions) -> None:
         """Warm reads of the experts prompts nearly chose, the most often named first."""
         if self._ranked is None:
-            named = [key for key in self._named if key[1] in self._warm.get(key[0], ())]
+            pending = {layer: set(experts) for layer, experts in self._warm.items()}
+            named = [key for key in self._named if key[1] in pending.get(key[0], ())]
             self._ranked = sorted(named, key=lambda key: (self._named[key], -key[0], -key[1]))
         while self._ranked and self._warm_room():
             layer, expert = key = self._ranked.pop()
