@@ -209,6 +209,19 @@ def selection_scores(logits: np.ndarray, routing: Routing, bias: np.ndarray | No
     return probs if bias is None else probs + bias
 
 
+def near_misses(logits: np.ndarray, chosen: np.ndarray, routing: Routing = Routing(),
+                bias: np.ndarray | None = None) -> np.ndarray:
+    """The experts each position's router ranked just past the ``k`` it chose (``chosen`` (T, k)): of its 2k
+    best by selection score, those it did not choose, flattened (k a position, more where a group limit chose
+    past them). A warm start's ranking, not a routing: the group limit is not applied, and argpartition leaves
+    the 2k unordered."""
+    k = chosen.shape[1]
+    scores = selection_scores(logits, routing, bias)
+    n = min(2 * k, scores.shape[1])
+    best = np.argpartition(-scores, n - 1, axis=1)[:, :n]
+    return best[~(best[:, :, None] == chosen[:, None, :]).any(axis=2)]
+
+
 def _limit_groups(selection: np.ndarray, routing: Routing) -> np.ndarray:
     """Selection with every expert outside the ``group_used`` best groups at -inf."""
     t, e = selection.shape

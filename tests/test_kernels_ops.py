@@ -4,8 +4,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from colibri_aio.kernels.ops import (Routing, attention, rms_norm, rope_cos_sin, rope_neox, rope_norm, route,
-                                     router_top_k, selection_scores, softmax, swiglu)
+from colibri_aio.kernels.ops import (Routing, attention, near_misses, rms_norm, rope_cos_sin, rope_neox, rope_norm,
+                                     route, router_top_k, selection_scores, softmax, swiglu)
 
 rng = np.random.default_rng(7)
 
@@ -170,3 +170,27 @@ def test_groups_exclude_the_best_expert_of_a_weak_group() -> None:
     logits = np.array([[2.0, 2.0, 0.0, 5.0, -9.0, -9.0, 2.5, 2.5]], np.float32)
     ids, _ = route(logits, 2, Routing("sigmoid", group_count=4, group_used=2))
     assert 3 not in ids[0] and set(ids[0]) <= {0, 1, 6, 7}
+
+
+@pytest.mark.parametrize("routing,with_bias", [
+    (Routing(), False),                                                       # qwen3moe
+    (Routing("sigmoid", normalize=True, scale=2.5), True),                    # glm4moe
+])
+def test_near_misses_are_the_next_k_by_selection_score(routing: Routing, with_bias: bool) -> None:
+    logits = rng.standard_normal((7, 16)).astype(np.float32) * 2
+    bias = rng.standard_normal(16).astype(np.float32) if with_bias else None
+    ids, _ = route(logits, 3, routing, bias)
+    order = np.argsort(-selection_scores(logits, routing, bias), axis=-1, kind="stable")
+    got = near_misses(logits, ids, routing, bias)
+    assert len(got) == 7 * 3
+    assert sorted(got.tolist()) == sorted(order[:, 3:6].ravel().tolist())
+    assert sorted(near_misses(logits[:2, :5], route(logits[:2, :5], 3)[0]).tolist()) == sorted(
+        np.argsort(-logits[:2, :5], axis=-1, kind="stable")[:, 3:].ravel().tolist())   # fewer than 2k experts
+
+
+def test_near_misses_under_a_group_limit_name_the_best_it_passed_over() -> None:
+    # Expert 3 is the best by score, but its group loses: the group limit routes past it, so it is named.
+    logits = np.array([[2.0, 2.0, 0.0, 5.0, -9.0, -9.0, 2.5, 2.5]], np.float32)
+    routing = Routing("sigmoid", group_count=4, group_used=2)
+    ids, _ = route(logits, 2, routing)
+    assert 3 in near_misses(logits, ids, routing).tolist()

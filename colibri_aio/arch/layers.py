@@ -32,7 +32,7 @@ from colibri_aio.arch.lookahead import moe_norm, predictor_state, rank_experts, 
 from colibri_aio.errors import NonFiniteError, UserError
 from colibri_aio.experts import ExpertSource, ExpertWeights
 from colibri_aio.kernels.backend import Kernels, NumpyKernels
-from colibri_aio.kernels.ops import rms_norm, route, swiglu, swiglu_oai
+from colibri_aio.kernels.ops import near_misses, rms_norm, route, swiglu, swiglu_oai
 from colibri_aio.kernels.qtensor import QTensor
 from colibri_aio.settings import Settings
 
@@ -407,9 +407,9 @@ class MoETransformer:
             raise NonFiniteError(f"{self.model.path}: non-finite values from {where} at position {int(bad[0])}: "
                                  f"the model's weights there are broken (`doctor --verify` scans every tensor)")
 
-    def route(self, layer: int, h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Experts (T, k) and weights (T, k) of router ``layer`` for h (T, D), by ``args.routing``."""
-        return route(router_logits(self.model, layer, h), self.args.expert_used_count, self.args.routing,
+    def route_logits(self, layer: int, logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Experts (T, k) and weights (T, k) of router ``layer`` from its logits (T, E), by ``args.routing``."""
+        return route(logits, self.args.expert_used_count, self.args.routing,
                      self.model.blocks[layer].get("exp_probs_b.bias"))
 
     async def _moe(self, f: NumpyBuilder, layer: int, h: np.ndarray, positions: np.ndarray, layer_input: np.ndarray,
@@ -422,8 +422,12 @@ class MoETransformer:
         The shared expert runs once this layer's reads are submitted.
         """
         a = self.args
-        ids, weights = self.route(layer, h)
+        logits = router_logits(self.model, layer, h)
+        ids, weights = self.route_logits(layer, logits)
         self._check_finite(weights, f"layer {layer} router (ffn_gate_inp)", positions)
+        if len(positions) > 1:   # a prompt's: what its router nearly chose is what a warm start reads first
+            self.experts.near_misses(layer, near_misses(logits, ids, a.routing,
+                                                        self.model.blocks[layer].get("exp_probs_b.bias")).tolist())
         if observer is not None:
             observer.on_route(layer, positions, residual, h, ids, weights)
         predicted = self._lookahead(layer, layer_input, residual, h)
