@@ -65,6 +65,14 @@ def host_line(receipt: dict[str, Any]) -> str:
     return f"host `{receipt['host']}` ({receipt.get('cpu') or 'CPU not recorded'}, {receipt.get('cpus', '?')} CPUs)"
 
 
+def markdown_head(title: str, receipt: dict[str, Any], subject: str) -> list[str]:
+    """A receipt's Markdown opening lines: its title and date; the host, commit, what ran (``subject``) and the load
+    average at the end; the command. Each is followed by a blank line."""
+    return [f"# {title} — {receipt['date']}", "",
+            f"{host_line(receipt)}, commit `{receipt['commit']}`, {subject}, "
+            f"load average at end {receipt['load_average']}", "", f"Command: `{receipt['command']}`", ""]
+
+
 def spread(xs: list[float]) -> dict[str, float]:
     """n, median, min and max of a benchmark's samples: what every receipt table quotes."""
     return {"n": len(xs), "median": statistics.median(xs), "min": min(xs), "max": max(xs)}

@@ -27,11 +27,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from colibri_aio.bench.lock import exclusive  # noqa: E402
 from colibri_aio.bench.pagecache import drop_page_cache  # noqa: E402
-from colibri_aio.bench.receipt import header, host_line, spread, write  # noqa: E402
+from colibri_aio.bench.receipt import header, markdown_head, spread, write  # noqa: E402
+from colibri_aio.io.backends import MADV_POPULATE_READ  # noqa: E402
 from colibri_aio.io.madvise import address_of, madvise  # noqa: E402
 
 CHUNK = 8 << 20
-MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 
 
@@ -100,9 +100,8 @@ def main() -> int:
     def cell(s: dict) -> str:
         return f"{s['median']:.2f} [{s['min']:.2f}–{s['max']:.2f}]"
 
-    lines = [f"# Bringing {args.gib} GiB into memory: page cache vs O_DIRECT into fresh memory — {receipt['date']}", "",
-             f"{host_line(receipt)}, commit `{receipt['commit']}`, file {args.model}, "
-             f"load average at end {receipt['load_average']}", "", f"Command: `{receipt['command']}`", "",
+    lines = [*markdown_head(f"Bringing {args.gib} GiB into memory: page cache vs O_DIRECT into fresh memory", receipt,
+                            f"file {args.model}"),
              f"n = {args.runs} per arm, interleaved (order flipped each round), page cache dropped before each sample.",
              "", "| arm | wall s | GiB/s | CPU s (user + system) |", "|---|---|---|---|"]
     lines += [f"| {arm} | {cell(x['wall_s'])} | {cell(x['gib_per_s'])} | {cell(x['cpu_s'])} |"

@@ -35,7 +35,7 @@ from bench_fill import fill_page_cache  # noqa: E402
 from bench_scale import token_ids  # noqa: E402
 from colibri_aio.bench.lock import exclusive  # noqa: E402
 from colibri_aio.bench.pagecache import drop_page_cache  # noqa: E402
-from colibri_aio.bench.receipt import header, host_line, spread, write  # noqa: E402
+from colibri_aio.bench.receipt import header, markdown_head, spread, write  # noqa: E402
 
 ARMS = ("none", "thread", "thread-gil", "child", "o-direct")
 CHILD = ("import sys; sys.path.insert(0, sys.argv[1]); from bench_fill import {fn}; "
@@ -143,9 +143,7 @@ def main() -> int:
     def cell(s: dict | None, fmt: str = "{:.1f}") -> str:
         return "—" if not s else f"{fmt.format(s['median'])} [{fmt.format(s['min'])}–{fmt.format(s['max'])}]"
 
-    lines = [f"# Decode beside a disk fill — {receipt['date']}", "",
-             f"{host_line(receipt)}, commit `{receipt['commit']}`, model {args.model}, fill file {args.fill_file}, "
-             f"load average at end {receipt['load_average']}", "", f"Command: `{receipt['command']}`", "",
+    lines = [*markdown_head("Decode beside a disk fill", receipt, f"model {args.model}, fill file {args.fill_file}"),
              f"Decode step time of the resident model while {args.gib} GiB of the fill file come in (page cache "
              f"dropped before each sample, the model's mapped pages staying): the mean of the {args.steps} steps "
              f"that follow the fill's start; n = {args.runs} rounds, arms rotated.", "",

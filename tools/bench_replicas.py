@@ -40,7 +40,7 @@ import httpx
 from bench_commits import holding
 from load_test import one_request, percentiles
 
-from colibri_aio.bench.receipt import header as receipt_header, host_line, spread, write as write_receipt
+from colibri_aio.bench.receipt import header as receipt_header, markdown_head, spread, write as write_receipt
 from colibri_aio.serve.launch import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -166,10 +166,7 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def markdown(receipt: dict[str, Any]) -> str:
     a, s = receipt["args"], receipt["summary"]
-    lines = [f"# 1 vs 2 replicas on Ray Serve — {receipt['date']}", "",
-             f"{host_line(receipt)}, commit `{receipt['commit']}`, model "
-             f"{a['model'] or 'shipped'}, load average at end {receipt['load_average']}", "",
-             f"Command: `{receipt['command']}`", "",
+    lines = [*markdown_head("1 vs 2 replicas on Ray Serve", receipt, f"model {a['model'] or 'shipped'}"),
              f"Load per run: {a['clients']} concurrent clients x {a['requests']} requests in turn, {a['max_tokens']} "
              f"tokens each (chat and text completions, half streamed), `--max-queue {a['max_queue']}` (no arm "
              f"refuses). A fresh server per run, arms interleaved; {len(receipt['runs'])} runs. "

@@ -29,7 +29,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from colibri_aio.bench.receipt import header as receipt_header, host_line, spread, write as write_receipt
+from colibri_aio.bench.receipt import header as receipt_header, markdown_head, spread, write as write_receipt
 from colibri_aio.serve.launch import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,9 +230,7 @@ async def _idle_reference(url: str, args: argparse.Namespace, n: int = 50) -> li
 
 def markdown(receipt: dict) -> str:
     a, runs = receipt["args"], receipt["runs"]
-    lines = [f"# Load test of `serve` — {receipt['date']}", "",
-             f"{host_line(receipt)}, commit `{receipt['commit']}`, model {a['model'] or 'shipped'}, "
-             f"load average at end {receipt['load_average']}", "", f"Command: `{receipt['command']}`", "",
+    lines = [*markdown_head("Load test of `serve`", receipt, f"model {a['model'] or 'shipped'}"),
              f"{a['clients']} concurrent clients x {a['requests']} requests each per run ({a['max_tokens']} tokens, "
              f"half streamed, chat and text completions), `--max-queue {a['max_queue']}`; /health probed every "
              f"{a['probe_interval'] * 1000:.0f} ms on its own connection. Runs: {len(runs)}.", "",
